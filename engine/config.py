@@ -1,0 +1,138 @@
+"""Normalised model configuration shared by every model family.
+
+Each family file turns a Hugging Face config into a :class:`ModelConfig`; everything below the
+family layer (layers, expert backends, the runner) reads only this dataclass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+class ConfigError(ValueError):
+    """A checkpoint's config.json is missing, malformed or describes something unsupported."""
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (the checkpoint's ``rope_parameters`` / ``rope_scaling``)."""
+
+    theta: float
+    rope_type: str = "default"
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the engine needs to know about a decoder-only MoE model."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    hidden_act: str
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    # Dense MLP size (used by dense layers inside MoE models).
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    # Mixtral keeps routing weights in fp32 when combining expert outputs; Qwen casts them back.
+    router_weights_in_fp32: bool
+    shared_expert_intermediate_size: int
+    # Per layer: True when the layer's feed-forward is an MoE block.
+    moe_layers: tuple[bool, ...]
+    # Per layer: the sliding window in tokens, or None for full attention.
+    sliding_windows: tuple[int | None, ...]
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return [i for i, is_moe in enumerate(self.moe_layers) if is_moe]
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's weights (gate, up and down projections)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 3 * self.hidden_size * self.moe_intermediate_size * elem
+
+    def global_expert_id(self, layer: int, expert: int) -> int:
+        """The design's global id ``g = layer * E + expert``."""
+        return layer * self.num_experts + expert
+
+
+def read_config_json(model_dir: Path) -> dict[str, Any]:
+    """Read ``config.json`` with a clear error when it is absent or not JSON."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face checkpoint directory?)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def require(cfg: dict[str, Any], key: str, where: str) -> Any:
+    """Fetch a required config field, naming it in the error when absent."""
+    if key not in cfg or cfg[key] is None:
+        raise ConfigError(f"{where}: config.json lacks the required field '{key}'")
+    return cfg[key]
+
+
+def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
+    """Read rope parameters from either the transformers 5 or the legacy layout."""
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling") or {}
+    params = {**legacy, **params}
+    theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    return RopeConfig(theta=float(theta), rope_type=str(rope_type), params=params)
+
+
+def parse_dtype(cfg: dict[str, Any], override: str | torch.dtype | None) -> torch.dtype:
+    """The compute dtype: an explicit override, else the checkpoint's ``dtype``/``torch_dtype``."""
+    if isinstance(override, torch.dtype):
+        return override
+    name = override if override not in (None, "auto") else (cfg.get("dtype") or cfg.get("torch_dtype"))
+    name = str(name or "float32").replace("torch.", "")
+    if name not in DTYPES:
+        raise ConfigError(f"unsupported dtype '{name}' (choose one of float32, bfloat16, float16)")
+    return DTYPES[name]
+
+
+def eos_ids(cfg: dict[str, Any], model_dir: Path) -> tuple[int, ...]:
+    """EOS token ids from generation_config.json (preferred) or config.json."""
+    value = cfg.get("eos_token_id")
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        with contextlib.suppress(json.JSONDecodeError):
+            value = json.loads(gen_path.read_text()).get("eos_token_id", value)
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)

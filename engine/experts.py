@@ -1,0 +1,105 @@
+"""Expert weights and expert computation, addressed by global expert id ``g = layer * E + expert``.
+
+Model files never touch expert weights directly: an MoE block routes tokens and hands the
+(token, expert, weight) triples to an :class:`ExpertBackend`. The plain backend here computes
+straight from the host pool; the expert memory hierarchy (device cache, q* split, CPU workers)
+is another backend behind the same interface.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from engine.config import ModelConfig
+from engine.layers.mlp import activation
+
+
+class ExpertPool:
+    """Every expert's weights, stored contiguously and addressed by global id.
+
+    ``gate_up[row]`` is [2I, H] (gate rows first, then up rows, the transformers fused layout) and
+    ``down[row]`` is [H, I]; ``row_of(g)`` maps a global id to its row (dense layers own no rows).
+    """
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
+        self.num_experts = cfg.num_experts
+        self.moe_layer_ids = cfg.moe_layer_ids
+        n = len(self.moe_layer_ids) * cfg.num_experts
+        i, h = cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up = torch.empty((n, 2 * i, h), dtype=cfg.dtype, device=device)
+        self.down = torch.empty((n, h, i), dtype=cfg.dtype, device=device)
+        self._layer_base = {layer: rank * cfg.num_experts for rank, layer in enumerate(self.moe_layer_ids)}
+
+    def row_of(self, g: int) -> int:
+        layer, expert = divmod(g, self.num_experts)
+        return self._layer_base[layer] + expert
+
+    def layer_rows(self, layer: int) -> int:
+        """Row of expert 0 of ``layer``."""
+        return self._layer_base[layer]
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+
+class ExpertBackend(Protocol):
+    """Computes the weighted sum of routed experts for a batch of tokens."""
+
+    def forward(
+        self,
+        layer: int,
+        x: torch.Tensor,  # [T, H]
+        topk_ids: torch.Tensor,  # [T, k] expert index within the layer
+        topk_weights: torch.Tensor,  # [T, k]
+    ) -> torch.Tensor:  # [T, H]
+        ...
+
+
+def group_by_expert(topk_ids: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """[(expert, token_rows, k_positions)] in ascending expert order.
+
+    Ascending order matters: each token's partial sums are accumulated in the same order as the
+    reference implementation, so low-precision outputs match bit for bit.
+    """
+    t, k = topk_ids.shape
+    if t == 1:
+        ids = topk_ids[0].tolist()
+        zero = torch.zeros(1, dtype=torch.long)
+        return [(e, zero, torch.tensor([j])) for j, e in sorted(enumerate(ids), key=lambda p: p[1])]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=1).tolist()
+    groups, start = [], 0
+    for expert, count in enumerate(counts):
+        if count:
+            sel = order[start : start + count]
+            groups.append((expert, sel // k, sel % k))
+            start += count
+    return groups
+
+
+class LocalExpertBackend:
+    """Runs every routed expert on the pool's own device (the CPU path and the plain engine)."""
+
+    def __init__(self, pool: ExpertPool, hidden_act: str) -> None:
+        self.pool = pool
+        self.act = activation(hidden_act)
+
+    def forward(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        base = self.pool.layer_rows(layer)
+        for expert, rows, kpos in group_by_expert(topk_ids):
+            xs = x if x.shape[0] == 1 else x[rows]
+            gate, up = torch.nn.functional.linear(xs, self.pool.gate_up[base + expert]).chunk(2, dim=-1)
+            y = torch.nn.functional.linear(self.act(gate) * up, self.pool.down[base + expert])
+            y = (y * topk_weights[rows, kpos, None]).to(out.dtype)
+            if x.shape[0] == 1:
+                out += y
+            else:
+                out.index_add_(0, rows, y)
+        return out

@@ -1,0 +1,73 @@
+"""Paged KV cache: a pure-Python block allocator plus the per-layer cache tensors.
+
+A sequence owns a list of fixed-size blocks (its block table); token ``i`` of the sequence lives
+in slot ``block_table[i // block_size] * block_size + i % block_size`` of every layer's cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class OutOfBlocks(RuntimeError):
+    """Raised when the allocator cannot satisfy a request; the scheduler preempts or waits."""
+
+
+class BlockAllocator:
+    """Hands out KV blocks by id. Pure bookkeeping, no tensors (unit-testable)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_needed(self, num_tokens: int, blocks_held: int) -> int:
+        """Extra blocks a sequence holding ``blocks_held`` blocks needs to store ``num_tokens`` tokens."""
+        total = -(-num_tokens // self.block_size)
+        return max(0, total - blocks_held)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+class PagedKVCache:
+    """Key/value tensors for every layer, addressed by flat slot index."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.block_size = block_size
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * elem
+
+
+def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat cache slots of token positions ``start..end-1`` of a sequence."""
+    return [block_table[i // block_size] * block_size + i % block_size for i in range(start, end)]

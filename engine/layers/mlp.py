@@ -1,0 +1,31 @@
+"""Dense gated MLP (dense layers of MoE models and Qwen2-MoE's shared expert)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
+
+
+def activation(name: str):
+    """The activation function for a config's ``hidden_act``."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"hidden_act '{name}' is not supported ({', '.join(ACTIVATIONS)} are)")
+    return ACTIVATIONS[name]
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
+        self.requires_grad_(False)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,222 @@
+"""The engine loop: schedule -> execute -> update, plus request bookkeeping around it."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache import BlockAllocator, PagedKVCache
+from engine.loader import load_model
+from engine.request import Request
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams, sample_token
+from engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from engine.tokenizer import load_tokenizer
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine-wide settings; every field has a sane default for a single machine."""
+
+    dtype: str | None = None  # None/"auto": the checkpoint's dtype
+    block_size: int = 16
+    kv_cache_tokens: int | None = None  # default: enough for max_num_seqs full-length sequences, within kv_cache_bytes
+    kv_cache_bytes: int = 2 << 30
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    prefill_chunk: int = 512
+    max_model_len: int | None = None  # default: min(max_position_embeddings, 32768)
+
+
+@dataclass
+class RequestMetrics:
+    """Timings of one request (seconds since the epoch)."""
+
+    arrival: float
+    first_token: float | None = None
+    finished: float | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: everything so far plus what this step added."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class _TextState:
+    detok: IncrementalDetokenizer | None
+    stop_holdback: int
+    text: str = ""
+    emitted: int = 0
+    metrics: RequestMetrics | None = None
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model. Not thread-safe: drive it from one thread."""
+
+    def __init__(self, model_path: str | Path, config: EngineConfig | None = None, show_progress: bool = False):
+        self.config = config or EngineConfig()
+        loaded = load_model(model_path, self.config.dtype, show_progress=show_progress)
+        self.model_config = loaded.config
+        self.pool = loaded.pool
+        self.tokenizer = load_tokenizer(model_path)
+        cfg = self.model_config
+        self.max_model_len = self.config.max_model_len or min(cfg.max_position_embeddings, 32768)
+        kv_tokens = self._kv_tokens()
+        bs = self.config.block_size
+        num_blocks = -(-kv_tokens // bs)
+        kv = PagedKVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+        self.runner = ModelRunner(loaded.model, kv)
+        sched_cfg = SchedulerConfig(
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            prefill_chunk=self.config.prefill_chunk,
+            max_model_len=self.max_model_len,
+        )
+        self.scheduler = Scheduler(sched_cfg, BlockAllocator(num_blocks, bs))
+        self._requests: dict[str, Request] = {}
+        self._text: dict[str, _TextState] = {}
+        self._ids = itertools.count()
+        eos = set(cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+    def _kv_tokens(self) -> int:
+        if self.config.kv_cache_tokens:
+            return self.config.kv_cache_tokens
+        cfg = self.model_config
+        per_token = PagedKVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+        wanted = self.config.max_num_seqs * self.max_model_len
+        return max(self.config.block_size, min(wanted, self.config.kv_cache_bytes // per_token))
+
+    # -- requests -------------------------------------------------------------------------------
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer; pass token ids instead of text")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request; returns its id. Raises ValueError for prompts that cannot run."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; the maximum context is {self.max_model_len}")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise ValueError(f"request id '{request_id}' is already in use")
+        now = time.time()
+        req = Request(request_id, ids, params, arrival=now)
+        if params.seed is not None:
+            req.generator = torch.Generator().manual_seed(params.seed)
+        self.scheduler.add(req)
+        self._requests[request_id] = req
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.tokenizer else None
+        holdback = max((len(s) for s in params.stop), default=1) - 1
+        self._text[request_id] = _TextState(detok, holdback, metrics=RequestMetrics(now, num_prompt_tokens=len(ids)))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks (e.g. the client went away)."""
+        req = self._requests.pop(request_id, None)
+        if req is not None and not req.is_finished:
+            self.scheduler.finish(req, "abort")
+        self._text.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step and return the requests that produced a token."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled.items:
+            return []
+        logits, sampled = self.runner.execute(scheduled.items)
+        return self._update(scheduled, logits, sampled)
+
+    def _update(self, scheduled: ScheduledStep, logits: torch.Tensor, sampled: list[Request]) -> list[RequestOutput]:
+        for req, n in scheduled.items:
+            req.num_computed += n
+        outputs = []
+        for row, req in enumerate(sampled):
+            token = sample_token(logits[row], req.params, req.prompt_ids, req.output_ids, req.generator)
+            req.output_ids.append(token)
+            outputs.append(self._after_token(req, token))
+        return outputs
+
+    def _after_token(self, req: Request, token: int) -> RequestOutput:
+        state = self._text[req.request_id]
+        now = time.time()
+        if state.metrics.first_token is None:
+            state.metrics.first_token = now
+        reason = self._stop_reason(req, token)
+        if state.detok is not None:
+            prev_len = len(state.text)
+            state.text += state.detok.add(token)
+            if reason is not None:
+                state.text += state.detok.flush()
+            cut = self._find_stop(state.text, req.params.stop, prev_len)
+            if cut is not None:
+                state.text, reason = state.text[:cut], "stop"
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            state.metrics.finished = now
+        visible = len(state.text) if reason else max(state.emitted, len(state.text) - state.stop_holdback)
+        delta, state.emitted = state.text[state.emitted : visible], visible
+        state.metrics.num_output_tokens = len(req.output_ids)
+        out = RequestOutput(
+            req.request_id, req.prompt_ids, list(req.output_ids), state.text[:visible], [token], delta,
+            reason is not None, reason, state.metrics,
+        )
+        if reason is not None:
+            self._requests.pop(req.request_id, None)
+            self._text.pop(req.request_id, None)
+        return out
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    @staticmethod
+    def _find_stop(text: str, stops: list[str], prev_len: int) -> int | None:
+        hits = [text.find(s, max(0, prev_len - len(s) + 1)) for s in stops]
+        hits = [h for h in hits if h >= 0]
+        return min(hits) if hits else None
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_blocks_free": self.scheduler.allocator.num_free,
+            "kv_blocks_total": self.scheduler.allocator.num_blocks,
+        }

@@ -1,0 +1,215 @@
+"""Load a Hugging Face checkpoint directory into the engine's model and expert pool.
+
+Accepts sharded or single-file safetensors, the per-expert expert layout
+(``mlp.experts.{e}.gate_proj.weight`` …) and the fused one (``mlp.experts.gate_up_proj`` [E, 2I, H],
+``mlp.experts.down_proj`` [E, H, I]). Every tensor is accounted for: a missing, unexpected or
+mis-shaped tensor is an error naming it, never a silent partial load.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from engine.config import ConfigError, ModelConfig, parse_dtype, read_config_json
+from engine.experts import ExpertPool, LocalExpertBackend
+from engine.models import MoECausalLM, family_for
+
+_PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+# Buffers some exporters write that carry no weights.
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's tensors do not match what its config describes."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run: its config, the non-expert module and the expert pool."""
+
+    config: ModelConfig
+    model: MoECausalLM
+    pool: ExpertPool
+    model_dir: Path
+
+
+@dataclass
+class _Progress:
+    """Which expected tensors have been filled, to report anything missing at the end."""
+
+    params: set[str]
+    experts: set[tuple[int, int, str]]
+    errors: list[str] = field(default_factory=list)
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Map tensor name -> shard file, from ``model.safetensors.index.json`` or the shards present."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index}: malformed index ({exc})") from exc
+        missing = sorted({f for f in weight_map.values() if not (model_dir / f).is_file()})
+        if missing:
+            raise CheckpointError(f"{index} names shard(s) that do not exist: {', '.join(missing)}")
+        return {name: model_dir / f for name, f in weight_map.items()}
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files")
+    names: dict[str, Path] = {}
+    for shard in shards:
+        with _open(shard) as f:
+            names.update(dict.fromkeys(f.keys(), shard))
+    return names
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise CheckpointError(f"{path}: cannot read safetensors file (truncated or corrupt?): {exc}") from exc
+
+
+def _check_shape(name: str, tensor_shape: tuple[int, ...], expected: tuple[int, ...], errors: list[str]) -> bool:
+    if tuple(tensor_shape) != tuple(expected):
+        errors.append(f"tensor '{name}' has shape {list(tensor_shape)}, expected {list(expected)}")
+        return False
+    return True
+
+
+def _load_expert(name: str, canonical: str, f, cfg: ModelConfig, pool: ExpertPool, progress: _Progress) -> bool:
+    """Copy an expert tensor (either layout) into the pool; False when the name is not an expert.
+
+    ``name`` is the tensor's name in the file, ``canonical`` its name after the family's mapping.
+    """
+    i, h, n_exp = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
+    per = _PER_EXPERT.match(canonical)
+    fused = _FUSED.match(canonical) if per is None else None
+    if per is None and fused is None:
+        return False
+    layer = int((per or fused).group(1))
+    if layer >= cfg.num_layers or not cfg.moe_layers[layer]:
+        progress.errors.append(f"unexpected tensor '{name}': layer {layer} has no experts")
+        return True
+    base = pool.layer_rows(layer)
+    sl = f.get_slice(name)
+    shape = tuple(sl.get_shape())
+    if per is not None:
+        expert, part = int(per.group(2)), per.group(3)
+        if expert >= n_exp:
+            progress.errors.append(f"unexpected tensor '{name}': expert {expert} >= num_experts {n_exp}")
+            return True
+        expected = (h, i) if part == "down_proj" else (i, h)
+        if _check_shape(name, shape, expected, progress.errors):
+            row = base + expert
+            dst = {"gate_proj": pool.gate_up[row, :i], "up_proj": pool.gate_up[row, i:], "down_proj": pool.down[row]}
+            dst[part].copy_(f.get_tensor(name))
+            progress.experts.discard((layer, expert, part))
+        return True
+    part = fused.group(2)
+    expected = (n_exp, 2 * i, h) if part == "gate_up_proj" else (n_exp, h, i)
+    if _check_shape(name, shape, expected, progress.errors):
+        dst = pool.gate_up if part == "gate_up_proj" else pool.down
+        dst[base : base + n_exp].copy_(f.get_tensor(name))
+        parts = ("gate_proj", "up_proj") if part == "gate_up_proj" else ("down_proj",)
+        for e in range(n_exp):
+            for p in parts:
+                progress.experts.discard((layer, e, p))
+    return True
+
+
+def _load_tensors(model_dir: Path, cfg, model: MoECausalLM, pool: ExpertPool, family, show_progress: bool):
+    files = checkpoint_files(model_dir)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = set(params) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    experts = {(l, e, p) for l in cfg.moe_layer_ids for e in range(cfg.num_experts)
+               for p in ("gate_proj", "up_proj", "down_proj")}
+    progress = _Progress(params=expected, experts=experts)
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        by_file.setdefault(path, []).append(name)
+    bar = tqdm(total=len(files), desc="loading tensors", unit="t", disable=not show_progress)
+    for path, names in by_file.items():
+        with _open(path) as f:
+            present = set(f.keys())
+            for name in names:
+                bar.update(1)
+                if name not in present:
+                    progress.errors.append(f"tensor '{name}' is listed in the index but absent from {path.name}")
+                    continue
+                _load_one(name, family.map_name(name), f, cfg, params, pool, progress)
+    bar.close()
+    return progress
+
+
+def _load_one(name, canonical, f, cfg, params, pool, progress: _Progress) -> None:
+    try:
+        if _IGNORED.search(canonical) or _load_expert(name, canonical, f, cfg, pool, progress):
+            return
+        if canonical == "lm_head.weight" and cfg.tie_word_embeddings:
+            return  # tied: the embedding is the output projection
+        if canonical not in params:
+            progress.errors.append(f"unexpected tensor '{name}' (not part of {cfg.architecture})")
+            return
+        dst = params[canonical]
+        if _check_shape(name, tuple(f.get_slice(name).get_shape()), tuple(dst.shape), progress.errors):
+            dst.data.copy_(f.get_tensor(name))
+            progress.params.discard(canonical)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a short read inside the data region surfaces here
+        raise CheckpointError(f"cannot read tensor '{name}' (truncated or corrupt file?): {exc}") from exc
+
+
+def _report(progress: _Progress) -> None:
+    errors = list(progress.errors)
+    errors += [f"missing tensor '{p}'" for p in sorted(progress.params)]
+    errors += [f"missing tensor 'model.layers.{l}.mlp.experts.{e}.{p}.weight' (or the fused layout)"
+               for l, e, p in sorted(progress.experts)]
+    if errors:
+        shown = "\n  ".join(errors[:12])
+        more = f"\n  … and {len(errors) - 12} more" if len(errors) > 12 else ""
+        raise CheckpointError(f"checkpoint does not match its config:\n  {shown}{more}")
+
+
+def load_config(model_dir: str | Path, dtype: str | torch.dtype | None = None):
+    """Parse a checkpoint directory's config into (family, ModelConfig)."""
+    from transformers import AutoConfig
+
+    model_dir = Path(model_dir)
+    raw = read_config_json(model_dir)
+    family = family_for(raw.get("architectures"))
+    try:
+        hf = AutoConfig.from_pretrained(str(model_dir))
+    except Exception as exc:
+        raise ConfigError(f"{model_dir}/config.json: {exc}") from exc
+    try:
+        cfg = family.parse_config(hf, model_dir, parse_dtype(raw, dtype))
+    except AttributeError as exc:
+        raise ConfigError(f"{model_dir}/config.json: missing field ({exc})") from exc
+    return family, cfg
+
+
+def load_model(
+    model_dir: str | Path, dtype: str | torch.dtype | None = None, show_progress: bool = False
+) -> LoadedModel:
+    """Build the model described by ``model_dir`` and fill every weight from its safetensors."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ConfigError(f"model directory '{model_dir}' does not exist")
+    family, cfg = load_config(model_dir, dtype)
+    pool = ExpertPool(cfg)
+    model = MoECausalLM(cfg, LocalExpertBackend(pool, cfg.hidden_act))
+    progress = _load_tensors(model_dir, cfg, model, pool, family, show_progress)
+    _report(progress)
+    model.eval()
+    return LoadedModel(config=cfg, model=model, pool=pool, model_dir=model_dir)

@@ -1,0 +1,104 @@
+"""The decoder shared by every MoE family, and the family descriptor the registry holds.
+
+Parameter names follow the transformers in-memory layout (``model.layers.N.self_attn.q_proj.weight``),
+so a family's checkpoint-name mapping only has to handle what differs from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.batch import ForwardBatch
+from engine.config import ModelConfig
+from engine.experts import ExpertBackend
+from engine.kv_cache import PagedKVCache
+from engine.layers.attention import Attention
+from engine.layers.mlp import GatedMLP
+from engine.layers.moe import MoEBlock
+from engine.layers.norm import RMSNorm
+from engine.layers.rope import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """How to read one family's config and checkpoint names.
+
+    ``parse_config(hf_config, model_dir, dtype)`` returns the normalised :class:`ModelConfig`;
+    ``map_name(name)`` turns a checkpoint tensor name into the canonical name (see module doc).
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    parse_config: Callable[[Any, Path, torch.dtype], ModelConfig]
+    map_name: Callable[[str], str]
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + (MoE or dense) feed-forward, with residuals."""
+
+    def __init__(self, cfg: ModelConfig, idx: int, backend: ExpertBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.self_attn = Attention(cfg, idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.mlp: nn.Module
+        if cfg.moe_layers[idx]:
+            self.mlp = MoEBlock(cfg, idx, backend)
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.dtype)
+
+    def forward(self, h, rope, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rope, batch, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, decoder layers and final norm (the ``model.`` prefix of checkpoints)."""
+
+    def __init__(self, cfg: ModelConfig, backend: ExpertBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.rotary = RotaryEmbedding(cfg)
+
+
+class MoECausalLM(nn.Module):
+    """A decoder-only MoE language model over a flattened batch and a paged KV cache."""
+
+    def __init__(self, cfg: ModelConfig, backend: ExpertBackend) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, backend)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=cfg.dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.requires_grad_(False)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
+        """Logits [len(batch.logits_indices), vocab] in fp32."""
+        h = self.model.embed_tokens(batch.token_ids)  # [T, H]
+        rope = self.model.rotary(batch.positions, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, rope, batch, kv.keys[i], kv.values[i])
+        h = self.model.norm(h.index_select(0, batch.logits_indices))
+        return self.lm_head(h).float()
+
+
+def moe_layer_flags(num_layers: int, num_experts: int, mlp_only: list[int], sparse_step: int) -> tuple[bool, ...]:
+    """Which layers are MoE, following Qwen's ``mlp_only_layers`` / ``decoder_sparse_step`` rule."""
+    step = max(int(sparse_step or 1), 1)
+    return tuple(
+        i not in set(mlp_only or []) and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
+    )
+
+
+def head_dim_of(hf: Any) -> int:
+    return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads

@@ -1,0 +1,96 @@
+"""Sampling parameters and the sampler (penalties, temperature, top-k, top-p, min-p, seeds)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop. ``temperature == 0`` means greedy."""
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        checks = [
+            (self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (all(s for s in self.stop), "stop strings must be non-empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Repetition penalty (over prompt and output, as in transformers) and OpenAI presence/frequency
+    penalties (over the output). ``logits``: [V] fp32."""
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
+        if seen.numel():
+            picked = logits[seen]
+            picked = torch.where(picked < 0, picked * params.repetition_penalty, picked / params.repetition_penalty)
+            logits = logits.index_copy(0, seen, picked)
+    if output and (params.presence_penalty or params.frequency_penalty):
+        ids, counts = torch.tensor(output, dtype=torch.long).unique(return_counts=True)
+        penalty = params.frequency_penalty * counts.float() + params.presence_penalty
+        logits = logits.index_add(0, ids, -penalty)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masking. ``logits``: [V] fp32."""
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the token crossing top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if params.min_p > 0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def sample_token(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt: list[int],
+    output: list[int],
+    generator: torch.Generator | None,
+) -> int:
+    """Pick the next token from one sequence's fp32 logits [V]."""
+    logits = apply_penalties(logits, params, prompt, output)
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(filter_logits(logits, params), dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
