@@ -19,10 +19,11 @@ def _linear(in_f: int, out_f: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
 
 
 def attention_mask(seq: SequenceSlice, window: int | None) -> torch.Tensor | None:
-    """Boolean [query_len, context_len] mask (True = attend), or None when every key is visible."""
+    """Boolean [query_len, context_len] mask (True = attend), or None when plain causal attention
+    (``is_causal``, or a single query that sees every key) is enough."""
     first_q = seq.context_len - seq.query_len
     windowed = window is not None and seq.context_len > window
-    if seq.query_len == 1 and not windowed:
+    if not windowed and (seq.query_len == 1 or first_q == 0):
         return None
     q_pos = torch.arange(first_q, seq.context_len)[:, None]
     k_pos = torch.arange(seq.context_len)[None, :]
@@ -71,11 +72,13 @@ class Attention(nn.Module):
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             keys = k_cache.index_select(0, seq.context_slots)  # [ctx, kv_heads, D]
             vals = v_cache.index_select(0, seq.context_slots)
+            mask = attention_mask(seq, self.window)
             o = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1)[None],  # [1, heads, q, D]
                 keys.transpose(0, 1)[None],  # [1, kv_heads, ctx, D]
                 vals.transpose(0, 1)[None],
-                attn_mask=attention_mask(seq, self.window),
+                attn_mask=mask,
+                is_causal=mask is None and seq.query_len > 1,
                 scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )

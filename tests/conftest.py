@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny random checkpoints built once per test session (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.testing import make_checkpoint
+
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral"]
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    """Factory: checkpoint(family, layout='per_expert', dtype='float32', **overrides) -> (dir, hf_model)."""
+    cache: dict[tuple, tuple] = {}
+
+    def build(family: str, layout: str = "per_expert", dtype: str = "float32", **overrides):
+        key = (family, layout, dtype, repr(sorted(overrides.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{family}-{layout}-{dtype}")
+            cache[key] = make_checkpoint(out, family, layout, dtype, **overrides)
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_threads():
+    torch.manual_seed(0)
+    yield
