@@ -30,12 +30,13 @@ def test_fp32_logits_match_transformers(checkpoint, family, layout):
             assert max_rel_error(a, b) <= 1e-4, f"step {step}"
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_greedy_tokens_match_transformers(checkpoint, family):
+def test_half_precision_greedy_tokens_match_transformers(checkpoint, family, dtype):
     # transformers' own bf16 numerics depend on the memory layout its loader gives the expert
     # weights; with the standard per-expert files they match ours bit for bit.
-    path, _ = checkpoint(family, "per_expert", "bfloat16")
-    ref = reference(path, torch.bfloat16)
+    path, _ = checkpoint(family, "per_expert", dtype)
+    ref = reference(path, getattr(torch, dtype))
     llm = LLM(path)
     for prompt in PROMPTS:
         ref_tokens, ref_logits = hf_greedy(ref, prompt, STEPS)
