@@ -12,13 +12,14 @@ class SequenceSlice:
     """One sequence's share of a step.
 
     Its new tokens are rows ``query_start : query_start + query_len`` of the batch; after the step
-    the sequence holds ``context_len`` tokens in the KV cache, stored at ``context_slots``.
+    the sequence holds ``context_len`` tokens in the KV cache, in the blocks ``block_ids``.
     """
 
     query_start: int
     query_len: int
     context_len: int
-    context_slots: torch.Tensor  # [context_len] int64
+    block_ids: torch.Tensor  # [ceil(context_len / block_size)] int64
+    first_block: int = -1  # when the blocks are consecutive: the first one (-1 otherwise)
 
 
 @dataclass
@@ -30,6 +31,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
     sequences: list[SequenceSlice]
     logits_indices: torch.Tensor  # [B'] rows whose logits are needed (last token of a sampled sequence)
+    block_size: int
 
     @property
     def num_tokens(self) -> int:

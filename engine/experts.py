@@ -60,11 +60,7 @@ class ExpertBackend(Protocol):
 
 def group_by_expert(topk_ids: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
     """[(expert, token_rows, k_positions)] in ascending expert order: one matmul per routed expert."""
-    t, k = topk_ids.shape
-    if t == 1:
-        ids = topk_ids[0].tolist()
-        zero = torch.zeros(1, dtype=torch.long)
-        return [(e, zero, torch.tensor([j])) for j, e in sorted(enumerate(ids), key=lambda p: p[1])]
+    k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=1).tolist()
@@ -87,14 +83,30 @@ class LocalExpertBackend:
     def forward(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        t, k = topk_ids.shape
         # Each (token, slot) product is kept apart and the k of them are summed at the end with
         # fp32 accumulation, as the reference does; low-precision results then match it.
-        parts = torch.empty((t, k, x.shape[1]), dtype=torch.promote_types(x.dtype, topk_weights.dtype))
         base = self.pool.layer_rows(layer)
+        if x.shape[0] == 1:
+            return self._forward_one(base, x, topk_ids[0].tolist(), topk_weights[0])
+        t, k = topk_ids.shape
+        parts = torch.empty((t, k, x.shape[1]), dtype=torch.promote_types(x.dtype, topk_weights.dtype))
         for expert, rows, kpos in group_by_expert(topk_ids):
-            xs = x if t == 1 else x[rows]
-            gate, up = torch.nn.functional.linear(xs, self.pool.gate_up[base + expert]).chunk(2, dim=-1)
-            y = torch.nn.functional.linear(self.act(gate) * up, self.pool.down[base + expert])
-            parts[rows, kpos] = y * topk_weights[rows, kpos, None]
+            parts[rows, kpos] = self._expert(base + expert, x[rows]) * topk_weights[rows, kpos, None]
         return parts.sum(dim=1).to(x.dtype)
+
+    def _expert(self, row: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.nn.functional.linear(x, self.pool.gate_up[row]).chunk(2, dim=-1)
+        return torch.nn.functional.linear(self.act(gate) * up, self.pool.down[row])
+
+    def _forward_one(self, base: int, x: torch.Tensor, ids: list[int], weights: torch.Tensor) -> torch.Tensor:
+        """Decode fast path for a single token: the k projections write into shared buffers so the
+        activation, weighting and sum run once for all k experts instead of once per expert."""
+        k, inter = len(ids), self.pool.down.shape[2]
+        gate_up = torch.empty((k, 2 * inter), dtype=x.dtype)
+        for j, e in enumerate(ids):
+            torch.matmul(x, self.pool.gate_up[base + e].t(), out=gate_up[j : j + 1])
+        h = self.act(gate_up[:, :inter]) * gate_up[:, inter:]  # [k, I]
+        y = torch.empty((k, x.shape[1]), dtype=x.dtype)
+        for j, e in enumerate(ids):
+            torch.matmul(h[j : j + 1], self.pool.down[base + e].t(), out=y[j : j + 1])
+        return (y * weights[:, None]).sum(dim=0, keepdim=True).to(x.dtype)

@@ -67,7 +67,3 @@ class PagedKVCache:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * num_kv_heads * head_dim * elem
 
-
-def slots_for(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Flat cache slots of token positions ``start..end-1`` of a sequence."""
-    return [block_table[i // block_size] * block_size + i % block_size for i in range(start, end)]

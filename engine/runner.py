@@ -20,12 +20,14 @@ def build_batch(items: list[tuple[Request, int]], block_size: int) -> tuple[Forw
     sampled: list[Request] = []
     for req, n in items:
         start, end = req.num_computed, req.num_computed + n
-        blocks = torch.tensor(req.block_table, dtype=torch.long)
-        context = (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:end]
-        sequences.append(SequenceSlice(len(token_ids), n, end, context))
+        table = req.block_table[: -(-end // block_size)]
+        blocks = torch.tensor(table, dtype=torch.long)
+        consecutive = table[-1] - table[0] == len(table) - 1 and table == list(range(table[0], table[-1] + 1))
+        sequences.append(SequenceSlice(len(token_ids), n, end, blocks, table[0] if consecutive else -1))
         token_ids += req.tokens[start:end]
         positions += range(start, end)
-        slots.append(context[start:end])
+        new_slots = (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)[start:end]
+        slots.append(new_slots)
         if end == req.num_tokens:
             logits_rows.append(len(token_ids) - 1)
             sampled.append(req)
@@ -35,6 +37,7 @@ def build_batch(items: list[tuple[Request, int]], block_size: int) -> tuple[Forw
         slot_mapping=torch.cat(slots),
         sequences=sequences,
         logits_indices=torch.tensor(logits_rows, dtype=torch.long),
+        block_size=block_size,
     )
     return batch, sampled
 

@@ -153,18 +153,21 @@ def make_checkpoint(
     dtype: str = "float32",
     seed: int = 0,
     shard_bytes: int = 200_000,
+    vocab_size: int | None = None,
     **overrides: Any,
 ) -> tuple[Path, Any]:
     """Write a tiny random checkpoint (config, safetensors, tokenizer) to ``out_dir``.
 
     Returns the directory and the transformers model it was saved from (in ``dtype``), which
     tests use as the reference. ``layout`` is ``per_expert`` (transformers' ``save_pretrained``)
-    or ``fused`` (``experts.gate_up_proj`` / ``experts.down_proj`` tensors).
+    or ``fused`` (``experts.gate_up_proj`` / ``experts.down_proj`` tensors). ``vocab_size`` may
+    exceed the tokenizer's (the extra rows are never produced by it), for realistic head sizes.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(out)
-    model = build_hf_model(family, vocab_size=len(tok), eos_id=tok.eos_token_id, seed=seed, **overrides)
+    vocab = max(vocab_size or 0, len(tok))
+    model = build_hf_model(family, vocab_size=vocab, eos_id=tok.eos_token_id, seed=seed, **overrides)
     model = model.to(DTYPES[dtype])
     if layout == "per_expert":
         model.save_pretrained(str(out), max_shard_size=shard_bytes)

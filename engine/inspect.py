@@ -1,0 +1,93 @@
+"""Static facts about a model: parameter counts, expert sizes, bytes read per decode token."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from engine.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """Counts derived from the config alone (no weights are read)."""
+
+    architecture: str
+    dtype: str
+    num_layers: int
+    num_moe_layers: int
+    num_experts: int
+    top_k: int
+    total_params: int
+    expert_params: int
+    active_params_per_token: int
+    expert_bytes: int
+    expert_pool_bytes: int
+    bytes_per_decode_token: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _attention_params(cfg: ModelConfig) -> int:
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    params = h * q + 2 * h * kv + q * h
+    if cfg.qkv_bias:
+        params += q + 2 * kv
+    if cfg.qk_norm:
+        params += 2 * d
+    return params
+
+
+def summarize(cfg: ModelConfig) -> ModelSummary:
+    """Parameter and byte counts of ``cfg``; bytes per decode token counts every weight one
+    token's forward pass reads at batch 1 (one embedding row, all dense weights, top-k experts)."""
+    h = cfg.hidden_size
+    per_expert = 3 * h * cfg.moe_intermediate_size
+    moe_layers = len(cfg.moe_layer_ids)
+    dense_layers = cfg.num_layers - moe_layers
+    shared = 3 * h * cfg.shared_expert_intermediate_size + h if cfg.shared_expert_intermediate_size else 0
+    per_layer = _attention_params(cfg) + 2 * h  # attention + the two norms
+    moe_dense_part = cfg.num_experts * h + shared  # router + shared expert
+    embed = cfg.vocab_size * h
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
+    non_expert = (
+        embed + head + h + cfg.num_layers * per_layer + moe_layers * moe_dense_part
+        + dense_layers * 3 * h * cfg.intermediate_size
+    )
+    expert_params = moe_layers * cfg.num_experts * per_expert
+    # One token reads one embedding row; the output projection is read whole (tied or not).
+    active = non_expert - embed + h + (embed if cfg.tie_word_embeddings else 0) + moe_layers * cfg.top_k * per_expert
+    elem = torch.empty((), dtype=cfg.dtype).element_size()
+    return ModelSummary(
+        architecture=cfg.architecture,
+        dtype=str(cfg.dtype).replace("torch.", ""),
+        num_layers=cfg.num_layers,
+        num_moe_layers=moe_layers,
+        num_experts=cfg.num_experts,
+        top_k=cfg.top_k,
+        total_params=non_expert + expert_params,
+        expert_params=expert_params,
+        active_params_per_token=active,
+        expert_bytes=per_expert * elem,
+        expert_pool_bytes=expert_params * elem,
+        bytes_per_decode_token=active * elem,
+    )
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def human_count(n: float) -> str:
+    for unit in ("", "K", "M", "B", "T"):
+        if abs(n) < 1000 or unit == "T":
+            return f"{n:.2f}{unit}" if unit else str(int(n))
+        n /= 1000
+    return f"{n:.2f}T"

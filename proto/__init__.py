@@ -1,0 +1,1 @@
+"""Protobuf / gRPC contracts (no torch)."""
