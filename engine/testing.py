@@ -177,3 +177,21 @@ def make_checkpoint(
         raise ValueError(f"unknown layout '{layout}' (per_expert or fused)")
     model.generation_config.save_pretrained(str(out))
     return out, model
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m engine.testing DIR [--family F] [--layout L] [--dtype D]``: write a tiny checkpoint."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m engine.testing", description=main.__doc__)
+    ap.add_argument("out_dir")
+    ap.add_argument("--family", default="qwen3_moe", choices=sorted(FAMILY_DEFAULTS))
+    ap.add_argument("--layout", default="per_expert", choices=["per_expert", "fused"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    args = ap.parse_args(argv)
+    path, _ = make_checkpoint(args.out_dir, args.family, args.layout, args.dtype)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
