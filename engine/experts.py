@@ -13,6 +13,7 @@ from typing import Protocol
 import torch
 
 from engine.config import ModelConfig
+from engine.kernels import cpu_decode_ops
 from engine.layers.mlp import activation
 
 
@@ -99,8 +100,12 @@ class LocalExpertBackend:
         return torch.nn.functional.linear(self.act(gate) * up, self.pool.down[row])
 
     def _forward_one(self, base: int, x: torch.Tensor, ids: list[int], weights: torch.Tensor) -> torch.Tensor:
-        """Decode fast path for a single token: the k projections write into shared buffers so the
-        activation, weighting and sum run once for all k experts instead of once per expert."""
+        """Decode fast path for a single token: the native kernel runs all k experts in one call;
+        without it the k projections write into shared buffers so the activation, weighting and
+        sum run once for all k experts instead of once per expert."""
+        ops = cpu_decode_ops() if self.act is torch.nn.functional.silu else None
+        if ops is not None and self.pool.gate_up.device.type == "cpu":
+            return ops.experts_decode(x, self.pool.gate_up, self.pool.down, [base + e for e in ids], weights)
         k, inter = len(ids), self.pool.down.shape[2]
         gate_up = torch.empty((k, 2 * inter), dtype=x.dtype)
         for j, e in enumerate(ids):

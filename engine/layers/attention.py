@@ -8,6 +8,7 @@ from torch import nn
 
 from engine.batch import ForwardBatch, SequenceSlice
 from engine.config import ModelConfig
+from engine.layers.linear import linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rope import apply_rotary
 
@@ -84,7 +85,7 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q, k, v = linear(x, self.qkv_weight, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], -1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -113,7 +114,7 @@ class Attention(nn.Module):
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )
             out[rows] = o[0].transpose(0, 1)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight)
 
     def _decode_one(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
         """One query token: fold each KV head's query group into the query axis so the kernel

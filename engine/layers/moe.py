@@ -4,11 +4,11 @@ routed tokens to an expert backend."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.experts import ExpertBackend
+from engine.layers.linear import linear
 from engine.layers.mlp import GatedMLP
 
 
@@ -26,7 +26,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k])."""
-        logits = F.linear(x, self.weight)  # [T, E]
+        logits = linear(x, self.weight)  # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
@@ -57,5 +57,5 @@ class MoEBlock(nn.Module):
         ids, weights = self.gate(x)
         out = self.backend.forward(self.layer_idx, x, ids, weights)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return out

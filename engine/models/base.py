@@ -19,6 +19,7 @@ from engine.config import ModelConfig
 from engine.experts import ExpertBackend
 from engine.kv_cache import PagedKVCache
 from engine.layers.attention import Attention
+from engine.layers.linear import linear
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import MoEBlock
 from engine.layers.norm import RMSNorm
@@ -89,7 +90,7 @@ class MoECausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             h = layer(h, rope, batch, kv.keys[i], kv.values[i])
         h = self.model.norm(h.index_select(0, batch.logits_indices))
-        return self.lm_head(h).float()
+        return linear(h, self.lm_head.weight).float()
 
 
 def moe_layer_flags(num_layers: int, num_experts: int, mlp_only: list[int], sparse_step: int) -> tuple[bool, ...]:
