@@ -188,6 +188,9 @@ def load_config(model_dir: str | Path, dtype: str | torch.dtype | None = None):
     model_dir = Path(model_dir)
     raw = read_config_json(model_dir)
     family = family_for(raw.get("architectures"))
+    for alternatives in family.required_fields:
+        if not any(raw.get(name) is not None for name in alternatives):
+            raise ConfigError(f"{model_dir}/config.json lacks the required field '{' or '.join(alternatives)}'")
     try:
         hf = AutoConfig.from_pretrained(str(model_dir))
     except Exception as exc:

@@ -61,10 +61,26 @@ def test_half_precision_greedy_tokens_match_transformers(checkpoint, family, dty
                 }
             },
         ),
+        (
+            "qwen3_moe",
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "rope_theta": 10000.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+        ),
         ("mixtral", {"sliding_window": 8}),
         ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),
     ],
-    ids=["dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "mixtral-window", "qwen2-window"],
+    ids=[
+        "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
+        "qwen2-window",
+    ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):
     path, _ = checkpoint(family, "per_expert", **overrides)

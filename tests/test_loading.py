@@ -133,3 +133,21 @@ def test_dtype_override_converts_weights(ckpt):
     loaded = load_model(ckpt, dtype="bfloat16")
     assert loaded.pool.gate_up.dtype == torch.bfloat16
     assert loaded.model.lm_head.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_hidden_layers", "moe_intermediate_size"])
+def test_missing_config_field_is_named(ckpt, field):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.pop(field)
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=f"lacks the required field '{field}'"):
+        load_model(ckpt)
+
+
+def test_unsupported_rope_type_is_named(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 2.0,
+                              "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="rope_type 'longrope' is not supported"):
+        load_model(ckpt)

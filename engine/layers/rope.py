@@ -62,6 +62,8 @@ def _yarn(theta: float, dim: int, p: dict, max_pos: int) -> tuple[torch.Tensor, 
 def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] and the cos/sin scale for the checkpoint's rope type."""
     rope, dim = cfg.rope, cfg.head_dim
+    if rope.params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError("partial_rotary_factor != 1 is not supported yet")
     if rope.rope_type == "default":
         return _base_inv_freq(rope.theta, dim), 1.0
     if rope.rope_type == "linear":

@@ -19,9 +19,7 @@ def family_for(architectures: list[str] | None) -> ModelFamily:
         for fam in _FAMILIES:
             if arch in fam.architectures:
                 return fam
-    raise ConfigError(
-        f"unknown architecture {architectures!r}; supported: {', '.join(supported_architectures())}"
-    )
+    raise ConfigError(f"unknown architecture {architectures!r}; supported: {', '.join(supported_architectures())}")
 
 
 __all__ = ["ModelFamily", "MoECausalLM", "family_for", "supported_architectures"]

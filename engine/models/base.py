@@ -31,13 +31,25 @@ class ModelFamily:
     """How to read one family's config and checkpoint names.
 
     ``parse_config(hf_config, model_dir, dtype)`` returns the normalised :class:`ModelConfig`;
-    ``map_name(name)`` turns a checkpoint tensor name into the canonical name (see module doc).
+    ``map_name(name)`` turns a checkpoint tensor name into the canonical name (see module doc);
+    ``required_fields`` lists config.json fields that must be present (each entry: alternatives).
     """
 
     name: str
     architectures: tuple[str, ...]
     parse_config: Callable[[Any, Path, torch.dtype], ModelConfig]
     map_name: Callable[[str], str]
+    required_fields: tuple[tuple[str, ...], ...] = ()
+
+
+COMMON_FIELDS: tuple[tuple[str, ...], ...] = (
+    ("vocab_size",),
+    ("hidden_size",),
+    ("num_hidden_layers",),
+    ("num_attention_heads",),
+    ("intermediate_size",),
+    ("num_experts_per_tok",),
+)
 
 
 class DecoderLayer(nn.Module):
@@ -96,9 +108,7 @@ class MoECausalLM(nn.Module):
 def moe_layer_flags(num_layers: int, num_experts: int, mlp_only: list[int], sparse_step: int) -> tuple[bool, ...]:
     """Which layers are MoE, following Qwen's ``mlp_only_layers`` / ``decoder_sparse_step`` rule."""
     step = max(int(sparse_step or 1), 1)
-    return tuple(
-        i not in set(mlp_only or []) and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
-    )
+    return tuple(i not in set(mlp_only or []) and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
 
 
 def head_dim_of(hf: Any) -> int:

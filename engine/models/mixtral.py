@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig, eos_ids, parse_rope
-from engine.models.base import ModelFamily, head_dim_of
+from engine.models.base import COMMON_FIELDS, ModelFamily, head_dim_of
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 _W_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -58,4 +58,6 @@ def map_name(name: str) -> str:
     return name.replace(".block_sparse_moe.", ".mlp.")
 
 
-FAMILY = ModelFamily("mixtral", ("MixtralForCausalLM",), parse_config, map_name)
+FAMILY = ModelFamily(
+    "mixtral", ("MixtralForCausalLM",), parse_config, map_name, COMMON_FIELDS + (("num_local_experts",),)
+)

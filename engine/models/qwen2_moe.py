@@ -8,15 +8,13 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig, eos_ids, parse_rope
-from engine.models.base import ModelFamily, head_dim_of, moe_layer_flags
+from engine.models.base import COMMON_FIELDS, ModelFamily, head_dim_of, moe_layer_flags
 
 
 def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> ModelConfig:
     n = hf.num_hidden_layers
     layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * n
-    windows = tuple(
-        (hf.sliding_window or None) if kind == "sliding_attention" else None for kind in layer_types
-    )
+    windows = tuple((hf.sliding_window or None) if kind == "sliding_attention" else None for kind in layer_types)
     return ModelConfig(
         architecture="Qwen2MoeForCausalLM",
         vocab_size=hf.vocab_size,
@@ -50,4 +48,10 @@ def map_name(name: str) -> str:
     return name
 
 
-FAMILY = ModelFamily("qwen2_moe", ("Qwen2MoeForCausalLM",), parse_config, map_name)
+FAMILY = ModelFamily(
+    "qwen2_moe",
+    ("Qwen2MoeForCausalLM",),
+    parse_config,
+    map_name,
+    COMMON_FIELDS + (("num_experts",), ("moe_intermediate_size",), ("shared_expert_intermediate_size",)),
+)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from engine.config import ModelConfig, eos_ids, parse_rope
-from engine.models.base import ModelFamily, head_dim_of, moe_layer_flags
+from engine.models.base import COMMON_FIELDS, ModelFamily, head_dim_of, moe_layer_flags
 
 
 def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> ModelConfig:
@@ -47,4 +47,10 @@ def map_name(name: str) -> str:
     return name
 
 
-FAMILY = ModelFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), parse_config, map_name)
+FAMILY = ModelFamily(
+    "qwen3_moe",
+    ("Qwen3MoeForCausalLM",),
+    parse_config,
+    map_name,
+    COMMON_FIELDS + (("num_experts", "num_local_experts"), ("moe_intermediate_size",)),
+)
