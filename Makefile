@@ -3,16 +3,22 @@ PYTHON ?= python3
 VENV ?= .venv
 PIP := $(VENV)/bin/pip
 PY := $(VENV)/bin/python
-# torch is pinned in constraints.txt; on a machine without CUDA this resolves to the CPU build
-# when a local wheel or a CPU index is configured for pip.
+# torch is pinned in constraints.txt. Without an NVIDIA driver we want the CPU build: unless pip
+# already has a local wheel source (PIP_FIND_LINKS), add PyTorch's CPU index, whose "+cpu" build
+# sorts above PyPI's CUDA build of the same version.
 TORCH_SPEC ?= torch==2.13.0
+ifeq ($(shell command -v nvidia-smi 2>/dev/null),)
+ifeq ($(PIP_FIND_LINKS),)
+TORCH_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
+endif
+endif
 
 .PHONY: venv test lint fmt bench clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt "$(TORCH_SPEC)"
+	$(PIP) install -q -c constraints.txt $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(PIP) install -q -c constraints.txt -e ".[test]"
 	touch $@
 

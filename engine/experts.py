@@ -32,6 +32,11 @@ class ExpertPool:
         self.gate_up = torch.empty((n, 2 * i, h), dtype=cfg.dtype, device=device)
         self.down = torch.empty((n, h, i), dtype=cfg.dtype, device=device)
         self._layer_base = {layer: rank * cfg.num_experts for rank, layer in enumerate(self.moe_layer_ids)}
+        # row_table[g] = pool row of global id g (-1 for the ids of dense layers).
+        self.row_table = torch.full((cfg.num_layers * cfg.num_experts,), -1, dtype=torch.long)
+        for layer, base in self._layer_base.items():
+            start = layer * cfg.num_experts
+            self.row_table[start : start + cfg.num_experts] = torch.arange(base, base + cfg.num_experts)
 
     def row_of(self, g: int) -> int:
         layer, expert = divmod(g, self.num_experts)
@@ -51,26 +56,25 @@ class ExpertBackend(Protocol):
 
     def forward(
         self,
-        layer: int,
         x: torch.Tensor,  # [T, H]
-        topk_ids: torch.Tensor,  # [T, k] expert index within the layer
+        expert_ids: torch.Tensor,  # [T, k] global ids g = layer * E + expert
         topk_weights: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:  # [T, H]
         ...
 
 
-def group_by_expert(topk_ids: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """[(expert, token_rows, k_positions)] in ascending expert order: one matmul per routed expert."""
-    k = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1)
+def group_by_row(rows: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """[(pool_row, token_indices, k_positions)] for a [T, k] table of pool rows, in ascending row
+    order: one matmul per routed expert."""
+    k = rows.shape[1]
+    flat = rows.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=1).tolist()
+    uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
     groups, start = [], 0
-    for expert, count in enumerate(counts):
-        if count:
-            sel = order[start : start + count]
-            groups.append((expert, sel // k, sel % k))
-            start += count
+    for row, count in zip(uniq.tolist(), counts.tolist(), strict=True):
+        sel = order[start : start + count]
+        groups.append((row, sel // k, sel % k))
+        start += count
     return groups
 
 
@@ -81,37 +85,35 @@ class LocalExpertBackend:
         self.pool = pool
         self.act = activation(hidden_act)
 
-    def forward(
-        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         # Each (token, slot) product is kept apart and the k of them are summed at the end with
         # fp32 accumulation, as the reference does; low-precision results then match it.
-        base = self.pool.layer_rows(layer)
+        rows = self.pool.row_table[expert_ids]  # [T, k] pool rows
         if x.shape[0] == 1:
-            return self._forward_one(base, x, topk_ids[0].tolist(), topk_weights[0])
-        t, k = topk_ids.shape
+            return self._forward_one(x, rows[0].tolist(), topk_weights[0])
+        t, k = expert_ids.shape
         parts = torch.empty((t, k, x.shape[1]), dtype=torch.promote_types(x.dtype, topk_weights.dtype))
-        for expert, rows, kpos in group_by_expert(topk_ids):
-            parts[rows, kpos] = self._expert(base + expert, x[rows]) * topk_weights[rows, kpos, None]
+        for row, tokens, kpos in group_by_row(rows):
+            parts[tokens, kpos] = self._expert(row, x[tokens]) * topk_weights[tokens, kpos, None]
         return parts.sum(dim=1).to(x.dtype)
 
     def _expert(self, row: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = torch.nn.functional.linear(x, self.pool.gate_up[row]).chunk(2, dim=-1)
         return torch.nn.functional.linear(self.act(gate) * up, self.pool.down[row])
 
-    def _forward_one(self, base: int, x: torch.Tensor, ids: list[int], weights: torch.Tensor) -> torch.Tensor:
+    def _forward_one(self, x: torch.Tensor, rows: list[int], weights: torch.Tensor) -> torch.Tensor:
         """Decode fast path for a single token: the native kernel runs all k experts in one call;
         without it the k projections write into shared buffers so the activation, weighting and
         sum run once for all k experts instead of once per expert."""
         ops = cpu_decode_ops() if self.act is torch.nn.functional.silu else None
         if ops is not None and self.pool.gate_up.device.type == "cpu":
-            return ops.experts_decode(x, self.pool.gate_up, self.pool.down, [base + e for e in ids], weights)
-        k, inter = len(ids), self.pool.down.shape[2]
+            return ops.experts_decode(x, self.pool.gate_up, self.pool.down, rows, weights)
+        k, inter = len(rows), self.pool.down.shape[2]
         gate_up = torch.empty((k, 2 * inter), dtype=x.dtype)
-        for j, e in enumerate(ids):
-            torch.matmul(x, self.pool.gate_up[base + e].t(), out=gate_up[j : j + 1])
+        for j, row in enumerate(rows):
+            torch.matmul(x, self.pool.gate_up[row].t(), out=gate_up[j : j + 1])
         h = self.act(gate_up[:, :inter]) * gate_up[:, inter:]  # [k, I]
         y = torch.empty((k, x.shape[1]), dtype=x.dtype)
-        for j, e in enumerate(ids):
-            torch.matmul(h[j : j + 1], self.pool.down[base + e].t(), out=y[j : j + 1])
+        for j, row in enumerate(rows):
+            torch.matmul(h[j : j + 1], self.pool.down[row].t(), out=y[j : j + 1])
         return (y * weights[:, None]).sum(dim=0, keepdim=True).to(x.dtype)

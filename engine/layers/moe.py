@@ -42,6 +42,7 @@ class MoEBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, backend: ExpertBackend) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.first_expert_id = layer_idx * cfg.num_experts  # global ids g = layer * E + expert
         self.gate = TopKRouter(cfg)
         self.backend = backend
         self.shared_expert: GatedMLP | None = None
@@ -55,7 +56,7 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
-        out = self.backend.forward(self.layer_idx, x, ids, weights)
+        out = self.backend.forward(x, ids + self.first_expert_id, weights)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
         return out
