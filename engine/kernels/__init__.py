@@ -11,6 +11,8 @@ import functools
 import logging
 import os
 import platform
+import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -33,6 +35,11 @@ def cpu_decode_ops() -> ModuleType | None:
     """The compiled ``linear_decode`` / ``experts_decode`` module, or None where unavailable."""
     if not _supported():
         return None
+    # A cached build loads in well under a second; only a first build is worth a notice.
+    notice = threading.Timer(
+        8.0, lambda: print("hearth: building native CPU kernels (first run only, about a minute)…", file=sys.stderr)
+    )
+    notice.start()
     try:
         from torch.utils.cpp_extension import load
 
@@ -46,3 +53,5 @@ def cpu_decode_ops() -> ModuleType | None:
     except Exception as exc:  # no compiler, no ninja, unsupported toolchain …
         log.warning("hearth: native CPU kernels unavailable (%s); using PyTorch kernels", exc)
         return None
+    finally:
+        notice.cancel()
