@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 import engine.experts
 import engine.layers.linear
+import engine.layers.norm
 from engine import LLM
 from engine.kernels import cpu_decode_ops
 from tests.helpers import PROMPTS, greedy, hf_greedy, max_rel_error, record_logits, reference
@@ -39,6 +40,22 @@ def test_linear_decode_matches_torch(dtype, bias):
         assert ulps_apart(got, ref) <= 1.0  # only fp32 accumulation order differs
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_reference_formula(dtype):
+    torch.manual_seed(2)
+    x = torch.randn(5, 3, 96, dtype=dtype) * 3
+    w = torch.randn(96, dtype=dtype)
+    v = x.float()
+    ref = w * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    got = ops.rms_norm(x, w, 1e-6)
+    assert got.shape == x.shape and got.dtype == dtype
+    if dtype == torch.float32:
+        assert max_rel_error(got, ref) < 1e-5
+    else:
+        assert ulps_apart(got, ref) <= 2.0
+
+
 def reference_experts(x, gate_up, down, rows, weights):
     """The transformers formulation: per-expert projections, weighted, summed in fp32."""
     inter = down.shape[2]
@@ -67,6 +84,7 @@ def test_experts_decode_matches_reference(dtype, weights_fp32):
 def test_engine_without_kernels_matches_transformers(checkpoint, monkeypatch):
     monkeypatch.setattr(engine.experts, "cpu_decode_ops", lambda: None)
     monkeypatch.setattr(engine.layers.linear, "cpu_decode_ops", lambda: None)
+    monkeypatch.setattr(engine.layers.norm, "cpu_decode_ops", lambda: None)
     path, _ = checkpoint("qwen2_moe")
     ref = reference(path)
     llm = LLM(path)

@@ -124,6 +124,34 @@ torch::Tensor experts_impl(const torch::Tensor& x, const torch::Tensor& gate_up,
   return out;
 }
 
+// RMSNorm over the last dimension, in the reference's order: fp32 normalise, round to the model
+// dtype, then scale by the weight (rounded again).
+template <typename T>
+torch::Tensor rms_norm_impl(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  auto xc = x.contiguous();
+  const int64_t D = x.size(-1), rows = x.numel() / D;
+  auto out = torch::empty_like(xc);
+  const T* xp = xc.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 256, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* row = xp + r * D;
+      float ss = 0.f;
+      for (int64_t i = 0; i < D; ++i) {
+        const float v = static_cast<float>(row[i]);
+        ss += v * v;
+      }
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
+      for (int64_t i = 0; i < D; ++i) {
+        const float normed = round_to<T>(static_cast<float>(row[i]) * inv);
+        op[r * D + i] = static_cast<T>(static_cast<float>(wp[i]) * normed);
+      }
+    }
+  });
+  return out;
+}
+
 void check_cpu(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
 }
@@ -154,7 +182,20 @@ torch::Tensor experts_decode(torch::Tensor x, torch::Tensor gate_up, torch::Tens
   }
 }
 
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_cpu(weight, "weight");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == weight.scalar_type() && x.size(-1) == weight.numel(),
+              "x must be a CPU tensor [..., D] in the weight's dtype");
+  switch (x.scalar_type()) {
+    case torch::kFloat32: return rms_norm_impl<float>(x, weight, eps);
+    case torch::kBFloat16: return rms_norm_impl<at::BFloat16>(x, weight, eps);
+    case torch::kFloat16: return rms_norm_impl<at::Half>(x, weight, eps);
+    default: TORCH_CHECK(false, "unsupported dtype");
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "weight * round(x * rsqrt(mean(x^2) + eps)) over the last dimension");
   m.def("linear_decode", &linear_decode, "y[1,N] = x[1,K] @ w[N,K]^T (+ bias) for one token");
   m.def("experts_decode", &experts_decode, "weighted sum of one token's routed experts");
 }

@@ -1,10 +1,13 @@
-"""RMSNorm, computed in fp32 and cast back exactly as the reference implementations do."""
+"""RMSNorm, computed in fp32 and cast back exactly as the reference implementations do
+(natively where the CPU kernels are available)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.kernels import cpu_decode_ops
 
 
 class RMSNorm(nn.Module):
@@ -18,4 +21,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x * rsqrt(mean(x^2) + eps) in fp32, cast back, then scaled: the reference's order.
+        ops = cpu_decode_ops()
+        if ops is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype:
+            return ops.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.normalized_shape, eps=self.eps).to(x.dtype)
