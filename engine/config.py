@@ -82,9 +82,6 @@ class ModelConfig:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 3 * self.hidden_size * self.moe_intermediate_size * elem
 
-    def global_expert_id(self, layer: int, expert: int) -> int:
-        """The design's global id ``g = layer * E + expert``."""
-        return layer * self.num_experts + expert
 
 
 def read_config_json(model_dir: Path) -> dict[str, Any]:
@@ -96,13 +93,6 @@ def read_config_json(model_dir: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
-
-
-def require(cfg: dict[str, Any], key: str, where: str) -> Any:
-    """Fetch a required config field, naming it in the error when absent."""
-    if key not in cfg or cfg[key] is None:
-        raise ConfigError(f"{where}: config.json lacks the required field '{key}'")
-    return cfg[key]
 
 
 def parse_rope(cfg: dict[str, Any]) -> RopeConfig:

@@ -21,7 +21,7 @@ class ExpertPool:
     """Every expert's weights, stored contiguously and addressed by global id.
 
     ``gate_up[row]`` is [2I, H] (gate rows first, then up rows, the transformers fused layout) and
-    ``down[row]`` is [H, I]; ``row_of(g)`` maps a global id to its row (dense layers own no rows).
+    ``down[row]`` is [H, I]; ``row_table[g]`` maps a global id to its row (dense layers own no rows).
     """
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
@@ -37,10 +37,6 @@ class ExpertPool:
         for layer, base in self._layer_base.items():
             start = layer * cfg.num_experts
             self.row_table[start : start + cfg.num_experts] = torch.arange(base, base + cfg.num_experts)
-
-    def row_of(self, g: int) -> int:
-        layer, expert = divmod(g, self.num_experts)
-        return self._layer_base[layer] + expert
 
     def layer_rows(self, layer: int) -> int:
         """Row of expert 0 of ``layer``."""

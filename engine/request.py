@@ -34,8 +34,6 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     generator: torch.Generator | None = None
-    # Timing, for per-request stats.
-    first_token_time: float | None = None
     num_preemptions: int = 0
 
     @property
