@@ -93,3 +93,25 @@ def test_config_variants_match_transformers(checkpoint, family, overrides):
     assert out.token_ids == ref_tokens
     for a, b in zip(recorded[out.request_id], ref_logits, strict=True):
         assert max_rel_error(a, b) <= 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_prefill_logits_at_every_position(checkpoint, family):
+    """Not just the last position: every prompt position's logits match transformers."""
+    from engine.request import Request
+    from engine.runner import build_batch
+    from engine.sampling import SamplingParams
+
+    path, _ = checkpoint(family, "fused")
+    ref = reference(path)
+    llm = LLM(path, block_size=8)
+    prompt = PROMPTS[2]
+    req = Request("r", prompt, SamplingParams())
+    req.block_table = llm.engine.scheduler.allocator.allocate(-(-len(prompt) // 8))
+    batch, _ = build_batch([(req, len(prompt))], 8)
+    batch.logits_indices = torch.arange(len(prompt))
+    ours = llm.engine.runner.model(batch, llm.engine.runner.kv)
+    with torch.no_grad():
+        theirs = ref(torch.tensor([prompt])).logits[0]
+    assert ours.shape == theirs.shape
+    assert max_rel_error(ours, theirs) <= 1e-4
