@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kernels import cpu_decode_ops
 from engine.kv_cache import BlockAllocator, PagedKVCache
 from engine.loader import load_model
 from engine.request import Request
@@ -74,6 +75,7 @@ class LLMEngine:
 
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None, show_progress: bool = False):
         self.config = config or EngineConfig()
+        cpu_decode_ops()  # build or load the native kernels now, not during the first request
         loaded = load_model(model_path, self.config.dtype, show_progress=show_progress)
         self.model_config = loaded.config
         self.pool = loaded.pool
