@@ -59,8 +59,10 @@ class PagedKVCache:
     ) -> None:
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         self.block_size = block_size
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Uninitialised on purpose: attention only reads slots this sequence has written, and the
+        # OS then commits pages as they are first used rather than all at start-up.
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
