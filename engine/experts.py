@@ -14,6 +14,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.kernels import cpu_decode_ops
+from engine.layers.linear import linear
 from engine.layers.mlp import activation
 
 
@@ -94,8 +95,8 @@ class LocalExpertBackend:
         return parts.sum(dim=1).to(x.dtype)
 
     def _expert(self, row: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = torch.nn.functional.linear(x, self.pool.gate_up[row]).chunk(2, dim=-1)
-        return torch.nn.functional.linear(self.act(gate) * up, self.pool.down[row])
+        gate, up = linear(x, self.pool.gate_up[row]).chunk(2, dim=-1)
+        return linear(self.act(gate) * up, self.pool.down[row])
 
     def _forward_one(self, x: torch.Tensor, rows: list[int], weights: torch.Tensor) -> torch.Tensor:
         """Decode fast path for a single token: the native kernel runs all k experts in one call;

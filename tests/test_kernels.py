@@ -94,3 +94,15 @@ def test_engine_without_kernels_matches_transformers(checkpoint, monkeypatch):
     assert out.token_ids == ref_tokens
     for a, b in zip(recorded[out.request_id], ref_logits, strict=True):
         assert max_rel_error(a, b) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_multi_token_half_linear_keeps_torch_numerics(dtype):
+    from engine.layers.linear import linear
+
+    torch.manual_seed(3)
+    w = torch.randn(64, 200, dtype=dtype)
+    x = torch.randn(9, 200, dtype=dtype)
+    b = torch.randn(64, dtype=dtype)
+    ref, got = F.linear(x, w, b), linear(x, w, b)
+    assert got.dtype == dtype and ulps_apart(got, ref) <= 1.0

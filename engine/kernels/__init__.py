@@ -31,6 +31,13 @@ def _supported() -> bool:
 
 
 @functools.lru_cache(maxsize=1)
+def cpu_has_native_half_gemm() -> bool:
+    """True where PyTorch's bf16/fp16 GEMM runs on hardware support (AVX512-BF16 or AMX)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+@functools.lru_cache(maxsize=1)
 def cpu_decode_ops() -> ModuleType | None:
     """The compiled ``linear_decode`` / ``experts_decode`` module, or None where unavailable."""
     if not _supported():

@@ -1,17 +1,28 @@
-"""Linear projection that takes the native single-token kernel when one is available."""
+"""Linear projection with CPU shortcuts that keep ``F.linear``'s numerics."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu_decode_ops
+from engine.kernels import cpu_decode_ops, cpu_has_native_half_gemm
+
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``; for one CPU token ([1, K]) the native kernel streams the weight faster."""
-    if x.shape[0] == 1 and x.dim() == 2 and weight.device.type == "cpu":
+    """``F.linear``, with two CPU shortcuts that keep its numerics (fp32 accumulation, one
+    rounding at the end):
+
+    - one token ([1, K]): the native kernel streams the weight at memory speed;
+    - several tokens in bf16/fp16 on a CPU without native half-precision math: the GEMM runs in
+      fp32 on exactly upcast operands, several times faster than PyTorch's emulated kernel there.
+    """
+    if weight.device.type == "cpu":
         ops = cpu_decode_ops()
-        if ops is not None and weight.is_contiguous():
+        if ops is not None and x.shape[0] == 1 and x.dim() == 2 and weight.is_contiguous():
             return ops.linear_decode(x.contiguous(), weight, bias)
+        if x.dtype in _HALF and x.shape[0] > 1 and not cpu_has_native_half_gemm():
+            b = bias.float() if bias is not None else None
+            return F.linear(x.float(), weight.float(), b).to(x.dtype)
     return F.linear(x, weight, bias)
