@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,9 @@ class ForwardBatch:
     sequences: list[SequenceSlice]
     logits_indices: torch.Tensor  # [B'] rows whose logits are needed (last token of a sampled sequence)
     block_size: int
+    # Attention masks by (sequence index, window), built by the first layer that needs one and
+    # reused by the others: they depend only on the sequence's positions.
+    masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

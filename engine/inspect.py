@@ -77,17 +77,19 @@ def summarize(cfg: ModelConfig) -> ModelSummary:
     )
 
 
+def _scaled(n: float, base: int, units: tuple[str, ...]) -> tuple[float, str]:
+    for unit in units[:-1]:
+        if abs(n) < base:
+            return n, unit
+        n /= base
+    return n, units[-1]
+
+
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    value, unit = _scaled(n, 1024, ("B", "KiB", "MiB", "GiB", "TiB"))
+    return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
 def human_count(n: float) -> str:
-    for unit in ("", "K", "M", "B", "T"):
-        if abs(n) < 1000 or unit == "T":
-            return f"{n:.2f}{unit}" if unit else str(int(n))
-        n /= 1000
-    return f"{n:.2f}T"
+    value, unit = _scaled(n, 1000, ("", "K", "M", "B", "T"))
+    return str(int(value)) if not unit else f"{value:.2f}{unit}"

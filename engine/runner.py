@@ -22,7 +22,7 @@ def build_batch(items: list[tuple[Request, int]], block_size: int) -> tuple[Forw
         start, end = req.num_computed, req.num_computed + n
         table = req.block_table[: -(-end // block_size)]
         blocks = torch.tensor(table, dtype=torch.long)
-        consecutive = table[-1] - table[0] == len(table) - 1 and table == list(range(table[0], table[-1] + 1))
+        consecutive = table == list(range(table[0], table[0] + len(table)))
         sequences.append(SequenceSlice(len(token_ids), n, end, blocks, table[0] if consecutive else -1))
         token_ids += req.tokens[start:end]
         positions += range(start, end)

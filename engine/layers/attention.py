@@ -8,15 +8,9 @@ from torch import nn
 
 from engine.batch import ForwardBatch, SequenceSlice
 from engine.config import ModelConfig
-from engine.layers.linear import linear
+from engine.layers.linear import Projection, linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rope import apply_rotary
-
-
-def _linear(in_f: int, out_f: int, bias: bool, dtype: torch.dtype) -> nn.Linear:
-    layer = nn.Linear(in_f, out_f, bias=bias, dtype=dtype)
-    layer.requires_grad_(False)
-    return layer
 
 
 def attention_mask(seq: SequenceSlice, window: int | None) -> torch.Tensor | None:
@@ -53,11 +47,11 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.window = cfg.sliding_windows[layer_idx]
         q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
-        self.q_proj = _linear(h, q_out, cfg.qkv_bias, cfg.dtype)
-        self.k_proj = _linear(h, kv_out, cfg.qkv_bias, cfg.dtype)
-        self.v_proj = _linear(h, kv_out, cfg.qkv_bias, cfg.dtype)
+        self.q_proj = Projection(h, q_out, cfg.qkv_bias, cfg.dtype)
+        self.k_proj = Projection(h, kv_out, cfg.qkv_bias, cfg.dtype)
+        self.v_proj = Projection(h, kv_out, cfg.qkv_bias, cfg.dtype)
         self._fuse_qkv(h, q_out, kv_out, cfg.qkv_bias, cfg.dtype)
-        self.o_proj = _linear(cfg.num_heads * d, h, False, cfg.dtype)
+        self.o_proj = Projection(cfg.num_heads * d, h, False, cfg.dtype)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
         self.scale = d**-0.5
@@ -96,11 +90,13 @@ class Attention(nn.Module):
         v_cache.index_copy_(0, batch.slot_mapping, v)
 
         out = torch.empty_like(q)
-        for seq in batch.sequences:
+        for index, seq in enumerate(batch.sequences):
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             keys = gather_context(k_cache, seq, batch.block_size)  # [ctx, kv_heads, D]
             vals = gather_context(v_cache, seq, batch.block_size)
-            mask = attention_mask(seq, self.window)
+            if (index, self.window) not in batch.masks:
+                batch.masks[index, self.window] = attention_mask(seq, self.window)
+            mask = batch.masks[index, self.window]
             if seq.query_len == 1 and mask is None:
                 out[rows] = self._decode_one(q[rows], keys, vals)
                 continue

@@ -4,10 +4,27 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.kernels import cpu_decode_ops, cpu_has_native_half_gemm
 
 _HALF = (torch.bfloat16, torch.float16)
+
+
+class Projection(nn.Module):
+    """Holds one projection's ``weight`` [out, in] (and ``bias``) under the checkpoint's names.
+
+    Allocated uninitialised: the loader overwrites every element, so the random init of
+    ``nn.Linear`` would be wasted work at start-up. Hot paths call :func:`linear` on the weight.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import linear
+from engine.layers.linear import Projection, linear
 
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
 
@@ -23,10 +23,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, act: str, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
-        self.requires_grad_(False)
+        self.gate_proj = Projection(hidden, intermediate, False, dtype)
+        self.up_proj = Projection(hidden, intermediate, False, dtype)
+        self.down_proj = Projection(intermediate, hidden, False, dtype)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.experts import ExpertBackend
-from engine.layers.linear import linear
+from engine.layers.linear import Projection, linear
 from engine.layers.mlp import GatedMLP
 
 
@@ -46,13 +46,12 @@ class MoEBlock(nn.Module):
         self.gate = TopKRouter(cfg)
         self.backend = backend
         self.shared_expert: GatedMLP | None = None
-        self.shared_expert_gate: nn.Linear | None = None
+        self.shared_expert_gate: Projection | None = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(
                 cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act, cfg.dtype
             )
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False, dtype=cfg.dtype)
-            self.shared_expert_gate.requires_grad_(False)
+            self.shared_expert_gate = Projection(cfg.hidden_size, 1, False, cfg.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)

@@ -19,7 +19,7 @@ from engine.config import ModelConfig
 from engine.experts import ExpertBackend
 from engine.kv_cache import PagedKVCache
 from engine.layers.attention import Attention
-from engine.layers.linear import linear
+from engine.layers.linear import Projection, linear
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import MoEBlock
 from engine.layers.norm import RMSNorm
@@ -76,7 +76,9 @@ class DecoderModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, backend: ExpertBackend) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
+        # Uninitialised (the loader fills it) and frozen.
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight, _freeze=True)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
         self.rotary = RotaryEmbedding(cfg)
@@ -89,7 +91,7 @@ class MoECausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, backend)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=cfg.dtype)
+        self.lm_head = Projection(cfg.hidden_size, cfg.vocab_size, False, cfg.dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.requires_grad_(False)
