@@ -25,19 +25,37 @@ class ExpertPool:
     ``down[row]`` is [H, I]; ``row_table[g]`` maps a global id to its row (dense layers own no rows).
     """
 
-    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
+    def __init__(self, cfg: ModelConfig, storage: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """``storage``: existing (gate_up, down) tensors to use, e.g. views of a shared-memory
+        segment (see :mod:`engine.hierarchy.host_pool`); by default fresh host memory."""
         self.num_experts = cfg.num_experts
         self.moe_layer_ids = cfg.moe_layer_ids
-        n = len(self.moe_layer_ids) * cfg.num_experts
-        i, h = cfg.moe_intermediate_size, cfg.hidden_size
-        self.gate_up = torch.empty((n, 2 * i, h), dtype=cfg.dtype, device=device)
-        self.down = torch.empty((n, h, i), dtype=cfg.dtype, device=device)
+        self.num_global_ids = cfg.num_layers * cfg.num_experts
+        shapes = self.bank_shapes(cfg)
+        if storage is None:
+            storage = (torch.empty(shapes[0], dtype=cfg.dtype), torch.empty(shapes[1], dtype=cfg.dtype))
+        self.gate_up, self.down = storage
+        if tuple(self.gate_up.shape) != shapes[0] or tuple(self.down.shape) != shapes[1]:
+            raise ValueError(f"expert storage has shapes {list(self.gate_up.shape)}, {list(self.down.shape)}; "
+                             f"expected {list(shapes[0])}, {list(shapes[1])}")
         self._layer_base = {layer: rank * cfg.num_experts for rank, layer in enumerate(self.moe_layer_ids)}
         # row_table[g] = pool row of global id g (-1 for the ids of dense layers).
         self.row_table = torch.full((cfg.num_layers * cfg.num_experts,), -1, dtype=torch.long)
         for layer, base in self._layer_base.items():
             start = layer * cfg.num_experts
             self.row_table[start : start + cfg.num_experts] = torch.arange(base, base + cfg.num_experts)
+
+    @staticmethod
+    def bank_shapes(cfg: ModelConfig) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """Shapes of the two expert banks: gate_up [rows, 2I, H] and down [rows, H, I]."""
+        n = len(cfg.moe_layer_ids) * cfg.num_experts
+        i, h = cfg.moe_intermediate_size, cfg.hidden_size
+        return (n, 2 * i, h), (n, h, i)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert (its gate, up and down projections)."""
+        return (self.gate_up[0].numel() + self.down[0].numel()) * self.gate_up.element_size()
 
     def layer_rows(self, layer: int) -> int:
         """Row of expert 0 of ``layer``."""
@@ -73,6 +91,35 @@ def group_by_row(rows: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tens
         groups.append((row, sel // k, sel % k))
         start += count
     return groups
+
+
+def routed_partial_sum(
+    x: torch.Tensor,  # [T, H]
+    gate_up: torch.Tensor,  # [rows, 2I, H]
+    down: torch.Tensor,  # [rows, H, I]
+    rows: torch.Tensor,  # [T, k] rows of gate_up/down; -1 = served elsewhere
+    weights: torch.Tensor,  # [T, k]
+    act,
+) -> torch.Tensor:  # [T, H] fp32, unrounded
+    """Weighted sum of the routed experts whose row is >= 0, kept in fp32 so that partial sums of
+    different paths (device slots, CPU workers) add up to what one path computes, up to fp32
+    rounding order."""
+    t, k = rows.shape
+    if t == 1 and gate_up.device.type == "cpu":
+        valid = rows[0] >= 0
+        row_list = rows[0][valid].tolist()
+        if not row_list:
+            return torch.zeros((1, x.shape[1]), dtype=torch.float32)
+        ops = cpu_decode_ops() if act is torch.nn.functional.silu else None
+        if ops is not None:
+            return ops.experts_decode(x, gate_up, down, row_list, weights[0][valid], fp32_out=True)
+    parts = torch.zeros((t, k, x.shape[1]), dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
+    for row, tokens, kpos in group_by_row(rows):
+        if row < 0:
+            continue
+        gate, up = linear(x[tokens], gate_up[row]).chunk(2, dim=-1)
+        parts[tokens, kpos] = linear(act(gate) * up, down[row]) * weights[tokens, kpos, None]
+    return parts.sum(dim=1, dtype=torch.float32)
 
 
 class LocalExpertBackend:

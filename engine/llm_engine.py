@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.hierarchy.setup import HierarchyConfig, build_hierarchy
 from engine.kernels import cpu_decode_ops
 from engine.kv_cache import BlockAllocator, PagedKVCache
 from engine.loader import load_model
@@ -33,6 +35,13 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     prefill_chunk: int = 512
     max_model_len: int | None = None  # default: min(max_position_embeddings, 32768)
+    # Expert hierarchy (see engine.hierarchy.setup.HierarchyConfig for the meaning of each).
+    expert_device: str = "auto"  # auto | cuda | virtual | none
+    expert_cache: str | float | None = None  # fraction, bytes ("2GiB") or "Nslots"; default: what fits
+    virtual_link_gbps: float | None = None
+    q_mode: str = "table"  # table | zero | all
+    expert_bandwidths: tuple[float, float] | None = None  # (B_P, B_H) bytes/s instead of measuring
+    record_routing: str | None = None  # JSON-lines file of routed expert ids per step and layer
 
 
 @dataclass
@@ -86,6 +95,20 @@ class LLMEngine:
         bs = self.config.block_size
         num_blocks = -(-kv_tokens // bs)
         kv = PagedKVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+        self.experts = build_hierarchy(cfg, self.pool, HierarchyConfig(
+            device=self.config.expert_device, expert_cache=self.config.expert_cache,
+            virtual_link_gbps=self.config.virtual_link_gbps, q_mode=self.config.q_mode,
+            bandwidths=self.config.expert_bandwidths,
+        ))
+        if self.experts is not None:
+            loaded.model.set_expert_backend(self.experts)
+        self._routing_file = None
+        if self.config.record_routing:
+            if self.experts is None:
+                raise ValueError("recording routing needs the expert hierarchy (--virtual-device or a GPU)")
+            self._routing_file = open(self.config.record_routing, "w")  # noqa: SIM115 - closed by close()
+            self.experts.routing_log = []
+        self._steps = 0
         self.runner = ModelRunner(loaded.model, kv)
         sched_cfg = SchedulerConfig(
             max_num_seqs=self.config.max_num_seqs,
@@ -160,7 +183,26 @@ class LLMEngine:
         if not scheduled.items:
             return []
         logits, sampled = self.runner.execute(scheduled.items)
+        self._write_routing()
+        self._steps += 1
         return self._update(scheduled, logits, sampled)
+
+    def _write_routing(self) -> None:
+        if self._routing_file is None:
+            return
+        log = self.experts.routing_log
+        layers = {str(layer): ids for layer, ids in log}
+        self._routing_file.write(json.dumps({"step": self._steps, "num_experts": self.model_config.num_experts,
+                                             "layers": layers}) + "\n")
+        log.clear()
+
+    def close(self) -> None:
+        """Stop the CPU expert workers and close the routing record."""
+        if self.experts is not None:
+            self.experts.close()
+        if self._routing_file is not None:
+            self._routing_file.close()
+            self._routing_file = None
 
     def _update(self, scheduled: ScheduledStep, logits: torch.Tensor, sampled: list[Request]) -> list[RequestOutput]:
         for req, n in scheduled.items:
@@ -216,9 +258,13 @@ class LLMEngine:
         return min(hits) if hits else None
 
     def stats(self) -> dict[str, Any]:
-        return {
+        """Scheduler and KV occupancy, plus the expert hierarchy's counters when it runs."""
+        out: dict[str, Any] = {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "kv_blocks_free": self.scheduler.allocator.num_free,
             "kv_blocks_total": self.scheduler.allocator.num_blocks,
         }
+        if self.experts is not None:
+            out["experts"] = self.experts.stats()
+        return out

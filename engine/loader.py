@@ -203,14 +203,17 @@ def load_config(model_dir: str | Path, dtype: str | torch.dtype | None = None):
 
 
 def load_model(
-    model_dir: str | Path, dtype: str | torch.dtype | None = None, show_progress: bool = False
+    model_dir: str | Path, dtype: str | torch.dtype | None = None, show_progress: bool = False, pool_factory=None
 ) -> LoadedModel:
-    """Build the model described by ``model_dir`` and fill every weight from its safetensors."""
+    """Build the model described by ``model_dir`` and fill every weight from its safetensors.
+
+    ``pool_factory(gate_up_shape, down_shape, dtype)`` supplies the expert bank storage (e.g. a
+    shared-memory segment); by default the pool is ordinary host memory."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ConfigError(f"model directory '{model_dir}' does not exist")
     family, cfg = load_config(model_dir, dtype)
-    pool = ExpertPool(cfg)
+    pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None)
     model = MoECausalLM(cfg, LocalExpertBackend(pool, cfg.hidden_act))
     progress = _load_tensors(model_dir, cfg, model, pool, family, show_progress)
     _report(progress)

@@ -83,7 +83,7 @@ torch::Tensor linear_impl(const torch::Tensor& x, const torch::Tensor& w, const 
 // All k routed experts of one token. gate_up: [rows, 2I, H]; down: [rows, H, I]; ids: pool rows.
 template <typename T>
 torch::Tensor experts_impl(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down,
-                           const std::vector<int64_t>& ids, const torch::Tensor& weights) {
+                           const std::vector<int64_t>& ids, const torch::Tensor& weights, bool fp32_out) {
   const int64_t k = ids.size(), H = gate_up.size(2), I = down.size(2);
   auto xf = to_float<T>(x);
   const T* gu = gate_up.data_ptr<T>();
@@ -111,15 +111,18 @@ torch::Tensor experts_impl(const torch::Tensor& x, const torch::Tensor& gate_up,
   const bool fp32_weights = weights.scalar_type() == torch::kFloat32;
   auto wf = weights.to(torch::kFloat32).contiguous();
   const float* wv = wf.data_ptr<float>();
-  auto out = torch::empty({1, H}, x.options());
-  T* o = out.data_ptr<T>();
+  // fp32_out keeps the fp32 sum unrounded: a partial sum that another path's part is added to.
+  auto out = torch::empty({1, H}, x.options().dtype(fp32_out ? torch::kFloat32 : x.scalar_type()));
   for (int64_t h = 0; h < H; ++h) {
     float s = 0.f;
     for (int64_t j = 0; j < k; ++j) {
       const float term = y[j * H + h] * wv[j];
       s += fp32_weights ? term : round_to<T>(term);
     }
-    o[h] = static_cast<T>(s);
+    if (fp32_out)
+      out.data_ptr<float>()[h] = s;
+    else
+      out.data_ptr<T>()[h] = static_cast<T>(s);
   }
   return out;
 }
@@ -170,14 +173,14 @@ torch::Tensor linear_decode(torch::Tensor x, torch::Tensor w, c10::optional<torc
 }
 
 torch::Tensor experts_decode(torch::Tensor x, torch::Tensor gate_up, torch::Tensor down, std::vector<int64_t> ids,
-                             torch::Tensor weights) {
+                             torch::Tensor weights, bool fp32_out) {
   check_cpu(gate_up, "gate_up");
   check_cpu(down, "down");
   TORCH_CHECK(x.numel() == gate_up.size(2) && x.scalar_type() == gate_up.scalar_type(), "bad x");
   switch (gate_up.scalar_type()) {
-    case torch::kFloat32: return experts_impl<float>(x, gate_up, down, ids, weights);
-    case torch::kBFloat16: return experts_impl<at::BFloat16>(x, gate_up, down, ids, weights);
-    case torch::kFloat16: return experts_impl<at::Half>(x, gate_up, down, ids, weights);
+    case torch::kFloat32: return experts_impl<float>(x, gate_up, down, ids, weights, fp32_out);
+    case torch::kBFloat16: return experts_impl<at::BFloat16>(x, gate_up, down, ids, weights, fp32_out);
+    case torch::kFloat16: return experts_impl<at::Half>(x, gate_up, down, ids, weights, fp32_out);
     default: TORCH_CHECK(false, "unsupported dtype");
   }
 }
@@ -197,5 +200,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "weight * round(x * rsqrt(mean(x^2) + eps)) over the last dimension");
   m.def("linear_decode", &linear_decode, "y[1,N] = x[1,K] @ w[N,K]^T (+ bias) for one token");
-  m.def("experts_decode", &experts_decode, "weighted sum of one token's routed experts");
+  m.def("experts_decode", &experts_decode, "weighted sum of one token's routed experts (fp32_out: unrounded fp32 sum)",
+        py::arg("x"), py::arg("gate_up"), py::arg("down"), py::arg("ids"), py::arg("weights"),
+        py::arg("fp32_out") = false);
 }

@@ -96,6 +96,12 @@ class MoECausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.requires_grad_(False)
 
+    def set_expert_backend(self, backend: ExpertBackend) -> None:
+        """Route every MoE layer's experts through ``backend`` (e.g. the expert hierarchy)."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoEBlock):
+                layer.mlp.backend = backend
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in fp32."""

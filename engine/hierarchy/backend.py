@@ -1,0 +1,79 @@
+"""The expert backend of the hierarchy: hits and fills on the device, the CPU set on CPU workers.
+
+Per MoE layer call (DESIGN.md 2.2): the cache-control step classifies the routed ids and plans
+fills by ``qtable``; the CPU workers start on the pairs left to them while the device fills its
+slots and computes the rest; the two fp32 partial sums are added. Results equal the plain backend
+up to fp32 summation order at every cache size and split.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from engine.experts import ExpertPool
+from engine.hierarchy.cache import ExpertCacheTables
+
+
+@dataclass
+class PathTimes:
+    """Host-side accumulators (seconds, bytes) of the hierarchy's paths."""
+
+    fill_seconds: float = 0.0
+    fill_bytes: int = 0
+    device_seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    cpu_bytes: int = 0
+    layer_calls: int = 0
+
+
+class HierarchicalExpertBackend:
+    """An :class:`~engine.experts.ExpertBackend` over a device expert cache and CPU workers."""
+
+    def __init__(self, pool: ExpertPool, act, device, tables: ExpertCacheTables, cpu_workers) -> None:
+        self.pool = pool
+        self.act = act
+        self.device = device
+        self.tables = tables
+        self.cpu_workers = cpu_workers
+        self.times = PathTimes()
+        self.routing_log: list[tuple[int, list[list[int]]]] | None = None  # (layer, ids per token) when recording
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        t, k = expert_ids.shape
+        if self.routing_log is not None:
+            self.routing_log.append((int(expert_ids[0, 0]) // self.pool.num_experts, expert_ids.tolist()))
+        plan = self.tables.step(expert_ids.reshape(-1).to(self.tables.device))
+        pair_slot = plan.pair_slot.view(t, k)
+        on_cpu = (pair_slot < 0).cpu()
+        future = None
+        if bool(on_cpu.any()):
+            rows = torch.where(on_cpu, self.pool.row_table[expert_ids], -1)
+            future = self.cpu_workers.submit(x, rows, topk_weights)
+        start = time.perf_counter()
+        self.times.fill_bytes += self.device.fill(plan)
+        filled = time.perf_counter()
+        out = self.device.compute(x, pair_slot, topk_weights, self.act)
+        self.times.fill_seconds += filled - start
+        self.times.device_seconds += time.perf_counter() - filled
+        if future is not None:
+            cpu_part, timing = future.result()
+            out = out + cpu_part
+            self.times.cpu_seconds += timing.seconds
+            self.times.cpu_bytes += timing.nbytes
+        self.times.layer_calls += 1
+        return out.to(x.dtype)
+
+    def stats(self) -> dict[str, float]:
+        """Counters of the cache (hits, misses, fills, CPU experts, evictions) and path timings."""
+        out: dict[str, float] = dict(self.tables.read_stats())
+        out.update(asdict(self.times))
+        out["slots"] = self.tables.num_slots
+        out["hit_rate"] = out["hits"] / max(out["hits"] + out["misses"], 1)
+        out["cpu_bytes_per_s"] = self.times.cpu_bytes / self.times.cpu_seconds if self.times.cpu_seconds else 0.0
+        return out
+
+    def close(self) -> None:
+        self.cpu_workers.close()

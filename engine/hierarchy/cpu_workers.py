@@ -1,0 +1,85 @@
+"""CPU expert workers: compute the CPU share of a step's experts straight from the host pool.
+
+:class:`CpuExpertWorkers` runs in the caller's process: one dispatcher thread, bound to the given
+cores, takes tasks and runs the expert kernel, whose own threads inherit that binding. The same
+tasks can travel through a shared-memory ring to a worker in another process
+(:mod:`engine.hierarchy.ring`); both return the same fp32 partial sums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from engine.experts import ExpertPool, routed_partial_sum
+
+
+def physical_cores() -> list[int]:
+    """CPUs this process may run on, one per physical core (SMT siblings dropped) on Linux."""
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    seen, cores = set(), []
+    for cpu in allowed:
+        path = f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
+        try:
+            with open(path) as f:
+                key = f.read().strip()
+        except OSError:
+            key = str(cpu)
+        if key not in seen:
+            seen.add(key)
+            cores.append(cpu)
+    return cores
+
+
+def bind_current_thread(cores: list[int] | None) -> None:
+    """Pin the calling thread (and the threads it starts later) to ``cores`` where the OS allows."""
+    if cores and hasattr(os, "sched_setaffinity"):
+        with contextlib.suppress(OSError):  # e.g. cores outside a container's cpuset
+            os.sched_setaffinity(0, cores)  # on Linux, 0 = the calling thread
+
+
+@dataclass
+class CpuTaskTiming:
+    """What one task cost: seconds in the kernel and expert bytes read."""
+
+    seconds: float
+    nbytes: int
+
+
+class CpuExpertWorkers:
+    """In-process CPU expert workers over ``pool``.
+
+    ``submit(x, rows, weights)`` queues one task ([T, H] activations, [T, k] pool rows with -1 for
+    pairs served elsewhere, [T, k] routing weights) and returns a future of the fp32 [T, H] partial sum.
+    """
+
+    def __init__(self, pool: ExpertPool, act, cores: list[int] | None = None) -> None:
+        self.pool = pool
+        self.act = act
+        self.cores = cores if cores is not None else physical_cores()
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="hearth-cpu-experts", initializer=bind_current_thread,
+            initargs=(self.cores,),
+        )
+        self.last_timing = CpuTaskTiming(0.0, 0)
+
+    def submit(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> Future:
+        return self._executor.submit(self._run, x, rows, weights)
+
+    def _run(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, CpuTaskTiming]:
+        start = time.perf_counter()
+        out = routed_partial_sum(x, self.pool.gate_up, self.pool.down, rows, weights, self.act)
+        n_experts = int(torch.unique(rows[rows >= 0]).numel())
+        return out, CpuTaskTiming(time.perf_counter() - start, n_experts * self.pool.expert_bytes)
+
+    def compute(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, CpuTaskTiming]:
+        """Run one task synchronously in the calling thread (profiling, tests)."""
+        return self._run(x, rows, weights)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,99 @@
+"""Where cached experts live and how they get there: a CUDA device, or the *virtual device*.
+
+A device owns the slot arena (``gate_up`` [S, 2I, H], ``down`` [S, H, I]) that the cache tables
+index, carries out a step's fill plan (host pool -> slots, one batched copy) and computes the
+routed pairs served from slots. The virtual device is a separate CPU arena with a byte budget and an
+optionally rate-limited copy path, so the whole hierarchy runs, and is tested, without a GPU.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.experts import ExpertPool, routed_partial_sum
+from engine.hierarchy.cache import FillPlan
+
+
+class VirtualDevice:
+    """A CPU arena of ``num_slots`` expert slots; fills are memcpys, optionally slowed to
+    ``link_bytes_per_s`` to stand in for a PCIe link."""
+
+    kind = "virtual"
+
+    def __init__(self, pool: ExpertPool, num_slots: int, link_bytes_per_s: float | None = None) -> None:
+        self.device = torch.device("cpu")
+        self.pool = pool
+        self.num_slots = num_slots
+        self.link_bytes_per_s = link_bytes_per_s
+        self.gate_up = torch.empty((num_slots, *pool.gate_up.shape[1:]), dtype=pool.gate_up.dtype)
+        self.down = torch.empty((num_slots, *pool.down.shape[1:]), dtype=pool.down.dtype)
+
+    def fill(self, plan: FillPlan) -> int:
+        """Copy the plan's fills into their slots; returns the bytes moved."""
+        count = int(plan.count)  # a host tensor here: no device synchronisation involved
+        if count == 0:
+            return 0
+        start = time.perf_counter()
+        rows = self.pool.row_table[plan.src[:count]]
+        slots = plan.dst[:count]
+        self.gate_up.index_copy_(0, slots, self.pool.gate_up.index_select(0, rows))
+        self.down.index_copy_(0, slots, self.pool.down.index_select(0, rows))
+        nbytes = count * self.pool.expert_bytes
+        if self.link_bytes_per_s:
+            # A link of the given speed would still be busy: wait out the difference.
+            left = nbytes / self.link_bytes_per_s - (time.perf_counter() - start)
+            if left > 0:
+                time.sleep(left)
+        return nbytes
+
+    def compute(self, x: torch.Tensor, pair_slot: torch.Tensor, weights: torch.Tensor, act) -> torch.Tensor:
+        """fp32 partial sum of the pairs served from slots (``pair_slot`` [T, k], -1 = elsewhere)."""
+        return routed_partial_sum(x, self.gate_up, self.down, pair_slot, weights, act)
+
+    def synchronize(self) -> None:
+        """Nothing runs asynchronously on the virtual device."""
+
+
+class CudaDevice:
+    """Expert slots in GPU memory, filled from the (pinned) host pool on a copy stream.
+
+    The cache-control step already runs on the GPU without host synchronisation; the copy here reads
+    the fill count once per step to size the batched gather (a count-aware copy kernel that removes
+    that read is what CUDA-graph capture of the whole step needs).
+    """
+
+    kind = "cuda"
+
+    def __init__(self, pool: ExpertPool, num_slots: int, device: torch.device | str = "cuda") -> None:
+        self.device = torch.device(device)
+        self.pool = pool
+        self.num_slots = num_slots
+        self.link_bytes_per_s = None
+        self.gate_up = torch.empty((num_slots, *pool.gate_up.shape[1:]), dtype=pool.gate_up.dtype, device=self.device)
+        self.down = torch.empty((num_slots, *pool.down.shape[1:]), dtype=pool.down.dtype, device=self.device)
+        self.copy_stream = torch.cuda.Stream(self.device)
+        self.row_table = pool.row_table.to(self.device)
+
+    def fill(self, plan: FillPlan) -> int:
+        count = int(plan.count)
+        if count == 0:
+            return 0
+        rows = self.pool.row_table[plan.src[:count].cpu()]
+        slots = plan.dst[:count]
+        with torch.cuda.stream(self.copy_stream):
+            for j, row in enumerate(rows.tolist()):
+                # Pinned source pages -> asynchronous DMA on the copy stream.
+                self.gate_up[slots[j]].copy_(self.pool.gate_up[row], non_blocking=True)
+                self.down[slots[j]].copy_(self.pool.down[row], non_blocking=True)
+        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        return count * self.pool.expert_bytes
+
+    def compute(self, x: torch.Tensor, pair_slot: torch.Tensor, weights: torch.Tensor, act) -> torch.Tensor:
+        out = routed_partial_sum(x.to(self.device), self.gate_up, self.down, pair_slot.to(self.device),
+                                 weights.to(self.device), act)
+        return out.cpu()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)

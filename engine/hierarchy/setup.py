@@ -1,0 +1,110 @@
+"""Build the expert backend an engine runs with, from its settings and what the machine has."""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ConfigError, ModelConfig
+from engine.experts import ExpertPool
+from engine.hierarchy.backend import HierarchicalExpertBackend
+from engine.hierarchy.cache import ExpertCacheTables
+from engine.hierarchy.cpu_workers import CpuExpertWorkers
+from engine.hierarchy.device import CudaDevice, VirtualDevice
+from engine.hierarchy.profile import measure_host_path, measure_link_path
+from engine.hierarchy.qstar import PathCost, SplitCosts, build_qtable, forced_qtable
+from engine.layers.mlp import activation
+
+log = logging.getLogger(__name__)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+@dataclass(frozen=True)
+class HierarchyConfig:
+    """How the expert hierarchy is set up.
+
+    ``device``: ``"auto"`` (CUDA when present, else no device), ``"cuda"``, ``"virtual"`` or ``"none"``.
+    ``expert_cache``: a fraction of all experts (``"0.1"``), bytes (``"2GiB"``) or slots (``"8slots"``).
+    ``q_mode``: ``"table"`` (the q* table), ``"zero"`` (every miss on the CPU) or ``"all"`` (fill every miss).
+    ``bandwidths``: (B_P, B_H) in bytes/s to use instead of measuring them.
+    """
+
+    device: str = "auto"
+    expert_cache: str | float | None = None
+    virtual_link_gbps: float | None = None
+    q_mode: str = "table"
+    cpu_cores: tuple[int, ...] | None = None
+    bandwidths: tuple[float, float] | None = None
+
+
+def parse_cache_size(spec: str | float | None, pool: ExpertPool, default_bytes: int) -> int:
+    """Number of cache slots for ``spec`` (fraction, bytes with a unit, or ``Nslots``)."""
+    total = pool.gate_up.shape[0]
+    if spec is None:
+        return min(total, default_bytes // pool.expert_bytes)
+    text = str(spec).strip().lower().replace(" ", "")
+    if (m := re.fullmatch(r"(\d+)slots?", text)) is not None:
+        return min(int(m.group(1)), total)
+    if (m := re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]i?b|b)?", text)) is None:
+        raise ConfigError(f"cannot read expert cache size '{spec}' (use a fraction like 0.1, bytes like 2GiB, "
+                          "or slots like 8slots)")
+    value, unit = float(m.group(1)), m.group(2) or ""
+    if not unit:
+        if value > 1:
+            raise ConfigError(f"expert cache size '{spec}': a bare number is a fraction of all experts (0..1); "
+                              "give bytes with a unit, e.g. 2GiB")
+        return int(value * total + 1e-9)
+    return min(total, int(value * _UNITS[unit]) // pool.expert_bytes)
+
+
+def _resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "none"
+    if name not in ("cuda", "virtual", "none"):
+        raise ConfigError(f"unknown expert device '{name}' (auto, cuda, virtual or none)")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--expert-device cuda: no CUDA device is available (use --virtual-device on this machine)")
+    return name
+
+
+def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: HierarchyConfig) -> HierarchicalExpertBackend | None:
+    """The hierarchical backend, or None when there is no device (every expert runs from the pool)."""
+    kind = _resolve_device(hc.device)
+    if kind == "none":
+        return None
+    act = activation(cfg.hidden_act)
+    if kind == "virtual":
+        slots = parse_cache_size(hc.expert_cache, pool, default_bytes=pool.nbytes // 4)
+        link = hc.virtual_link_gbps * 1e9 if hc.virtual_link_gbps else None
+        device = VirtualDevice(pool, slots, link)
+    else:
+        free, _ = torch.cuda.mem_get_info()
+        slots = parse_cache_size(hc.expert_cache, pool, default_bytes=int(free * 0.8))
+        device = CudaDevice(pool, slots)
+    workers = CpuExpertWorkers(pool, act, list(hc.cpu_cores) if hc.cpu_cores else None)
+    m_max = cfg.num_experts
+    if hc.q_mode == "table":
+        costs = measure_costs(pool, act, device, cfg.top_k, hc.bandwidths)
+        qtable = build_qtable(costs, m_max)
+        log.info("expert cache: %d slots; B_P %.1f GB/s, B_H %.1f GB/s; qtable %s", slots,
+                 costs.link.bytes_per_s / 1e9, costs.host_bytes_per_s / 1e9, qtable.tolist())
+    else:
+        qtable = forced_qtable(hc.q_mode, m_max)
+    tables = ExpertCacheTables(pool.num_global_ids, slots, qtable, max_fills=m_max, device=device.device)
+    return HierarchicalExpertBackend(pool, act, device, tables, workers)
+
+
+def measure_costs(pool: ExpertPool, act, device, k: int, bandwidths: tuple[float, float] | None) -> SplitCosts:
+    """Costs of both paths: given bandwidths, or a quick measurement of the real paths."""
+    if bandwidths is not None:
+        return SplitCosts(pool.expert_bytes, PathCost(bandwidths[0]), bandwidths[1])
+    host = measure_host_path(pool, act, k)
+    if device.num_slots == 0:
+        link = PathCost(max(device.link_bytes_per_s or host.bytes_per_s, 1.0))
+    else:
+        link = measure_link_path(device, pool, k)  # scribbles on slots the (still empty) tables do not use
+    return SplitCosts(pool.expert_bytes, link, host.bytes_per_s, cpu_fixed_s=host.fixed_s)
+

@@ -1,0 +1,85 @@
+"""A CPU expert worker process: ``python -m engine.hierarchy.worker --pool NAME --ring NAME``.
+
+Attaches to the host expert pool (read-only) and the task ring by name, binds itself to the
+given cores, and serves tasks until the ring's shutdown flag is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import torch
+
+from engine.experts import routed_partial_sum
+from engine.hierarchy.cpu_workers import bind_current_thread, physical_cores
+from engine.hierarchy.host_pool import HostExpertPool
+from engine.hierarchy.ring import DONE, FAILED, SUBMITTED, TaskRing
+from engine.layers.mlp import activation
+
+log = logging.getLogger("hearth.cpu_worker")
+
+
+def serve(pool: HostExpertPool, ring: TaskRing, idle_sleep_s: float = 50e-6) -> int:
+    """Serve tasks until shutdown; returns the number of tasks done."""
+    act = activation(ring.layout.hidden_act)
+    gate_up, down = pool.tensors
+    dtype = gate_up.dtype
+    h, done = ring.layout.hidden, 0
+    expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+    idle_since = time.monotonic()
+    while not ring.shutdown:
+        busy = False
+        for v in ring.slots:
+            ctrl = v["ctrl"]
+            if int(ctrl[0]) != SUBMITTED:
+                continue
+            busy = True
+            start = time.perf_counter_ns()
+            try:
+                t, k, fp32_weights = int(ctrl[2]), int(ctrl[3]), bool(ctrl[4])
+                x = v["x"][: t * h].view(t, h).to(dtype)
+                rows = v["rows"][: t * k].view(t, k)
+                weights = v["weights"][: t * k].view(t, k)
+                if not fp32_weights:
+                    weights = weights.to(dtype)
+                v["out"][: t * h].view(t, h).copy_(routed_partial_sum(x, gate_up, down, rows, weights, act))
+                ctrl[5] = int(torch.unique(rows[rows >= 0]).numel()) * expert_bytes
+                ctrl[6] = time.perf_counter_ns() - start
+                ctrl[0] = DONE
+            except Exception:  # report, never leave the executor waiting
+                log.exception("CPU expert task failed")
+                ctrl[0] = FAILED
+            done += 1
+        if busy:
+            idle_since = time.monotonic()
+        elif time.monotonic() - idle_since > 1e-3:
+            time.sleep(idle_sleep_s)  # spin briefly after work, then back off
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.hierarchy.worker", description=__doc__)
+    p.add_argument("--pool", required=True, help="name of the host expert pool segment")
+    p.add_argument("--ring", required=True, help="name of the task ring segment")
+    p.add_argument("--cores", default=None, help="comma-separated CPUs to bind to (default: one per physical core)")
+    p.add_argument("--threads", type=int, default=None, help="kernel threads (default: number of cores)")
+    args = p.parse_args(argv)
+    cores = [int(c) for c in args.cores.split(",")] if args.cores else physical_cores()
+    bind_current_thread(cores)
+    torch.set_num_threads(args.threads or len(cores))
+    pool = HostExpertPool.attach(args.pool)
+    ring = TaskRing.attach(args.ring)
+    print(f"hearth cpu worker: pool {pool.name}, ring {ring.name}, cores {cores}", file=sys.stderr, flush=True)
+    try:
+        serve(pool, ring)
+    finally:
+        ring.close()
+        pool.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

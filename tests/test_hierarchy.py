@@ -1,0 +1,85 @@
+"""The expert hierarchy gives the plain engine's results at every cache size and split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM
+from tests.helpers import PROMPTS, greedy, max_rel_error, record_logits
+
+CAPACITIES = ["0slots", "1slot", "0.1", "0.37", "1.0"]
+OVERRIDES = {"num_experts": 16, "num_experts_per_tok": 4}
+# B_P 10 GB/s, B_H 25 GB/s: the table sends roughly 60 % of the misses to the CPU.
+SPLIT_BANDWIDTHS = (10e9, 25e9)
+BATCH4 = PROMPTS + [[9, 8, 7, 6, 5, 4, 3, 2, 1, 300, 301]]
+
+
+def run(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    recorded = record_logits(llm)
+    outs = llm.generate(prompts, greedy(steps))
+    return [o.token_ids for o in outs], [torch.stack(recorded[o.request_id]) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain(checkpoint):
+    path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    llm = LLM(path, expert_device="none")
+    return {1: run(llm, PROMPTS[:1], 24), 4: run(llm, BATCH4, 24)}
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("q_mode", ["zero", "all", "table"])
+@pytest.mark.parametrize("capacity", CAPACITIES)
+def test_fp32_logits_equal_plain_engine(checkpoint, plain, capacity, q_mode, batch):
+    path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    llm = LLM(path, expert_device="virtual", expert_cache=capacity, q_mode=q_mode,
+              expert_bandwidths=SPLIT_BANDWIDTHS)
+    tokens, logits = run(llm, PROMPTS[:1] if batch == 1 else BATCH4, 24)
+    ref_tokens, ref_logits = plain[batch]
+    assert tokens == ref_tokens
+    for ours, ref in zip(logits, ref_logits, strict=True):
+        assert max_rel_error(ours, ref) <= 1e-5
+    stats = llm.engine.stats()["experts"]
+    total_slots = 3 * OVERRIDES["num_experts"]
+    expected_slots = {"0slots": 0, "1slot": 1, "0.1": 4, "0.37": 17, "1.0": total_slots}[capacity]
+    assert stats["slots"] == expected_slots
+    if expected_slots == 0 or q_mode == "zero":
+        assert stats["fills"] == 0 and stats["cpu"] == stats["misses"]
+    if q_mode == "all":
+        assert stats["cpu"] <= stats["misses"] and (stats["cpu"] == 0 or expected_slots < 16)
+    if q_mode == "table" and expected_slots >= 16:
+        assert stats["fills"] > 0 and stats["cpu"] > 0  # the split really splits
+    llm.engine.close()
+
+
+@pytest.mark.parametrize("capacity", ["1slot", "0.37"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_bf16_greedy_tokens_equal_plain_engine(checkpoint, family, capacity):
+    path, _ = checkpoint(family, dtype="bfloat16")
+    ref = LLM(path, expert_device="none").generate(BATCH4, greedy(32))
+    llm = LLM(path, expert_device="virtual", expert_cache=capacity, expert_bandwidths=SPLIT_BANDWIDTHS)
+    ours = llm.generate(BATCH4, greedy(32))
+    assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
+    llm.engine.close()
+
+
+def test_rate_limited_link_and_routing_record(checkpoint, tmp_path):
+    import json
+
+    path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    record = tmp_path / "routing.jsonl"
+    llm = LLM(path, expert_device="virtual", expert_cache="0.5", virtual_link_gbps=1.0, q_mode="all",
+              record_routing=str(record))
+    out = llm.generate(PROMPTS[1], greedy(6))[0]
+    llm.engine.close()
+    stats = llm.engine.stats()["experts"]
+    assert stats["fills"] > 0 and stats["fill_bytes"] == stats["fills"] * llm.engine.pool.expert_bytes
+    # A 1 GB/s link cannot move the filled bytes faster than that.
+    assert stats["fill_seconds"] >= stats["fill_bytes"] / 1e9 * 0.95
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(lines) == len(out.token_ids)  # one prefill step, then one step per decoded token
+    first = lines[0]
+    assert sorted(first["layers"]) == ["0", "1", "2"]
+    assert len(first["layers"]["0"]) == len(PROMPTS[1])  # one row of k ids per prompt token
+    assert all(16 <= g < 32 for row in first["layers"]["1"] for g in row)  # global ids of layer 1
