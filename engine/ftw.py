@@ -201,7 +201,9 @@ def _plan_reads(index: dict, model: MoECausalLM, pool: ExpertPool, cfg) -> list[
     missing = sorted(set(wanted) - set(index["tensors"]))
     extra = sorted(set(index["tensors"]) - set(wanted))
     if missing or extra:
-        raise CheckpointError(f"FTW tensor table does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
+        raise CheckpointError(
+            f"FTW tensor table does not match the model: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
     regions: list[tuple[dict, torch.Tensor, str]] = []
     for name, p in wanted.items():
         regions.append((index["tensors"][name], p.data, name))
@@ -247,7 +249,8 @@ def load_ftw(path: str | Path, dtype: str | torch.dtype | None = None, pool_fact
     if dtype not in (None, "auto") and parse_dtype({}, dtype) != stored:
         raise ConfigError(f"{path} stores {index['dtype']} weights; convert it again with --dtype to use {dtype}")
     _, cfg = load_config(path, stored)
-    if list(index["banks"]["moe_layers"]) != list(cfg.moe_layer_ids) or index["banks"]["num_experts"] != cfg.num_experts:
+    banks = index["banks"]
+    if list(banks["moe_layers"]) != list(cfg.moe_layer_ids) or banks["num_experts"] != cfg.num_experts:
         raise CheckpointError(f"{path}: FTW bank layout does not match config.json")
     files = _check_shards(path, index)
     shapes = ExpertPool.bank_shapes(cfg)

@@ -12,10 +12,11 @@ from typing import Any
 import torch
 
 from engine.detokenizer import IncrementalDetokenizer
+from engine.ftw import load_checkpoint
+from engine.hierarchy.host_pool import HostExpertPool
 from engine.hierarchy.setup import HierarchyConfig, build_hierarchy
 from engine.kernels import cpu_decode_ops
 from engine.kv_cache import BlockAllocator, PagedKVCache
-from engine.loader import load_model
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample_token
@@ -42,6 +43,8 @@ class EngineConfig:
     q_mode: str = "table"  # table | zero | all
     expert_bandwidths: tuple[float, float] | None = None  # (B_P, B_H) bytes/s instead of measuring
     record_routing: str | None = None  # JSON-lines file of routed expert ids per step and layer
+    host_pool_name: str | None = None  # put the expert pool in this named shared-memory segment
+    verify_checksums: bool = True  # FTW: check every extent's CRC while loading
 
 
 @dataclass
@@ -85,7 +88,9 @@ class LLMEngine:
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None, show_progress: bool = False):
         self.config = config or EngineConfig()
         cpu_decode_ops()  # build or load the native kernels now, not during the first request
-        loaded = load_model(model_path, self.config.dtype, show_progress=show_progress)
+        self.host_pool: HostExpertPool | None = None
+        loaded = load_checkpoint(model_path, self.config.dtype, self._pool_factory(), self.config.verify_checksums,
+                                 show_progress)
         self.model_config = loaded.config
         self.pool = loaded.pool
         self.tokenizer = load_tokenizer(model_path)
@@ -124,6 +129,18 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+
+    def _pool_factory(self):
+        """Storage for the expert banks: a named shared-memory segment when asked for."""
+        name = self.config.host_pool_name
+        if not name:
+            return None
+
+        def create(gate_up_shape, down_shape, dtype):
+            self.host_pool = HostExpertPool.create(name, gate_up_shape, down_shape, dtype)
+            return self.host_pool.tensors
+
+        return create
 
     def _kv_tokens(self) -> int:
         if self.config.kv_cache_tokens:
@@ -197,9 +214,12 @@ class LLMEngine:
         log.clear()
 
     def close(self) -> None:
-        """Stop the CPU expert workers and close the routing record."""
+        """Stop the CPU expert workers, close the routing record and release a shared pool."""
         if self.experts is not None:
             self.experts.close()
+        if self.host_pool is not None:
+            self.host_pool.close()
+            self.host_pool = None
         if self._routing_file is not None:
             self._routing_file.close()
             self._routing_file = None

@@ -77,3 +77,4 @@ class HierarchicalExpertBackend:
 
     def close(self) -> None:
         self.cpu_workers.close()
+        self.device.close()

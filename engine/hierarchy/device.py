@@ -55,6 +55,9 @@ class VirtualDevice:
     def synchronize(self) -> None:
         """Nothing runs asynchronously on the virtual device."""
 
+    def close(self) -> None:
+        """Nothing to release beyond the arena's memory."""
+
 
 class CudaDevice:
     """Expert slots in GPU memory, filled from the (pinned) host pool on a copy stream.
@@ -74,7 +77,14 @@ class CudaDevice:
         self.gate_up = torch.empty((num_slots, *pool.gate_up.shape[1:]), dtype=pool.gate_up.dtype, device=self.device)
         self.down = torch.empty((num_slots, *pool.down.shape[1:]), dtype=pool.down.dtype, device=self.device)
         self.copy_stream = torch.cuda.Stream(self.device)
-        self.row_table = pool.row_table.to(self.device)
+        self._registered = pin_host_memory((pool.gate_up, pool.down))
+
+    def close(self) -> None:
+        """Unregister the pool's pages (the pool itself stays: it is the source of truth)."""
+        cudart = torch.cuda.cudart()
+        for ptr in self._registered:
+            cudart.cudaHostUnregister(ptr)
+        self._registered = []
 
     def fill(self, plan: FillPlan) -> int:
         count = int(plan.count)
@@ -97,3 +107,21 @@ class CudaDevice:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+
+def pin_host_memory(tensors) -> list[int]:
+    """Register already-filled host tensors with CUDA (mapped, pinned) for asynchronous DMA.
+
+    Filling first and pinning afterwards avoids the OS zeroing pages about to be overwritten.
+    Returns the registered pointers (for unregistering); tensors already pinned are skipped.
+    """
+    cudart = torch.cuda.cudart()
+    registered = []
+    for t in tensors:
+        if t.is_pinned() or t.nbytes == 0:
+            continue
+        err = cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 2)  # cudaHostRegisterMapped
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {t.nbytes} bytes of the expert pool failed ({err})")
+        registered.append(t.data_ptr())
+    return registered

@@ -1,8 +1,8 @@
 """The host expert pool in named POSIX shared memory.
 
-The owner creates a segment named ``hearth-<name>``, fills it (from FTW or a Hugging Face
-checkpoint) and, on CUDA machines, registers the filled pages for pinned DMA — fill first, then
-pin. Other processes (CPU expert workers, a restarted executor) attach to it by name and map it
+The owner creates a segment named ``hearth-<name>`` and fills it (from FTW or a Hugging Face
+checkpoint); on CUDA machines the executor then registers the filled pages for pinned DMA — fill
+first, then pin (see ``device.CudaDevice``). Other processes (CPU expert workers, a restarted executor) attach to it by name and map it
 read-only, so every process uses the same physical pages. The first page is a header: magic,
 owner pid and JSON metadata (bank shapes, dtype), so attaching needs nothing but the name. The
 owner unlinks the segment on close; a crashed owner's segment is removed by :func:`cleanup`.
@@ -49,7 +49,6 @@ class HostExpertPool:
         self._mmap = buf
         self.meta = meta
         self.owner = owner
-        self.pinned = False
         self.gate_up, self.down = self._views(writable=owner)
 
     # -- creation and attachment ---------------------------------------------------------------------
@@ -117,25 +116,9 @@ class HostExpertPool:
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_up, self.down
 
-    # -- pinning and release -------------------------------------------------------------------------
-    def pin(self) -> None:
-        """Register the (already filled) pages with CUDA for mapped, pinned DMA; no-op without CUDA."""
-        if self.pinned or not torch.cuda.is_available():
-            return
-        cudart = torch.cuda.cudart()
-        for t in (self.gate_up, self.down):
-            err = cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 2)  # 2 = cudaHostRegisterMapped
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister failed ({err}) for the expert pool")
-        self.pinned = True
-
+    # -- release -------------------------------------------------------------------------------------
     def close(self) -> None:
         """Unmap (once no tensor uses the pages) and, for the owner, remove the name."""
-        if self.pinned:
-            cudart = torch.cuda.cudart()
-            for t in (self.gate_up, self.down):
-                cudart.cudaHostUnregister(t.data_ptr())
-            self.pinned = False
         self.gate_up = self.down = None  # type: ignore[assignment]
         with contextlib.suppress(BufferError):  # other views still alive: unmapped when they go
             self._mmap.close()
