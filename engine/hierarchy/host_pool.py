@@ -2,10 +2,11 @@
 
 The owner creates a segment named ``hearth-<name>`` and fills it (from FTW or a Hugging Face
 checkpoint); on CUDA machines the executor then registers the filled pages for pinned DMA — fill
-first, then pin (see ``device.CudaDevice``). Other processes (CPU expert workers, a restarted executor) attach to it by name and map it
-read-only, so every process uses the same physical pages. The first page is a header: magic,
-owner pid and JSON metadata (bank shapes, dtype), so attaching needs nothing but the name. The
-owner unlinks the segment on close; a crashed owner's segment is removed by :func:`cleanup`.
+first, then pin (see ``device.CudaDevice``). Other processes (CPU expert workers, a restarted
+executor) attach to it by name and map it read-only, so every process uses the same physical pages.
+The first page is a header: magic, owner pid and JSON metadata (bank shapes, dtype), so
+attaching needs nothing but the name. The owner unlinks the segment on close; a crashed owner's
+segment is removed by :func:`cleanup`.
 """
 
 from __future__ import annotations
