@@ -5,6 +5,11 @@ run; the table reports medians over ``--runs`` repetitions and the ratio hearth 
 
     python bench/decode.py --model DIR [--prompt-len 128] [--gen 64] [--runs 3] [--dtype bfloat16]
     python bench/decode.py --build-random /tmp/qwen3-1b   # ~1B random Qwen3-MoE, then benchmark it
+
+With ``--cache-fraction F [F ...]`` it benchmarks the expert hierarchy instead: the plain engine
+against a virtual-device expert cache of each size (``--virtual-link-gbps`` rate-limits its copy
+path), reporting decode tok/s, hit rate, fills and CPU experts per token, and the share of the
+host bandwidth B_H (measured with the real CPU expert kernel) that the CPU expert path reaches.
 """
 
 from __future__ import annotations
@@ -70,6 +75,10 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--cache-fraction", type=float, nargs="+", default=None, metavar="F",
+                    help="benchmark the expert hierarchy at these cache fractions (virtual device)")
+    ap.add_argument("--virtual-link-gbps", type=float, default=None, metavar="X",
+                    help="rate-limit the virtual device's copy path (with --cache-fraction)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -78,6 +87,11 @@ def main() -> int:
         args.model = args.build_random
     if args.model is None:
         ap.error("give --model or --build-random")
+
+    if args.cache_fraction is not None:
+        from bench.hierarchy_sweep import run_sweep
+
+        return run_sweep(args)
 
     from transformers import AutoModelForCausalLM
 

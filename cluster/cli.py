@@ -31,6 +31,33 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="longest context (default: model's, ≤32k)")
     g.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill chunk")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--no-verify", action="store_true", help="skip FTW checksum verification while loading")
+    h = p.add_argument_group("expert hierarchy")
+    h.add_argument("--expert-cache", default=None, metavar="SIZE",
+                   help="device expert cache: fraction of all experts (0.1), bytes (2GiB) or slots (8slots); "
+                        "default: what the device's free memory allows")
+    h.add_argument("--virtual-device", action="store_true",
+                   help="run the cache on a virtual device (a separate CPU arena) on a machine without a GPU")
+    h.add_argument("--virtual-link-gbps", type=float, default=None, metavar="X",
+                   help="rate-limit the virtual device's copy path to X GB/s")
+    h.add_argument("--expert-device", default="auto", choices=["auto", "cuda", "virtual", "none"],
+                   help="where the expert cache lives (auto: CUDA when present, else every expert on the CPU)")
+    h.add_argument("--q-mode", default="table", choices=["table", "zero", "all"],
+                   help="split of the misses: the q* table, all on the CPU, or fill all (ablations)")
+    h.add_argument("--record-routing", default=None, metavar="FILE",
+                   help="write the routed expert ids of every step and layer (JSON lines)")
+    h.add_argument("--host-pool", default=None, metavar="NAME", help="put the expert pool in shared memory NAME")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """EngineConfig fields from the engine and hierarchy arguments."""
+    device = "virtual" if args.virtual_device else args.expert_device
+    return dict(
+        dtype=args.dtype, max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk,
+        max_num_batched_tokens=max(args.prefill_chunk, 2048), verify_checksums=not args.no_verify,
+        expert_device=device, expert_cache=args.expert_cache, virtual_link_gbps=args.virtual_link_gbps,
+        q_mode=args.q_mode, record_routing=args.record_routing, host_pool_name=args.host_pool,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     gen = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
-    gen.add_argument("--model", required=True, help="checkpoint directory (Hugging Face layout)")
+    gen.add_argument("--model", required=True, help="checkpoint directory (Hugging Face or FTW)")
     gen.add_argument("--prompt", required=True, help="prompt text ('-' reads standard input)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     _add_sampling_args(gen)
@@ -48,6 +75,22 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="print architecture, parameter and expert counts, bytes per token")
     ins.add_argument("model", help="checkpoint directory")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
+    conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint to the FTW format")
+    conv.add_argument("src", help="Hugging Face checkpoint directory")
+    conv.add_argument("dst", help="output FTW directory")
+    conv.add_argument("--dtype", default="auto", help="auto (checkpoint's), float32, bfloat16 (bf16) or float16")
+    conv.add_argument("--shard-size", default="4GiB", help="largest shard (default 4GiB)")
+    prof = sub.add_parser("profile", help="measure B_P and B_H and print the q* table")
+    prof.add_argument("--model", required=True, help="checkpoint directory (Hugging Face or FTW)")
+    prof.add_argument("--dtype", default="auto")
+    prof.add_argument("--virtual-device", action="store_true", help="profile the virtual device's copy path")
+    prof.add_argument("--virtual-link-gbps", type=float, default=None)
+    prof.add_argument("--repeats", type=int, default=15, help="timed runs per measurement (median)")
+    prof.add_argument("--json", action="store_true", help="machine-readable output")
+    pool = sub.add_parser("pool", help="list or remove shared-memory expert pools")
+    pool.add_argument("action", choices=["list", "clean"])
+    pool.add_argument("name", nargs="?", help="pool to remove (clean); without it, clean removes pools whose "
+                                              "owner process is gone")
     return parser
 
 
@@ -64,8 +107,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
     )
-    llm = LLM(args.model, show_progress=True, dtype=args.dtype, max_model_len=args.max_model_len,
-              prefill_chunk=args.prefill_chunk, max_num_batched_tokens=max(args.prefill_chunk, 2048))
+    llm = LLM(args.model, show_progress=True, **engine_options(args))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
         prompt = render_chat(llm.tokenizer, [{"role": "user", "content": prompt}])
@@ -77,7 +119,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         last = out
     sys.stdout.write("\n")
     _print_speed(last, start)
+    _print_expert_stats(llm.engine.stats().get("experts"))
+    llm.engine.close()
     return 0
+
+
+def _print_expert_stats(stats: dict | None) -> None:
+    if not stats:
+        return
+    print(
+        f"[experts: {stats['slots']} cache slots, hit rate {stats['hit_rate']:.1%}, "
+        f"{stats['fills']} fills ({stats['fill_bytes'] / 2**20:.1f} MiB), {stats['cpu']} on CPU, "
+        f"{stats['evictions']} evictions]",
+        file=sys.stderr,
+    )
 
 
 def _print_speed(out, start: float) -> None:
@@ -121,16 +176,54 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from engine.ftw import convert, read_index
+    from engine.hierarchy.setup import parse_bytes
+
+    start = time.perf_counter()
+    path = convert(args.src, args.dst, None if args.dtype == "auto" else args.dtype,
+                   shard_bytes=parse_bytes(args.shard_size), show_progress=True)
+    index = read_index(path.parent)
+    total = sum(s["bytes"] for s in index["shards"])
+    print(f"wrote {path.parent}: {len(index['shards'])} shard(s), {total / 2**30:.2f} GiB, "
+          f"{index['dtype']}, in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from cluster.profile_cmd import run_profile
+
+    return run_profile(args)
+
+
+def cmd_pool(args: argparse.Namespace) -> int:
+    from engine.hierarchy.host_pool import cleanup, list_pools
+
+    pools = list_pools()
+    if args.action == "list":
+        for p in pools:
+            state = "owner alive" if p["owner_alive"] else "owner gone"
+            print(f"{p['name']}  {p['bytes'] / 2**20:.1f} MiB  pid {p['owner_pid']} ({state})")
+        if not pools:
+            print("no hearth shared-memory pools")
+        return 0
+    names = [args.name] if args.name else [p["name"] for p in pools if not p["owner_alive"]]
+    for name in names:
+        print(f"{'removed' if cleanup(name) else 'not found'}: {name}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"generate": cmd_generate, "inspect": cmd_inspect}
+    handlers = {"generate": cmd_generate, "inspect": cmd_inspect, "convert": cmd_convert, "profile": cmd_profile,
+                "pool": cmd_pool}
     if args.command not in handlers:
         parser.print_help()
         return 0 if args.command is None else 2
     try:
         return handlers[args.command](args)
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError, FileExistsError, FileNotFoundError) as exc:
         print(f"hearth: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

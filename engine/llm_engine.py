@@ -42,6 +42,7 @@ class EngineConfig:
     virtual_link_gbps: float | None = None
     q_mode: str = "table"  # table | zero | all
     expert_bandwidths: tuple[float, float] | None = None  # (B_P, B_H) bytes/s instead of measuring
+    cpu_experts_threaded: bool = False  # run the CPU share on a worker thread (default: calling thread)
     record_routing: str | None = None  # JSON-lines file of routed expert ids per step and layer
     host_pool_name: str | None = None  # put the expert pool in this named shared-memory segment
     verify_checksums: bool = True  # FTW: check every extent's CRC while loading
@@ -103,7 +104,7 @@ class LLMEngine:
         self.experts = build_hierarchy(cfg, self.pool, HierarchyConfig(
             device=self.config.expert_device, expert_cache=self.config.expert_cache,
             virtual_link_gbps=self.config.virtual_link_gbps, q_mode=self.config.q_mode,
-            bandwidths=self.config.expert_bandwidths,
+            bandwidths=self.config.expert_bandwidths, cpu_threaded=self.config.cpu_experts_threaded,
         ))
         if self.experts is not None:
             loaded.model.set_expert_backend(self.experts)

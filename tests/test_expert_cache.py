@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.hierarchy.cache import ExpertCacheTables, cache_step
+from engine.kernels import cpu_decode_ops
 
 
 class ReferenceLRU:
@@ -56,16 +57,26 @@ def routed_trace(steps: int, num_layers: int, experts: int, k: int, tokens: int,
     return trace
 
 
+def step_impls():
+    """The fixed-shape tensor step (what a GPU runs) and the native host-table step."""
+    impls = [pytest.param(cache_step, id="tensor-ops")]
+    ops = cpu_decode_ops()
+    impls.append(pytest.param(ops.cache_step_host if ops else None, id="native",
+                              marks=pytest.mark.skipif(ops is None, reason="native kernels unavailable")))
+    return impls
+
+
+@pytest.mark.parametrize("impl", step_impls())
 @pytest.mark.parametrize("num_slots", [1, 5, 24, 64])
 @pytest.mark.parametrize("qmode", ["all", "table"])
-def test_lru_sequence_matches_reference(num_slots, qmode):
+def test_lru_sequence_matches_reference(num_slots, qmode, impl):
     layers, experts, k = 4, 16, 4
     qtable = list(range(experts + 1)) if qmode == "all" else [min(m, max(m - 1, m // 2)) for m in range(experts + 1)]
     tables = ExpertCacheTables(layers * experts, num_slots, torch.tensor(qtable), max_fills=experts)
     ref = ReferenceLRU(num_slots, qtable)
     for ids in routed_trace(30, layers, experts, k, tokens=2, seed=num_slots):
         before = tables.resident()
-        plan = tables.step(torch.tensor(ids))
+        plan = tables.step(torch.tensor(ids), step_fn=impl)
         after = tables.resident()
         hits, misses, events = ref.step(ids)
         count = int(plan.count)

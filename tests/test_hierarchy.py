@@ -53,6 +53,17 @@ def test_fp32_logits_equal_plain_engine(checkpoint, plain, capacity, q_mode, bat
     llm.engine.close()
 
 
+@pytest.mark.parametrize("threaded", [False, True])
+def test_threaded_cpu_workers_equal_plain_engine(checkpoint, plain, threaded):
+    path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    llm = LLM(path, expert_device="virtual", expert_cache="0.1", expert_bandwidths=SPLIT_BANDWIDTHS,
+              cpu_experts_threaded=threaded)
+    tokens, logits = run(llm, BATCH4, 24)
+    assert tokens == plain[4][0]
+    assert max(max_rel_error(a, b) for a, b in zip(logits, plain[4][1], strict=True)) <= 1e-5
+    llm.engine.close()
+
+
 @pytest.mark.parametrize("capacity", ["1slot", "0.37"])
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_bf16_greedy_tokens_equal_plain_engine(checkpoint, family, capacity):

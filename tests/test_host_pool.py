@@ -83,7 +83,7 @@ def test_worker_process_returns_same_partial_sums(dtype, weight_dtype):
     ring = TaskRing.create(unique("ring"), RingLayout(slots=2, max_tokens=8, hidden=H, top_k=K))
     proc = subprocess.Popen([sys.executable, "-m", "engine.hierarchy.worker", "--pool", pool.name,
                              "--ring", ring.name, "--threads", "1"], stderr=subprocess.PIPE, text=True)
-    local = CpuExpertWorkers(_PoolView(pool), activation("silu"))
+    local = CpuExpertWorkers(_PoolView(pool), activation("silu"), threaded=True)
     remote = RingCpuWorkers(ring, local.pool.expert_bytes, timeout_s=60)
     try:
         for x, rows, weights in random_tasks(1, weight_dtype, dtype):

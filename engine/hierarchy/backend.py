@@ -48,23 +48,24 @@ class HierarchicalExpertBackend:
         plan = self.tables.step(expert_ids.reshape(-1).to(self.tables.device))
         pair_slot = plan.pair_slot.view(t, k)
         on_cpu = (pair_slot < 0).cpu()
-        future = None
+        # The CPU share is submitted first (a worker thread or process starts at once; inline work
+        # waits until the device work below has been launched), then fills and device compute.
+        task = None
         if bool(on_cpu.any()):
-            rows = torch.where(on_cpu, self.pool.row_table[expert_ids], -1)
-            future = self.cpu_workers.submit(x, rows, topk_weights)
+            task = self.cpu_workers.submit(x, torch.where(on_cpu, self.pool.row_table[expert_ids], -1), topk_weights)
         start = time.perf_counter()
         self.times.fill_bytes += self.device.fill(plan)
         filled = time.perf_counter()
         out = self.device.compute(x, pair_slot, topk_weights, self.act)
         self.times.fill_seconds += filled - start
         self.times.device_seconds += time.perf_counter() - filled
-        if future is not None:
-            cpu_part, timing = future.result()
-            out = out + cpu_part
+        if task is not None:
+            cpu_part, timing = task.result()
+            out = out.to(cpu_part.device) + cpu_part
             self.times.cpu_seconds += timing.seconds
             self.times.cpu_bytes += timing.nbytes
         self.times.layer_calls += 1
-        return out.to(x.dtype)
+        return out.to(device=x.device, dtype=x.dtype)
 
     def stats(self) -> dict[str, float]:
         """Counters of the cache (hits, misses, fills, CPU experts, evictions) and path timings."""

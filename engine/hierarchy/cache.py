@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels import cpu_decode_ops
+
 # Stats counters kept on the device (read only when asked for).
 STAT_NAMES = ("steps", "hits", "misses", "fills", "cpu", "evictions")
 _NEVER = torch.iinfo(torch.int64).max
@@ -80,6 +82,7 @@ def cache_step(
     now = clock.expand(n)
     last_used.scatter_(0, hit_slot, now)
     last_used.scatter_(0, dst_slot, now)
+    last_used[s_dummy] = -1
     clock.add_(1)
     # The fill plan, compacted to its first q entries.
     plan_pos = torch.where(fill, rank, num_candidates)
@@ -113,10 +116,14 @@ class ExpertCacheTables:
             raise ValueError(f"qtable must have shape {tuple(self.qtable.shape)}")
         self.qtable.copy_(qtable)
 
-    def step(self, ids: torch.Tensor, step_fn=cache_step) -> FillPlan:
-        """Run the control step for the routed global ids ``ids`` [N]."""
+    def step(self, ids: torch.Tensor, step_fn=None) -> FillPlan:
+        """Run the control step for the routed global ids ``ids`` [N]. Host-memory tables use the
+        native version of the same step when it is built (one call instead of ~50 small ops)."""
         if self.num_slots == 0 or self.num_candidates == 0:
             return self._step_without_slots(ids)
+        if step_fn is None:
+            ops = cpu_decode_ops() if self.device.type == "cpu" else None
+            step_fn = ops.cache_step_host if ops is not None else cache_step
         pair_slot, src, dst, count = step_fn(
             ids, self.slot_of, self.expert_of, self.last_used, self.clock, self.qtable, self.stats,
             self.num_candidates,
@@ -124,7 +131,7 @@ class ExpertCacheTables:
         return FillPlan(pair_slot, src, dst, count)
 
     def _step_without_slots(self, ids: torch.Tensor) -> FillPlan:
-        m = torch.unique(ids).numel()
+        m = len(set(ids.tolist()))
         self.stats.add_(torch.tensor([1, 0, m, 0, m, 0], device=self.device))
         empty = torch.full((0,), -1, dtype=torch.long, device=self.device)
         return FillPlan(torch.full_like(ids, -1), empty, empty, torch.zeros((), dtype=torch.long, device=self.device))

@@ -51,35 +51,49 @@ class CpuTaskTiming:
     nbytes: int
 
 
+class _Deferred:
+    """A task run by the thread that asks for its result (inline mode)."""
+
+    def __init__(self, fn, *args) -> None:
+        self._fn, self._args = fn, args
+
+    def result(self):
+        return self._fn(*self._args)
+
+
 class CpuExpertWorkers:
     """In-process CPU expert workers over ``pool``.
 
     ``submit(x, rows, weights)`` queues one task ([T, H] activations, [T, k] pool rows with -1 for
-    pairs served elsewhere, [T, k] routing weights) and returns a future of the fp32 [T, H] partial sum.
+    pairs served elsewhere, [T, k] routing weights) and returns a future of (fp32 [T, H] partial
+    sum, timing). The kernel's threads do the parallel work. ``threaded=True`` runs tasks on a
+    dispatcher thread bound to ``cores``, concurrently with the caller; the default runs a task in
+    the caller's thread when its result is asked for — after the caller has launched its device
+    work — which avoids a thread hand-off per layer (measured: 25 % of decode time on 2 cores).
     """
 
-    def __init__(self, pool: ExpertPool, act, cores: list[int] | None = None) -> None:
+    def __init__(self, pool: ExpertPool, act, cores: list[int] | None = None, threaded: bool = False) -> None:
         self.pool = pool
         self.act = act
         self.cores = cores if cores is not None else physical_cores()
-        self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="hearth-cpu-experts", initializer=bind_current_thread,
-            initargs=(self.cores,),
-        )
-        self.last_timing = CpuTaskTiming(0.0, 0)
+        self._executor = None
+        if threaded:
+            self._executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="hearth-cpu-experts", initializer=bind_current_thread,
+                initargs=(self.cores,),
+            )
 
-    def submit(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> Future:
+    def submit(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> Future | _Deferred:
+        if self._executor is None:
+            return _Deferred(self._run, x, rows, weights)
         return self._executor.submit(self._run, x, rows, weights)
 
     def _run(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, CpuTaskTiming]:
         start = time.perf_counter()
         out = routed_partial_sum(x, self.pool.gate_up, self.pool.down, rows, weights, self.act)
-        n_experts = int(torch.unique(rows[rows >= 0]).numel())
+        n_experts = len({r for r in rows.reshape(-1).tolist() if r >= 0})
         return out, CpuTaskTiming(time.perf_counter() - start, n_experts * self.pool.expert_bytes)
 
-    def compute(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, CpuTaskTiming]:
-        """Run one task synchronously in the calling thread (profiling, tests)."""
-        return self._run(x, rows, weights)
-
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)

@@ -36,10 +36,10 @@ class VirtualDevice:
         if count == 0:
             return 0
         start = time.perf_counter()
-        rows = self.pool.row_table[plan.src[:count]]
-        slots = plan.dst[:count]
-        self.gate_up.index_copy_(0, slots, self.pool.gate_up.index_select(0, rows))
-        self.down.index_copy_(0, slots, self.pool.down.index_select(0, rows))
+        rows = self.pool.row_table[plan.src[:count]].tolist()
+        for slot, row in zip(plan.dst[:count].tolist(), rows, strict=True):  # straight copies, no temporaries
+            self.gate_up[slot].copy_(self.pool.gate_up[row])
+            self.down[slot].copy_(self.pool.down[row])
         nbytes = count * self.pool.expert_bytes
         if self.link_bytes_per_s:
             # A link of the given speed would still be busy: wait out the difference.
@@ -90,20 +90,21 @@ class CudaDevice:
         count = int(plan.count)
         if count == 0:
             return 0
-        rows = self.pool.row_table[plan.src[:count].cpu()]
-        slots = plan.dst[:count]
+        rows = self.pool.row_table[plan.src[:count].cpu()].tolist()
+        slots = plan.dst[:count].tolist()
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # slots no longer read
         with torch.cuda.stream(self.copy_stream):
-            for j, row in enumerate(rows.tolist()):
+            for slot, row in zip(slots, rows, strict=True):
                 # Pinned source pages -> asynchronous DMA on the copy stream.
-                self.gate_up[slots[j]].copy_(self.pool.gate_up[row], non_blocking=True)
-                self.down[slots[j]].copy_(self.pool.down[row], non_blocking=True)
+                self.gate_up[slot].copy_(self.pool.gate_up[row], non_blocking=True)
+                self.down[slot].copy_(self.pool.down[row], non_blocking=True)
         torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         return count * self.pool.expert_bytes
 
     def compute(self, x: torch.Tensor, pair_slot: torch.Tensor, weights: torch.Tensor, act) -> torch.Tensor:
-        out = routed_partial_sum(x.to(self.device), self.gate_up, self.down, pair_slot.to(self.device),
-                                 weights.to(self.device), act)
-        return out.cpu()
+        # Returned on the GPU: the caller computes the CPU share meanwhile and synchronises last.
+        return routed_partial_sum(x.to(self.device), self.gate_up, self.down, pair_slot.to(self.device),
+                                  weights.to(self.device), act)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

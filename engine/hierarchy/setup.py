@@ -37,6 +37,7 @@ class HierarchyConfig:
     virtual_link_gbps: float | None = None
     q_mode: str = "table"
     cpu_cores: tuple[int, ...] | None = None
+    cpu_threaded: bool = False  # CPU experts on a dispatcher thread instead of the calling thread
     bandwidths: tuple[float, float] | None = None
 
 
@@ -58,6 +59,14 @@ def parse_cache_size(spec: str | float | None, pool: ExpertPool, default_bytes: 
                               "give bytes with a unit, e.g. 2GiB")
         return int(value * total + 1e-9)
     return min(total, int(value * _UNITS[unit]) // pool.expert_bytes)
+
+
+def parse_bytes(text: str) -> int:
+    """``4GiB``, ``512MB``, ``1048576`` -> bytes."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]i?b|b)?", str(text).strip().lower())
+    if m is None:
+        raise ConfigError(f"cannot read a size from '{text}' (e.g. 4GiB, 512MB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
 
 
 def _resolve_device(name: str) -> str:
@@ -84,7 +93,7 @@ def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: HierarchyConfig) -> 
         free, _ = torch.cuda.mem_get_info()
         slots = parse_cache_size(hc.expert_cache, pool, default_bytes=int(free * 0.8))
         device = CudaDevice(pool, slots)
-    workers = CpuExpertWorkers(pool, act, list(hc.cpu_cores) if hc.cpu_cores else None)
+    workers = CpuExpertWorkers(pool, act, list(hc.cpu_cores) if hc.cpu_cores else None, threaded=hc.cpu_threaded)
     m_max = cfg.num_experts
     if hc.q_mode == "table":
         costs = measure_costs(pool, act, device, cfg.top_k, hc.bandwidths)

@@ -19,7 +19,7 @@ from types import ModuleType
 import torch
 
 log = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.cpp", "cache_step.cpp")]
 
 
 def _supported() -> bool:
@@ -52,7 +52,7 @@ def cpu_decode_ops() -> ModuleType | None:
 
         return load(
             name="hearth_cpu_decode",
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,

@@ -1,0 +1,147 @@
+"""CUDA check of the expert hierarchy: exactness with the cache on the GPU, and B_P / B_H there.
+
+    python bench/gpu_check.py [--json OUT] [--shape-layers 4]
+
+1. Exactness: tiny random checkpoints run with the expert cache on the GPU (0 slots, 1 slot, 10 %,
+   37 %, 100 % of the experts; q from the table, forced to 0 and to m) must give the plain engine's
+   logits (fp32, ≤ 1e-5 relative) and greedy tokens (bf16, 32 steps), at batch 1 and 4.
+2. The cache-control step compiled with ``torch.compile(fullgraph=True)`` on the GPU equals eager.
+3. Bandwidths on real expert shapes (Qwen3-30B-A3B: hidden 2048, expert intermediate 768, bf16):
+   B_P from batched pinned fills, B_H from the CPU expert kernel, and the resulting q table.
+Without CUDA it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+PROMPTS = [[5, 17, 33, 99, 100, 3, 7, 200, 201, 45], [300, 12, 12, 250, 8], list(range(40, 110)),
+           [9, 8, 7, 6, 5, 4, 3, 2, 1, 300, 301]]
+CAPACITIES = ["0slots", "1slot", "0.1", "0.37", "1.0"]
+
+
+def _logits_run(llm, prompts, steps):
+    from engine import SamplingParams
+
+    recorded: dict[str, list[torch.Tensor]] = {}
+    execute = llm.engine.runner.execute
+
+    def wrapped(items):
+        logits, sampled = execute(items)
+        for row, req in enumerate(sampled):
+            recorded.setdefault(req.request_id, []).append(logits[row].clone())
+        return logits, sampled
+
+    llm.engine.runner.execute = wrapped
+    outs = llm.generate(prompts, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
+    return [o.token_ids for o in outs], [torch.stack(recorded[o.request_id]) for o in outs]
+
+
+def check_exactness(root: Path) -> list[dict]:
+    from engine import LLM
+    from engine.testing import make_checkpoint
+
+    results = []
+    for dtype in ("float32", "bfloat16"):
+        path = root / dtype
+        make_checkpoint(path, "qwen3_moe", "per_expert", dtype, num_experts=16, num_experts_per_tok=4)
+        for batch in (1, 4):
+            prompts = PROMPTS[:batch]
+            ref_tokens, ref_logits = _logits_run(LLM(path, expert_device="none"), prompts, 32)
+            for capacity in CAPACITIES:
+                for q_mode in ("table", "zero", "all"):
+                    llm = LLM(path, expert_device="cuda", expert_cache=capacity, q_mode=q_mode)
+                    tokens, logits = _logits_run(llm, prompts, 32)
+                    err = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(logits, ref_logits,
+                                                                                          strict=True))
+                    ok = tokens == ref_tokens and (dtype == "bfloat16" or err <= 1e-5)
+                    stats = llm.engine.stats()["experts"]
+                    results.append({"dtype": dtype, "batch": batch, "capacity": capacity, "q_mode": q_mode,
+                                    "tokens_equal": tokens == ref_tokens, "max_rel_error": err, "ok": ok,
+                                    "fills": stats["fills"], "cpu": stats["cpu"], "hits": stats["hits"]})
+                    llm.engine.close()
+    return results
+
+
+def check_compile() -> bool:
+    from engine.hierarchy.cache import ExpertCacheTables, cache_step
+
+    compiled = torch.compile(cache_step, fullgraph=True, dynamic=False)
+    a = ExpertCacheTables(256, 24, torch.arange(65), 64, device="cuda")
+    b = ExpertCacheTables(256, 24, torch.arange(65), 64, device="cuda")
+    g = torch.Generator().manual_seed(0)
+    for step in range(64):
+        ids = (torch.randint(0, 64, (32,), generator=g) + 64 * (step % 4)).cuda()
+        pa, pb = a.step(ids), b.step(ids, step_fn=compiled)
+        if not (torch.equal(pa.pair_slot, pb.pair_slot) and torch.equal(pa.src, pb.src)):
+            return False
+    return torch.equal(a.slot_of, b.slot_of) and torch.equal(a.last_used, b.last_used)
+
+
+def measure_real_shapes(root: Path, layers: int) -> dict:
+    from engine.ftw import load_checkpoint
+    from engine.hierarchy.device import CudaDevice
+    from engine.hierarchy.profile import measure_host_path, measure_link_path
+    from engine.hierarchy.qstar import SplitCosts, build_qtable
+    from engine.layers.mlp import activation
+    from engine.testing import make_checkpoint
+
+    path = root / "qwen3-30b-shapes"
+    make_checkpoint(path, "qwen3_moe", "fused", "bfloat16", hidden_size=2048, num_hidden_layers=layers,
+                    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=64,
+                    num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144, vocab_size=4096,
+                    shard_bytes=2 << 30)
+    loaded = load_checkpoint(path)
+    pool, cfg = loaded.pool, loaded.config
+    host = measure_host_path(pool, activation(cfg.hidden_act), cfg.top_k, repeats=15)
+    device = CudaDevice(pool, 64)
+    link = measure_link_path(device, pool, 32, repeats=15)
+    costs = SplitCosts(pool.expert_bytes, link, host.bytes_per_s, cpu_fixed_s=host.fixed_s)
+    qtable = build_qtable(costs, 16).tolist()
+    device.close()
+    return {"expert_bytes": pool.expert_bytes, "B_P_GBps": link.bytes_per_s / 1e9, "fill_fixed_us": link.fixed_s * 1e6,
+            "B_H_GBps": host.bytes_per_s / 1e9, "cpu_fixed_us": host.fixed_s * 1e6, "qtable_m0_16": qtable}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--shape-layers", type=int, default=2, help="MoE layers of the real-shape model")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device on this machine; nothing to check (the CPU suite covers the rest)")
+        return 0
+    start = time.time()
+    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        report["exactness"] = check_exactness(root)
+        report["compile_ok"] = check_compile()
+        report["bandwidth"] = measure_real_shapes(root, args.shape_layers)
+    report["all_exact"] = all(r["ok"] for r in report["exactness"])
+    report["seconds"] = time.time() - start
+    bad = [r for r in report["exactness"] if not r["ok"]]
+    print(f"device: {report['device']}")
+    print(f"exactness: {len(report['exactness']) - len(bad)}/{len(report['exactness'])} configurations equal the "
+          "plain engine" + (f"; failing: {bad}" if bad else ""))
+    print(f"cache step compiled (fullgraph) equals eager on CUDA: {report['compile_ok']}")
+    bw = report["bandwidth"]
+    print(f"real shapes: expert {bw['expert_bytes'] / 2**20:.2f} MiB, B_P {bw['B_P_GBps']:.1f} GB/s, "
+          f"B_H {bw['B_H_GBps']:.1f} GB/s, qtable[0..16] {bw['qtable_m0_16']}")
+    print(json.dumps(report))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0 if report["all_exact"] and report["compile_ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
