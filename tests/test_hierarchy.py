@@ -64,14 +64,34 @@ def test_threaded_cpu_workers_equal_plain_engine(checkpoint, plain, threaded):
     llm.engine.close()
 
 
-@pytest.mark.parametrize("capacity", ["1slot", "0.37"])
+@pytest.fixture(scope="module")
+def plain_bf16(checkpoint):
+    refs = {}
+    for family in ("qwen3_moe", "qwen2_moe", "mixtral"):
+        path, _ = checkpoint(family, dtype="bfloat16")
+        refs[family] = [o.token_ids for o in LLM(path, expert_device="none").generate(BATCH4, greedy(32))]
+    return refs
+
+
+@pytest.mark.parametrize("q_mode", ["zero", "all", "table"])
+@pytest.mark.parametrize("capacity", CAPACITIES)
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
-def test_bf16_greedy_tokens_equal_plain_engine(checkpoint, family, capacity):
+def test_bf16_greedy_tokens_equal_plain_engine(checkpoint, plain_bf16, family, capacity, q_mode):
     path, _ = checkpoint(family, dtype="bfloat16")
-    ref = LLM(path, expert_device="none").generate(BATCH4, greedy(32))
-    llm = LLM(path, expert_device="virtual", expert_cache=capacity, expert_bandwidths=SPLIT_BANDWIDTHS)
-    ours = llm.generate(BATCH4, greedy(32))
-    assert [o.token_ids for o in ours] == [o.token_ids for o in ref]
+    llm = LLM(path, expert_device="virtual", expert_cache=capacity, q_mode=q_mode,
+              expert_bandwidths=SPLIT_BANDWIDTHS)
+    assert [o.token_ids for o in llm.generate(BATCH4, greedy(32))] == plain_bf16[family]
+    llm.engine.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu_check.py covers more)")
+@pytest.mark.parametrize("capacity", CAPACITIES)
+def test_cuda_cache_equals_plain_engine(checkpoint, plain, capacity):
+    path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    llm = LLM(path, expert_device="cuda", expert_cache=capacity, expert_bandwidths=SPLIT_BANDWIDTHS)
+    tokens, logits = run(llm, BATCH4, 24)
+    assert tokens == plain[4][0]
+    assert max(max_rel_error(a, b) for a, b in zip(logits, plain[4][1], strict=True)) <= 1e-5
     llm.engine.close()
 
 
