@@ -63,3 +63,49 @@ def test_inspect_counts_match_transformers(checkpoint, family, overrides):
     _, cfg = load_config(path)
     assert summary == summarize(cfg).as_dict()
     assert summary["expert_bytes"] * summary["num_experts"] * summary["num_moe_layers"] == summary["expert_pool_bytes"]
+
+
+def test_convert_then_generate_on_virtual_device(checkpoint, tmp_path):
+    path, _ = checkpoint("qwen3_moe")
+    out = hearth("convert", str(path), str(tmp_path / "ftw"), "--dtype", "bf16")
+    assert out.returncode == 0, out.stderr
+    assert "1 shard(s)" in out.stderr and (tmp_path / "ftw" / "ftw.json").is_file()
+    routing = tmp_path / "routing.jsonl"
+    out = hearth("generate", "--model", str(tmp_path / "ftw"), "--prompt", "def fib", "--max-tokens", "8",
+                 "--ignore-eos", "--virtual-device", "--expert-cache", "0.3", "--virtual-link-gbps", "2",
+                 "--record-routing", str(routing))
+    assert out.returncode == 0, out.stderr
+    assert "cache slots" in out.stderr and "hit rate" in out.stderr
+    assert len(routing.read_text().splitlines()) == 8
+    bad = hearth("generate", "--model", str(tmp_path / "ftw"), "--prompt", "x", "--virtual-device",
+                 "--expert-cache", "12")
+    assert bad.returncode == 1 and "bare number is a fraction" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_profile_without_gpu_reports_host_bandwidth(checkpoint):
+    path, _ = checkpoint("qwen3_moe")
+    out = hearth("profile", "--model", str(path), "--repeats", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["B_H_GBps"] > 0 and len(report["qtable"]) == len(report["rows"])
+    if report["device"] is None:
+        assert report["qtable"] == [0] * len(report["qtable"])  # no device: every miss on the CPU
+    out = hearth("profile", "--model", str(path), "--repeats", "3", "--virtual-device")
+    assert out.returncode == 0 and "B_P (virtual)" in out.stdout and "q*" in out.stdout
+
+
+def test_pool_clean_removes_a_named_segment():
+    import uuid
+
+    import torch
+
+    from engine.hierarchy.host_pool import HostExpertPool
+
+    name = f"test-cli-{uuid.uuid4().hex[:8]}"
+    pool = HostExpertPool.create(name, (1, 2, 2), (1, 2, 1), torch.float32)
+    try:
+        assert "hearth-" + name in hearth("pool", "list").stdout
+        out = hearth("pool", "clean", name)
+        assert out.returncode == 0 and "removed" in out.stdout
+    finally:
+        pool.close()
