@@ -57,12 +57,14 @@ def run_sweep(args: argparse.Namespace) -> int:
         if "hits" in rs[0]:
             last = rs[-1]
             tokens = args.gen - 1  # decode steps after the first token
-            cpu_bw = sum(r["cpu_bytes"] for r in rs) / max(sum(r["cpu_seconds"] for r in rs), 1e-12)
+            cpu_bytes, cpu_s = sum(r["cpu_bytes"] for r in rs), sum(r["cpu_seconds"] for r in rs)
+            cpu_bw = cpu_bytes / cpu_s if cpu_bytes else None  # None: no expert ran on the CPU
             row.update({
                 "slots": engines[name].engine.experts.tables.num_slots,
                 "hit_rate": last["hits"] / max(last["hits"] + last["misses"], 1),
                 "fills_per_token": last["fills"] / tokens, "cpu_experts_per_token": last["cpu"] / tokens,
-                "cpu_path_GBps": cpu_bw / 1e9, "cpu_share_of_B_H": cpu_bw / host.bytes_per_s,
+                "cpu_path_GBps": cpu_bw / 1e9 if cpu_bw else None,
+                "cpu_share_of_B_H": cpu_bw / host.bytes_per_s if cpu_bw else None,
             })
         result["configs"][name] = row
     _print(result)
@@ -88,5 +90,6 @@ def _print(r: dict) -> None:
                   "             - |            - |")
             continue
         print(f"| {name:<10} | {c['slots']:5d} | {c['decode_tok_s']:12.2f} | {c['hit_rate']:8.1%} | "
-              f"{c['fills_per_token']:9.1f} | {c['cpu_experts_per_token']:15.1f} | {c['cpu_path_GBps']:13.2f} | "
-              f"{c['cpu_share_of_B_H']:12.1%} |")
+              f"{c['fills_per_token']:9.1f} | {c['cpu_experts_per_token']:15.1f} | "
+              + (f"{c['cpu_path_GBps']:13.2f} | {c['cpu_share_of_B_H']:12.1%} |" if c["cpu_path_GBps"] else
+                 f"{'-':>13} | {'-':>12} |"))

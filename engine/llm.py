@@ -23,6 +23,16 @@ class LLM:
     def __init__(self, model: str | Path, show_progress: bool = False, **engine_options: Any) -> None:
         self.engine = LLMEngine(model, EngineConfig(**engine_options), show_progress=show_progress)
 
+    def close(self) -> None:
+        """Release CPU workers, a shared-memory pool and the routing record (also on ``with`` exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -56,7 +56,7 @@ def test_attach_by_name_from_another_process():
 def test_crashed_owner_segment_is_cleaned_up_by_name():
     name = unique("crash")
     code = ("import os, sys, torch; from engine.hierarchy.host_pool import HostExpertPool as P; "
-            "P.create(sys.argv[1], (2, 4, 4), (2, 4, 2), torch.float32); os._exit(0)")
+            "pool = P.create(sys.argv[1], (2, 4, 4), (2, 4, 2), torch.float32); os._exit(0)")
     subprocess.run([sys.executable, "-c", code, name], check=True)
     if os.path.isdir("/dev/shm"):
         stale = [p for p in list_pools() if p["name"] == f"hearth-{name}"]
@@ -116,5 +116,14 @@ def test_engine_pool_in_shared_memory(checkpoint):
     with HostExpertPool.attach(name) as view:
         assert torch.equal(view.gate_up, llm.engine.pool.gate_up)
     llm.engine.close()
+    with pytest.raises(FileNotFoundError):
+        HostExpertPool.attach(name)
+
+
+def test_owner_that_exits_without_close_removes_its_segment():
+    name = unique("exit")
+    code = ("import sys, torch; from engine.hierarchy.host_pool import HostExpertPool as P; "
+            "pool = P.create(sys.argv[1], (2, 4, 4), (2, 4, 2), torch.float32)")
+    subprocess.run([sys.executable, "-c", code, name], check=True)
     with pytest.raises(FileNotFoundError):
         HostExpertPool.attach(name)

@@ -17,6 +17,7 @@ import mmap
 import os
 import struct
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -51,6 +52,9 @@ class HostExpertPool:
         self.meta = meta
         self.owner = owner
         self.gate_up, self.down = self._views(writable=owner)
+        # An owner that is never closed still removes the name when collected or at exit; only a
+        # killed process leaves its segment behind (see cleanup()).
+        self._finalizer = weakref.finalize(self, _unlink_quietly, shm) if owner else None
 
     # -- creation and attachment ---------------------------------------------------------------------
     @classmethod
@@ -125,14 +129,18 @@ class HostExpertPool:
             self._mmap.close()
         if self.owner:
             self.owner = False
-            with contextlib.suppress(FileNotFoundError):
-                _posixshmem.shm_unlink("/" + self.name)
+            self._finalizer()
 
     def __enter__(self) -> HostExpertPool:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _unlink_quietly(shm: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        _posixshmem.shm_unlink(shm)
 
 
 def read_header(buf) -> dict:

@@ -4,6 +4,11 @@ Both paths read the same host memory. While fills run, the CPU experts get what 
 the host bandwidth, ``B_R = max(B_H - B_P, 0)`` (DESIGN.md 2.3). Each path costs a fixed dispatch
 time plus bytes over bandwidth; the exposed time of a split is the slower path. Rounding the closed
 form ``q ≈ m·B_P/B_H`` loses badly when B_R is small, so every integer q in 0..m is evaluated.
+
+As in the design, the CPU share is planned at B_R whenever a device exists, even for q = 0: the
+link keeps moving other layers' and steps' fills, and a filled expert keeps paying off in later
+steps while a CPU-computed one does not. That is what makes "fill all" the choice when B_H ≈ B_P
+(the RTX 5090 desktop of the design). Without a device the CPU gets all of B_H.
 """
 
 from __future__ import annotations

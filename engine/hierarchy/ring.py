@@ -18,12 +18,13 @@ import os
 import struct
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from engine.hierarchy.cpu_workers import CpuTaskTiming
-from engine.hierarchy.host_pool import _posixshmem, _require_posix, _shm_name
+from engine.hierarchy.host_pool import _posixshmem, _require_posix, _shm_name, _unlink_quietly
 
 _MAGIC = b"HEARTH-RING-v1\0\0"
 _HEADER = 4096
@@ -57,6 +58,7 @@ class TaskRing:
         self._mmap = buf
         self.layout = layout
         self.owner = owner
+        self._finalizer = weakref.finalize(self, _unlink_quietly, shm) if owner else None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             self.words = torch.frombuffer(buf, dtype=torch.int64, count=_WORDS, offset=len(_MAGIC))
@@ -120,8 +122,7 @@ class TaskRing:
             self._mmap.close()
         if self.owner:
             self.owner = False
-            with contextlib.suppress(FileNotFoundError):
-                _posixshmem.shm_unlink("/" + self.name)
+            self._finalizer()
 
 
 class _RingFuture:
