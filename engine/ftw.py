@@ -195,7 +195,7 @@ def _check_shards(path: Path, index: dict) -> list[Path]:
     return files
 
 
-def _plan_reads(index: dict, model: MoECausalLM, pool: ExpertPool, cfg) -> list[_Read]:
+def _plan_reads(index: dict, model: MoECausalLM, pool: ExpertPool, cfg, read_banks: bool = True) -> list[_Read]:
     crcs = {(s, e[0]): (e[1], e[2]) for s, shard in enumerate(index["shards"]) for e in shard["extents"]}
     wanted = {n: p for n, p in model.named_parameters() if not (cfg.tie_word_embeddings and n == "lm_head.weight")}
     missing = sorted(set(wanted) - set(index["tensors"]))
@@ -212,7 +212,8 @@ def _plan_reads(index: dict, model: MoECausalLM, pool: ExpertPool, cfg) -> list[
         covered = 0
         for piece in index["banks"][bank]:
             r0, r1 = piece["rows"]
-            regions.append((piece, t[r0:r1], f"expert bank {bank} rows {r0}..{r1}"))
+            if read_banks:
+                regions.append((piece, t[r0:r1], f"expert bank {bank} rows {r0}..{r1}"))
             covered += r1 - r0
         if covered != t.shape[0]:
             raise CheckpointError(f"FTW bank {bank} covers {covered} expert rows, the model has {t.shape[0]}")
@@ -240,9 +241,12 @@ def _pread_into(fd: int, dst: memoryview, offset: int) -> int:
 
 
 def load_ftw(path: str | Path, dtype: str | torch.dtype | None = None, pool_factory: PoolFactory | None = None,
-             verify: bool = True, show_progress: bool = False, threads: int | None = None) -> LoadedModel:
+             verify: bool = True, show_progress: bool = False, threads: int | None = None,
+             filled_pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> LoadedModel:
     """Load an FTW directory. ``pool_factory(gate_up_shape, down_shape, dtype)`` supplies the expert
-    bank storage (e.g. a shared-memory segment); ``verify=False`` skips the checksums."""
+    bank storage (e.g. a shared-memory segment); ``filled_pool`` is an already filled one (a
+    restarted executor re-attaching to the host pool): its banks are not read again.
+    ``verify=False`` skips the checksums."""
     path = Path(path)
     index = read_index(path)
     stored = getattr(torch, index["dtype"])
@@ -254,9 +258,12 @@ def load_ftw(path: str | Path, dtype: str | torch.dtype | None = None, pool_fact
         raise CheckpointError(f"{path}: FTW bank layout does not match config.json")
     files = _check_shards(path, index)
     shapes = ExpertPool.bank_shapes(cfg)
-    pool = ExpertPool(cfg, pool_factory(*shapes, cfg.dtype) if pool_factory else None)
+    if filled_pool is not None and filled_pool[0].dtype != cfg.dtype:
+        raise CheckpointError(f"the shared expert pool holds {filled_pool[0].dtype}, the checkpoint {cfg.dtype}")
+    storage = filled_pool if filled_pool is not None else pool_factory(*shapes, cfg.dtype) if pool_factory else None
+    pool = ExpertPool(cfg, storage)
     model = MoECausalLM(cfg, LocalExpertBackend(pool, cfg.hidden_act))
-    reads = _plan_reads(index, model, pool, cfg)
+    reads = _plan_reads(index, model, pool, cfg, read_banks=filled_pool is None)
     fds = [os.open(f, os.O_RDONLY) for f in files]
     bar = tqdm(total=sum(len(r.dst) for r in reads), unit="B", unit_scale=True, desc="loading FTW",
                disable=not show_progress)
@@ -284,8 +291,12 @@ def load_ftw(path: str | Path, dtype: str | torch.dtype | None = None, pool_fact
 
 
 def load_checkpoint(path: str | Path, dtype: str | torch.dtype | None = None, pool_factory: PoolFactory | None = None,
-                    verify: bool = True, show_progress: bool = False) -> LoadedModel:
+                    verify: bool = True, show_progress: bool = False,
+                    filled_pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> LoadedModel:
     """Load an FTW directory, or a Hugging Face one (converted in memory to the same layout)."""
     if is_ftw(path):
-        return load_ftw(path, dtype, pool_factory, verify, show_progress)
+        return load_ftw(path, dtype, pool_factory, verify, show_progress, filled_pool=filled_pool)
+    if filled_pool is not None:
+        raise ConfigError("re-attaching to a filled shared expert pool needs an FTW checkpoint "
+                          "(convert it with `hearth convert`)")
     return load_model(path, dtype, show_progress=show_progress, pool_factory=pool_factory)

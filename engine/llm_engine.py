@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from engine.config import ConfigError
 from engine.detokenizer import IncrementalDetokenizer
 from engine.ftw import load_checkpoint
 from engine.hierarchy.host_pool import HostExpertPool
@@ -89,9 +90,13 @@ class LLMEngine:
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None, show_progress: bool = False):
         self.config = config or EngineConfig()
         cpu_decode_ops()  # build or load the native kernels now, not during the first request
-        self.host_pool: HostExpertPool | None = None
-        loaded = load_checkpoint(model_path, self.config.dtype, self._pool_factory(), self.config.verify_checksums,
-                                 show_progress)
+        self.host_pool: HostExpertPool | None = self._attach_filled_pool()
+        loaded = load_checkpoint(
+            model_path, self.config.dtype, self._pool_factory(), self.config.verify_checksums, show_progress,
+            filled_pool=self.host_pool.tensors if self.host_pool is not None else None,
+        )
+        if self.host_pool is not None and self.host_pool.owner:
+            self.host_pool.mark_filled()
         self.model_config = loaded.config
         self.pool = loaded.pool
         self.tokenizer = load_tokenizer(model_path)
@@ -131,10 +136,26 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
 
+    def _attach_filled_pool(self) -> HostExpertPool | None:
+        """An existing, completely filled shared pool of this name (a restarted executor reuses its
+        pages instead of reading the experts again), or None."""
+        name = self.config.host_pool_name
+        if not name:
+            return None
+        try:
+            pool = HostExpertPool.attach(name)
+        except FileNotFoundError:
+            return None
+        if not pool.filled:
+            pool.close()
+            raise ConfigError(f"shared expert pool '{name}' exists but was never completely filled (its owner "
+                              f"died while loading?); remove it with `hearth pool clean {name}`")
+        return pool
+
     def _pool_factory(self):
         """Storage for the expert banks: a named shared-memory segment when asked for."""
         name = self.config.host_pool_name
-        if not name:
+        if not name or self.host_pool is not None:
             return None
 
         def create(gate_up_shape, down_shape, dtype):

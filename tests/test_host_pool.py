@@ -127,3 +127,45 @@ def test_owner_that_exits_without_close_removes_its_segment():
     subprocess.run([sys.executable, "-c", code, name], check=True)
     with pytest.raises(FileNotFoundError):
         HostExpertPool.attach(name)
+
+
+def test_restarted_engine_reattaches_without_reading_experts(checkpoint, tmp_path):
+    from engine import LLM
+    from engine.ftw import convert, read_index
+    from tests.helpers import PROMPTS, greedy
+
+    src, _ = checkpoint("qwen3_moe")
+    ftw = tmp_path / "ftw"
+    convert(src, ftw)
+    name = unique("restart")
+    first = LLM(ftw, host_pool_name=name)
+    expected = first.generate(PROMPTS[0], greedy(8))[0].token_ids
+    # Damage the expert banks on disk: a re-attaching engine must not read them again.
+    index = read_index(ftw)
+    piece = index["banks"]["gate_up"][0]
+    shard = ftw / index["shards"][piece["shard"]]["file"]
+    data = bytearray(shard.read_bytes())
+    data[piece["offset"] : piece["offset"] + 64] = bytes(64)
+    shard.write_bytes(bytes(data))
+    second = LLM(ftw, host_pool_name=name)
+    assert not second.engine.host_pool.owner
+    assert second.generate(PROMPTS[0], greedy(8))[0].token_ids == expected
+    second.close()
+    HostExpertPool.attach(name).close()  # still there: only the owner removes it
+    first.close()
+    with pytest.raises(FileNotFoundError):
+        HostExpertPool.attach(name)
+
+
+def test_half_filled_pool_is_refused(checkpoint, tmp_path):
+    from engine import LLM
+    from engine.config import ConfigError
+
+    src, _ = checkpoint("qwen3_moe")
+    name = unique("half")
+    pool = HostExpertPool.create(name, (24, 64, 64), (24, 64, 32), torch.float32)  # never marked filled
+    try:
+        with pytest.raises(ConfigError, match="never completely filled"):
+            LLM(src, host_pool_name=name)
+    finally:
+        pool.close()

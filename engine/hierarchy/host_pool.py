@@ -29,6 +29,7 @@ except ImportError:  # pragma: no cover - Windows
 
 _MAGIC = b"HEARTH-POOL-v1\0\0"
 _HEADER = 4096
+_FILLED_AT = _HEADER - 1  # set once the owner has written every expert
 _ALIGN = 4096
 PREFIX = "hearth-"
 
@@ -120,6 +121,17 @@ class HostExpertPool:
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_up, self.down
+
+    @property
+    def filled(self) -> bool:
+        """Whether the owner finished filling the pool (a crash mid-load leaves it unset)."""
+        return self._mmap[_FILLED_AT] == 1
+
+    def mark_filled(self) -> None:
+        """Owner only: every expert is written; attachers may now trust the contents."""
+        if not self.owner:
+            raise PermissionError("only the pool's owner marks it filled")
+        self._mmap[_FILLED_AT] = 1
 
     # -- release -------------------------------------------------------------------------------------
     def close(self) -> None:
