@@ -106,13 +106,14 @@ def routed_partial_sum(
     rounding order."""
     t, k = rows.shape
     if t == 1 and gate_up.device.type == "cpu":
-        valid = rows[0] >= 0
-        row_list = rows[0][valid].tolist()
-        if not row_list:
+        row_list = rows[0].tolist()
+        keep = [j for j, r in enumerate(row_list) if r >= 0]
+        if not keep:
             return torch.zeros((1, x.shape[1]), dtype=torch.float32)
         ops = cpu_decode_ops() if act is torch.nn.functional.silu else None
         if ops is not None:
-            return ops.experts_decode(x, gate_up, down, row_list, weights[0][valid], fp32_out=True)
+            w = weights[0] if len(keep) == k else weights[0, keep]
+            return ops.experts_decode(x, gate_up, down, [row_list[j] for j in keep], w, fp32_out=True)
     parts = torch.zeros((t, k, x.shape[1]), dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
     for row, tokens, kpos in group_by_row(rows):
         if row < 0:

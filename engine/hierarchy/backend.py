@@ -48,20 +48,23 @@ class HierarchicalExpertBackend:
         plan = self.tables.step(expert_ids.reshape(-1).to(self.tables.device))
         pair_slot = plan.pair_slot.view(t, k)
         on_cpu = (pair_slot < 0).cpu()
+        n_cpu = int(on_cpu.sum())
         # The CPU share is submitted first (a worker thread or process starts at once; inline work
         # waits until the device work below has been launched), then fills and device compute.
         task = None
-        if bool(on_cpu.any()):
+        if n_cpu:
             task = self.cpu_workers.submit(x, torch.where(on_cpu, self.pool.row_table[expert_ids], -1), topk_weights)
         start = time.perf_counter()
         self.times.fill_bytes += self.device.fill(plan)
         filled = time.perf_counter()
-        out = self.device.compute(x, pair_slot, topk_weights, self.act)
+        out = None
+        if n_cpu < t * k:
+            out = self.device.compute(x, pair_slot, topk_weights, self.act)
         self.times.fill_seconds += filled - start
         self.times.device_seconds += time.perf_counter() - filled
         if task is not None:
             cpu_part, timing = task.result()
-            out = out.to(cpu_part.device) + cpu_part
+            out = cpu_part if out is None else out.to(cpu_part.device) + cpu_part
             self.times.cpu_seconds += timing.seconds
             self.times.cpu_bytes += timing.nbytes
         self.times.layer_calls += 1
