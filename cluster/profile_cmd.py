@@ -12,7 +12,7 @@ import torch
 def run_profile(args: argparse.Namespace) -> int:
     from engine.ftw import load_checkpoint
     from engine.hierarchy.device import CudaDevice, VirtualDevice
-    from engine.hierarchy.profile import measure_host_path, measure_link_path
+    from engine.hierarchy.profile import measure_host_path, measure_link_path, measure_stream_read
     from engine.hierarchy.qstar import SplitCosts, build_qtable, step_seconds
     from engine.layers.mlp import activation
 
@@ -37,6 +37,7 @@ def run_profile(args: argparse.Namespace) -> int:
         "expert_bytes": pool.expert_bytes,
         "device": device.kind if device is not None else None,
         "B_H_GBps": host.bytes_per_s / 1e9, "cpu_fixed_us": host.fixed_s * 1e6,
+        "stream_read_GBps": measure_stream_read() / 1e9,
         "B_P_GBps": link_cost.bytes_per_s / 1e9 if link_cost else None,
         "fill_fixed_us": link_cost.fixed_s * 1e6 if link_cost else None,
         "B_R_GBps": costs.cpu.bytes_per_s / 1e9 if costs.cpu else None,
@@ -53,7 +54,8 @@ def run_profile(args: argparse.Namespace) -> int:
 
 def _print_report(r: dict) -> None:
     print(f"expert size        {r['expert_bytes'] / 2**20:.2f} MiB")
-    print(f"B_H (CPU experts)  {r['B_H_GBps']:.1f} GB/s  (+{r['cpu_fixed_us']:.0f} us per dispatch)")
+    print(f"B_H (CPU experts)  {r['B_H_GBps']:.1f} GB/s  (+{r['cpu_fixed_us']:.0f} us per dispatch); "
+          f"{r['B_H_GBps'] / r['stream_read_GBps']:.0%} of a plain memory read ({r['stream_read_GBps']:.1f} GB/s)")
     if r["device"] is None:
         print("B_P                no device path (no CUDA GPU; use --virtual-device to profile the virtual "
               "device): every miss runs on the CPU", file=sys.stdout)

@@ -73,3 +73,11 @@ def measure_link_path(device, pool: ExpertPool, k: int, repeats: int = 5) -> Pat
     if k == 1:
         return PathCost(pool.expert_bytes / max(t1, 1e-9))
     return _fit(1, t1, k, tk, pool.expert_bytes)
+
+
+def measure_stream_read(nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Bytes/s of a plain parallel reduction over a buffer far larger than the caches: a reference
+    for how much of the memory system the expert kernel uses (not a substitute for B_H)."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf.sum()
+    return nbytes / _median_time(buf.sum, repeats)

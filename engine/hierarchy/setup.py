@@ -110,10 +110,10 @@ def measure_costs(pool: ExpertPool, act, device, k: int, bandwidths: tuple[float
     """Costs of both paths: given bandwidths, or a quick measurement of the real paths."""
     if bandwidths is not None:
         return SplitCosts(pool.expert_bytes, PathCost(bandwidths[0]), bandwidths[1])
-    host = measure_host_path(pool, act, k)
+    host = measure_host_path(pool, act, k, repeats=15)
     if device.num_slots == 0:
         link = PathCost(max(device.link_bytes_per_s or host.bytes_per_s, 1.0))
     else:
-        link = measure_link_path(device, pool, k)  # scribbles on slots the (still empty) tables do not use
+        link = measure_link_path(device, pool, k, repeats=15)  # scribbles on slots the (still empty) tables do not use
     return SplitCosts(pool.expert_bytes, link, host.bytes_per_s, cpu_fixed_s=host.fixed_s)
 
