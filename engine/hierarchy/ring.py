@@ -68,7 +68,8 @@ class TaskRing:
         lo = self.layout
         t, h, k = lo.max_tokens, lo.hidden, lo.top_k
         base = _HEADER + i * lo.slot_bytes
-        fields = {"ctrl": (torch.int64, 8), "x": (torch.float32, t * h), "rows": (torch.int64, t * k),
+        # 8-byte fields first, so every view is aligned to its element size.
+        fields = {"ctrl": (torch.int64, 8), "rows": (torch.int64, t * k), "x": (torch.float32, t * h),
                   "weights": (torch.float32, t * k), "out": (torch.float32, t * h)}
         views, offset = {}, base
         for name, (dtype, count) in fields.items():
