@@ -106,3 +106,16 @@ def test_multi_token_half_linear_keeps_torch_numerics(dtype):
     b = torch.randn(64, dtype=dtype)
     ref, got = F.linear(x, w, b), linear(x, w, b)
     assert got.dtype == dtype and ulps_apart(got, ref) <= 1.0
+
+
+def test_copy_rows_is_a_batched_row_gather():
+    ops = cpu_decode_ops()
+    if ops is None:
+        pytest.skip("native kernels unavailable")
+    src = torch.randn(10, 3, 70000).bfloat16()  # rows larger than one 64 KiB piece
+    dst = torch.zeros(4, 3, 70000).bfloat16()
+    ops.copy_rows(dst, torch.tensor([2, 0, 3]), src, torch.tensor([7, 1, 7]))
+    assert torch.equal(dst[2], src[7]) and torch.equal(dst[0], src[1]) and torch.equal(dst[3], src[7])
+    assert torch.equal(dst[1], torch.zeros_like(dst[1]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.copy_rows(dst, torch.tensor([4]), src, torch.tensor([0]))

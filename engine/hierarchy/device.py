@@ -14,6 +14,7 @@ import torch
 
 from engine.experts import ExpertPool, routed_partial_sum
 from engine.hierarchy.cache import FillPlan
+from engine.kernels import cpu_decode_ops
 
 
 class VirtualDevice:
@@ -36,10 +37,15 @@ class VirtualDevice:
         if count == 0:
             return 0
         start = time.perf_counter()
-        rows = self.pool.row_table[plan.src[:count]].tolist()
-        for slot, row in zip(plan.dst[:count].tolist(), rows, strict=True):  # straight copies, no temporaries
-            self.gate_up[slot].copy_(self.pool.gate_up[row])
-            self.down[slot].copy_(self.pool.down[row])
+        rows, slots = self.pool.row_table[plan.src[:count]], plan.dst[:count]
+        ops = cpu_decode_ops()
+        if ops is not None:  # one batched, parallel copy per bank
+            ops.copy_rows(self.gate_up, slots, self.pool.gate_up, rows)
+            ops.copy_rows(self.down, slots, self.pool.down, rows)
+        else:
+            for slot, row in zip(slots.tolist(), rows.tolist(), strict=True):  # straight copies, no temporaries
+                self.gate_up[slot].copy_(self.pool.gate_up[row])
+                self.down[slot].copy_(self.pool.down[row])
         nbytes = count * self.pool.expert_bytes
         if self.link_bytes_per_s:
             # A link of the given speed would still be busy: wait out the difference.

@@ -4,7 +4,9 @@
 // (which is what a GPU runs, inside a CUDA graph): on the CPU that version is ~50 small tensor ops,
 // each costing microseconds of dispatch, while the decision itself is a few dozen integer moves.
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 std::vector<torch::Tensor> cache_step_host(torch::Tensor ids, torch::Tensor slot_of, torch::Tensor expert_of,
@@ -70,4 +72,31 @@ std::vector<torch::Tensor> cache_step_host(torch::Tensor ids, torch::Tensor slot
   int64_t* ps = pair_slot.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) ps[i] = so[id[i]];
   return {pair_slot, src, dst, torch::full({}, q, opts)};
+}
+
+// One batched fill: dst[dst_rows[j]] = src[src_rows[j]] for every j, rows copied in parallel
+// (the virtual device's counterpart of one batched host-to-device copy).
+void copy_rows(torch::Tensor dst, torch::Tensor dst_rows, torch::Tensor src, torch::Tensor src_rows) {
+  TORCH_CHECK(dst.device().is_cpu() && src.device().is_cpu() && dst.is_contiguous() && src.is_contiguous() &&
+                  dst.scalar_type() == src.scalar_type() && dst[0].numel() == src[0].numel(),
+              "copy_rows: contiguous CPU tensors with rows of the same size and dtype");
+  TORCH_CHECK(dst_rows.numel() == src_rows.numel() && dst_rows.scalar_type() == torch::kInt64 &&
+                  src_rows.scalar_type() == torch::kInt64,
+              "copy_rows: int64 row lists of equal length");
+  const int64_t n = dst_rows.numel(), row_bytes = src[0].numel() * src.element_size();
+  auto d = dst_rows.contiguous(), s = src_rows.contiguous();
+  const int64_t* dp = d.data_ptr<int64_t>();
+  const int64_t* sp = s.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j)
+    TORCH_CHECK(dp[j] >= 0 && dp[j] < dst.size(0) && sp[j] >= 0 && sp[j] < src.size(0), "copy_rows: row out of range");
+  char* out = static_cast<char*>(dst.data_ptr());
+  const char* in = static_cast<const char*>(src.data_ptr());
+  // Parallel over 64 KiB pieces so that even one large row uses every thread.
+  const int64_t piece = 64 << 10, pieces = (row_bytes + piece - 1) / piece;
+  at::parallel_for(0, n * pieces, 1, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      const int64_t j = i / pieces, off = (i % pieces) * piece, len = std::min(piece, row_bytes - off);
+      std::memcpy(out + dp[j] * row_bytes + off, in + sp[j] * row_bytes + off, len);
+    }
+  });
 }

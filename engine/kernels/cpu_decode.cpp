@@ -201,9 +201,11 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 std::vector<torch::Tensor> cache_step_host(torch::Tensor ids, torch::Tensor slot_of, torch::Tensor expert_of,
                                            torch::Tensor last_used, torch::Tensor clock, torch::Tensor qtable,
                                            torch::Tensor stats, int64_t num_candidates);
+void copy_rows(torch::Tensor dst, torch::Tensor dst_rows, torch::Tensor src, torch::Tensor src_rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cache_step_host", &cache_step_host, "the expert cache's control step on host-memory tables");
+  m.def("copy_rows", &copy_rows, "dst[dst_rows[j]] = src[src_rows[j]], rows copied in parallel");
   m.def("rms_norm", &rms_norm, "weight * round(x * rsqrt(mean(x^2) + eps)) over the last dimension");
   m.def("linear_decode", &linear_decode, "y[1,N] = x[1,K] @ w[N,K]^T (+ bias) for one token");
   m.def("experts_decode", &experts_decode, "weighted sum of one token's routed experts (fp32_out: unrounded fp32 sum)",
