@@ -47,6 +47,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     h.add_argument("--record-routing", default=None, metavar="FILE",
                    help="write the routed expert ids of every step and layer (JSON lines)")
     h.add_argument("--host-pool", default=None, metavar="NAME", help="put the expert pool in shared memory NAME")
+    h.add_argument("--cpu-experts", default="inline", choices=["inline", "thread", "process"],
+                   help="where CPU experts run: the calling thread, a bound worker thread, or a worker process "
+                        "(needs --host-pool)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -57,6 +60,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=max(args.prefill_chunk, 2048), verify_checksums=not args.no_verify,
         expert_device=device, expert_cache=args.expert_cache, virtual_link_gbps=args.virtual_link_gbps,
         q_mode=args.q_mode, record_routing=args.record_routing, host_pool_name=args.host_pool,
+        cpu_experts=args.cpu_experts,
     )
 
 

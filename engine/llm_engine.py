@@ -43,7 +43,7 @@ class EngineConfig:
     virtual_link_gbps: float | None = None
     q_mode: str = "table"  # table | zero | all
     expert_bandwidths: tuple[float, float] | None = None  # (B_P, B_H) bytes/s instead of measuring
-    cpu_experts_threaded: bool = False  # run the CPU share on a worker thread (default: calling thread)
+    cpu_experts: str = "inline"  # where the CPU share runs: inline | thread | process (needs host_pool_name)
     record_routing: str | None = None  # JSON-lines file of routed expert ids per step and layer
     host_pool_name: str | None = None  # put the expert pool in this named shared-memory segment
     verify_checksums: bool = True  # FTW: check every extent's CRC while loading
@@ -109,8 +109,9 @@ class LLMEngine:
         self.experts = build_hierarchy(cfg, self.pool, HierarchyConfig(
             device=self.config.expert_device, expert_cache=self.config.expert_cache,
             virtual_link_gbps=self.config.virtual_link_gbps, q_mode=self.config.q_mode,
-            bandwidths=self.config.expert_bandwidths, cpu_threaded=self.config.cpu_experts_threaded,
-        ))
+            bandwidths=self.config.expert_bandwidths, cpu_workers=self.config.cpu_experts,
+            max_tokens=max(self.config.max_num_batched_tokens, self.config.prefill_chunk),
+        ), pool_name=self.host_pool.name if self.host_pool is not None else None)
         if self.experts is not None:
             loaded.model.set_expert_backend(self.experts)
         self._routing_file = None

@@ -53,15 +53,20 @@ def test_fp32_logits_equal_plain_engine(checkpoint, plain, capacity, q_mode, bat
     llm.engine.close()
 
 
-@pytest.mark.parametrize("threaded", [False, True])
-def test_threaded_cpu_workers_equal_plain_engine(checkpoint, plain, threaded):
+@pytest.mark.parametrize("workers", ["thread", "process"])
+def test_cpu_workers_elsewhere_equal_plain_engine(checkpoint, plain, workers):
+    """CPU share on a bound worker thread, or in a worker process attached to the shared pool."""
+    import uuid
+
     path, _ = checkpoint("qwen3_moe", **OVERRIDES)
     llm = LLM(path, expert_device="virtual", expert_cache="0.1", expert_bandwidths=SPLIT_BANDWIDTHS,
-              cpu_experts_threaded=threaded)
+              cpu_experts=workers, host_pool_name=f"test-workers-{uuid.uuid4().hex[:8]}",
+              max_num_batched_tokens=256, prefill_chunk=64)
     tokens, logits = run(llm, BATCH4, 24)
     assert tokens == plain[4][0]
     assert max(max_rel_error(a, b) for a, b in zip(logits, plain[4][1], strict=True)) <= 1e-5
-    llm.engine.close()
+    assert llm.engine.stats()["experts"]["cpu"] > 0
+    llm.close()
 
 
 @pytest.fixture(scope="module")

@@ -169,3 +169,33 @@ def test_half_filled_pool_is_refused(checkpoint, tmp_path):
             LLM(src, host_pool_name=name)
     finally:
         pool.close()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line for line in f)  # a zombie has exited
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
+def test_worker_process_exits_when_its_executor_dies():
+    import time
+
+    name = unique("orphan")
+    code = ("import os, sys, torch; from engine.hierarchy.host_pool import HostExpertPool as P; "
+            "from engine.hierarchy.ring import ProcessCpuWorkers, RingLayout; "
+            "p = P.create(sys.argv[1], (2, 4, 4), (2, 4, 2), torch.float32); p.mark_filled(); "
+            "w = ProcessCpuWorkers(p.name, RingLayout(1, 1, 4, 1), 100); "
+            "print(w.process.pid, w.ring.name, flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, timeout=120)
+    pid, ring_name = out.stdout.split()
+    try:
+        deadline = time.monotonic() + 20
+        while not _gone(int(pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gone(int(pid))
+    finally:
+        cleanup(name)
+        cleanup(ring_name)

@@ -16,6 +16,8 @@ import json
 import mmap
 import os
 import struct
+import subprocess
+import sys
 import time
 import warnings
 import weakref
@@ -194,3 +196,34 @@ class RingCpuWorkers:
 
     def close(self) -> None:
         self.ring.request_shutdown()
+
+
+class ProcessCpuWorkers(RingCpuWorkers):
+    """CPU expert workers in a child process attached to the shared pool ``pool_name``: creates the
+    ring, starts ``python -m engine.hierarchy.worker`` and waits until it serves; ``close()`` stops it."""
+
+    def __init__(self, pool_name: str, layout: RingLayout, expert_bytes: int, cores: list[int] | None = None,
+                 start_timeout_s: float = 120.0) -> None:
+        ring = TaskRing.create(f"{pool_name}-ring-{os.getpid()}-{id(self):x}", layout)
+        super().__init__(ring, expert_bytes)
+        cmd = [sys.executable, "-m", "engine.hierarchy.worker", "--pool", pool_name, "--ring", ring.name,
+               "--parent-pid", str(os.getpid())]
+        if cores:
+            cmd += ["--cores", ",".join(map(str, cores))]
+        self.process = subprocess.Popen(cmd)
+        deadline = time.monotonic() + start_timeout_s
+        while int(ring.words[1]) == 0:  # the worker writes its pid once it is ready
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the CPU expert worker process did not start (exit code {self.process.poll()})")
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        if self.ring.words is not None:
+            self.ring.request_shutdown()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.ring.close()

@@ -16,6 +16,7 @@ from engine.hierarchy.cpu_workers import CpuExpertWorkers
 from engine.hierarchy.device import CudaDevice, VirtualDevice
 from engine.hierarchy.profile import measure_host_path, measure_link_path
 from engine.hierarchy.qstar import PathCost, SplitCosts, build_qtable, forced_qtable
+from engine.hierarchy.ring import ProcessCpuWorkers, RingLayout
 from engine.layers.mlp import activation
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ class HierarchyConfig:
     virtual_link_gbps: float | None = None
     q_mode: str = "table"
     cpu_cores: tuple[int, ...] | None = None
-    cpu_threaded: bool = False  # CPU experts on a dispatcher thread instead of the calling thread
+    cpu_workers: str = "inline"  # inline (calling thread) | thread (bound dispatcher) | process (via the ring)
+    max_tokens: int = 2048  # most tokens one task can carry (the engine's step budget)
     bandwidths: tuple[float, float] | None = None
 
 
@@ -79,8 +81,25 @@ def _resolve_device(name: str) -> str:
     return name
 
 
-def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: HierarchyConfig) -> HierarchicalExpertBackend | None:
-    """The hierarchical backend, or None when there is no device (every expert runs from the pool)."""
+def build_cpu_workers(cfg: ModelConfig, pool: ExpertPool, hc: HierarchyConfig, act, pool_name: str | None):
+    """The CPU expert workers ``hc.cpu_workers`` asks for."""
+    cores = list(hc.cpu_cores) if hc.cpu_cores else None
+    if hc.cpu_workers in ("inline", "thread"):
+        return CpuExpertWorkers(pool, act, cores, threaded=hc.cpu_workers == "thread")
+    if hc.cpu_workers != "process":
+        raise ConfigError(f"unknown CPU expert workers '{hc.cpu_workers}' (inline, thread or process)")
+    if pool_name is None:
+        raise ConfigError("CPU expert workers in another process need the expert pool in shared memory "
+                          "(give it a name: host_pool_name / --host-pool)")
+    layout = RingLayout(slots=2, max_tokens=hc.max_tokens, hidden=cfg.hidden_size, top_k=cfg.top_k,
+                        hidden_act=cfg.hidden_act)
+    return ProcessCpuWorkers(pool_name, layout, pool.expert_bytes, cores)
+
+
+def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: HierarchyConfig,
+                    pool_name: str | None = None) -> HierarchicalExpertBackend | None:
+    """The hierarchical backend, or None when there is no device (every expert runs from the pool).
+    ``pool_name`` names the shared-memory pool when there is one (for worker processes)."""
     kind = _resolve_device(hc.device)
     if kind == "none":
         return None
@@ -93,7 +112,7 @@ def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: HierarchyConfig) -> 
         free, _ = torch.cuda.mem_get_info()
         slots = parse_cache_size(hc.expert_cache, pool, default_bytes=int(free * 0.8))
         device = CudaDevice(pool, slots)
-    workers = CpuExpertWorkers(pool, act, list(hc.cpu_cores) if hc.cpu_cores else None, threaded=hc.cpu_threaded)
+    workers = build_cpu_workers(cfg, pool, hc, act, pool_name)
     m_max = cfg.num_experts
     if hc.q_mode == "table":
         costs = measure_costs(pool, act, device, cfg.top_k, hc.bandwidths)

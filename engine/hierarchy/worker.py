@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -22,8 +23,9 @@ from engine.layers.mlp import activation
 log = logging.getLogger("hearth.cpu_worker")
 
 
-def serve(pool: HostExpertPool, ring: TaskRing, idle_sleep_s: float = 50e-6) -> int:
-    """Serve tasks until shutdown; returns the number of tasks done."""
+def serve(pool: HostExpertPool, ring: TaskRing, idle_sleep_s: float = 50e-6, parent_pid: int | None = None) -> int:
+    """Serve tasks until shutdown (or until ``parent_pid``, the process that started this worker,
+    is gone); returns the number of tasks done."""
     act = activation(ring.layout.hidden_act)
     gate_up, down = pool.tensors
     dtype = gate_up.dtype
@@ -57,6 +59,9 @@ def serve(pool: HostExpertPool, ring: TaskRing, idle_sleep_s: float = 50e-6) -> 
             idle_since = time.monotonic()
         elif time.monotonic() - idle_since > 1e-3:
             time.sleep(idle_sleep_s)  # spin briefly after work, then back off
+            if parent_pid is not None and os.getppid() != parent_pid:
+                log.warning("the executor that started this worker is gone; exiting")
+                break
     return done
 
 
@@ -66,15 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ring", required=True, help="name of the task ring segment")
     p.add_argument("--cores", default=None, help="comma-separated CPUs to bind to (default: one per physical core)")
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: number of cores)")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process (the executor) is gone")
     args = p.parse_args(argv)
     cores = [int(c) for c in args.cores.split(",")] if args.cores else physical_cores()
     bind_current_thread(cores)
     torch.set_num_threads(args.threads or len(cores))
     pool = HostExpertPool.attach(args.pool)
     ring = TaskRing.attach(args.ring)
+    ring.words[1] = os.getpid()  # ready
     print(f"hearth cpu worker: pool {pool.name}, ring {ring.name}, cores {cores}", file=sys.stderr, flush=True)
     try:
-        serve(pool, ring)
+        serve(pool, ring, parent_pid=args.parent_pid)
     finally:
         ring.close()
         pool.close()
