@@ -74,18 +74,22 @@ def plain_bf16(checkpoint):
     refs = {}
     for family in ("qwen3_moe", "qwen2_moe", "mixtral"):
         path, _ = checkpoint(family, dtype="bfloat16")
-        refs[family] = [o.token_ids for o in LLM(path, expert_device="none").generate(BATCH4, greedy(32))]
+        llm = LLM(path, expert_device="none")
+        for batch, prompts in ((1, PROMPTS[:1]), (4, BATCH4)):
+            refs[family, batch] = [o.token_ids for o in llm.generate(prompts, greedy(32))]
     return refs
 
 
+@pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("q_mode", ["zero", "all", "table"])
 @pytest.mark.parametrize("capacity", CAPACITIES)
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
-def test_bf16_greedy_tokens_equal_plain_engine(checkpoint, plain_bf16, family, capacity, q_mode):
+def test_bf16_greedy_tokens_equal_plain_engine(checkpoint, plain_bf16, family, capacity, q_mode, batch):
     path, _ = checkpoint(family, dtype="bfloat16")
     llm = LLM(path, expert_device="virtual", expert_cache=capacity, q_mode=q_mode,
               expert_bandwidths=SPLIT_BANDWIDTHS)
-    assert [o.token_ids for o in llm.generate(BATCH4, greedy(32))] == plain_bf16[family]
+    prompts = PROMPTS[:1] if batch == 1 else BATCH4
+    assert [o.token_ids for o in llm.generate(prompts, greedy(32))] == plain_bf16[family, batch]
     llm.engine.close()
 
 
