@@ -15,7 +15,6 @@ host bandwidth B_H (measured with the real CPU expert kernel) that the CPU exper
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import emit, synthetic_prompt  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.inspect import human_bytes, summarize  # noqa: E402
 from engine.loader import load_config  # noqa: E402
@@ -98,7 +98,7 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     _, cfg = load_config(args.model, dtype)
     summary = summarize(cfg)
-    prompt = [(i * 7919) % min(cfg.vocab_size, 30000) + 1 for i in range(args.prompt_len)]
+    prompt = synthetic_prompt(cfg.vocab_size, args.prompt_len)
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=1, max_model_len=args.prompt_len + args.gen + 16)
     ref = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=dtype).eval()
     time_hearth(llm, prompt[:16], 4)  # warm-up both
@@ -137,9 +137,7 @@ def main() -> int:
     for name in rows:
         print(f"| {name:<12} | {result[name]['prefill_tok_s']:13.1f} | {result[name]['decode_tok_s']:12.2f} |")
     print(f"| ratio        | {result['prefill_ratio']:12.2f}x | {result['decode_ratio']:11.2f}x |")
-    print(json.dumps(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    emit(result, args.json)
     return 0
 
 

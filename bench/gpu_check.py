@@ -14,7 +14,6 @@ Without CUDA it says so and exits 0.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -24,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.common import emit  # noqa: E402
+
 PROMPTS = [[5, 17, 33, 99, 100, 3, 7, 200, 201, 45], [300, 12, 12, 250, 8], list(range(40, 110)),
            [9, 8, 7, 6, 5, 4, 3, 2, 1, 300, 301]]
 CAPACITIES = ["0slots", "1slot", "0.1", "0.37", "1.0"]
@@ -31,17 +32,9 @@ CAPACITIES = ["0slots", "1slot", "0.1", "0.37", "1.0"]
 
 def _logits_run(llm, prompts, steps):
     from engine import SamplingParams
+    from engine.testing import record_logits
 
-    recorded: dict[str, list[torch.Tensor]] = {}
-    execute = llm.engine.runner.execute
-
-    def wrapped(items):
-        logits, sampled = execute(items)
-        for row, req in enumerate(sampled):
-            recorded.setdefault(req.request_id, []).append(logits[row].clone())
-        return logits, sampled
-
-    llm.engine.runner.execute = wrapped
+    recorded = record_logits(llm)
     outs = llm.generate(prompts, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
     return [o.token_ids for o in outs], [torch.stack(recorded[o.request_id]) for o in outs]
 
@@ -137,9 +130,7 @@ def main() -> int:
     bw = report["bandwidth"]
     print(f"real shapes: expert {bw['expert_bytes'] / 2**20:.2f} MiB, B_P {bw['B_P_GBps']:.1f} GB/s, "
           f"B_H {bw['B_H_GBps']:.1f} GB/s, qtable[0..16] {bw['qtable_m0_16']}")
-    print(json.dumps(report))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+    emit(report, args.json)
     return 0 if report["all_exact"] and report["compile_ok"] else 1
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
+from bench.common import emit, synthetic_prompt
 from engine import LLM, SamplingParams
 from engine.hierarchy.profile import measure_host_path
 from engine.layers.mlp import activation
@@ -34,7 +34,7 @@ def _decode_run(llm: LLM, prompt: list[int], gen: int) -> dict:
 
 def run_sweep(args: argparse.Namespace) -> int:
     _, cfg = load_config(args.model, args.dtype)
-    prompt = [(i * 7919) % min(cfg.vocab_size, 30000) + 1 for i in range(args.prompt_len)]
+    prompt = synthetic_prompt(cfg.vocab_size, args.prompt_len)
     common = dict(dtype=args.dtype, max_num_seqs=1, max_model_len=args.prompt_len + args.gen + 16)
     engines = {"plain": LLM(args.model, expert_device="none", **common)}
     for f in args.cache_fraction:
@@ -72,9 +72,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             })
         result["configs"][name] = row
     _print(result)
-    print(json.dumps(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    emit(result, args.json)
     for llm in engines.values():
         llm.engine.close()
     return 0

@@ -10,7 +10,6 @@ loader's new buffers cost, page faults included); loads are compared with the la
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.common import emit  # noqa: E402
 from engine.ftw import convert, is_ftw, load_ftw, read_index  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 
@@ -122,9 +122,7 @@ def main() -> int:
                               "cold_GBps": nbytes / cold / 1e9, "warm_all": r["warm"], "cold_all": r["cold"]}
         print(f"| {name:<24} | {nbytes / warm / 1e9:9.2f} | {nbytes / cold / 1e9:9.2f} | {raw_warm / warm:17.0%} | "
               f"{raw_cold / cold:17.0%} |")
-    print(json.dumps(out))
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+    emit(out, args.json)
     return 0
 
 

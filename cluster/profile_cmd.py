@@ -11,20 +11,16 @@ import torch
 
 def run_profile(args: argparse.Namespace) -> int:
     from engine.ftw import load_checkpoint
-    from engine.hierarchy.device import CudaDevice, VirtualDevice
     from engine.hierarchy.profile import measure_host_path, measure_link_path, measure_stream_read
     from engine.hierarchy.qstar import SplitCosts, build_qtable, step_seconds
+    from engine.hierarchy.setup import build_device
     from engine.layers.mlp import activation
 
     loaded = load_checkpoint(args.model, None if args.dtype == "auto" else args.dtype, show_progress=not args.json)
     cfg, pool = loaded.config, loaded.pool
     host = measure_host_path(pool, activation(cfg.hidden_act), cfg.top_k, args.repeats)
-    device = None
-    if torch.cuda.is_available() and not args.virtual_device:
-        device = CudaDevice(pool, cfg.top_k)
-    elif args.virtual_device:
-        link = args.virtual_link_gbps * 1e9 if args.virtual_link_gbps else None
-        device = VirtualDevice(pool, cfg.top_k, link)
+    kind = "virtual" if args.virtual_device else "cuda" if torch.cuda.is_available() else None
+    device = build_device(kind, pool, cfg.top_k, args.virtual_link_gbps) if kind else None
     link_cost = measure_link_path(device, pool, cfg.top_k, args.repeats) if device is not None else None
     costs = SplitCosts(pool.expert_bytes, link_cost, host.bytes_per_s, cpu_fixed_s=host.fixed_s)
     m_max = min(cfg.num_experts, 4 * cfg.top_k)

@@ -131,34 +131,7 @@ class LocalExpertBackend:
         self.act = activation(hidden_act)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        # Each (token, slot) product is kept apart and the k of them are summed at the end with
-        # fp32 accumulation, as the reference does; low-precision results then match it.
+        # Each (token, slot) product is kept apart and the k of them are summed with fp32
+        # accumulation and rounded once, as the reference does; low-precision results match it.
         rows = self.pool.row_table[expert_ids]  # [T, k] pool rows
-        if x.shape[0] == 1:
-            return self._forward_one(x, rows[0].tolist(), topk_weights[0])
-        t, k = expert_ids.shape
-        parts = torch.empty((t, k, x.shape[1]), dtype=torch.promote_types(x.dtype, topk_weights.dtype))
-        for row, tokens, kpos in group_by_row(rows):
-            parts[tokens, kpos] = self._expert(row, x[tokens]) * topk_weights[tokens, kpos, None]
-        return parts.sum(dim=1).to(x.dtype)
-
-    def _expert(self, row: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(x, self.pool.gate_up[row]).chunk(2, dim=-1)
-        return linear(self.act(gate) * up, self.pool.down[row])
-
-    def _forward_one(self, x: torch.Tensor, rows: list[int], weights: torch.Tensor) -> torch.Tensor:
-        """Decode fast path for a single token: the native kernel runs all k experts in one call;
-        without it the k projections write into shared buffers so the activation, weighting and
-        sum run once for all k experts instead of once per expert."""
-        ops = cpu_decode_ops() if self.act is torch.nn.functional.silu else None
-        if ops is not None and self.pool.gate_up.device.type == "cpu":
-            return ops.experts_decode(x, self.pool.gate_up, self.pool.down, rows, weights)
-        k, inter = len(rows), self.pool.down.shape[2]
-        gate_up = torch.empty((k, 2 * inter), dtype=x.dtype)
-        for j, row in enumerate(rows):
-            torch.matmul(x, self.pool.gate_up[row].t(), out=gate_up[j : j + 1])
-        h = self.act(gate_up[:, :inter]) * gate_up[:, inter:]  # [k, I]
-        y = torch.empty((k, x.shape[1]), dtype=x.dtype)
-        for j, row in enumerate(rows):
-            torch.matmul(h[j : j + 1], self.pool.down[row].t(), out=y[j : j + 1])
-        return (y * weights[:, None]).sum(dim=0, keepdim=True).to(x.dtype)
+        return routed_partial_sum(x, self.pool.gate_up, self.pool.down, rows, topk_weights, self.act).to(x.dtype)

@@ -179,6 +179,22 @@ def make_checkpoint(
     return out, model
 
 
+def record_logits(llm: Any) -> dict[str, list[torch.Tensor]]:
+    """Wrap ``llm``'s runner so every sampled row's logits are kept, per request id (for
+    comparing two engines step by step)."""
+    recorded: dict[str, list[torch.Tensor]] = {}
+    execute = llm.engine.runner.execute
+
+    def wrapped(items):
+        logits, sampled = execute(items)
+        for row, req in enumerate(sampled):
+            recorded.setdefault(req.request_id, []).append(logits[row].clone())
+        return logits, sampled
+
+    llm.engine.runner.execute = wrapped
+    return recorded
+
+
 def main(argv: list[str] | None = None) -> None:
     """``python -m engine.testing DIR [--family F] [--layout L] [--dtype D]``: write a tiny checkpoint."""
     import argparse

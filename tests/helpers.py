@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
+from engine.testing import record_logits  # noqa: F401 - re-exported for the tests
 
 PROMPTS = [
     [5, 17, 33, 99, 100, 3, 7, 200, 201, 45],
@@ -16,21 +17,6 @@ PROMPTS = [
 def max_rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """max |ours - ref| / max |ref| — the relative error used throughout the suite."""
     return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
-
-
-def record_logits(llm: LLM) -> dict[str, list[torch.Tensor]]:
-    """Wrap the runner so every sampled row's logits are kept, per request id."""
-    recorded: dict[str, list[torch.Tensor]] = {}
-    execute = llm.engine.runner.execute
-
-    def wrapped(items):
-        logits, sampled = execute(items)
-        for row, req in enumerate(sampled):
-            recorded.setdefault(req.request_id, []).append(logits[row].clone())
-        return logits, sampled
-
-    llm.engine.runner.execute = wrapped
-    return recorded
 
 
 def hf_greedy(model, prompt: list[int], steps: int):

@@ -43,6 +43,11 @@ def bind_current_thread(cores: list[int] | None) -> None:
             os.sched_setaffinity(0, cores)  # on Linux, 0 = the calling thread
 
 
+def task_expert_bytes(rows: torch.Tensor, expert_bytes: int) -> int:
+    """Bytes of expert weights a task reads: its distinct pool rows (-1 entries are not its own)."""
+    return len({r for r in rows.reshape(-1).tolist() if r >= 0}) * expert_bytes
+
+
 @dataclass
 class CpuTaskTiming:
     """What one task cost: seconds in the kernel and expert bytes read."""
@@ -91,8 +96,7 @@ class CpuExpertWorkers:
     def _run(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, CpuTaskTiming]:
         start = time.perf_counter()
         out = routed_partial_sum(x, self.pool.gate_up, self.pool.down, rows, weights, self.act)
-        n_experts = len({r for r in rows.reshape(-1).tolist() if r >= 0})
-        return out, CpuTaskTiming(time.perf_counter() - start, n_experts * self.pool.expert_bytes)
+        return out, CpuTaskTiming(time.perf_counter() - start, task_expert_bytes(rows, self.pool.expert_bytes))
 
     def close(self) -> None:
         if self._executor is not None:

@@ -11,33 +11,21 @@ segment is removed by :func:`cleanup`.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import mmap
 import os
 import struct
 import warnings
-import weakref
 from pathlib import Path
 
 import torch
 
-try:  # CPython's POSIX shared-memory primitives (what multiprocessing.shared_memory uses)
-    import _posixshmem
-except ImportError:  # pragma: no cover - Windows
-    _posixshmem = None
+from engine.hierarchy import shm
+from engine.hierarchy.shm import PREFIX
 
 _MAGIC = b"HEARTH-POOL-v1\0\0"
 _HEADER = 4096
 _FILLED_AT = _HEADER - 1  # set once the owner has written every expert
 _ALIGN = 4096
-PREFIX = "hearth-"
-
-
-def _shm_name(name: str) -> str:
-    if not name or "/" in name:
-        raise ValueError(f"invalid pool name '{name}'")
-    return "/" + (name if name.startswith(PREFIX) else PREFIX + name)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -47,22 +35,20 @@ def _dtype(name: str) -> torch.dtype:
 class HostExpertPool:
     """A shared-memory segment holding the two expert banks (``gate_up`` and ``down``)."""
 
-    def __init__(self, shm: str, buf: mmap.mmap, meta: dict, owner: bool) -> None:
-        self.name = shm.lstrip("/")
-        self._mmap = buf
+    def __init__(self, segment: shm.Segment, meta: dict) -> None:
+        self.segment = segment
+        self.name = segment.name
         self.meta = meta
-        self.owner = owner
-        self.gate_up, self.down = self._views(writable=owner)
-        # An owner that is never closed still removes the name when collected or at exit; only a
-        # killed process leaves its segment behind (see cleanup()).
-        self._finalizer = weakref.finalize(self, _unlink_quietly, shm) if owner else None
+        self.gate_up, self.down = self._views()
+
+    @property
+    def owner(self) -> bool:
+        return self.segment.owner
 
     # -- creation and attachment ---------------------------------------------------------------------
     @classmethod
     def create(cls, name: str, gate_up_shape: tuple, down_shape: tuple, dtype: torch.dtype) -> HostExpertPool:
         """Create (exclusively) a segment for banks of the given shapes; the caller fills it."""
-        _require_posix()
-        shm = _shm_name(name)
         item = torch.empty((), dtype=dtype).element_size()
         gu_bytes = _numel(gate_up_shape) * item
         down_offset = _HEADER + -(-gu_bytes // _ALIGN) * _ALIGN
@@ -70,51 +56,35 @@ class HostExpertPool:
         meta = {"dtype": str(dtype).removeprefix("torch."), "gate_up": list(gate_up_shape),
                 "down": list(down_shape), "gate_up_offset": _HEADER, "down_offset": down_offset, "bytes": total}
         try:
-            fd = _posixshmem.shm_open(shm, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+            buf = shm.create(name, total)
         except FileExistsError as exc:
-            raise FileExistsError(f"shared-memory pool '{shm[1:]}' already exists (another hearth process, or a "
-                                  f"crashed one: remove it with `hearth pool clean {name}`)") from exc
-        try:
-            os.ftruncate(fd, total)
-            buf = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except OSError:
-            _posixshmem.shm_unlink(shm)
-            raise
-        finally:
-            os.close(fd)
+            raise FileExistsError(f"shared-memory pool '{shm.shm_name(name)[1:]}' already exists (another hearth "
+                                  f"process, or a crashed one: remove it with `hearth pool clean {name}`)") from exc
         header = json.dumps(meta).encode()
         buf[: len(_MAGIC) + 12 + len(header)] = _MAGIC + struct.pack("<QI", os.getpid(), len(header)) + header
-        return cls(shm, buf, meta, owner=True)
+        return cls(shm.Segment(name, buf, owner=True), meta)
 
     @classmethod
     def attach(cls, name: str, writable: bool = False) -> HostExpertPool:
         """Map an existing segment by name (read-only unless ``writable``)."""
-        _require_posix()
-        shm = _shm_name(name)
         try:
-            fd = _posixshmem.shm_open(shm, os.O_RDWR if writable else os.O_RDONLY, mode=0o600)
+            buf = shm.attach(name, writable)
         except FileNotFoundError as exc:
-            raise FileNotFoundError(f"no shared-memory pool named '{shm[1:]}'") from exc
-        try:
-            size = os.fstat(fd).st_size
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            buf = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
-        finally:
-            os.close(fd)
+            raise FileNotFoundError(f"no shared-memory pool named '{shm.shm_name(name)[1:]}'") from exc
         meta = read_header(buf)
-        if meta["bytes"] > size:
+        if meta["bytes"] > len(buf):
             buf.close()
-            raise ValueError(f"shared-memory pool '{shm[1:]}' is truncated")
-        return cls(shm, buf, meta, owner=False)
+            raise ValueError(f"shared-memory pool '{shm.shm_name(name)[1:]}' is truncated")
+        return cls(shm.Segment(name, buf, owner=False), meta)
 
-    def _views(self, writable: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = _dtype(self.meta["dtype"])
         out = []
         with warnings.catch_warnings():  # read-only mappings: torch warns that writes would fail
             warnings.simplefilter("ignore", UserWarning)
             for bank in ("gate_up", "down"):
-                shape = self.meta[bank]
-                t = torch.frombuffer(self._mmap, dtype=dtype, count=_numel(shape), offset=self.meta[f"{bank}_offset"])
+                shape, offset = self.meta[bank], self.meta[f"{bank}_offset"]
+                t = torch.frombuffer(self.segment.buf, dtype=dtype, count=_numel(shape), offset=offset)
                 out.append(t.view(shape))
         return out[0], out[1]
 
@@ -125,34 +95,25 @@ class HostExpertPool:
     @property
     def filled(self) -> bool:
         """Whether the owner finished filling the pool (a crash mid-load leaves it unset)."""
-        return self._mmap[_FILLED_AT] == 1
+        return self.segment.buf[_FILLED_AT] == 1
 
     def mark_filled(self) -> None:
         """Owner only: every expert is written; attachers may now trust the contents."""
         if not self.owner:
             raise PermissionError("only the pool's owner marks it filled")
-        self._mmap[_FILLED_AT] = 1
+        self.segment.buf[_FILLED_AT] = 1
 
     # -- release -------------------------------------------------------------------------------------
     def close(self) -> None:
         """Unmap (once no tensor uses the pages) and, for the owner, remove the name."""
         self.gate_up = self.down = None  # type: ignore[assignment]
-        with contextlib.suppress(BufferError):  # other views still alive: unmapped when they go
-            self._mmap.close()
-        if self.owner:
-            self.owner = False
-            self._finalizer()
+        self.segment.close()
 
     def __enter__(self) -> HostExpertPool:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _unlink_quietly(shm: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        _posixshmem.shm_unlink(shm)
 
 
 def read_header(buf) -> dict:
@@ -166,12 +127,7 @@ def read_header(buf) -> dict:
 
 def cleanup(name: str) -> bool:
     """Remove the named segment (e.g. left by a crashed owner); True if one was removed."""
-    _require_posix()
-    try:
-        _posixshmem.shm_unlink(_shm_name(name))
-        return True
-    except FileNotFoundError:
-        return False
+    return shm.unlink(name)
 
 
 def list_pools() -> list[dict]:
@@ -204,8 +160,3 @@ def _numel(shape) -> int:
     for d in shape:
         n *= int(d)
     return n
-
-
-def _require_posix() -> None:
-    if _posixshmem is None:
-        raise RuntimeError("shared-memory expert pools need a POSIX system")

@@ -89,9 +89,3 @@ def forced_qtable(mode: str, m_max: int, device: torch.device | str = "cpu") -> 
         return torch.arange(m_max + 1, dtype=torch.long, device=device)
     raise ValueError(f"unknown q mode '{mode}' (use 'table', 'zero' or 'all')")
 
-
-def describe(costs: SplitCosts, qtable: torch.Tensor) -> list[dict[str, float]]:
-    """Rows of (m, q, expected exposed seconds) for printing by ``hearth profile``."""
-    return [
-        {"m": m, "q": int(q), "seconds": step_seconds(costs, m, int(q))} for m, q in enumerate(qtable.tolist())
-    ]

@@ -11,22 +11,19 @@ checks the state first).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import mmap
 import os
 import struct
 import subprocess
 import sys
 import time
 import warnings
-import weakref
 from dataclasses import dataclass
 
 import torch
 
+from engine.hierarchy import shm
 from engine.hierarchy.cpu_workers import CpuTaskTiming
-from engine.hierarchy.host_pool import _posixshmem, _require_posix, _shm_name, _unlink_quietly
 
 _MAGIC = b"HEARTH-RING-v1\0\0"
 _HEADER = 4096
@@ -55,12 +52,11 @@ class RingLayout:
 class TaskRing:
     """The mapped ring, with typed views of every slot's fields."""
 
-    def __init__(self, shm: str, buf: mmap.mmap, layout: RingLayout, owner: bool) -> None:
-        self.name = shm.lstrip("/")
-        self._mmap = buf
+    def __init__(self, segment: shm.Segment, layout: RingLayout) -> None:
+        self.segment = segment
+        self.name = segment.name
         self.layout = layout
-        self.owner = owner
-        self._finalizer = weakref.finalize(self, _unlink_quietly, shm) if owner else None
+        buf = segment.buf
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             self.words = torch.frombuffer(buf, dtype=torch.int64, count=_WORDS, offset=len(_MAGIC))
@@ -75,41 +71,28 @@ class TaskRing:
                   "weights": (torch.float32, t * k), "out": (torch.float32, t * h)}
         views, offset = {}, base
         for name, (dtype, count) in fields.items():
-            views[name] = torch.frombuffer(self._mmap, dtype=dtype, count=count, offset=offset)
+            views[name] = torch.frombuffer(self.segment.buf, dtype=dtype, count=count, offset=offset)
             offset += count * torch.empty((), dtype=dtype).element_size()
         return views  # ctrl: state, seq, tokens, k, fp32_weights, nbytes, nanoseconds, spare
 
     @classmethod
     def create(cls, name: str, layout: RingLayout) -> TaskRing:
-        _require_posix()
-        shm = _shm_name(name)
-        size = _HEADER + layout.slots * layout.slot_bytes
-        fd = _posixshmem.shm_open(shm, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
-        try:
-            os.ftruncate(fd, size)
-            buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+        buf = shm.create(name, _HEADER + layout.slots * layout.slot_bytes)
         meta = json.dumps(layout.__dict__).encode()
         start = len(_MAGIC) + 8 * _WORDS
         buf[: start + 4 + len(meta)] = _MAGIC + bytes(8 * _WORDS) + struct.pack("<I", len(meta)) + meta
-        return cls(shm, buf, layout, owner=True)
+        return cls(shm.Segment(name, buf, owner=True), layout)
 
     @classmethod
     def attach(cls, name: str) -> TaskRing:
-        _require_posix()
-        shm = _shm_name(name)
-        fd = _posixshmem.shm_open(shm, os.O_RDWR, mode=0o600)
-        try:
-            buf = mmap.mmap(fd, os.fstat(fd).st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+        buf = shm.attach(name, writable=True)
         if bytes(buf[: len(_MAGIC)]) != _MAGIC:
+            buf.close()
             raise ValueError(f"'{name}' is not a hearth task ring")
         start = len(_MAGIC) + 8 * _WORDS
         (length,) = struct.unpack("<I", bytes(buf[start : start + 4]))
         layout = RingLayout(**json.loads(bytes(buf[start + 4 : start + 4 + length])))
-        return cls(shm, buf, layout, owner=False)
+        return cls(shm.Segment(name, buf, owner=False), layout)
 
     @property
     def shutdown(self) -> bool:
@@ -121,11 +104,7 @@ class TaskRing:
     def close(self) -> None:
         self.words = None  # type: ignore[assignment]
         self.slots = []
-        with contextlib.suppress(BufferError):
-            self._mmap.close()
-        if self.owner:
-            self.owner = False
-            self._finalizer()
+        self.segment.close()
 
 
 class _RingFuture:

@@ -51,16 +51,16 @@ def parse_cache_size(spec: str | float | None, pool: ExpertPool, default_bytes: 
     text = str(spec).strip().lower().replace(" ", "")
     if (m := re.fullmatch(r"(\d+)slots?", text)) is not None:
         return min(int(m.group(1)), total)
-    if (m := re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]i?b|b)?", text)) is None:
-        raise ConfigError(f"cannot read expert cache size '{spec}' (use a fraction like 0.1, bytes like 2GiB, "
-                          "or slots like 8slots)")
-    value, unit = float(m.group(1)), m.group(2) or ""
-    if not unit:
-        if value > 1:
-            raise ConfigError(f"expert cache size '{spec}': a bare number is a fraction of all experts (0..1); "
-                              "give bytes with a unit, e.g. 2GiB")
-        return int(value * total + 1e-9)
-    return min(total, int(value * _UNITS[unit]) // pool.expert_bytes)
+    if re.fullmatch(r"\d+(?:\.\d+)?", text) is None:  # with a unit: bytes
+        try:
+            return min(total, parse_bytes(text) // pool.expert_bytes)
+        except ConfigError:
+            raise ConfigError(f"cannot read expert cache size '{spec}' (use a fraction like 0.1, bytes like 2GiB, "
+                              "or slots like 8slots)") from None
+    if float(text) > 1:
+        raise ConfigError(f"expert cache size '{spec}': a bare number is a fraction of all experts (0..1); "
+                          "give bytes with a unit, e.g. 2GiB")
+    return int(float(text) * total + 1e-9)
 
 
 def parse_bytes(text: str) -> int:
@@ -79,6 +79,13 @@ def _resolve_device(name: str) -> str:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--expert-device cuda: no CUDA device is available (use --virtual-device on this machine)")
     return name
+
+
+def build_device(kind: str, pool: ExpertPool, slots: int, virtual_link_gbps: float | None = None):
+    """A ``cuda`` or ``virtual`` device with ``slots`` expert slots."""
+    if kind == "cuda":
+        return CudaDevice(pool, slots)
+    return VirtualDevice(pool, slots, virtual_link_gbps * 1e9 if virtual_link_gbps else None)
 
 
 def build_cpu_workers(cfg: ModelConfig, pool: ExpertPool, hc: HierarchyConfig, act, pool_name: str | None):
@@ -104,14 +111,11 @@ def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: HierarchyConfig,
     if kind == "none":
         return None
     act = activation(cfg.hidden_act)
-    if kind == "virtual":
-        slots = parse_cache_size(hc.expert_cache, pool, default_bytes=pool.nbytes // 4)
-        link = hc.virtual_link_gbps * 1e9 if hc.virtual_link_gbps else None
-        device = VirtualDevice(pool, slots, link)
-    else:
-        free, _ = torch.cuda.mem_get_info()
-        slots = parse_cache_size(hc.expert_cache, pool, default_bytes=int(free * 0.8))
-        device = CudaDevice(pool, slots)
+    free = torch.cuda.mem_get_info()[0] if kind == "cuda" else 0
+    # Default size: 80 % of free GPU memory; on the virtual device a quarter of the pool.
+    default_bytes = int(free * 0.8) if kind == "cuda" else pool.nbytes // 4
+    slots = parse_cache_size(hc.expert_cache, pool, default_bytes)
+    device = build_device(kind, pool, slots, hc.virtual_link_gbps)
     workers = build_cpu_workers(cfg, pool, hc, act, pool_name)
     m_max = cfg.num_experts
     if hc.q_mode == "table":

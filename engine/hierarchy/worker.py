@@ -15,7 +15,7 @@ import time
 import torch
 
 from engine.experts import routed_partial_sum
-from engine.hierarchy.cpu_workers import bind_current_thread, physical_cores
+from engine.hierarchy.cpu_workers import bind_current_thread, physical_cores, task_expert_bytes
 from engine.hierarchy.host_pool import HostExpertPool
 from engine.hierarchy.ring import DONE, FAILED, SUBMITTED, TaskRing
 from engine.layers.mlp import activation
@@ -48,7 +48,7 @@ def serve(pool: HostExpertPool, ring: TaskRing, idle_sleep_s: float = 50e-6, par
                 if not fp32_weights:
                     weights = weights.to(dtype)
                 v["out"][: t * h].view(t, h).copy_(routed_partial_sum(x, gate_up, down, rows, weights, act))
-                ctrl[5] = int(torch.unique(rows[rows >= 0]).numel()) * expert_bytes
+                ctrl[5] = task_expert_bytes(rows, expert_bytes)
                 ctrl[6] = time.perf_counter_ns() - start
                 ctrl[0] = DONE
             except Exception:  # report, never leave the executor waiting

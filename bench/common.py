@@ -1,0 +1,18 @@
+"""Small helpers the benchmark scripts share."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def synthetic_prompt(vocab_size: int, length: int) -> list[int]:
+    """A fixed, spread-out sequence of token ids (the same prompt in every benchmark)."""
+    return [(i * 7919) % min(vocab_size, 30000) + 1 for i in range(length)]
+
+
+def emit(result: dict, path: Path | None) -> None:
+    """Print the result as one JSON line, and write it (indented) to ``path`` when given."""
+    print(json.dumps(result))
+    if path:
+        path.write_text(json.dumps(result, indent=2))
