@@ -52,6 +52,24 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(needs --host-pool)")
 
 
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the bundled demo model)")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 opens "
+                                                       "it to the network: use --api-key)")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    g.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (default 50051; 0 disables gRPC)")
+    g.add_argument("--api-key", default=None, help="require this key (default: $HEARTH_API_KEY, else none)")
+    g.add_argument("--served-model-name", action="append", default=None, metavar="NAME",
+                   help="name clients use for the model (repeatable; default: the directory name)")
+    g.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together (default 16)")
+    g.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait beyond those running; more get 429/529 (default 64)")
+    g.add_argument("--tool-parser", default=None, choices=["hermes", "none"],
+                   help="tool-call format (default: chosen from the model family and chat template)")
+    g.add_argument("--log-format", default="json", choices=["json", "text"], help="log lines on stderr")
+
+
 def engine_options(args: argparse.Namespace) -> dict:
     """EngineConfig fields from the engine and hierarchy arguments."""
     device = "virtual" if args.virtual_device else args.expert_device
@@ -91,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--virtual-link-gbps", type=float, default=None)
     prof.add_argument("--repeats", type=int, default=15, help="timed runs per measurement (median)")
     prof.add_argument("--json", action="store_true", help="machine-readable output")
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI and Anthropic HTTP APIs and gRPC",
+                           description="Serve one model on this machine. Without --model it serves the demo model.")
+    _add_serve_args(serve)
+    _add_engine_args(serve)
     pool = sub.add_parser("pool", help="list or remove shared-memory expert pools")
     pool.add_argument("action", choices=["list", "clean"])
     pool.add_argument("name", nargs="?", help="pool to remove (clean); without it, clean removes pools whose "
@@ -200,6 +222,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return run_profile(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from cluster.serve_cmd import run_serve
+
+    return run_serve(args, engine_options(args))
+
+
 def cmd_pool(args: argparse.Namespace) -> int:
     from engine.hierarchy.host_pool import cleanup, list_pools
 
@@ -221,13 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {"generate": cmd_generate, "inspect": cmd_inspect, "convert": cmd_convert, "profile": cmd_profile,
-                "pool": cmd_pool}
+                "pool": cmd_pool, "serve": cmd_serve}
     if args.command not in handlers:
         parser.print_help()
         return 0 if args.command is None else 2
     try:
         return handlers[args.command](args)
-    except (ConfigError, ValueError, FileExistsError, FileNotFoundError) as exc:
+    except (ConfigError, ValueError, FileExistsError, FileNotFoundError, OSError) as exc:
         print(f"hearth: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,15 +50,39 @@ class EngineConfig:
     verify_checksums: bool = True  # FTW: check every extent's CRC while loading
 
 
+# (prompt ids, output ids so far, fp32 logits [V]) -> logits: applied before penalties and sampling.
+LogitsProcessor = Callable[[list[int], list[int], torch.Tensor], torch.Tensor]
+
+
 @dataclass
 class RequestMetrics:
     """Timings of one request (seconds since the epoch)."""
 
     arrival: float
+    first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV was reused instead of computed
+
+    def timings(self) -> dict[str, float | int]:
+        """Prompt and decode speed in the style of llama.cpp's ``timings`` response field."""
+        start = self.first_scheduled or self.arrival
+        prompt_s = (self.first_token - start) if self.first_token else 0.0
+        decode_n = max(self.num_output_tokens - 1, 0)
+        decode_s = (self.finished - self.first_token) if self.finished and self.first_token else 0.0
+        computed = self.num_prompt_tokens - self.num_cached_tokens
+        return {
+            "prompt_n": computed,
+            "prompt_ms": prompt_s * 1e3,
+            "prompt_per_second": computed / prompt_s if prompt_s > 0 else 0.0,
+            "predicted_n": self.num_output_tokens,
+            "predicted_ms": decode_s * 1e3,
+            "predicted_per_second": decode_n / decode_s if decode_s > 0 else 0.0,
+            "cache_n": self.num_cached_tokens,
+            "queue_ms": max(start - self.arrival, 0.0) * 1e3,
+        }
 
 
 @dataclass
@@ -73,6 +98,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     metrics: RequestMetrics | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it, if any
 
 
 @dataclass
@@ -87,8 +113,10 @@ class _TextState:
 class LLMEngine:
     """Continuous-batching engine over one model. Not thread-safe: drive it from one thread."""
 
-    def __init__(self, model_path: str | Path, config: EngineConfig | None = None, show_progress: bool = False):
+    def __init__(self, model_path: str | Path, config: EngineConfig | None = None, show_progress: bool = False,
+                 logits_processors: Sequence[LogitsProcessor] = ()):
         self.config = config or EngineConfig()
+        self.logits_processors = tuple(logits_processors)
         cpu_decode_ops()  # build or load the native kernels now, not during the first request
         self.host_pool: HostExpertPool | None = self._attach_filled_pool()
         loaded = load_checkpoint(
@@ -222,6 +250,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.items:
             return []
+        self._mark_scheduled(scheduled)
         logits, sampled = self.runner.execute(scheduled.items)
         self._write_routing()
         self._steps += 1
@@ -247,12 +276,22 @@ class LLMEngine:
             self._routing_file.close()
             self._routing_file = None
 
+    def _mark_scheduled(self, scheduled: ScheduledStep) -> None:
+        now = time.time()
+        for req, _ in scheduled.items:
+            metrics = self._text[req.request_id].metrics
+            if metrics.first_scheduled is None:
+                metrics.first_scheduled = now
+
     def _update(self, scheduled: ScheduledStep, logits: torch.Tensor, sampled: list[Request]) -> list[RequestOutput]:
         for req, n in scheduled.items:
             req.num_computed += n
         outputs = []
         for row, req in enumerate(sampled):
-            token = sample_token(logits[row], req.params, req.prompt_ids, req.output_ids, req.generator)
+            row_logits = logits[row]
+            for processor in self.logits_processors:
+                row_logits = processor(req.prompt_ids, req.output_ids, row_logits)
+            token = sample_token(row_logits, req.params, req.prompt_ids, req.output_ids, req.generator)
             req.output_ids.append(token)
             outputs.append(self._after_token(req, token))
         return outputs
@@ -263,13 +302,15 @@ class LLMEngine:
         if state.metrics.first_token is None:
             state.metrics.first_token = now
         reason = self._stop_reason(req, token)
+        stop_reason: str | int | None = token if reason == "stop" and token in req.params.stop_token_ids else None
         if state.detok is not None:
             prev_len = len(state.text)
             state.text += state.detok.add(token)
             if reason is not None:
                 state.text += state.detok.flush()
-            cut = self._find_stop(state.text, req.params.stop, prev_len)
-            if cut is not None:
+            hit = self._find_stop(state.text, req.params.stop, prev_len)
+            if hit is not None:
+                cut, stop_reason = hit
                 state.text, reason = state.text[:cut], "stop"
         if reason is not None:
             self.scheduler.finish(req, reason)
@@ -279,7 +320,7 @@ class LLMEngine:
         state.metrics.num_output_tokens = len(req.output_ids)
         out = RequestOutput(
             req.request_id, req.prompt_ids, list(req.output_ids), state.text[:visible], [token], delta,
-            reason is not None, reason, state.metrics,
+            reason is not None, reason, state.metrics, stop_reason,
         )
         if reason is not None:
             self._requests.pop(req.request_id, None)
@@ -295,9 +336,10 @@ class LLMEngine:
         return None
 
     @staticmethod
-    def _find_stop(text: str, stops: list[str], prev_len: int) -> int | None:
-        hits = [text.find(s, max(0, prev_len - len(s) + 1)) for s in stops]
-        hits = [h for h in hits if h >= 0]
+    def _find_stop(text: str, stops: list[str], prev_len: int) -> tuple[int, str] | None:
+        """(position, stop string) of the earliest stop string that the newest text completed."""
+        hits = [(text.find(s, max(0, prev_len - len(s) + 1)), s) for s in stops]
+        hits = [h for h in hits if h[0] >= 0]
         return min(hits) if hits else None
 
     def stats(self) -> dict[str, Any]:

@@ -24,6 +24,52 @@ CHATML_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
+# A ChatML template with tools, tool calls and thinking in the Qwen/Hermes style: tools are listed
+# in the system turn, calls are ``<tool_call>{json}</tool_call>``, results come back as
+# ``<tool_response>`` blocks in a user turn, and reasoning sits in ``<think>...</think>``.
+AGENT_TEMPLATE = (
+    "{%- macro text(content) -%}{{ content if content is string else '' }}{%- endmacro -%}"
+    "{%- if tools or messages[0]['role'] == 'system' -%}"
+    "{{ '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' -%}{{ text(messages[0]['content']) }}{%- endif -%}"
+    "{%- if tools -%}"
+    "{{ '\n\n# Tools\n\nYou may call functions. Their signatures are inside <tools></tools>:\n<tools>' }}"
+    "{%- for tool in tools -%}{{ '\n' + (tool | tojson) }}{%- endfor -%}"
+    "{{ '\n</tools>\n\nTo call one, reply with a JSON object inside tags:\n"
+    "<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>' }}"
+    "{%- endif -%}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}"
+    "{{ '<|im_start|>user\n' + text(message['content']) + '<|im_end|>\n' }}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{{ '<|im_start|>assistant\n' }}"
+    "{%- if message.get('reasoning_content') -%}"
+    "{{ '<think>\n' + message['reasoning_content'] + '\n</think>\n\n' }}"
+    "{%- endif -%}"
+    "{{ text(message['content']) }}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{%- set fn = call['function'] if call.get('function') else call -%}"
+    "{{ '\n<tool_call>\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{{ fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) }}"
+    "{{ '}\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>\n' }}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
+    "{{ '\n<tool_response>\n' + text(message['content']) + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{ '<|im_end|>\n' }}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{ '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking -%}{{ '<think>\n\n</think>\n\n' }}{%- endif -%}"
+    "{%- endif -%}"
+)
+# Plain-text markers the agent template uses, added to its tokenizer as single (non-special) tokens.
+AGENT_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
 _CORPUS = """
 def fibonacci(n):
     \"\"\"Return the n-th Fibonacci number.\"\"\"
@@ -62,8 +108,13 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int = 384) -> Any:
-    """Train a byte-level BPE tokenizer on a small built-in corpus and save it to ``out_dir``."""
+def build_tokenizer(out_dir: Path, vocab_size: int = 384, chat_format: str = "chatml") -> Any:
+    """Train a byte-level BPE tokenizer on a small built-in corpus and save it to ``out_dir``.
+
+    ``chat_format`` is ``chatml`` (plain ChatML) or ``agent`` (ChatML with tools and thinking, and
+    their markers as single tokens)."""
+    if chat_format not in ("chatml", "agent"):
+        raise ValueError(f"unknown chat format '{chat_format}' (chatml or agent)")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -77,13 +128,15 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384) -> Any:
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    if chat_format == "agent":
+        tok.add_tokens(AGENT_TOKENS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         bos_token=None,
     )
-    fast.chat_template = CHATML_TEMPLATE
+    fast.chat_template = AGENT_TEMPLATE if chat_format == "agent" else CHATML_TEMPLATE
     fast.save_pretrained(str(out_dir))
     return fast
 
@@ -154,6 +207,7 @@ def make_checkpoint(
     seed: int = 0,
     shard_bytes: int = 200_000,
     vocab_size: int | None = None,
+    chat_format: str = "chatml",
     **overrides: Any,
 ) -> tuple[Path, Any]:
     """Write a tiny random checkpoint (config, safetensors, tokenizer) to ``out_dir``.
@@ -162,10 +216,11 @@ def make_checkpoint(
     tests use as the reference. ``layout`` is ``per_expert`` (transformers' ``save_pretrained``)
     or ``fused`` (``experts.gate_up_proj`` / ``experts.down_proj`` tensors). ``vocab_size`` may
     exceed the tokenizer's (the extra rows are never produced by it), for realistic head sizes.
+    ``chat_format`` chooses the chat template (see :func:`build_tokenizer`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_tokenizer(out)
+    tok = build_tokenizer(out, chat_format=chat_format)
     vocab = max(vocab_size or 0, len(tok))
     model = build_hf_model(family, vocab_size=vocab, eos_id=tok.eos_token_id, seed=seed, **overrides)
     model = model.to(DTYPES[dtype])

@@ -29,3 +29,20 @@ def checkpoint(tmp_path_factory):
 def _deterministic_threads():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def agent_checkpoint(tmp_path_factory):
+    """A tiny fp32 Qwen3-MoE checkpoint with the agent chat template (tools, thinking)."""
+    out = tmp_path_factory.mktemp("agent-qwen3")
+    path, _ = make_checkpoint(out, "qwen3_moe", chat_format="agent")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(agent_checkpoint):
+    """A running server (HTTP + gRPC) over the agent checkpoint, with scripted replies."""
+    from tests.serving_helpers import running_server
+
+    with running_server(agent_checkpoint, {"max_model_len": 2048}) as srv:
+        yield srv

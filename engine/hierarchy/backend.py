@@ -32,8 +32,10 @@ class PathTimes:
 class HierarchicalExpertBackend:
     """An :class:`~engine.experts.ExpertBackend` over a device expert cache and CPU workers."""
 
-    def __init__(self, pool: ExpertPool, act, device, tables: ExpertCacheTables, cpu_workers) -> None:
+    def __init__(self, pool: ExpertPool, act, device, tables: ExpertCacheTables, cpu_workers,
+                 bandwidths: tuple[float, float] | None = None) -> None:
         self.pool = pool
+        self.bandwidths = bandwidths  # (B_P, B_H) bytes/s behind the q table; None for a forced table
         self.act = act
         self.device = device
         self.tables = tables
@@ -77,7 +79,13 @@ class HierarchicalExpertBackend:
         out["slots"] = self.tables.num_slots
         out["hit_rate"] = out["hits"] / max(out["hits"] + out["misses"], 1)
         out["cpu_bytes_per_s"] = self.times.cpu_bytes / self.times.cpu_seconds if self.times.cpu_seconds else 0.0
+        if self.bandwidths is not None:
+            out["b_p"], out["b_h"] = self.bandwidths
         return out
+
+    def qtable(self) -> list[int]:
+        """The current q table: fills planned for ``m`` misses, m = 0..M."""
+        return self.tables.qtable.tolist()
 
     def close(self) -> None:
         self.cpu_workers.close()

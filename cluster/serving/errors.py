@@ -1,0 +1,84 @@
+"""Client errors in each protocol's own shape, and strict parsing of request bodies."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_exceeded",
+                500: "server_error", 503: "service_unavailable"}
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                   503: "api_error", 529: "overloaded_error"}
+
+
+class APIError(Exception):
+    """An error answered to the client: HTTP status, a message naming the field, the field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def openai_body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": OPENAI_TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": None}}
+
+    def anthropic_body(self) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.status, "invalid_request_error"),
+                                           "message": self.message}}
+
+
+def overloaded(protocol: str, detail: str) -> APIError:
+    """The bounded queue is full: 429 for OpenAI clients, 529 ``overloaded_error`` for Anthropic."""
+    return APIError(529 if protocol == "anthropic" else 429, f"the server is overloaded, retry later ({detail})")
+
+
+def field_name(loc: tuple[Any, ...]) -> str:
+    """``messages.0.content`` from a pydantic error location (union-member tags dropped)."""
+    parts = [str(p) for p in loc if isinstance(p, int) or not any(c in str(p) for c in "[]-,")]
+    return ".".join(parts) or "body"
+
+
+def parse_body(model: type[M], raw: bytes) -> M:
+    """Validate a JSON body strictly (no string-to-number coercion); errors name the field."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") \
+            from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data, strict=True)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        name = field_name(errors[0]["loc"])
+        same = [e["msg"] for e in errors if field_name(e["loc"]) == name]
+        detail = same[0] if len(same) == 1 else "invalid value (" + "; or ".join(dict.fromkeys(same)) + ")"
+        raise APIError(400, f"{name}: {detail}", name) from None
+
+
+def check_json_schema(schema: Any, where: str) -> None:
+    """A tool's parameter schema must be a valid JSON Schema object."""
+    from jsonschema.exceptions import SchemaError
+    from jsonschema.validators import validator_for
+
+    if not isinstance(schema, dict):
+        raise APIError(400, f"{where}: must be a JSON Schema object", where)
+    try:
+        validator_for(schema).check_schema(schema)
+    except SchemaError as exc:
+        raise APIError(400, f"{where}: not a valid JSON Schema ({exc.message})", where) from None
+    if schema.get("type", "object") != "object":
+        raise APIError(400, f"{where}: the schema's type must be 'object'", where)

@@ -1,0 +1,90 @@
+"""Prometheus metrics of one server (its own registry: no process-global state)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TYPICAL_MISSES = (1, 2, 4, 8, 16, 32, 64)
+
+
+class ServerMetrics:
+    """Request counters and latency histograms, plus engine and expert-hierarchy gauges read from
+    the engine client at scrape time."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("hearth_requests", "Finished HTTP/gRPC requests", ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("hearth_time_to_first_token_seconds", "Time from arrival to the first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("hearth_inter_token_latency_seconds", "Time between consecutive streamed tokens",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("hearth_request_duration_seconds", "Time from arrival to the last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("hearth_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("hearth_generation_tokens", "Generated tokens", registry=r)
+        self.cached_tokens = Counter("hearth_cached_prompt_tokens", "Prompt tokens served from cache", registry=r)
+        self.aborted = Counter("hearth_aborted_requests", "Requests aborted (client gone)", registry=r)
+        self.rejected = Counter("hearth_rejected_requests", "Requests refused because the queue was full",
+                                registry=r)
+        r.register(_EngineCollector(client))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Gauges read from the engine client's latest statistics when Prometheus scrapes."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        stats = self.client.stats() if self.client.ready else {}
+        yield _gauge("hearth_ready", "1 when the model is loaded and serving", 1.0 if self.client.ready else 0.0)
+        yield _gauge("hearth_queue_length", "Requests waiting for the engine", stats.get("waiting", 0))
+        yield _gauge("hearth_running_requests", "Requests the engine is running", stats.get("running", 0))
+        yield _gauge("hearth_in_flight_requests", "Requests accepted and not finished", stats.get("in_flight", 0))
+        free, total = stats.get("kv_blocks_free", 0), stats.get("kv_blocks_total", 0)
+        yield _gauge("hearth_kv_cache_usage_ratio", "Share of KV blocks in use", (1 - free / total) if total else 0)
+        experts = stats.get("experts")
+        if not experts:
+            return
+        yield _gauge("hearth_expert_cache_slots", "Expert cache slots on the device", experts["slots"])
+        yield _gauge("hearth_expert_cache_hit_ratio", "Share of routed experts found in the cache",
+                     experts["hit_rate"])
+        for name, help_text in (("hits", "Routed experts found in the cache"),
+                                ("misses", "Routed experts not in the cache"),
+                                ("fills", "Experts copied into the cache"), ("cpu", "Experts computed on the CPU"),
+                                ("evictions", "Experts evicted from the cache")):
+            yield _counter(f"hearth_expert_{name}", help_text, experts.get(name, 0))
+        yield _counter("hearth_expert_fill_bytes", "Bytes copied into the expert cache", experts.get("fill_bytes", 0))
+        if "b_p" in experts:
+            yield _gauge("hearth_bandwidth_link_bytes_per_second", "B_P: host-to-device expert fill bandwidth",
+                         experts["b_p"])
+            yield _gauge("hearth_bandwidth_host_bytes_per_second", "B_H: CPU expert bandwidth", experts["b_h"])
+        qtable = self.client.qtable()
+        if qtable:
+            family = GaugeMetricFamily("hearth_qtable_fills", "Fills the q table plans for m misses", labels=["m"])
+            for m in _TYPICAL_MISSES:
+                if m < len(qtable):
+                    family.add_metric([str(m)], qtable[m])
+            yield family
+
+
+def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help_text, value=float(value))
+
+
+def _counter(name: str, help_text: str, value: float):
+    from prometheus_client.core import CounterMetricFamily
+
+    return CounterMetricFamily(name, help_text, value=float(value))

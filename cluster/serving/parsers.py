@@ -1,0 +1,253 @@
+"""Streaming parsers that split model output into reasoning, content and tool calls.
+
+Both protocols consume the same events, so streaming and non-streaming responses are built from
+one parse. Parsers are chosen per model: a registry maps a name (``hermes``, ``none``) to a tool
+parser, and the reasoning parser is on when the tokenizer knows the ``<think>`` markers.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A parsed tool call: the function name and its arguments as a JSON object string."""
+
+    id: str
+    name: str
+    arguments: str
+
+    @property
+    def input(self) -> dict[str, Any]:
+        return json.loads(self.arguments)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One piece of parsed output: kind is ``reasoning``, ``content`` or ``tool_call``."""
+
+    kind: str
+    text: str = ""
+    tool_call: ToolCall | None = None
+
+
+def new_tool_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper start of ``tag`` (to hold back)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class ReasoningSplitter:
+    """Separates ``<think>…</think>`` at the start of the output from what follows.
+
+    ``in_reasoning`` starts True when the prompt already opened the block (templates that end
+    the generation prompt with ``<think>``)."""
+
+    def __init__(self, in_reasoning: bool = False) -> None:
+        self.state = "reasoning" if in_reasoning else "start"
+        self.buffer = ""
+        self.started = False  # reasoning text seen (leading whitespace is dropped)
+        self.pending_ws = ""  # trailing whitespace of the reasoning so far, dropped before </think>
+
+    def feed(self, text: str) -> list[Event]:
+        self.buffer += text
+        events: list[Event] = []
+        while self.buffer:
+            if self.state == "start":
+                stripped = self.buffer.lstrip()
+                if stripped.startswith(THINK_OPEN):
+                    self.buffer, self.state = stripped[len(THINK_OPEN):], "reasoning"
+                elif THINK_OPEN.startswith(stripped):
+                    return events  # could still become "<think>"
+                else:
+                    self.state = "content"
+            elif self.state == "reasoning":
+                end = self.buffer.find(THINK_CLOSE)
+                if end < 0:
+                    keep = _partial_suffix(self.buffer, THINK_CLOSE)
+                    self._reasoning(self.buffer[: len(self.buffer) - keep], events)
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    return events
+                self._reasoning(self.buffer[:end], events)
+                self.buffer, self.state, self.pending_ws = self.buffer[end + len(THINK_CLOSE):], "after", ""
+            elif self.state == "after":
+                self.buffer = self.buffer.lstrip()
+                if self.buffer:
+                    self.state = "content"
+            else:
+                events.append(Event("content", self.buffer))
+                self.buffer = ""
+        return events
+
+    def _reasoning(self, text: str, events: list[Event]) -> None:
+        if not self.started:
+            text = text.lstrip()
+            self.started = bool(text)
+        body = text.rstrip()
+        if body:
+            events.append(Event("reasoning", self.pending_ws + body))
+            self.pending_ws = ""
+        self.pending_ws += text[len(body):]
+
+    def flush(self) -> list[Event]:
+        rest, self.buffer = self.buffer, ""
+        if self.state == "reasoning":
+            events: list[Event] = []
+            self._reasoning(rest, events)
+            return events
+        if not rest or self.state == "after":
+            return []
+        return [Event("content", rest)]
+
+
+class HermesToolParser:
+    """Finds ``<tool_call>{"name": …, "arguments": {…}}</tool_call>`` in content (Qwen, Hermes).
+
+    Whitespace around calls is dropped; a call whose JSON does not parse is passed on as text."""
+
+    open_tag, close_tag = "<tool_call>", "</tool_call>"
+
+    def __init__(self) -> None:
+        self.buffer = ""
+        self.in_call = False
+        self.pending_ws = ""
+        self.last_was_call = False
+
+    def feed(self, text: str) -> list[Event]:
+        self.buffer += text
+        events: list[Event] = []
+        while self.buffer:
+            tag = self.close_tag if self.in_call else self.open_tag
+            pos = self.buffer.find(tag)
+            if pos < 0:
+                if not self.in_call:
+                    keep = _partial_suffix(self.buffer, tag)
+                    self._content(self.buffer[: len(self.buffer) - keep], events)
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                return events
+            if self.in_call:
+                self._call(self.buffer[:pos], events)
+            else:
+                self._content(self.buffer[:pos], events)
+            self.buffer, self.in_call = self.buffer[pos + len(tag):], not self.in_call
+        return events
+
+    def flush(self) -> list[Event]:
+        events: list[Event] = []
+        if self.in_call:
+            self._content(self.open_tag + self.buffer, events)  # an unterminated call stays text
+        else:
+            self._content(self.buffer, events)
+        self.buffer = ""
+        if self.pending_ws and not self.last_was_call:
+            events.append(Event("content", self.pending_ws))
+        self.pending_ws = ""
+        return events
+
+    def _content(self, text: str, events: list[Event]) -> None:
+        if not text:
+            return
+        body = text.rstrip()
+        if not body:
+            self.pending_ws += text
+            return
+        lead = "" if self.last_was_call else self.pending_ws
+        if self.last_was_call:
+            body = body.lstrip()
+        events.append(Event("content", lead + body))
+        self.pending_ws, self.last_was_call = text[len(text.rstrip()):], False
+
+    def _call(self, body: str, events: list[Event]) -> None:
+        call = parse_hermes_call(body)
+        if call is None:
+            self._content(self.open_tag + body + self.close_tag, events)
+            return
+        self.pending_ws, self.last_was_call = "", True
+        events.append(Event("tool_call", tool_call=call))
+
+
+def parse_hermes_call(body: str) -> ToolCall | None:
+    """The tool call in one ``<tool_call>`` body, or None when it is not a valid call."""
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"]:
+        return None
+    args = data.get("arguments", data.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(new_tool_call_id(), data["name"], json.dumps(args, ensure_ascii=False))
+
+
+class NoToolParser:
+    """Everything is content."""
+
+    def feed(self, text: str) -> list[Event]:
+        return [Event("content", text)] if text else []
+
+    def flush(self) -> list[Event]:
+        return []
+
+
+TOOL_PARSERS = {"hermes": HermesToolParser, "none": NoToolParser}
+# Which tool-call format each architecture's chat templates use.
+ARCHITECTURE_TOOL_PARSERS = {
+    "Qwen3MoeForCausalLM": "hermes",
+    "Qwen2MoeForCausalLM": "hermes",
+    "MixtralForCausalLM": "hermes",
+}
+
+
+def choose_tool_parser(architecture: str, chat_template: str | None, override: str | None = None) -> str:
+    """The tool parser for a model: an explicit choice, else its family's, else 'none' when the
+    template never mentions tools."""
+    if override:
+        if override not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool parser '{override}' (one of {', '.join(sorted(TOOL_PARSERS))})")
+        return override
+    if chat_template and "<tool_call>" in chat_template:
+        return "hermes"
+    return ARCHITECTURE_TOOL_PARSERS.get(architecture, "none")
+
+
+class OutputParser:
+    """Reasoning split first, then tool calls in the content; ``tools_enabled`` False leaves
+    tool-call markup as text (``tool_choice: none`` or no tools given)."""
+
+    def __init__(self, tool_parser: str, reasoning: bool, in_reasoning: bool, tools_enabled: bool) -> None:
+        self.reasoning = ReasoningSplitter(in_reasoning) if reasoning else None
+        self.tools = TOOL_PARSERS[tool_parser if tools_enabled else "none"]()
+
+    def feed(self, text: str) -> list[Event]:
+        return self._route(self.reasoning.feed(text) if self.reasoning else [Event("content", text)])
+
+    def flush(self) -> list[Event]:
+        events = self._route(self.reasoning.flush()) if self.reasoning else []
+        return events + self.tools.flush()
+
+    def _route(self, events: list[Event]) -> list[Event]:
+        out: list[Event] = []
+        for event in events:
+            if event.kind == "content":
+                out.extend(self.tools.feed(event.text))
+            elif event.text:
+                out.append(event)
+        return out

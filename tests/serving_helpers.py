@@ -1,0 +1,71 @@
+"""A real server on a tiny checkpoint for the serving tests, with a test-only logits processor
+that forces scripted replies (tool calls, thinking, malformed calls) when the prompt asks for one."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from cluster.serving.server import BackgroundServer, ServeOptions, build_state, free_port
+
+SCRIPTS = {
+    "WEATHER": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
+    "TWO_CALLS": 'Checking both.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                 '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+    "THINK": "<think>\nThe user greets me. I greet back.\n</think>\n\nHello there!",
+    "THINK_TOOL": '<think>\nI need the weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+                  '{"city": "Oslo"}}\n</tool_call>',
+    "BAD_CALL": '<tool_call>\n{"name": "get_weather", "arguments": {city: Paris}\n</tool_call>',
+    "NAMED_REST": '{"city": "Rome"}}\n</tool_call>',
+    "STOPWORD": "alpha beta STOP gamma",
+}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather forecast for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}}
+
+
+class ScriptedReplies:
+    """Forces the tokens of ``SCRIPTS[KEY]`` (then EOS) when the prompt contains ``SCRIPT:KEY``."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.scripts = {k: tokenizer.encode(v, add_special_tokens=False) + [tokenizer.eos_token_id]
+                        for k, v in SCRIPTS.items()}
+        self._by_prompt: dict[tuple[int, ...], list[int] | None] = {}
+
+    def __call__(self, prompt: list[int], output: list[int], logits: torch.Tensor) -> torch.Tensor:
+        key = tuple(prompt)
+        if key not in self._by_prompt:
+            match = re.search(r"SCRIPT:([A-Z_]+)", self.tokenizer.decode(prompt))
+            self._by_prompt[key] = self.scripts.get(match.group(1)) if match else None
+        script = self._by_prompt[key]
+        if script is None or len(output) >= len(script):
+            return logits
+        forced = torch.full_like(logits, float("-inf"))
+        forced[script[len(output)]] = 0.0
+        return forced
+
+
+@contextlib.contextmanager
+def running_server(model_dir, engine_options: dict | None = None, scripted: bool = True,
+                   **options: Any) -> Iterator[BackgroundServer]:
+    """A BackgroundServer on loopback (free ports), stopped on exit."""
+    from engine.tokenizer import load_tokenizer
+
+    opts = ServeOptions(host="127.0.0.1", port=free_port(), grpc_port=free_port(), model_names=("tiny",),
+                        **options)
+    processors = [ScriptedReplies(load_tokenizer(model_dir))] if scripted else []
+    state = build_state(model_dir, dict(engine_options or {}), opts, logits_processors=processors)
+    server = BackgroundServer(state, opts).start()
+    try:
+        yield server
+    finally:
+        server.stop()
