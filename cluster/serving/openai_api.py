@@ -85,11 +85,13 @@ async def completions(request: Request):
         return StreamingResponse(_completion_events(state, gen.request_id, stream, include_usage),
                                  media_type="text/event-stream")
     reply = await run_unless_disconnected(request, collect(stream))
+    choice = {"index": 0, "text": reply.content, "logprobs": None,
+              "finish_reason": FINISH.get(reply.finish_reason, "stop")}
+    if body.return_token_ids:
+        choice["token_ids"] = reply.token_ids
     return JSONResponse({
         "id": gen.request_id, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
-        "choices": [{"index": 0, "text": reply.content, "logprobs": None,
-                     "finish_reason": FINISH.get(reply.finish_reason, "stop")}],
-        "usage": _usage(reply), "timings": reply.timings,
+        "choices": [choice], "usage": _usage(reply), "timings": reply.timings,
     })
 
 

@@ -105,3 +105,4 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int]
     echo: bool = False
     suffix: str | None = None
+    return_token_ids: bool = False  # extension: the generated token ids in choices[0].token_ids
