@@ -13,7 +13,7 @@ TORCH_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
 endif
 endif
 
-.PHONY: venv test lint fmt bench clean
+.PHONY: venv test lint fmt serve proto clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,14 @@ venv: $(VENV)/.installed
 test: venv
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Serve the demo model (or MODEL=DIR) on http://127.0.0.1:8000 (OpenAI /v1, Anthropic) and gRPC :50051.
+serve: venv
+	$(VENV)/bin/hearth serve $(if $(MODEL),--model $(MODEL)) $(SERVE_ARGS)
+
+# Regenerate the gRPC modules from proto/hearth.proto (tests fail when they are stale).
+proto: venv
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/hearth.proto
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -3,6 +3,7 @@ parser, record latency metrics, and accumulate the final result."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -11,6 +12,8 @@ from typing import Any
 from cluster.serving.client import EngineNotReady, EngineOverloaded, GenerateRequest, GenerationChunk
 from cluster.serving.errors import APIError, overloaded
 from cluster.serving.parsers import Event, OutputParser, ToolCall
+
+log = logging.getLogger("hearth.serving")
 
 
 @dataclass
@@ -50,18 +53,21 @@ async def stream_reply(app_state: Any, request: GenerateRequest, parser: OutputP
     metrics = app_state.metrics
     start = last = time.perf_counter()
     status = "error"
+    first: float | None = None
+    final: GenerationChunk | None = None
     try:
         async for chunk in app_state.client.generate(request):
             now = time.perf_counter()
             if chunk.token_ids:
-                (metrics.ttft if last == start else metrics.itl).observe(now - last)
+                (metrics.ttft if first is None else metrics.itl).observe(now - last)
+                first = now if first is None else first
                 last = now
             events = parser.feed(chunk.text) if parser is not None else ([Event("content", chunk.text)]
                                                                          if chunk.text else [])
             if chunk.finished:
                 if parser is not None:
                     events += parser.flush()
-                status = "ok"
+                status, final = "ok", chunk
                 metrics.prompt_tokens.inc(chunk.num_prompt_tokens)
                 metrics.generation_tokens.inc(chunk.num_output_tokens)
                 metrics.cached_tokens.inc(chunk.num_cached_tokens)
@@ -85,6 +91,12 @@ async def stream_reply(app_state: Any, request: GenerateRequest, parser: OutputP
             metrics.aborted.inc()
             status = "aborted"
         metrics.requests.labels(endpoint, status).inc()
+        log.info("generation", extra={"fields": {
+            "id": request.request_id, "endpoint": endpoint, "status": status,
+            "prompt_tokens": len(request.prompt_ids), "completion_tokens": final.num_output_tokens if final else None,
+            "finish_reason": final.finish_reason if final else None,
+            "ttft_ms": round((first - start) * 1e3, 2) if first else None,
+            "ms": round((time.perf_counter() - start) * 1e3, 2)}})
 
 
 async def collect(stream: AsyncIterator[tuple[list[Event], GenerationChunk]]) -> Reply:

@@ -1,0 +1,75 @@
+"""The output parsers: the same events however the text is split into stream chunks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cluster.serving.parsers import OutputParser, choose_tool_parser, parse_hermes_call
+
+CASES = [
+    ("<think>\nplan it\n\nstep 2  \n</think>\n\nSure.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n"
+     "</tool_call>\n<tool_call>\n{bad}\n</tool_call> tail",
+     [("reasoning", "plan it\n\nstep 2"), ("content", "Sure."), ("tool_call", ("f", '{"a": 1}')),
+      ("content", "<tool_call>\n{bad}\n</tool_call> tail")]),
+    ("plain text <tool_ca", [("content", "plain text <tool_ca")]),
+    ("<thin", [("content", "<thin")]),
+    ("  <think> abc", [("reasoning", "abc")]),
+    ('<tool_call>{"name":"x","arguments":"{\\"q\\": 2}"}</tool_call>', [("tool_call", ("x", '{"q": 2}'))]),
+    ('<tool_call>{"name":"x","arguments":{}}', [("content", '<tool_call>{"name":"x","arguments":{}}')]),
+    ("a < b and c <think> d", [("content", "a < b and c <think> d")]),
+]
+
+
+def parse(chunks: list[str], reasoning: bool = True, in_reasoning: bool = False) -> list[tuple]:
+    parser = OutputParser("hermes", reasoning, in_reasoning, tools_enabled=True)
+    events = [e for c in chunks for e in parser.feed(c)] + parser.flush()
+    merged: list[tuple] = []
+    for e in events:
+        if e.kind == "tool_call":
+            merged.append(("tool_call", (e.tool_call.name, e.tool_call.arguments)))
+        elif merged and merged[-1][0] == e.kind:
+            merged[-1] = (e.kind, merged[-1][1] + e.text)
+        else:
+            merged.append((e.kind, e.text))
+    return merged
+
+
+@pytest.mark.parametrize(("text", "expected"), CASES)
+def test_any_chunking_gives_the_same_events(text, expected):
+    assert parse([text]) == expected
+    rng = random.Random(0)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 25))))
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        assert parse(chunks) == expected, chunks
+
+
+def test_prompt_opened_reasoning():
+    assert parse(["still thinking</think>answer"], in_reasoning=True) == [
+        ("reasoning", "still thinking"), ("content", "answer")]
+
+
+def test_without_reasoning_markers_stay_text():
+    assert parse(["<think>x</think>y"], reasoning=False) == [("content", "<think>x</think>y")]
+
+
+def test_tools_disabled_leaves_markup():
+    parser = OutputParser("hermes", False, False, tools_enabled=False)
+    text = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+    assert "".join(e.text for e in parser.feed(text) + parser.flush()) == text
+
+
+@pytest.mark.parametrize("body", ['{"name": 3}', "[]", '{"arguments": {}}', '{"name": "f", "arguments": [1]}',
+                                  '{"name": "f", "arguments": "not json"}'])
+def test_invalid_calls_rejected(body):
+    assert parse_hermes_call(body) is None
+
+
+def test_parser_choice():
+    assert choose_tool_parser("Qwen3MoeForCausalLM", None) == "hermes"
+    assert choose_tool_parser("Unknown", "{{ '<tool_call>' }}") == "hermes"
+    assert choose_tool_parser("Unknown", "plain") == "none"
+    with pytest.raises(ValueError, match="unknown tool parser"):
+        choose_tool_parser("Qwen3MoeForCausalLM", None, "xml")
