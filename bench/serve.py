@@ -53,7 +53,7 @@ def start_server(model: Path, dtype: str, port: int) -> subprocess.Popen:
 def stream_once(url: str, prompt: list[int], gen: int) -> dict:
     """One streaming completion: TTFT, the gaps between chunks, and client-side decode tok/s."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": gen, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     start = time.perf_counter()
     arrivals: list[float] = []
     tokens = 0
@@ -63,8 +63,8 @@ def stream_once(url: str, prompt: list[int], gen: int) -> dict:
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             data = json.loads(line[6:])
-            if data["choices"] and data["choices"][0]["text"]:
-                arrivals.append(time.perf_counter())
+            if data["choices"] and data["choices"][0].get("token_ids"):
+                arrivals.append(time.perf_counter())  # one chunk per engine step (token), text or not
             if data.get("usage"):
                 tokens = data["usage"]["completion_tokens"]
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]

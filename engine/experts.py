@@ -14,7 +14,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.kernels import cpu_decode_ops
-from engine.layers.linear import linear
+from engine.layers.linear import SMALL_BATCH, linear
 from engine.layers.mlp import activation
 
 
@@ -105,15 +105,11 @@ def routed_partial_sum(
     different paths (device slots, CPU workers) add up to what one path computes, up to fp32
     rounding order."""
     t, k = rows.shape
-    if t == 1 and gate_up.device.type == "cpu":
-        row_list = rows[0].tolist()
-        keep = [j for j, r in enumerate(row_list) if r >= 0]
-        if not keep:
-            return torch.zeros((1, x.shape[1]), dtype=torch.float32)
-        ops = cpu_decode_ops() if act is torch.nn.functional.silu else None
-        if ops is not None:
-            w = weights[0] if len(keep) == k else weights[0, keep]
-            return ops.experts_decode(x, gate_up, down, [row_list[j] for j in keep], w, fp32_out=True)
+    ops = cpu_decode_ops() if act is torch.nn.functional.silu and gate_up.device.type == "cpu" else None
+    if ops is not None and t <= SMALL_BATCH:
+        # A few tokens (decode steps): each token's experts through the native kernel, exactly as
+        # when the token is alone; reading t*k experts beats upcasting the shared ones for a GEMM.
+        return torch.cat([_token_experts(ops, x[i : i + 1], gate_up, down, rows[i], weights[i]) for i in range(t)])
     parts = torch.zeros((t, k, x.shape[1]), dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
     for row, tokens, kpos in group_by_row(rows):
         if row < 0:
@@ -121,6 +117,16 @@ def routed_partial_sum(
         gate, up = linear(x[tokens], gate_up[row]).chunk(2, dim=-1)
         parts[tokens, kpos] = linear(act(gate) * up, down[row]) * weights[tokens, kpos, None]
     return parts.sum(dim=1, dtype=torch.float32)
+
+
+def _token_experts(ops, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:  # [1, H] fp32
+    row_list = rows.tolist()
+    keep = [j for j, r in enumerate(row_list) if r >= 0]
+    if not keep:
+        return torch.zeros((1, x.shape[1]), dtype=torch.float32)
+    w = weights if len(keep) == len(row_list) else weights[keep]
+    return ops.experts_decode(x, gate_up, down, [row_list[j] for j in keep], w, fp32_out=True)
 
 
 class LocalExpertBackend:

@@ -119,3 +119,28 @@ def test_copy_rows_is_a_batched_row_gather():
     assert torch.equal(dst[1], torch.zeros_like(dst[1]))
     with pytest.raises(RuntimeError, match="out of range"):
         ops.copy_rows(dst, torch.tensor([4]), src, torch.tensor([0]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_batch_linear_is_bit_identical_to_one_token_at_a_time(dtype):
+    torch.manual_seed(3)
+    w, b = torch.randn(96, 200).to(dtype), torch.randn(96).to(dtype)
+    x = torch.randn(engine.layers.linear.SMALL_BATCH, 200).to(dtype)
+    together = engine.layers.linear.linear(x, w, b)
+    alone = torch.cat([engine.layers.linear.linear(x[i : i + 1], w, b) for i in range(x.shape[0])])
+    assert torch.equal(together, alone)
+    assert max_rel_error(together, F.linear(x.float(), w.float(), b.float())) < 1e-2
+
+
+@needs_kernels
+def test_small_batch_experts_are_bit_identical_to_one_token_at_a_time():
+    torch.manual_seed(4)
+    gate_up, down = torch.randn(6, 64, 48).bfloat16(), torch.randn(6, 48, 32).bfloat16()
+    x = torch.randn(5, 48).bfloat16()
+    rows = torch.tensor([[0, 3], [5, -1], [2, 2], [-1, -1], [1, 4]])
+    weights = torch.rand(5, 2)
+    together = engine.experts.routed_partial_sum(x, gate_up, down, rows, weights, F.silu)
+    alone = torch.cat([engine.experts.routed_partial_sum(x[i : i + 1], gate_up, down, rows[i : i + 1],
+                                                         weights[i : i + 1], F.silu) for i in range(5)])
+    assert torch.equal(together, alone) and not together[3].any()

@@ -82,7 +82,8 @@ async def completions(request: Request):
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = await primed(request, stream)
-        return StreamingResponse(_completion_events(state, gen.request_id, stream, include_usage),
+        return StreamingResponse(_completion_events(state, gen.request_id, stream, include_usage,
+                                                    body.return_token_ids),
                                  media_type="text/event-stream")
     reply = await run_unless_disconnected(request, collect(stream))
     choice = {"index": 0, "text": reply.content, "logprobs": None,
@@ -240,7 +241,8 @@ async def _chat_events(state: Any, request_id: str, stream: AsyncIterator, inclu
     yield "data: [DONE]\n\n"
 
 
-async def _completion_events(state: Any, request_id: str, stream: AsyncIterator, include_usage: bool):
+async def _completion_events(state: Any, request_id: str, stream: AsyncIterator, include_usage: bool,
+                             token_ids: bool):
     created = int(time.time())
     reply = Reply()
     async for events, gen_chunk in _guard(stream):
@@ -249,11 +251,14 @@ async def _completion_events(state: Any, request_id: str, stream: AsyncIterator,
             return
         text = "".join(e.text for e in events)
         finish = FINISH.get(gen_chunk.finish_reason, "stop") if gen_chunk.finished else None
-        if text or finish:
+        if text or finish or token_ids:
             reply.add([], gen_chunk)
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            if token_ids:
+                choice["token_ids"] = gen_chunk.token_ids
             extra = {"timings": reply.timings} if finish else {}
             yield sse({"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
-                       "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **extra})
+                       "choices": [choice], **extra})
     if include_usage:
         yield sse({"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
                    "choices": [], "usage": _usage(reply)})

@@ -61,26 +61,30 @@ std::vector<float> to_float(const torch::Tensor& t) {
   return out;
 }
 
+// x: [M, K] with M small (decode steps of a few sequences). Each weight row is read from memory
+// once and reused from L1 for every token; each token's dot product runs in exactly the order of
+// the single-token case, so a sequence gets bit-identical results alone or in a batch.
 template <typename T>
 torch::Tensor linear_impl(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
-  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t N = w.size(0), K = w.size(1), M = x.numel() / K;
   auto xf = to_float<T>(x);
   std::vector<float> bf;
   if (bias.has_value()) bf = to_float<T>(*bias);
-  auto out = torch::empty({1, N}, x.options());
+  auto out = torch::empty({M, N}, x.options());
   T* o = out.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      float s = dot(wp + r * K, xf.data(), K);
-      if (!bf.empty()) s += bf[r];
-      o[r] = static_cast<T>(s);
+      for (int64_t m = 0; m < M; ++m) {
+        float s = dot(wp + r * K, xf.data() + m * K, K);
+        if (!bf.empty()) s += bf[r];
+        o[m * N + r] = static_cast<T>(s);
+      }
     }
   });
   return out;
 }
 
-// All k routed experts of one token. gate_up: [rows, 2I, H]; down: [rows, H, I]; ids: pool rows.
 template <typename T>
 torch::Tensor experts_impl(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down,
                            const std::vector<int64_t>& ids, const torch::Tensor& weights, bool fp32_out) {
@@ -163,7 +167,8 @@ void check_cpu(const torch::Tensor& t, const char* name) {
 
 torch::Tensor linear_decode(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   check_cpu(w, "weight");
-  TORCH_CHECK(x.numel() == w.size(1) && x.scalar_type() == w.scalar_type(), "x must be [1, K] in the weight's dtype");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == w.size(1) && x.scalar_type() == w.scalar_type(),
+              "x must be [M, K] in the weight's dtype");
   switch (w.scalar_type()) {
     case torch::kFloat32: return linear_impl<float>(x, w, bias);
     case torch::kBFloat16: return linear_impl<at::BFloat16>(x, w, bias);
