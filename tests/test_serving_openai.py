@@ -219,6 +219,8 @@ def test_unknown_model_invalid_json_and_utf8(server):
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = requests.post(url, data=b'{"model": "tiny\xff\xfe"}', timeout=30)
     assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"]
+    r = requests.post(url, data=b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', timeout=30)
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
     r = requests.post(url, data=b"[1, 2]", timeout=30)
     assert r.status_code == 400
 

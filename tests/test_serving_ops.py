@@ -128,6 +128,17 @@ def test_disconnect_frees_the_request_and_others_continue(server):
     assert metrics(server)["hearth_requests_total{endpoint=chat,status=aborted}"] >= 1
 
 
+def test_disconnect_of_a_non_streaming_client_aborts_it(server):
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(server.url + "/v1/completions", timeout=(5, 0.5), json={
+            "model": "tiny", "prompt": "long", "max_tokens": 1500, "ignore_eos": True})
+    client = server.state.client
+    assert wait_until(lambda: client.stats()["in_flight"] == 0 and client.stats()["running"] == 0, 30), \
+        client.stats()
+    s = client.stats()
+    assert s["kv_blocks_free"] == s["kv_blocks_total"]
+
+
 def test_bounded_queue_rejects_in_each_protocol(agent_checkpoint):
     with running_server(agent_checkpoint, {"max_num_seqs": 1}, scripted=False, max_waiting=0) as srv:
         long = chat(srv, "occupy the engine", max_tokens=1000, ignore_eos=True, stream=True)

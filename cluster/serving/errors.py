@@ -60,6 +60,11 @@ def parse_body(model: type[M], raw: bytes) -> M:
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:  # "\ud800" escapes decode to lone surrogates no tokenizer accepts
+        raise APIError(400, "the request body contains an unpaired UTF-16 surrogate escape (invalid Unicode)") \
+            from None
+    try:
         return model.model_validate(data, strict=True)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
