@@ -81,20 +81,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.hearth = state
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
-
-    @app.middleware("http")
-    async def authenticate_and_log(request: Request, call_next):
-        start = time.perf_counter()
-        path = request.url.path
-        if state.api_key and path not in _OPEN_PATHS and not _authorized(request, state.api_key):
-            response = error_response(path, APIError(401, "invalid or missing API key (send 'Authorization: "
-                                                          "Bearer KEY' or 'x-api-key: KEY')"))
-        else:
-            response = await call_next(request)
-        log.info("request", extra={"fields": {
-            "method": request.method, "path": path, "status": response.status_code,
-            "ms": round((time.perf_counter() - start) * 1e3, 2)}})
-        return response
+    app.add_middleware(AuthAndAccessLog, state=state)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -126,8 +113,44 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def _authorized(request: Request, key: str) -> bool:
-    header = request.headers.get("authorization", "")
+class AuthAndAccessLog:
+    """Pure ASGI middleware (no per-chunk overhead on streams): the API-key check, then one
+    structured log line per request when its response completes."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        path = scope["path"]
+        status = 0
+
+        async def send_and_watch(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.state.api_key and path not in _OPEN_PATHS and not _authorized(scope, self.state.api_key):
+                error = APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY' or "
+                                      "'x-api-key: KEY')")
+                await error_response(path, error)(scope, receive, send_and_watch)
+            else:
+                await self.app(scope, receive, send_and_watch)
+        finally:
+            log.info("request", extra={"fields": {
+                "method": scope.get("method"), "path": path, "status": status,
+                "ms": round((time.perf_counter() - start) * 1e3, 2)}})
+
+
+def _authorized(scope: dict, key: str) -> bool:
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+    header = headers.get("authorization", "")
     bearer = header[7:] if header.lower().startswith("bearer ") else ""
-    given = request.headers.get("x-api-key") or bearer
+    given = headers.get("x-api-key") or bearer
     return bool(given) and hmac.compare_digest(given.encode(), key.encode())
