@@ -164,13 +164,10 @@ def _print_expert_stats(stats: dict | None) -> None:
 def _print_speed(out, start: float) -> None:
     if out is None or out.metrics is None:
         return
-    m = out.metrics
-    prefill_s = max(m.first_token - m.arrival, 1e-9)
-    decode_s = max(m.finished - m.first_token, 1e-9)
-    decode_tokens = max(m.num_output_tokens - 1, 0)
+    t = out.metrics.timings()
     print(
-        f"[prompt: {m.num_prompt_tokens} tokens, {m.num_prompt_tokens / prefill_s:.1f} tok/s | "
-        f"decode: {m.num_output_tokens} tokens, {decode_tokens / decode_s:.1f} tok/s | "
+        f"[prompt: {out.metrics.num_prompt_tokens} tokens, {t['prompt_per_second']:.1f} tok/s | "
+        f"decode: {t['predicted_n']} tokens, {t['predicted_per_second']:.1f} tok/s | "
         f"finish: {out.finish_reason} | total {time.perf_counter() - start:.2f} s]",
         file=sys.stderr,
     )

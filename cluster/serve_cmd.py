@@ -71,10 +71,9 @@ def _announce(state, options: ServeOptions, model: Path, started: threading.Even
     if name.startswith(DEMO_NAME):
         lines.insert(1, "  (the demo model is tiny and has random weights: its replies are noise)")
     print("\n".join(lines), file=sys.stderr, flush=True)
-    client = state.client
-    while not client.ready and client.load_error is None:
-        time.sleep(0.1)
-    if client.load_error is not None:
-        print(f"hearth: error: loading failed: {client.load_error}", file=sys.stderr, flush=True)
+    try:
+        state.client.wait_ready()
+    except Exception as exc:  # noqa: BLE001 - reported, and /health says "failed"
+        print(f"hearth: error: loading failed: {exc}", file=sys.stderr, flush=True)
     else:
         print(f"hearth: model ready in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -52,6 +53,16 @@ class ScriptedReplies:
         forced = torch.full_like(logits, float("-inf"))
         forced[script[len(output)]] = 0.0
         return forced
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
 
 
 @contextlib.contextmanager

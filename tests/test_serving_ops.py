@@ -18,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.serving.app import ServerState
 from cluster.serving.client import InProcessEngineClient
-from cluster.serving.server import BackgroundServer, ServeOptions, free_port, wait_until
+from cluster.serving.server import BackgroundServer, ServeOptions, free_port
 from proto import hearth_pb2, hearth_pb2_grpc
-from tests.serving_helpers import running_server
+from tests.serving_helpers import running_server, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.serving import anthropic_api, openai_api
-from cluster.serving.errors import APIError
+from cluster.serving.errors import APIError, key_matches
 from cluster.serving.frontend import ModelFrontend
 from cluster.serving.metrics import ServerMetrics
 
@@ -47,8 +46,9 @@ class ServerState:
 
             path = Path(self.client.model.path)
             _, cfg = load_config(path)
-            self._frontend = ModelFrontend(load_tokenizer(path), cfg.architecture, self.client.model.max_model_len,
-                                           self.tool_parser)
+            model = self.client.model
+            self._frontend = ModelFrontend(load_tokenizer(path), cfg.architecture, model.max_model_len,
+                                           model.vocab_size, self.tool_parser)
         return self._frontend
 
     def check_ready(self) -> None:
@@ -150,7 +150,4 @@ class AuthAndAccessLog:
 
 def _authorized(scope: dict, key: str) -> bool:
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-    header = headers.get("authorization", "")
-    bearer = header[7:] if header.lower().startswith("bearer ") else ""
-    given = headers.get("x-api-key") or bearer
-    return bool(given) and hmac.compare_digest(given.encode(), key.encode())
+    return key_matches(headers.get("authorization", ""), headers.get("x-api-key"), key)

@@ -9,7 +9,6 @@ outputs are handed to the waiting coroutines on their event loop.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
@@ -112,7 +111,6 @@ class InProcessEngineClient:
         self._lock = threading.Lock()
         self._stats: dict[str, Any] = {}
         self._stats_time = 0.0
-        self._ids = itertools.count()
         self._loaded = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="hearth-engine", daemon=True)
@@ -129,9 +127,6 @@ class InProcessEngineClient:
             raise TimeoutError("the model did not finish loading in time")
         if self.load_error is not None:
             raise self.load_error
-
-    def new_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000) % 10**8}"
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
         """Submit a request and yield its chunks; leaving early (or being cancelled) aborts it."""
@@ -167,10 +162,6 @@ class InProcessEngineClient:
         """The latest engine statistics (published by the engine thread after each step)."""
         with self._lock:
             return dict(self._stats, in_flight=self._in_flight)
-
-    def qtable(self) -> list[int] | None:
-        experts = getattr(self.engine, "experts", None)
-        return experts.qtable() if experts is not None else None
 
     def close(self) -> None:
         """Stop the engine thread (aborting what runs) and release the engine."""
@@ -251,6 +242,8 @@ class InProcessEngineClient:
 
     def _publish_stats(self) -> None:
         stats = self.engine.stats()
+        if "experts" in stats:  # read here, in the engine's thread, not when Prometheus scrapes
+            stats["experts"]["qtable"] = self.engine.experts.qtable()
         with self._lock:
             self._stats = stats
 

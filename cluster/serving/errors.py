@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import json
 from typing import Any, TypeVar
 
@@ -33,6 +34,13 @@ class APIError(Exception):
     def anthropic_body(self) -> dict[str, Any]:
         return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.status, "invalid_request_error"),
                                            "message": self.message}}
+
+
+def key_matches(authorization: str, x_api_key: str | None, key: str) -> bool:
+    """Whether a request carries the API key (``Authorization: Bearer KEY`` or ``x-api-key: KEY``)."""
+    bearer = authorization[7:] if authorization.lower().startswith("bearer ") else ""
+    given = x_api_key or bearer
+    return bool(given) and hmac.compare_digest(given.encode(), key.encode())
 
 
 def overloaded(protocol: str, detail: str) -> APIError:

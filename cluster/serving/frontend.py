@@ -38,11 +38,13 @@ class ToolMode:
 class ModelFrontend:
     """Tokenizer-side work of one served model."""
 
-    def __init__(self, tokenizer: Any, architecture: str, max_model_len: int, tool_parser: str | None = None) -> None:
+    def __init__(self, tokenizer: Any, architecture: str, max_model_len: int, vocab_size: int,
+                 tool_parser: str | None = None) -> None:
         if tokenizer is None:
             raise ValueError("serving needs a checkpoint with a tokenizer")
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
         template = getattr(tokenizer, "chat_template", None)
         self.has_chat_template = bool(template)
         self.tool_parser = choose_tool_parser(architecture, template if isinstance(template, str) else None,
@@ -80,6 +82,17 @@ class ModelFrontend:
         if tool_mode.mode == "required":
             return "<tool_call>\n"
         return '<tool_call>\n{"name": ' + json.dumps(tool_mode.name) + ', "arguments": '
+
+    def prompt_ids(self, prompt: str | list[int], field: str) -> list[int]:
+        """A raw prompt's token ids (text is tokenized without special tokens), checked."""
+        if isinstance(prompt, str):
+            ids = self.encode(prompt)
+        else:
+            ids = list(prompt)
+            if any(t < 0 or t >= self.vocab_size for t in ids):
+                raise APIError(400, f"{field}: token ids must lie in [0, {self.vocab_size})", field)
+        self.check_prompt_length(len(ids), field)
+        return ids
 
     def check_prompt_length(self, n: int, field: str) -> None:
         if n == 0:

@@ -11,7 +11,7 @@ from typing import Any
 
 from cluster.serving.client import EngineNotReady, EngineOverloaded, GenerateRequest, GenerationChunk
 from cluster.serving.errors import APIError, overloaded
-from cluster.serving.parsers import Event, OutputParser, ToolCall
+from cluster.serving.parsers import Event, NoToolParser, OutputParser, ToolCall
 
 log = logging.getLogger("hearth.serving")
 
@@ -51,6 +51,7 @@ async def stream_reply(app_state: Any, request: GenerateRequest, parser: OutputP
     """Yield (parsed events, chunk) per engine step; maps queue and loading errors to API errors
     and keeps the metrics (TTFT, inter-token latency, tokens, outcome)."""
     metrics = app_state.metrics
+    parser = parser or NoToolParser()  # raw text completions: everything is content
     start = last = time.perf_counter()
     status = "error"
     first: float | None = None
@@ -62,11 +63,9 @@ async def stream_reply(app_state: Any, request: GenerateRequest, parser: OutputP
                 (metrics.ttft if first is None else metrics.itl).observe(now - last)
                 first = now if first is None else first
                 last = now
-            events = parser.feed(chunk.text) if parser is not None else ([Event("content", chunk.text)]
-                                                                         if chunk.text else [])
+            events = parser.feed(chunk.text)
             if chunk.finished:
-                if parser is not None:
-                    events += parser.flush()
+                events += parser.flush()
                 status, final = "ok", chunk
                 metrics.prompt_tokens.inc(chunk.num_prompt_tokens)
                 metrics.generation_tokens.inc(chunk.num_output_tokens)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import hmac
 import uuid
 from typing import Any
 
 import grpc
 
 from cluster.serving.client import GenerateRequest
-from cluster.serving.errors import APIError
+from cluster.serving.errors import APIError, key_matches
 from cluster.serving.generation import stream_reply
 from proto import hearth_pb2, hearth_pb2_grpc
 
@@ -67,16 +66,9 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
         state.check_model(request.model)
         frontend = state.frontend
         kind = request.WhichOneof("prompt")
-        if kind == "text":
-            ids = frontend.encode(request.text)
-        elif kind == "token_ids":
-            ids = list(request.token_ids.ids)
-            vocab = state.client.model.vocab_size
-            if any(t >= vocab for t in ids):
-                raise APIError(400, f"token_ids: ids must lie in [0, {vocab})", "token_ids")
-        else:
+        if kind is None:
             raise APIError(400, "prompt: give text or token_ids", "prompt")
-        frontend.check_prompt_length(len(ids), "prompt")
+        ids = frontend.prompt_ids(request.text if kind == "text" else list(request.token_ids.ids), "prompt")
         s = request.sampling
         max_tokens = frontend.max_tokens(s.max_tokens if s.HasField("max_tokens") else 16, len(ids), "max_tokens")
         fields = {name: getattr(s, name) if s.HasField(name) else None for name in _SAMPLING_FIELDS}
@@ -89,9 +81,7 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
         if not key:
             return
         meta = dict(context.invocation_metadata() or ())
-        auth = meta.get("authorization", "")
-        given = meta.get("x-api-key") or (auth[7:] if auth.lower().startswith("bearer ") else "")
-        if not hmac.compare_digest(given.encode(), key.encode()):
+        if not key_matches(meta.get("authorization", ""), meta.get("x-api-key"), key):
             raise APIError(401, "invalid or missing API key (metadata 'authorization: Bearer KEY' or 'x-api-key')")
 
 

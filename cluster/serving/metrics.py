@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TYPICAL_MISSES = (1, 2, 4, 8, 16, 32, 64)
@@ -71,7 +71,7 @@ class _EngineCollector:
             yield _gauge("hearth_bandwidth_link_bytes_per_second", "B_P: host-to-device expert fill bandwidth",
                          experts["b_p"])
             yield _gauge("hearth_bandwidth_host_bytes_per_second", "B_H: CPU expert bandwidth", experts["b_h"])
-        qtable = self.client.qtable()
+        qtable = experts.get("qtable")
         if qtable:
             family = GaugeMetricFamily("hearth_qtable_fills", "Fills the q table plans for m misses", labels=["m"])
             for m in _TYPICAL_MISSES:
@@ -84,7 +84,5 @@ def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, help_text, value=float(value))
 
 
-def _counter(name: str, help_text: str, value: float):
-    from prometheus_client.core import CounterMetricFamily
-
+def _counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, help_text, value=float(value))

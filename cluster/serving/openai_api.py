@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -21,6 +21,7 @@ from cluster.serving.transport import primed, run_unless_disconnected, sse
 router = APIRouter()
 
 FINISH = {"stop": "stop", "length": "length", "abort": "stop"}
+B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
 
 
 @router.get("/v1/models")
@@ -31,12 +32,19 @@ async def list_models(request: Request) -> dict[str, Any]:
          "max_model_len": state.client.model.max_model_len} for name in state.model_names]}
 
 
+async def _open(request: Request, model: type[B]) -> tuple[Any, B]:
+    """The server state and the validated body, for a served model and supported fields."""
+    state = request.app.state.hearth
+    body = parse_body(model, await request.body())
+    state.check_model(body.model)
+    if body.logprobs:
+        raise APIError(400, "logprobs: log probabilities are not supported", "logprobs")
+    return state, body
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
-    state = request.app.state.hearth
-    body = parse_body(ChatCompletionRequest, await request.body())
-    state.check_model(body.model)
-    _check_unsupported(body)
+    state, body = await _open(request, ChatCompletionRequest)
     if body.response_format is not None and body.response_format.type != "text":
         raise APIError(400, "response_format: only 'text' is supported", "response_format")
     tools, mode = _tools(body)
@@ -57,10 +65,7 @@ async def chat_completions(request: Request):
 
 @router.post("/v1/completions")
 async def completions(request: Request):
-    state = request.app.state.hearth
-    body = parse_body(CompletionRequest, await request.body())
-    state.check_model(body.model)
-    _check_unsupported(body)
+    state, body = await _open(request, CompletionRequest)
     if body.echo or body.suffix:
         raise APIError(400, "echo and suffix are not supported", "echo" if body.echo else "suffix")
     prompt = body.prompt
@@ -68,14 +73,7 @@ async def completions(request: Request):
         if len(prompt) != 1:
             raise APIError(400, "prompt: give one prompt per request (n = 1)", "prompt")
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = state.frontend.encode(prompt)
-    else:
-        ids = list(prompt)
-        vocab = state.client.model.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise APIError(400, f"prompt: token ids must lie in [0, {vocab})", "prompt")
-    state.frontend.check_prompt_length(len(ids), "prompt")
+    ids = state.frontend.prompt_ids(prompt, "prompt")
     params = _sampling(state, body, ids, body.max_tokens, "max_tokens", default_tokens=16)
     gen = GenerateRequest(f"cmpl-{uuid.uuid4().hex}", ids, params)
     stream = stream_reply(state, gen, None, "openai", "completions")
@@ -97,11 +95,6 @@ async def completions(request: Request):
 
 
 # -- request conversion -------------------------------------------------------------------------
-def _check_unsupported(body: SamplingFields) -> None:
-    if body.logprobs:
-        raise APIError(400, "logprobs: log probabilities are not supported", "logprobs")
-
-
 def _tools(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, ToolMode]:
     tools = None
     if body.tools:
@@ -216,25 +209,23 @@ async def _chat_events(state: Any, request_id: str, stream: AsyncIterator, inclu
                                                             "finish_reason": finish}], **extra})
 
     yield chunk({"role": "assistant", "content": ""})
-    reply = Reply()
-    async for events, gen_chunk in _guard(stream):
-        if isinstance(events, str):
-            yield events
-            return
-        for e in events:
-            if e.kind == "reasoning":
-                yield chunk({"reasoning_content": e.text})
-            elif e.kind == "content":
-                yield chunk({"content": e.text})
-            else:
-                call = e.tool_call
-                yield chunk({"tool_calls": [_tool_call_json(call, len(reply.tool_calls))]})
-                reply.tool_calls.append(call)
-        if gen_chunk.finished:
-            n = len(reply.tool_calls)
-            reply.tool_calls = []
-            reply.add([], gen_chunk)
-            yield chunk({}, _finish(gen_chunk.finish_reason, n > 0), timings=reply.timings)
+    reply, calls = Reply(), 0
+    try:
+        async for events, gen_chunk in stream:
+            for e in events:
+                if e.kind == "reasoning":
+                    yield chunk({"reasoning_content": e.text})
+                elif e.kind == "content":
+                    yield chunk({"content": e.text})
+                else:
+                    yield chunk({"tool_calls": [_tool_call_json(e.tool_call, calls)]})
+                    calls += 1
+            if gen_chunk.finished:
+                reply.add([], gen_chunk)
+                yield chunk({}, _finish(gen_chunk.finish_reason, calls > 0), timings=reply.timings)
+    except APIError as exc:  # after the response started: one error event ends the stream
+        yield sse(exc.openai_body())
+        return
     if include_usage:
         yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
                    "model": state.model_name, "choices": [], "usage": _usage(reply)})
@@ -245,31 +236,25 @@ async def _completion_events(state: Any, request_id: str, stream: AsyncIterator,
                              token_ids: bool):
     created = int(time.time())
     reply = Reply()
-    async for events, gen_chunk in _guard(stream):
-        if isinstance(events, str):
-            yield events
-            return
-        text = "".join(e.text for e in events)
-        finish = FINISH.get(gen_chunk.finish_reason, "stop") if gen_chunk.finished else None
-        if text or finish or token_ids:
-            reply.add([], gen_chunk)
+    try:
+        async for events, gen_chunk in stream:
+            text = "".join(e.text for e in events)
+            finish = FINISH.get(gen_chunk.finish_reason, "stop") if gen_chunk.finished else None
+            if not (text or finish or token_ids):
+                continue
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             if token_ids:
                 choice["token_ids"] = gen_chunk.token_ids
-            extra = {"timings": reply.timings} if finish else {}
+            extra = {}
+            if finish:
+                reply.add([], gen_chunk)
+                extra = {"timings": reply.timings}
             yield sse({"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
                        "choices": [choice], **extra})
+    except APIError as exc:
+        yield sse(exc.openai_body())
+        return
     if include_usage:
         yield sse({"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
                    "choices": [], "usage": _usage(reply)})
     yield "data: [DONE]\n\n"
-
-
-async def _guard(stream: AsyncIterator):
-    """Pass the stream through; an error after the response started becomes one error event."""
-    try:
-        async for item in stream:
-            yield item
-    except APIError as exc:
-        yield sse(exc.openai_body()), None
-

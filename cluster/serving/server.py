@@ -9,7 +9,6 @@ import json
 import logging
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,12 +175,3 @@ def free_port(host: str = "127.0.0.1") -> int:
     with contextlib.closing(socket.socket()) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
