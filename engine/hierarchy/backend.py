@@ -9,12 +9,14 @@ up to fp32 summation order at every cache size and split.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from engine.experts import ExpertPool
-from engine.hierarchy.cache import ExpertCacheTables
+from engine.hierarchy.cache import ExpertCacheTables, FillPlan
+from engine.hierarchy.profile import measure_host_path
+from engine.hierarchy.qstar import PathCost, SplitCosts, build_qtable
 
 
 @dataclass
@@ -23,9 +25,11 @@ class PathTimes:
 
     fill_seconds: float = 0.0
     fill_bytes: int = 0
+    fill_calls: int = 0  # layer calls that filled at least one expert
     device_seconds: float = 0.0
     cpu_seconds: float = 0.0
     cpu_bytes: int = 0
+    cpu_calls: int = 0  # layer calls that ran at least one expert on the CPU
     layer_calls: int = 0
 
 
@@ -33,9 +37,9 @@ class HierarchicalExpertBackend:
     """An :class:`~engine.experts.ExpertBackend` over a device expert cache and CPU workers."""
 
     def __init__(self, pool: ExpertPool, act, device, tables: ExpertCacheTables, cpu_workers,
-                 bandwidths: tuple[float, float] | None = None) -> None:
+                 costs: SplitCosts | None = None) -> None:
         self.pool = pool
-        self.bandwidths = bandwidths  # (B_P, B_H) bytes/s behind the q table; None for a forced table
+        self.costs = costs  # the path costs behind the q table; None for a forced table
         self.act = act
         self.device = device
         self.tables = tables
@@ -57,8 +61,11 @@ class HierarchicalExpertBackend:
         if n_cpu:
             task = self.cpu_workers.submit(x, torch.where(on_cpu, self.pool.row_table[expert_ids], -1), topk_weights)
         start = time.perf_counter()
-        self.times.fill_bytes += self.device.fill(plan)
+        filled_bytes = self.device.fill(plan)
         filled = time.perf_counter()
+        if filled_bytes:
+            self.times.fill_bytes += filled_bytes
+            self.times.fill_calls += 1
         out = None
         if n_cpu < t * k:
             out = self.device.compute(x, pair_slot, topk_weights, self.act)
@@ -69,6 +76,7 @@ class HierarchicalExpertBackend:
             out = cpu_part if out is None else out.to(cpu_part.device) + cpu_part
             self.times.cpu_seconds += timing.seconds
             self.times.cpu_bytes += timing.nbytes
+            self.times.cpu_calls += 1
         self.times.layer_calls += 1
         return out.to(device=x.device, dtype=x.dtype)
 
@@ -79,9 +87,50 @@ class HierarchicalExpertBackend:
         out["slots"] = self.tables.num_slots
         out["hit_rate"] = out["hits"] / max(out["hits"] + out["misses"], 1)
         out["cpu_bytes_per_s"] = self.times.cpu_bytes / self.times.cpu_seconds if self.times.cpu_seconds else 0.0
-        if self.bandwidths is not None:
+        if self.costs is not None:
             out["b_p"], out["b_h"] = self.bandwidths
+            out["link_fixed_s"], out["cpu_fixed_s"] = self.costs.link.fixed_s, self.costs.cpu_fixed_s
+        out["expert_bytes"] = self.pool.expert_bytes
         return out
+
+    @property
+    def bandwidths(self) -> tuple[float, float] | None:
+        """(B_P, B_H) in bytes/s behind the current q table; None for a forced table."""
+        if self.costs is None:
+            return None
+        return self.costs.link.bytes_per_s, self.costs.host_bytes_per_s
+
+    def set_bandwidths(self, b_p: float, b_h: float) -> list[int]:
+        """Rebuild the q table for new bandwidths (fixed costs kept) and write it into the device
+        table in place. Call between steps. A forced table (q mode zero/all) is left as it is."""
+        if self.costs is None:
+            return self.qtable()
+        self.costs = replace(self.costs, link=PathCost(b_p, self.costs.link.fixed_s), host_bytes_per_s=b_h)
+        m_max = self.tables.qtable.shape[0] - 1
+        self.tables.set_qtable(build_qtable(self.costs, m_max, self.tables.device))
+        return self.qtable()
+
+    def probe(self, k: int, repeats: int = 3) -> tuple[float | None, float]:
+        """A short measurement of both paths while idle: (B_P, B_H) bytes/s, B_P None when the cache
+        holds nothing yet. The link probe re-fills resident slots with the experts they already
+        hold, so the cache contents never change."""
+        b_h = measure_host_path(self.pool, self.act, k, repeats).bytes_per_s
+        resident = self.tables.resident()
+        if not resident:
+            return None, b_h
+        ids = torch.tensor(list(resident)[:k], dtype=torch.long)
+        slots = torch.tensor([resident[int(g)] for g in ids], dtype=torch.long)
+        plan = FillPlan(torch.empty(0, dtype=torch.long), ids.to(self.tables.device), slots.to(self.tables.device),
+                        torch.tensor(len(ids)))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            nbytes = self.device.fill(plan)
+            self.device.synchronize()
+            times.append(time.perf_counter() - start)
+        fixed = self.costs.link.fixed_s if self.costs is not None else 0.0
+        seconds = max(sorted(times)[len(times) // 2] - fixed, 1e-9)
+        return nbytes / seconds, b_h
 
     def qtable(self) -> list[int]:
         """The current q table: fills planned for ``m`` misses, m = 0..M."""

@@ -118,17 +118,16 @@ def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: HierarchyConfig,
     device = build_device(kind, pool, slots, hc.virtual_link_gbps)
     workers = build_cpu_workers(cfg, pool, hc, act, pool_name)
     m_max = cfg.num_experts
-    bandwidths = None
+    costs = None
     if hc.q_mode == "table":
         costs = measure_costs(pool, act, device, cfg.top_k, hc.bandwidths)
         qtable = build_qtable(costs, m_max)
-        bandwidths = (costs.link.bytes_per_s, costs.host_bytes_per_s)
         log.info("expert cache: %d slots; B_P %.1f GB/s, B_H %.1f GB/s; qtable %s", slots,
                  costs.link.bytes_per_s / 1e9, costs.host_bytes_per_s / 1e9, qtable.tolist())
     else:
         qtable = forced_qtable(hc.q_mode, m_max)
     tables = ExpertCacheTables(pool.num_global_ids, slots, qtable, max_fills=m_max, device=device.device)
-    return HierarchicalExpertBackend(pool, act, device, tables, workers, bandwidths)
+    return HierarchicalExpertBackend(pool, act, device, tables, workers, costs)
 
 
 def measure_costs(pool: ExpertPool, act, device, k: int, bandwidths: tuple[float, float] | None) -> SplitCosts:
