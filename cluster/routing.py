@@ -3,6 +3,9 @@
 - Session affinity: a request with a session key goes to the replica that wins rendezvous
   (highest-random-weight) hashing among the healthy replicas of its model. The choice is stable
   while the replica set stays the same, and when a replica leaves only its sessions move.
+  A key the client gave (``x-session-id``) always sticks. A key derived from the prompt (the
+  conversation's opening, a raw prompt's leading tokens) sticks only while that replica is not
+  ``SLACK`` requests busier than the least busy one: a burst of identical prompts still spreads.
 - Otherwise the replica with the least expected wait: (requests in flight + 1) / decode speed,
   ties broken by the fewest requests assigned so far (so an idle cluster still alternates).
 """
@@ -16,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 PREFIX_KEY_TOKENS = 256  # raw prompts: the session is identified by this many leading tokens
+CLIENT_KEY = "id:"  # session keys the client gave start with this
+SLACK = 2  # a derived session key yields to load once its replica has this many more requests in flight
 
 
 @dataclass(frozen=True)
@@ -41,7 +46,10 @@ def choose_replica(replicas: Iterable[ReplicaLoad], model: str, session_key: str
     if not pool:
         return None
     if session_key is not None:
-        return max(pool, key=lambda r: (_weight(session_key, r.replica_id), r.replica_id)).replica_id
+        home = max(pool, key=lambda r: (_weight(session_key, r.replica_id), r.replica_id))
+        least = min(r.in_flight for r in pool)
+        if session_key.startswith(CLIENT_KEY) or home.in_flight < least + SLACK:
+            return home.replica_id
     known = [r.decode_tok_s for r in pool if r.decode_tok_s > 0]
     default_speed = sum(known) / len(known) if known else 1.0  # unknown speed: assume the average
 
@@ -68,3 +76,14 @@ def prefix_key(prompt_ids: list[int]) -> str:
     """A session key for a raw prompt: a hash of its leading tokens."""
     head = prompt_ids[:PREFIX_KEY_TOKENS]
     return "prefix:" + hashlib.blake2b(json.dumps(head).encode(), digest_size=12).hexdigest()
+
+
+def session_key(header: str | None, messages: list[dict[str, Any]] | None = None,
+                prompt_ids: list[int] | None = None) -> str:
+    """The routing key of a request: the client's ``x-session-id`` when it sends one, else the
+    conversation's opening (chat), else the prompt's leading tokens."""
+    if header and header.strip():
+        return CLIENT_KEY + header.strip()[:256]
+    if messages:
+        return conversation_key(messages)
+    return prefix_key(prompt_ids or [])

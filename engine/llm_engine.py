@@ -44,7 +44,9 @@ class EngineConfig:
     virtual_link_gbps: float | None = None
     q_mode: str = "table"  # table | zero | all
     expert_bandwidths: tuple[float, float] | None = None  # (B_P, B_H) bytes/s instead of measuring
-    cpu_experts: str = "inline"  # where the CPU share runs: inline | thread | process (needs host_pool_name)
+    # Where the CPU share runs: inline | thread | process | external (the last two need host_pool_name;
+    # external: a worker started by someone else, e.g. the cluster's CPU-worker actor, serves the ring).
+    cpu_experts: str = "inline"
     record_routing: str | None = None  # JSON-lines file of routed expert ids per step and layer
     host_pool_name: str | None = None  # put the expert pool in this named shared-memory segment
     verify_checksums: bool = True  # FTW: check every extent's CRC while loading

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.routing import ReplicaLoad, choose_replica, conversation_key, prefix_key
+from cluster.routing import ReplicaLoad, choose_replica, conversation_key, prefix_key, session_key
 
 
 def replicas(**overrides) -> list[ReplicaLoad]:
@@ -44,7 +44,7 @@ def test_unknown_speed_counts_as_the_average() -> None:
 
 def test_session_affinity_is_stable_spread_and_moves_only_lost_sessions() -> None:
     rs = replicas()
-    keys = [f"session-{i}" for i in range(64)]
+    keys = [f"id:session-{i}" for i in range(64)]
     first = {k: choose_replica(rs, "m", k) for k in keys}
     # Load does not move a session.
     loaded = replicas(m_desktop={"model": "m", "healthy": True, "in_flight": 50},
@@ -55,6 +55,27 @@ def test_session_affinity_is_stable_spread_and_moves_only_lost_sessions() -> Non
     gone = replicas(m_desktop={"model": "m", "healthy": False})
     assert all(choose_replica(gone, "m", k) == "m@laptop" for k in keys)
     assert all(choose_replica(gone, "m", k) == first[k] for k in keys if first[k] == "m@laptop")
+
+
+def test_derived_session_keys_yield_to_load() -> None:
+    key = "prefix:abc"
+    home = choose_replica(replicas(), "m", key)
+    other = "m@laptop" if home == "m@desktop" else "m@desktop"
+    busy = {home.replace("@", "_"): {"model": "m", "healthy": True, "in_flight": 1}}
+    assert choose_replica(replicas(**busy), "m", key) == home  # within the slack: stays
+    busy[home.replace("@", "_")]["in_flight"] = 2
+    assert choose_replica(replicas(**busy), "m", key) == other  # two more than the idle one: moves
+    assert choose_replica(replicas(**busy), "m", "id:abc") in (home, other)  # client keys never move...
+    client_home = choose_replica(replicas(), "m", "id:abc")
+    very_busy = {client_home.replace("@", "_"): {"model": "m", "healthy": True, "in_flight": 50}}
+    assert choose_replica(replicas(**very_busy), "m", "id:abc") == client_home  # ...however busy
+
+
+def test_session_key_prefers_the_client_header() -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    assert session_key(" s1 ", msgs) == "id:s1"
+    assert session_key(None, msgs) == conversation_key(msgs)
+    assert session_key("", None, [1, 2]) == prefix_key([1, 2])
 
 
 def test_conversation_key_ignores_later_turns_and_prefix_key_leading_tokens() -> None:

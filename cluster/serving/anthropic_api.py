@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from cluster.routing import session_key
 from cluster.serving.anthropic_schema import CountTokensRequest, Message, MessagesRequest
 from cluster.serving.client import GenerateRequest
 from cluster.serving.errors import APIError, check_json_schema, parse_body
@@ -39,7 +40,10 @@ async def messages(request: Request):
     max_tokens = frontend.max_tokens(body.max_tokens, len(prompt.ids), "max_tokens")
     params = frontend.sampling(max_tokens, body.stop_sequences, temperature=body.temperature, top_p=body.top_p,
                                top_k=body.top_k)
-    gen = GenerateRequest(f"msg_{uuid.uuid4().hex[:24]}", prompt.ids, params)
+    opening = [{"role": "system", "content": body.model_dump(mode="json").get("system")}] if body.system else []
+    opening += [m.model_dump(mode="json") for m in body.messages]
+    gen = GenerateRequest(f"msg_{uuid.uuid4().hex[:24]}", prompt.ids, params,
+                          session_key(request.headers.get("x-session-id"), opening))
     stream = stream_reply(state, gen, frontend.parser(prompt), "anthropic", "messages")
     if body.stream:
         stream = await primed(request, stream)

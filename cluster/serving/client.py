@@ -9,6 +9,7 @@ outputs are handed to the waiting coroutines on their event loop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -22,6 +23,7 @@ from engine.sampling import SamplingParams
 
 log = logging.getLogger("hearth.serving")
 _STATS_PERIOD_S = 0.25  # engine statistics are refreshed at most this often while it runs
+_SPEED_EWMA = 0.3  # weight of the newest finished request in the decode-speed average
 
 
 class EngineOverloaded(Exception):
@@ -34,11 +36,14 @@ class EngineNotReady(Exception):
 
 @dataclass(frozen=True)
 class GenerateRequest:
-    """One generation: prompt token ids and sampling parameters."""
+    """One generation: prompt token ids and sampling parameters. ``session_key`` (an
+    ``x-session-id`` header, else a hash of the conversation's opening) lets a router keep a
+    session on one replica, where its prefix cache is."""
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    session_key: str | None = None
 
 
 @dataclass
@@ -111,6 +116,7 @@ class InProcessEngineClient:
         self._lock = threading.Lock()
         self._stats: dict[str, Any] = {}
         self._stats_time = 0.0
+        self._decode_tok_s = 0.0
         self._loaded = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="hearth-engine", daemon=True)
@@ -159,9 +165,20 @@ class InProcessEngineClient:
                 self._commands.put(("abort", request.request_id))
 
     def stats(self) -> dict[str, Any]:
-        """The latest engine statistics (published by the engine thread after each step)."""
+        """The latest engine statistics (published by the engine thread after each step), with the
+        requests in flight and a moving average of finished requests' decode speed."""
         with self._lock:
-            return dict(self._stats, in_flight=self._in_flight)
+            return dict(self._stats, in_flight=self._in_flight, decode_tok_s=self._decode_tok_s)
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread between two steps (a safe point: no layer is
+        running); the future holds its result. Used to push a new q table, probe bandwidths, etc."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.ready:
+            future.set_exception(EngineNotReady("the model is not loaded"))
+        else:
+            self._commands.put(("call", (fn, future)))
+        return future
 
     def close(self) -> None:
         """Stop the engine thread (aborting what runs) and release the engine."""
@@ -205,6 +222,14 @@ class InProcessEngineClient:
                 self._step()
 
     def _apply(self, cmd: str, arg: Any) -> None:
+        if cmd == "call":
+            fn, future = arg
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+            self._publish_stats()
+            return
         if cmd == "abort":
             self.engine.abort(arg)
             self._publish_stats()
@@ -227,7 +252,12 @@ class InProcessEngineClient:
                 self._deliver(rid, RuntimeError(f"the engine failed: {exc}"))
             return
         for out in outputs:
-            self._deliver(out.request_id, _chunk(out))
+            chunk = _chunk(out)
+            self._deliver(out.request_id, chunk)
+            speed = chunk.timings.get("predicted_per_second", 0.0)
+            if speed > 0:
+                self._decode_tok_s = speed if not self._decode_tok_s else (
+                    _SPEED_EWMA * speed + (1 - _SPEED_EWMA) * self._decode_tok_s)
         now = time.monotonic()
         if now - self._stats_time > _STATS_PERIOD_S or any(out.finished for out in outputs):
             self._publish_stats()

@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 
+from cluster.routing import session_key
 from cluster.serving.client import GenerateRequest
 from cluster.serving.errors import APIError, key_matches
 from cluster.serving.generation import stream_reply
@@ -28,7 +29,7 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
     async def Generate(self, request: hearth_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         try:
             self._authorize(context)
-            gen = self._request(request)
+            gen = self._request(request, context)
             async for _, chunk in stream_reply(self.state, gen, None, "openai", "grpc"):
                 reply = hearth_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text)
                 if chunk.finished:
@@ -61,7 +62,7 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
             hearth_pb2.HealthResponse.FAILED if error is not None else hearth_pb2.HealthResponse.LOADING)
         return hearth_pb2.HealthResponse(status=status, model=self.state.model_name, error=str(error or ""))
 
-    def _request(self, request: hearth_pb2.GenerateRequest) -> GenerateRequest:
+    def _request(self, request: hearth_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerateRequest:
         state = self.state
         state.check_model(request.model)
         frontend = state.frontend
@@ -74,7 +75,8 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
         fields = {name: getattr(s, name) if s.HasField(name) else None for name in _SAMPLING_FIELDS}
         params = frontend.sampling(max_tokens, list(s.stop), ignore_eos=s.ignore_eos or None, **fields)
         params.stop_token_ids = list(s.stop_token_ids)
-        return GenerateRequest(f"grpc-{uuid.uuid4().hex}", ids, params)
+        header = dict(context.invocation_metadata() or ()).get("x-session-id")
+        return GenerateRequest(f"grpc-{uuid.uuid4().hex}", ids, params, session_key(header, prompt_ids=ids))
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         key = self.state.api_key

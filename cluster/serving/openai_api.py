@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from cluster.routing import session_key
 from cluster.serving.client import GenerateRequest
 from cluster.serving.errors import APIError, check_json_schema, parse_body
 from cluster.serving.frontend import ToolMode, parse_arguments, tool_json
@@ -52,7 +53,8 @@ async def chat_completions(request: Request):
     prompt = state.frontend.render_chat(messages, tools, mode, body.chat_template_kwargs)
     params = _sampling(state, body, prompt.ids, body.max_completion_tokens or body.max_tokens,
                        "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
-    gen = GenerateRequest(f"chatcmpl-{uuid.uuid4().hex}", prompt.ids, params)
+    session = session_key(request.headers.get("x-session-id"), messages)
+    gen = GenerateRequest(f"chatcmpl-{uuid.uuid4().hex}", prompt.ids, params, session)
     stream = stream_reply(state, gen, state.frontend.parser(prompt), "openai", "chat")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -75,7 +77,8 @@ async def completions(request: Request):
         prompt = prompt[0]
     ids = state.frontend.prompt_ids(prompt, "prompt")
     params = _sampling(state, body, ids, body.max_tokens, "max_tokens", default_tokens=16)
-    gen = GenerateRequest(f"cmpl-{uuid.uuid4().hex}", ids, params)
+    gen = GenerateRequest(f"cmpl-{uuid.uuid4().hex}", ids, params,
+                          session_key(request.headers.get("x-session-id"), prompt_ids=ids))
     stream = stream_reply(state, gen, None, "openai", "completions")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

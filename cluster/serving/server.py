@@ -93,9 +93,12 @@ def _grpc_host(host: str) -> str:
 class BackgroundServer:
     """A server on its own event loop thread, for tests and benchmarks: ``with BackgroundServer(...)``."""
 
-    def __init__(self, state: ServerState, options: ServeOptions) -> None:
+    def __init__(self, state: ServerState, options: ServeOptions, on_loop_start=None) -> None:
+        """``on_loop_start``: a coroutine function run on the server's loop as it starts (e.g. the
+        router's first health check)."""
         self.state = state
         self.options = options
+        self._on_loop_start = on_loop_start
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
@@ -116,6 +119,8 @@ class BackgroundServer:
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         self._stop = asyncio.Event()
+        if self._on_loop_start is not None:
+            self._loop.create_task(self._on_loop_start())
         try:
             self._loop.run_until_complete(serve_async(self.state, self.options, self._started, self._stop))
         except BaseException as exc:  # noqa: BLE001 - reported by start()

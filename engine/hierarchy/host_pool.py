@@ -141,18 +141,24 @@ def list_pools() -> list[dict]:
         except (OSError, ValueError):
             continue
         found.append({"name": p.name, "bytes": meta["bytes"], "owner_pid": meta["owner_pid"],
-                      "owner_alive": _alive(meta["owner_pid"])})
+                      "owner_alive": process_alive(meta["owner_pid"])})
     return found
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` (on this machine) still runs; an exited process that its parent
+    has not reaped yet (a zombie) counts as gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _numel(shape) -> int:

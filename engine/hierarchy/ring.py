@@ -177,6 +177,33 @@ class RingCpuWorkers:
         self.ring.request_shutdown()
 
 
+class ExternalCpuWorkers(RingCpuWorkers):
+    """CPU expert workers that someone else runs (the cluster's CPU-worker actor): creates the ring
+    and waits for a worker to attach to it by name (:meth:`wait_attached`); ``close()`` asks it to
+    stop and removes the ring."""
+
+    def __init__(self, pool_name: str, layout: RingLayout, expert_bytes: int) -> None:
+        super().__init__(TaskRing.create(f"{pool_name}-ring-{os.getpid()}-{id(self):x}", layout), expert_bytes)
+
+    @property
+    def ring_name(self) -> str:
+        return self.ring.name
+
+    def wait_attached(self, timeout_s: float = 60.0) -> int:
+        """Block until a worker serves the ring; returns its pid."""
+        deadline = time.monotonic() + timeout_s
+        while int(self.ring.words[1]) == 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no CPU expert worker attached to ring '{self.ring.name}' within {timeout_s:.0f} s")
+            time.sleep(0.01)
+        return int(self.ring.words[1])
+
+    def close(self) -> None:
+        if self.ring.words is not None:
+            self.ring.request_shutdown()
+            self.ring.close()
+
+
 class ProcessCpuWorkers(RingCpuWorkers):
     """CPU expert workers in a child process attached to the shared pool ``pool_name``: creates the
     ring, starts ``python -m engine.hierarchy.worker`` and waits until it serves; ``close()`` stops it."""

@@ -16,7 +16,7 @@ from engine.hierarchy.cpu_workers import CpuExpertWorkers
 from engine.hierarchy.device import CudaDevice, VirtualDevice
 from engine.hierarchy.profile import measure_host_path, measure_link_path
 from engine.hierarchy.qstar import PathCost, SplitCosts, build_qtable, forced_qtable
-from engine.hierarchy.ring import ProcessCpuWorkers, RingLayout
+from engine.hierarchy.ring import ExternalCpuWorkers, ProcessCpuWorkers, RingLayout
 from engine.layers.mlp import activation
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class HierarchyConfig:
     virtual_link_gbps: float | None = None
     q_mode: str = "table"
     cpu_cores: tuple[int, ...] | None = None
-    cpu_workers: str = "inline"  # inline (calling thread) | thread (bound dispatcher) | process (via the ring)
+    cpu_workers: str = "inline"  # inline | thread (bound dispatcher) | process | external (via the ring)
     max_tokens: int = 2048  # most tokens one task can carry (the engine's step budget)
     bandwidths: tuple[float, float] | None = None
 
@@ -93,13 +93,15 @@ def build_cpu_workers(cfg: ModelConfig, pool: ExpertPool, hc: HierarchyConfig, a
     cores = list(hc.cpu_cores) if hc.cpu_cores else None
     if hc.cpu_workers in ("inline", "thread"):
         return CpuExpertWorkers(pool, act, cores, threaded=hc.cpu_workers == "thread")
-    if hc.cpu_workers != "process":
-        raise ConfigError(f"unknown CPU expert workers '{hc.cpu_workers}' (inline, thread or process)")
+    if hc.cpu_workers not in ("process", "external"):
+        raise ConfigError(f"unknown CPU expert workers '{hc.cpu_workers}' (inline, thread, process or external)")
     if pool_name is None:
         raise ConfigError("CPU expert workers in another process need the expert pool in shared memory "
                           "(give it a name: host_pool_name / --host-pool)")
     layout = RingLayout(slots=2, max_tokens=hc.max_tokens, hidden=cfg.hidden_size, top_k=cfg.top_k,
                         hidden_act=cfg.hidden_act)
+    if hc.cpu_workers == "external":  # a worker that someone else starts attaches to the ring by name
+        return ExternalCpuWorkers(pool_name, layout, pool.expert_bytes)
     return ProcessCpuWorkers(pool_name, layout, pool.expert_bytes, cores)
 
 

@@ -16,16 +16,29 @@ import torch
 
 from engine.experts import routed_partial_sum
 from engine.hierarchy.cpu_workers import bind_current_thread, physical_cores, task_expert_bytes
-from engine.hierarchy.host_pool import HostExpertPool
+from engine.hierarchy.host_pool import HostExpertPool, process_alive
 from engine.hierarchy.ring import DONE, FAILED, SUBMITTED, TaskRing
 from engine.layers.mlp import activation
 
 log = logging.getLogger("hearth.cpu_worker")
 
 
-def serve(pool: HostExpertPool, ring: TaskRing, idle_sleep_s: float = 50e-6, parent_pid: int | None = None) -> int:
-    """Serve tasks until shutdown (or until ``parent_pid``, the process that started this worker,
-    is gone); returns the number of tasks done."""
+def idle_sleep(idle_s: float) -> float:
+    """How long to sleep between polls after ``idle_s`` seconds without a task: spin-wait briefly
+    (a decode step's next layer comes within microseconds), then back off so an idle worker costs
+    almost no CPU (a few hundred wake-ups per second at most)."""
+    if idle_s < 1e-3:
+        return 0.0
+    if idle_s < 0.1:
+        return 50e-6
+    if idle_s < 2.0:
+        return 500e-6
+    return 5e-3
+
+
+def serve(pool: HostExpertPool, ring: TaskRing, parent_pid: int | None = None) -> int:
+    """Serve tasks until shutdown (or until ``parent_pid``, the executor that owns the ring, is
+    gone); returns the number of tasks done."""
     act = activation(ring.layout.hidden_act)
     gate_up, down = pool.tensors
     dtype = gate_up.dtype
@@ -57,10 +70,12 @@ def serve(pool: HostExpertPool, ring: TaskRing, idle_sleep_s: float = 50e-6, par
             done += 1
         if busy:
             idle_since = time.monotonic()
-        elif time.monotonic() - idle_since > 1e-3:
-            time.sleep(idle_sleep_s)  # spin briefly after work, then back off
-            if parent_pid is not None and os.getppid() != parent_pid:
-                log.warning("the executor that started this worker is gone; exiting")
+            continue
+        pause = idle_sleep(time.monotonic() - idle_since)
+        if pause:
+            time.sleep(pause)
+            if parent_pid is not None and pause >= 5e-3 and not process_alive(parent_pid):
+                log.warning("the executor that owns this ring is gone; exiting")
                 break
     return done
 

@@ -1,0 +1,315 @@
+"""The per-machine actors of a deployment (DESIGN.md section 3).
+
+One group per replica, all pinned to the replica's node:
+
+- :class:`HostPoolActor` owns the expert pool in named shared memory and outlives executor
+  restarts. Killed, Ray recreates it and it reads the pool again from the FTW files.
+- :class:`CpuWorkerActor` runs the CPU expert worker loop on the executor's task ring (shared
+  memory), so per-layer work never crosses a Ray call.
+- :class:`ExecutorActor` runs the engine. Restarted by Ray after a crash, it re-attaches to the
+  pool by name instead of reading the experts again.
+- :class:`MonitorActor` turns the executor's fill and CPU timings into live B_P/B_H estimates
+  and pushes a new q table when they drift.
+
+Actors only carry decisions out; placement and routing are pure functions elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from cluster.bandwidth import BandwidthTracker, MonitorPolicy
+from cluster.serving.client import GenerateRequest, InProcessEngineClient
+
+log = logging.getLogger("hearth.cluster")
+NAMESPACE = "hearth"
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """Everything the actors of one replica need (plain data: it crosses process boundaries)."""
+
+    replica_id: str
+    model_name: str
+    model_path: str
+    node_id: str
+    pool_name: str
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    threads: int | None = None
+    max_waiting: int = 64
+    monitor_interval_s: float = 2.0
+    probe_idle_s: float = 300.0
+
+    def actor_name(self, role: str) -> str:
+        return f"hearth:{role}:{self.replica_id}"
+
+    @property
+    def uses_cpu_worker(self) -> bool:
+        return self.engine_options.get("cpu_experts") == "external"
+
+
+def _handle(name: str):
+    return ray.get_actor(name, namespace=NAMESPACE)
+
+
+def ftw_path(model_path: str, cache: Path) -> Path:
+    """The FTW directory for ``model_path``: itself when it is FTW, else a converted copy in the
+    cache (made once per node; re-attaching an executor to a filled pool needs FTW)."""
+    from engine.ftw import is_ftw
+
+    if is_ftw(model_path):
+        return Path(model_path)
+    src = Path(model_path).resolve()
+    stamp = max((p.stat().st_mtime_ns for p in src.iterdir() if p.is_file()), default=0)
+    import hashlib
+
+    key = hashlib.blake2b(f"{src}\0{stamp}".encode(), digest_size=6).hexdigest()
+    return cache / "ftw" / f"{src.name}-{key}"
+
+
+class HostPoolActor:
+    """Owns the replica's expert pool segment."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        from cluster.demo import cache_dir
+        from engine.ftw import convert, is_ftw
+
+        self.spec = spec
+        self.loads = 0
+        self.path = ftw_path(spec.model_path, cache_dir())
+        if not is_ftw(self.path):
+            started = time.perf_counter()
+            tmp = self.path.with_name(self.path.name + f".tmp-{os.getpid()}")
+            convert(spec.model_path, tmp)
+            try:
+                os.replace(tmp, self.path)
+            except OSError:  # another replica on this machine converted it first
+                if not is_ftw(self.path):
+                    raise
+                shutil.rmtree(tmp, ignore_errors=True)
+            log.info("converted %s to FTW in %.1f s", spec.model_path, time.perf_counter() - started)
+        self.pool = None
+        self._load()
+
+    def _load(self) -> None:
+        from engine.ftw import load_checkpoint
+        from engine.hierarchy.host_pool import HostExpertPool, cleanup
+
+        if cleanup(self.spec.pool_name):  # left by this actor's previous life (killed): read it again
+            log.warning("removed the stale expert pool '%s'; reading it again from %s", self.spec.pool_name, self.path)
+        started = time.perf_counter()
+
+        def create(gate_up_shape, down_shape, dtype):
+            self.pool = HostExpertPool.create(self.spec.pool_name, gate_up_shape, down_shape, dtype)
+            return self.pool.tensors
+
+        load_checkpoint(self.path, self.spec.engine_options.get("dtype"), create)
+        self.pool.mark_filled()
+        self.loads += 1
+        self.load_seconds = time.perf_counter() - started
+
+    def info(self) -> dict[str, Any]:
+        return {"pool_name": self.pool.name, "bytes": self.pool.meta["bytes"], "loads": self.loads,
+                "load_seconds": self.load_seconds, "path": str(self.path), "pid": os.getpid()}
+
+    def close(self) -> None:
+        """Remove the segment (the executor must be gone first; its mapping would keep the pages)."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+
+class CpuWorkerActor:
+    """Serves CPU expert tasks from an executor's ring. On a restart it asks the executor for its
+    ring and serves it again."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        self.spec = spec
+        self.served = 0
+        self._rings: set[str] = set()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._reattach, daemon=True).start()
+
+    def _reattach(self) -> None:
+        try:
+            ring = ray.get(_handle(self.spec.actor_name("executor")).ring.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - no executor yet (first start): it will call serve()
+            return
+        if ring is not None:
+            self.serve(*ring)
+
+    def serve(self, pool_name: str, ring_name: str, owner_pid: int) -> int:
+        """Serve ``ring_name`` until the executor closes it or dies; returns the tasks done."""
+        from engine.hierarchy.cpu_workers import bind_current_thread, physical_cores
+        from engine.hierarchy.host_pool import HostExpertPool
+        from engine.hierarchy.ring import TaskRing
+        from engine.hierarchy.worker import serve
+
+        with self._lock:
+            if ring_name in self._rings:
+                return 0  # already served by another call
+            self._rings.add(ring_name)
+        import torch
+
+        cores = physical_cores()
+        bind_current_thread(cores)
+        torch.set_num_threads(self.spec.threads or len(cores))
+        pool = HostExpertPool.attach(pool_name)
+        ring = TaskRing.attach(ring_name)
+        ring.words[1] = os.getpid()
+        try:
+            done = serve(pool, ring, parent_pid=owner_pid)
+            self.served += done
+            return done
+        finally:
+            ring.close()
+            pool.close()
+            with self._lock:
+                self._rings.discard(ring_name)
+
+    def ping(self) -> int:
+        return os.getpid()
+
+
+class ExecutorActor:
+    """Runs the engine of one replica (an async actor: requests stream back as Ray generators)."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        import torch
+
+        from engine.hierarchy.cpu_workers import physical_cores
+
+        self.spec = spec
+        self.started = time.perf_counter()
+        pool = ray.get(_handle(spec.actor_name("pool")).info.remote())  # waits until the pool is filled
+        self.model_path = pool["path"]
+        torch.set_num_threads(spec.threads or len(physical_cores()))
+        self.load_seconds = 0.0
+        self.attached_pool = False
+        self.client = InProcessEngineClient(self.model_path, self._build_engine, spec.model_name, spec.max_waiting)
+
+    def _build_engine(self):
+        from engine.llm_engine import EngineConfig, LLMEngine
+
+        options = dict(self.spec.engine_options, host_pool_name=self.spec.pool_name)
+        engine = LLMEngine(self.model_path, EngineConfig(**options))
+        self.attached_pool = engine.host_pool is not None and not engine.host_pool.owner
+        if self.spec.uses_cpu_worker and engine.experts is not None:
+            workers = engine.experts.cpu_workers
+            _handle(self.spec.actor_name("cpu")).serve.remote(self.spec.pool_name, workers.ring_name, os.getpid())
+            workers.wait_attached()
+        self.load_seconds = time.perf_counter() - self.started
+        return engine
+
+    async def ready(self) -> dict[str, Any]:
+        """Waits until the model is loaded (re-raises a load failure); what the router needs."""
+        await asyncio.to_thread(self.client.wait_ready)
+        model = self.client.model
+        return {"replica_id": self.spec.replica_id, "max_model_len": model.max_model_len,
+                "vocab_size": model.vocab_size, "load_seconds": self.load_seconds,
+                "attached_pool": self.attached_pool, "pid": os.getpid(), "path": self.model_path}
+
+    async def generate(self, request: GenerateRequest):
+        """Stream the request's chunks (a Ray streaming generator)."""
+        async for chunk in self.client.generate(request):
+            yield chunk
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self.client.stats(), ready=self.client.ready, pid=os.getpid(), load_seconds=self.load_seconds,
+                    attached_pool=self.attached_pool)
+
+    def ring(self) -> tuple[str, str, int] | None:
+        """(pool, ring, owner pid) for a restarted CPU-worker actor, or None."""
+        engine = self.client.engine
+        if engine is None or engine.experts is None or not self.spec.uses_cpu_worker:
+            return None
+        return self.spec.pool_name, engine.experts.cpu_workers.ring_name, os.getpid()
+
+    async def set_bandwidths(self, b_p: float, b_h: float) -> list[int]:
+        """Rebuild the q table for new bandwidths at the next step boundary; returns it."""
+        return await asyncio.wrap_future(self.client.call(lambda e: e.experts.set_bandwidths(b_p, b_h)))
+
+    async def probe(self) -> tuple[float | None, float] | None:
+        """Measure both paths briefly if the engine is idle (None when busy)."""
+
+        def run(engine):
+            if engine.has_unfinished():
+                return None
+            return engine.experts.probe(k=engine.model_config.top_k)
+
+        return await asyncio.wrap_future(self.client.call(run))
+
+    def ping(self) -> int:
+        return os.getpid()
+
+
+class MonitorActor:
+    """Polls the executor's expert timings and pushes new bandwidths when they drift."""
+
+    def __init__(self, spec: ReplicaSpec, policy: MonitorPolicy | None = None) -> None:
+        self.spec = spec
+        self.policy = policy or MonitorPolicy()
+        self.tracker: BandwidthTracker | None = None
+        self.history: list[dict[str, Any]] = []
+        self.qtable: list[int] | None = None
+        self._executor_pid: int | None = None
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name="hearth-monitor").start()
+
+    def _run(self) -> None:
+        idle_since = time.monotonic()
+        last_calls = None
+        while not self._stop.wait(self.spec.monitor_interval_s):
+            try:
+                executor = _handle(self.spec.actor_name("executor"))
+                stats = ray.get(executor.stats.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - executor restarting or gone: try again later
+                continue
+            experts = stats.get("experts")
+            if not stats.get("ready") or experts is None or "b_p" not in experts:
+                continue  # no hierarchy (CPU executor) or a forced q table: nothing to tune
+            if self.tracker is None or stats.get("pid") != self._executor_pid:  # (re)started executor
+                self.tracker = BandwidthTracker(experts["b_p"], experts["b_h"], self.policy)
+                self._executor_pid = stats.get("pid")
+            self.qtable = experts.get("qtable", self.qtable)
+            change = self.tracker.observe(experts)
+            calls = (experts["fill_calls"], experts["cpu_calls"])
+            if calls != last_calls:
+                idle_since, last_calls = time.monotonic(), calls
+            elif time.monotonic() - idle_since > self.spec.probe_idle_s:
+                idle_since = time.monotonic()
+                probed = self._call(executor.probe.remote())
+                if probed:
+                    change = self.tracker.add_probe(*probed) or change
+            if change is not None:
+                table = self._call(executor.set_bandwidths.remote(change.b_p, change.b_h))
+                if table is not None:
+                    self.qtable = table
+                    self.history = (self.history + [{"time": time.time(), "b_p": change.b_p, "b_h": change.b_h,
+                                                     "qtable": table}])[-20:]
+                    log.info("%s: %s; new q table %s", self.spec.replica_id, change.describe(), table)
+
+    @staticmethod
+    def _call(ref) -> Any:
+        try:
+            return ray.get(ref, timeout=30)
+        except Exception:  # noqa: BLE001 - the executor went away meanwhile
+            return None
+
+    def status(self) -> dict[str, Any]:
+        est = self.tracker.estimate() if self.tracker is not None else (None, None)
+        return {"b_p": est[0], "b_h": est[1], "changes": self.tracker.changes if self.tracker else 0,
+                "qtable": self.qtable, "history": self.history[-5:]}
+
+    def stop(self) -> None:
+        self._stop.set()

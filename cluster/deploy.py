@@ -1,0 +1,222 @@
+"""Carrying a placement plan out on a running Ray cluster: ``hearth up``, ``status`` and ``down``.
+
+The decisions are made elsewhere (:func:`cluster.placement.plan_placement` over what
+:func:`discover_nodes` finds); this module creates the actors of each replica pinned to their
+node, waits until they serve, and starts the router. Every actor is named and detached in the
+``hearth`` namespace, so a later ``hearth status`` or ``hearth down`` (another driver, or a Ray
+client) finds them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from cluster.actors import NAMESPACE, CpuWorkerActor, ExecutorActor, HostPoolActor, MonitorActor, ReplicaSpec
+from cluster.node_info import describe_this_node
+from cluster.placement import ModelSpec, NodeInfo, PlacementPlan, ReplicaPlan, plan_placement
+from cluster.router import ROUTER_NAME, ReplicaInfo, RouterActor, RouterConfig
+from cluster.serving.client import ModelInfo
+
+_BUILTIN_RESOURCES = re.compile(r"^(CPU|GPU|memory|object_store_memory|node:.*|accelerator_type:.*)$")
+
+
+@dataclass(frozen=True)
+class DeployOptions:
+    """What ``hearth up`` deploys and how it listens. ``engine_options`` override the per-replica
+    engine settings the plan chooses (tests use the virtual device this way)."""
+
+    model_path: str
+    model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int | None = 50051
+    api_key: str | None = None
+    replicas: int | None = None
+    require: str | None = None
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    monitor_interval_s: float = 2.0
+    health_interval_s: float = 1.0
+    ready_timeout_s: float = 900.0
+
+
+def _labels(resources: dict[str, float]) -> frozenset[str]:
+    return frozenset(k for k in resources if not _BUILTIN_RESOURCES.match(k))
+
+
+def _on_node(node_id: str) -> NodeAffinitySchedulingStrategy:
+    return NodeAffinitySchedulingStrategy(node_id, soft=False)
+
+
+@ray.remote(num_cpus=0)
+def _describe(node_id: str, address: str, labels: frozenset[str]) -> NodeInfo:
+    return describe_this_node(node_id, address, labels)
+
+
+def discover_nodes() -> list[NodeInfo]:
+    """Every live node's capabilities, measured on the node itself."""
+    live = [n for n in ray.nodes() if n.get("Alive")]
+    refs = [_describe.options(scheduling_strategy=_on_node(n["NodeID"])).remote(
+        n["NodeID"], n["NodeManagerAddress"], _labels(n.get("Resources", {}))) for n in live]
+    return list(ray.get(refs, timeout=120))
+
+
+def model_spec(path: str, name: str, replicas: int | None = None, require: str | None = None) -> ModelSpec:
+    """Pool and dense sizes of the checkpoint at ``path``, from its config alone."""
+    from engine.inspect import summarize
+    from engine.loader import load_config
+
+    _, cfg = load_config(path)
+    s = summarize(cfg)
+    item = s.expert_pool_bytes // max(s.expert_params, 1)
+    return ModelSpec(name, path, s.expert_pool_bytes, (s.total_params - s.expert_params) * item, replicas, require)
+
+
+def _engine_options(replica: ReplicaPlan, overrides: dict[str, Any]) -> dict[str, Any]:
+    if replica.executor == "cuda":
+        options = {"expert_device": "cuda", "expert_cache": f"{replica.expert_cache_bytes}b", "cpu_experts": "external"}
+    else:
+        options = {"expert_device": "none"}
+    return {**options, **overrides}
+
+
+def _pool_name(model: str, replica: ReplicaPlan) -> str:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "-", f"{model}-{replica.node_name}")[:40]
+    return f"{safe}-{replica.node_id[:8]}"
+
+
+def replica_specs(plan: PlacementPlan, options: DeployOptions, model_name: str) -> list[ReplicaSpec]:
+    return [ReplicaSpec(r.replica_id, model_name, str(Path(options.model_path).resolve()), r.node_id,
+                        _pool_name(model_name, r), _engine_options(r, options.engine_options),
+                        monitor_interval_s=options.monitor_interval_s) for r in plan.replicas]
+
+
+def _start_replica(spec: ReplicaSpec) -> Any:
+    """Create the replica's actors on its node; returns the executor handle."""
+    common = {"namespace": NAMESPACE, "lifetime": "detached", "num_cpus": 0, "max_restarts": -1,
+              "scheduling_strategy": _on_node(spec.node_id)}
+    ray.remote(HostPoolActor).options(name=spec.actor_name("pool"), **common).remote(spec)
+    if spec.uses_cpu_worker:
+        ray.remote(CpuWorkerActor).options(name=spec.actor_name("cpu"), max_concurrency=4, **common).remote(spec)
+    gpus = 1 if spec.engine_options.get("expert_device") == "cuda" else 0
+    executor = ray.remote(ExecutorActor).options(name=spec.actor_name("executor"), num_gpus=gpus,
+                                                 **common).remote(spec)
+    ray.remote(MonitorActor).options(name=spec.actor_name("monitor"), **common).remote(spec)
+    return executor
+
+
+def _head_node_id() -> str:
+    for n in ray.nodes():
+        if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {}):
+            return n["NodeID"]
+    return ray.get_runtime_context().get_node_id()
+
+
+def deploy(options: DeployOptions, log=print) -> dict[str, Any]:
+    """Deploy the model onto the connected cluster; returns the router's description."""
+    if find_router() is not None:
+        raise RuntimeError("hearth is already deployed on this cluster (`hearth status`; `hearth down` first)")
+    name = options.model_name or Path(options.model_path).name
+    nodes = discover_nodes()
+    plan = plan_placement(nodes, [model_spec(options.model_path, name, options.replicas, options.require)])
+    specs = replica_specs(plan, options, name)
+    for r, spec in zip(plan.replicas, specs, strict=True):
+        log(f"hearth: replica {r.replica_id}: {r.executor} executor on {r.node_name} "
+            f"({spec.engine_options.get('expert_device')}), pool '{spec.pool_name}'")
+    started = time.perf_counter()
+    executors = [_start_replica(spec) for spec in specs]
+    try:
+        infos = ray.get([e.ready.remote() for e in executors], timeout=options.ready_timeout_s)
+    except Exception:
+        teardown()
+        raise
+    log(f"hearth: {len(infos)} replica(s) ready in {time.perf_counter() - started:.1f} s")
+    first = infos[0]
+    model = ModelInfo(name, str(Path(options.model_path).resolve()), first["max_model_len"], first["vocab_size"],
+                      int(time.time()))
+    replicas = tuple(ReplicaInfo(r.replica_id, name, r.node_id, r.node_name, s.actor_name("executor"),
+                                 s.actor_name("monitor"), r.executor, r.gpu_index, r.expert_cache_bytes)
+                     for r, s in zip(plan.replicas, specs, strict=True))
+    config = RouterConfig(model, replicas, options.host, options.port, options.grpc_port, options.api_key,
+                          options.health_interval_s)
+    router = ray.remote(RouterActor).options(
+        name=ROUTER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_restarts=-1,
+        scheduling_strategy=_on_node(_head_node_id())).remote(config)
+    return ray.get(router.describe.remote(), timeout=120)
+
+
+def find_router():
+    try:
+        return ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def _hearth_actors() -> list[str]:
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a.get("namespace") == NAMESPACE and a["name"].startswith("hearth:"))
+
+
+def teardown(log=print) -> list[str]:
+    """Stop everything ``deploy`` started: router, monitors, executors, CPU workers, then the pools
+    (closed first, so their shared memory is removed). Returns the names removed."""
+    names = _hearth_actors()
+    order = ("router", "monitor", "executor", "cpu", "pool")
+    removed = []
+    for role in order:
+        for name in [n for n in names if n.split(":")[1] == role]:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+            if role == "pool":
+                try:
+                    ray.get(handle.close.remote(), timeout=30)
+                except Exception as exc:  # noqa: BLE001 - a dead pool: its segment is cleaned on the node later
+                    log(f"hearth: could not close {name} cleanly: {type(exc).__name__}")
+            elif role == "router":
+                with contextlib.suppress(Exception):  # killing it below is what matters
+                    ray.get(handle.stop.remote(), timeout=30)
+            ray.kill(handle, no_restart=True)
+            removed.append(name)
+    return removed
+
+
+def cluster_status() -> dict[str, Any] | None:
+    """The deployment and, per replica, the numbers ``hearth status`` prints; None when nothing runs."""
+    router = find_router()
+    if router is None:
+        return None
+    desc = ray.get(router.describe.remote(), timeout=30)
+    routing = ray.get(router.replica_stats.remote(), timeout=30)
+    rows = []
+    for r in desc["replicas"]:
+        row = {"replica": r["replica_id"], "node": r["node_name"], "executor": r["executor_kind"],
+               "gpu": r["gpu_index"], "cache_bytes": r["expert_cache_bytes"], **routing.get(r["replica_id"], {})}
+        row.update(_replica_numbers(r))
+        rows.append(row)
+    return {**desc, "rows": rows}
+
+
+def _replica_numbers(r: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    try:
+        stats = ray.get(ray.get_actor(r["executor_name"], namespace=NAMESPACE).stats.remote(), timeout=10)
+    except Exception:  # noqa: BLE001 - a dead or restarting executor: the row says so
+        return {"state": "down"}
+    out["state"] = "ready" if stats.get("ready") else "loading"
+    out["running"] = stats.get("running", 0)
+    experts = stats.get("experts") or {}
+    out["hit_rate"] = experts.get("hit_rate")
+    out["b_p"], out["b_h"] = experts.get("b_p"), experts.get("b_h")
+    out["qtable"] = experts.get("qtable")
+    try:
+        monitor = ray.get(ray.get_actor(r["monitor_name"], namespace=NAMESPACE).status.remote(), timeout=10)
+        out["bandwidth_changes"] = monitor["changes"]
+    except Exception:  # noqa: BLE001
+        out["bandwidth_changes"] = None
+    return out

@@ -1,0 +1,270 @@
+"""The router: one named, detached actor per cluster serving the HTTP and gRPC API over replicas.
+
+:class:`RouterEngineClient` implements the serving layer's engine-client contract on top of the
+executor actors, so the OpenAI, Anthropic and gRPC front ends run unchanged. Per request it picks
+a replica with :func:`cluster.routing.choose_replica` and streams the executor's chunks back.
+A replica that fails is out of rotation at once; a request that has not streamed anything yet is
+retried on another replica; one that has gets :class:`ReplicaLost` (an error event in its
+protocol, then the stream closes). A health loop brings restarted replicas back and refreshes
+their measured decode speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from cluster.routing import ReplicaLoad, choose_replica
+from cluster.serving.client import (
+    EngineNotReady,
+    EngineOverloaded,
+    GenerateRequest,
+    GenerationChunk,
+    ModelInfo,
+)
+
+log = logging.getLogger("hearth.router")
+ROUTER_NAME = "hearth:router"
+
+
+class ReplicaLost(RuntimeError):
+    """The replica serving a request left after the request had started streaming."""
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """A replica as the router knows it: ids, where it runs, and its executor actor's name."""
+
+    replica_id: str
+    model: str
+    node_id: str
+    node_name: str
+    executor_name: str
+    monitor_name: str
+    executor_kind: str = "cpu"
+    gpu_index: int | None = None
+    expert_cache_bytes: int = 0
+
+
+@dataclass
+class _ReplicaState:
+    info: ReplicaInfo
+    handle: Any
+    healthy: bool = False
+    in_flight: int = 0
+    assigned: int = 0
+    decode_tok_s: float = 0.0
+    last_error: str | None = None
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def load(self) -> ReplicaLoad:
+        return ReplicaLoad(self.info.replica_id, self.info.model, self.healthy, self.in_flight, self.decode_tok_s,
+                           self.assigned)
+
+
+def _app_error(exc: ray.exceptions.RayTaskError) -> BaseException:
+    """The application exception inside a task error (so the API maps it like a local one)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else RuntimeError(str(exc).splitlines()[0])
+
+
+class RouterEngineClient:
+    """The engine client of the router's API server: one model, several replicas."""
+
+    def __init__(self, model: ModelInfo, replicas: list[ReplicaInfo], health_interval_s: float = 1.0,
+                 call_timeout_s: float = 5.0) -> None:
+        self.model = model
+        self.health_interval_s = health_interval_s
+        self.call_timeout_s = call_timeout_s
+        self.replicas: dict[str, _ReplicaState] = {}
+        for r in replicas:
+            self.replicas[r.replica_id] = _ReplicaState(r, ray.get_actor(r.executor_name, namespace="hearth"))
+        self._health_task: asyncio.Task | None = None
+        self._loaded = threading.Event()
+        self.load_error: BaseException | None = None
+
+    # -- the engine-client contract ------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return any(r.healthy for r in self.replicas.values())
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        if not self._loaded.wait(timeout):
+            raise TimeoutError("no replica became ready in time")
+
+    def stats(self) -> dict[str, Any]:
+        states = self.replicas.values()
+        in_flight = sum(r.in_flight for r in states)
+        return {"running": in_flight, "waiting": 0, "in_flight": in_flight,
+                "replicas": {r.info.replica_id: {"healthy": r.healthy, "in_flight": r.in_flight, "assigned": r.assigned,
+                                                 "decode_tok_s": r.decode_tok_s, "last_error": r.last_error}
+                             for r in states}}
+
+    def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
+        """Stream from a replica; before the first chunk, a failed replica means a retry elsewhere."""
+        self._ensure_health_loop()
+        tried: set[str] = set()
+        overloaded: EngineOverloaded | None = None
+        while True:
+            rid = choose_replica([r.load() for r in self.replicas.values()], self.model.name, request.session_key,
+                                 frozenset(tried))
+            if rid is None:
+                if overloaded is not None:
+                    raise overloaded
+                raise EngineNotReady(f"no replica of '{self.model.name}' is available "
+                                     f"({self._describe_unavailable()})")
+            state = self.replicas[rid]
+            state.in_flight += 1
+            state.assigned += 1
+            streamed = False
+            try:
+                async for chunk in self._stream(state, request):
+                    streamed = True
+                    yield chunk
+                return
+            except EngineOverloaded as exc:
+                overloaded = exc
+            except ray.exceptions.RayTaskError as exc:
+                raise _app_error(exc) from None
+            except (ray.exceptions.RayError, _Lost) as exc:
+                self._mark_down(state, exc)
+                if streamed:
+                    raise ReplicaLost(f"replica {rid} on node {state.info.node_name} left while this request was "
+                                      "streaming; the partial reply is incomplete, retry the request") from None
+                log.warning("replica %s failed before streaming request %s; retrying elsewhere", rid,
+                            request.request_id)
+            finally:
+                state.in_flight -= 1
+            tried.add(rid)
+
+    async def _stream(self, state: _ReplicaState, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
+        """The replica's chunks; raises :class:`_Lost` as soon as the replica is declared down."""
+        gen = state.handle.generate.remote(request)
+        lost = asyncio.ensure_future(state.lost.wait())
+        try:
+            while True:
+                nxt = asyncio.ensure_future(gen.__anext__())
+                done, _ = await asyncio.wait({nxt, lost}, return_when=asyncio.FIRST_COMPLETED)
+                if nxt not in done:
+                    nxt.cancel()
+                    raise _Lost(state.last_error or "replica down")
+                try:
+                    ref = nxt.result()
+                except StopAsyncIteration:
+                    return
+                chunk = await ref
+                yield chunk
+                if chunk.finished:
+                    return
+        finally:
+            lost.cancel()
+            ray.cancel(gen)  # no-op when finished; aborts the request on the executor otherwise
+
+    # -- health --------------------------------------------------------------------------------
+    def _mark_down(self, state: _ReplicaState, exc: BaseException) -> None:
+        if state.healthy:
+            log.warning("replica %s is out of rotation: %s", state.info.replica_id, str(exc).splitlines()[0][:200])
+        state.healthy = False
+        state.last_error = type(exc).__name__
+        state.lost.set()  # ends the other streams on it now
+
+    def _describe_unavailable(self) -> str:
+        return ", ".join(f"{r.info.replica_id}: {r.last_error or 'not ready'}" for r in self.replicas.values())
+
+    def _ensure_health_loop(self) -> None:
+        if self._health_task is None or self._health_task.done():
+            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def start(self) -> None:
+        """First health check (marks ready replicas) and the periodic loop."""
+        await self.check_health()
+        self._loaded.set()
+        self._ensure_health_loop()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            await self.check_health()
+
+    async def check_health(self) -> None:
+        await asyncio.gather(*(self._check(state) for state in self.replicas.values()))
+
+    async def _check(self, state: _ReplicaState) -> None:
+        try:
+            stats = await asyncio.wait_for(_as_future(state.handle.stats.remote()), self.call_timeout_s)
+        except (asyncio.TimeoutError, ray.exceptions.RayError) as exc:
+            self._mark_down(state, exc)
+            return
+        if not stats.get("ready"):
+            return
+        if not state.healthy:
+            log.info("replica %s is in rotation", state.info.replica_id)
+            state.lost = asyncio.Event()
+            state.last_error = None
+        state.healthy = True
+        state.decode_tok_s = float(stats.get("decode_tok_s") or 0.0)
+
+
+class _Lost(Exception):
+    """Internal: the health loop declared the replica down while a stream waited on it."""
+
+
+def _as_future(ref) -> asyncio.Future:
+    return asyncio.wrap_future(ref.future())
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the router serves: the model, its replicas and the listeners."""
+
+    model: ModelInfo
+    replicas: tuple[ReplicaInfo, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int | None = 50051
+    api_key: str | None = None
+    health_interval_s: float = 1.0
+    max_waiting: int = 64
+
+
+class RouterActor:
+    """Runs the API server (HTTP + gRPC) on its own thread and event loop inside the actor."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        from cluster.serving.app import ServerState
+        from cluster.serving.server import BackgroundServer, ServeOptions
+
+        self.config = config
+        self.started = time.time()
+        self.client = RouterEngineClient(config.model, list(config.replicas), config.health_interval_s)
+        state = ServerState(self.client, [config.model.name], config.api_key)
+        options = ServeOptions(config.host, config.port, config.grpc_port, config.api_key, (config.model.name,),
+                               config.max_waiting)
+        self.server = BackgroundServer(state, options, on_loop_start=self.client.start)
+        self.server.start()
+
+    def url(self) -> str:
+        return self.server.url
+
+    def describe(self) -> dict[str, Any]:
+        """The deployment: model, replicas and listeners (for status, down and the client)."""
+        c = self.config
+        return {"model": c.model.name, "path": c.model.path, "url": self.server.url, "grpc_port": c.grpc_port,
+                "replicas": [r.__dict__ for r in c.replicas], "started": self.started}
+
+    def replica_stats(self) -> dict[str, Any]:
+        return self.client.stats()["replicas"]
+
+    def stop(self) -> None:
+        self.server.stop()

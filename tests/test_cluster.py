@@ -1,0 +1,185 @@
+"""The deployed system on a two-node Ray cluster (``desktop`` and ``laptop`` on 127.0.0.2).
+
+Replicas on both nodes behind the router; session affinity; a killed executor comes back attached
+to its pool without re-reading it; a node that leaves mid-stream ends that stream with an error
+event and the queued requests finish on the survivor. Marked ``multinode`` (``make test-cluster``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import requests
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from cluster.deploy import DeployOptions, cluster_status, deploy, teardown  # noqa: E402
+from cluster.routing import ReplicaLoad, choose_replica  # noqa: E402
+from cluster.serving.server import free_port  # noqa: E402
+from engine import LLM  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.multinode
+# Every miss is filled over a slow virtual link: a token takes tens of milliseconds, long enough to
+# act mid-stream. One running request per replica, so further ones queue.
+ENGINE = {"expert_device": "virtual", "expert_cache": "8slots", "cpu_experts": "external", "q_mode": "all",
+          "virtual_link_gbps": 0.002, "max_num_seqs": 1, "max_model_len": 2048}
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    old = os.environ.get("HEARTH_CACHE")
+    os.environ["HEARTH_CACHE"] = str(tmp_path_factory.mktemp("hearth-cache"))  # inherited by the nodes
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "resources": {"desktop": 1}, "num_cpus": 2, "node_ip_address": "127.0.0.2", "include_dashboard": False})
+    laptop = cluster.add_node(resources={"laptop": 1}, num_cpus=2, node_ip_address="127.0.0.2")
+    ray.init(address=cluster.address)
+    try:
+        yield cluster, laptop
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if old is None:
+            os.environ.pop("HEARTH_CACHE", None)
+        else:
+            os.environ["HEARTH_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def deployment(two_nodes, agent_checkpoint):
+    desc = deploy(DeployOptions(str(agent_checkpoint), "tiny", port=free_port(), grpc_port=None, engine_options=ENGINE,
+                                health_interval_s=0.5), log=lambda *_: None)
+    try:
+        yield desc
+    finally:
+        teardown(log=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def expected(agent_checkpoint):
+    """Greedy tokens of the plain in-process engine for PROMPT."""
+    llm = LLM(agent_checkpoint)
+    ids = llm.engine.encode(PROMPT)
+    out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].token_ids
+    llm.engine.close()
+    return out
+
+
+def complete(url: str, max_tokens: int = 12, session: str | None = None, **extra) -> requests.Response:
+    headers = {"x-session-id": session} if session else {}
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **extra}
+    return requests.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
+
+
+def assigned(desc) -> dict[str, int]:
+    return {row["replica"]: row["assigned"] for row in cluster_status()["rows"]}
+
+
+def session_for(replica: str, desc) -> str:
+    """A session id that the router maps to ``replica`` while both replicas are healthy."""
+    loads = [ReplicaLoad(r["replica_id"], "tiny", True) for r in desc["replicas"]]
+    return next(s for s in (f"s{i}" for i in range(1000)) if choose_replica(loads, "tiny", f"id:{s}") == replica)
+
+
+def test_requests_reach_both_replicas_with_exact_output(deployment, expected):
+    """A burst of identical prompts (one derived session key) spreads once its replica is busy."""
+    url = deployment["url"]
+    before = assigned(deployment)
+    results: list[requests.Response] = []
+    threads = [threading.Thread(target=lambda: results.append(complete(url))) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [r.status_code for r in results] == [200] * 6
+    assert all(r.json()["choices"][0]["token_ids"] == expected for r in results)
+    after = assigned(deployment)
+    assert all(after[k] > before[k] for k in after), (before, after)
+    assert {row["node"] for row in cluster_status()["rows"]} == {"desktop", "laptop"}
+
+
+def test_a_session_sticks_to_one_replica(deployment):
+    url = deployment["url"]
+    before = assigned(deployment)
+    for _ in range(4):
+        assert complete(url, max_tokens=2, session="agent-session-7").status_code == 200
+    after = assigned(deployment)
+    grew = {k: after[k] - before[k] for k in after}
+    assert sorted(grew.values()) == [0, 4], grew
+
+
+def test_killed_executor_reattaches_to_its_pool(deployment, expected):
+    replica = "tiny@laptop"
+    pool = ray.get_actor(f"hearth:pool:{replica}", namespace="hearth")
+    executor = ray.get_actor(f"hearth:executor:{replica}", namespace="hearth")
+    loads_before = ray.get(pool.info.remote())["loads"]
+    cold = ray.get(executor.ready.remote())
+    assert cold["attached_pool"] is True  # the pool actor filled it; the executor never read experts
+    started = time.perf_counter()
+    ray.kill(executor, no_restart=False)  # Ray restarts it
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            info = ray.get(executor.ready.remote(), timeout=30)
+            if info["pid"] != cold["pid"]:
+                break
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        assert time.monotonic() < deadline, "the executor did not come back"
+        time.sleep(0.2)
+    restart_s = time.perf_counter() - started
+    assert info["attached_pool"] is True
+    assert ray.get(pool.info.remote())["loads"] == loads_before  # the pool was not read again
+    # Served again through the router (it puts the replica back in rotation), with the same output.
+    session = session_for(replica, deployment)
+    deadline = time.monotonic() + 30
+    while not next(r for r in cluster_status()["rows"] if r["replica"] == replica)["healthy"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    r = complete(deployment["url"], session=session)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected
+    print(f"\nexecutor restart: {restart_s:.2f} s until ready (engine load {info['load_seconds']:.2f} s); "
+          f"cold start of the replica: {cold['load_seconds']:.2f} s engine load")
+
+
+def test_node_leaving_mid_stream(two_nodes, deployment, expected):
+    """The laptop leaves while streaming: that stream ends with an error event; the requests
+    queued behind it there finish on the desktop; the next requests go to the desktop."""
+    cluster, laptop = two_nodes
+    url = deployment["url"]
+    session = session_for("tiny@laptop", deployment)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    stream = requests.post(f"{url}/v1/completions", json=body, headers={"x-session-id": session}, stream=True,
+                           timeout=120)
+    assert stream.status_code == 200
+    lines = stream.iter_lines()
+    first = next(line for line in lines if line.startswith(b"data: "))
+    assert json.loads(first[6:])["choices"][0]["text"] is not None
+    # Two more requests of the same session queue behind it on the laptop (one running at a time).
+    queued: list[requests.Response] = []
+    workers = [threading.Thread(target=lambda: queued.append(complete(url, session=session))) for _ in range(2)]
+    for t in workers:
+        t.start()
+    time.sleep(1.0)
+    cluster.remove_node(laptop, allow_graceful=False)  # the lid closes: no goodbye
+    started = time.monotonic()
+    rest = [line for line in lines if line]
+    assert time.monotonic() - started < 60
+    events = [json.loads(line[6:]) for line in rest if line.startswith(b"data: ") and line != b"data: [DONE]"]
+    assert any("error" in e for e in events), rest[-3:]
+    for t in workers:
+        t.join(timeout=120)
+    assert [r.status_code for r in queued] == [200, 200]
+    assert all(r.json()["choices"][0]["token_ids"] == expected for r in queued)
+    rows = {row["replica"]: row for row in cluster_status()["rows"]}
+    assert rows["tiny@laptop"]["healthy"] is False
+    r = complete(url)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected
