@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Serve one model on this machine. Without --model it serves the demo model.")
     _add_serve_args(serve)
     _add_engine_args(serve)
+    from cluster.cluster_cmd import add_commands
+
+    add_commands(sub)
     pool = sub.add_parser("pool", help="list or remove shared-memory expert pools")
     pool.add_argument("action", choices=["list", "clean"])
     pool.add_argument("name", nargs="?", help="pool to remove (clean); without it, clean removes pools whose "
@@ -242,17 +245,23 @@ def cmd_pool(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cluster_handlers() -> dict:
+    from cluster.cluster_cmd import cmd_down, cmd_status, cmd_up
+
+    return {"up": cmd_up, "status": cmd_status, "down": cmd_down}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {"generate": cmd_generate, "inspect": cmd_inspect, "convert": cmd_convert, "profile": cmd_profile,
-                "pool": cmd_pool, "serve": cmd_serve}
+                "pool": cmd_pool, "serve": cmd_serve, **_cluster_handlers()}
     if args.command not in handlers:
         parser.print_help()
         return 0 if args.command is None else 2
     try:
         return handlers[args.command](args)
-    except (ConfigError, ValueError, FileExistsError, FileNotFoundError, OSError) as exc:
+    except (ConfigError, ValueError, FileExistsError, FileNotFoundError, OSError, RuntimeError) as exc:
         print(f"hearth: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -147,7 +147,7 @@ def deploy(options: DeployOptions, log=print) -> dict[str, Any]:
     config = RouterConfig(model, replicas, options.host, options.port, options.grpc_port, options.api_key,
                           options.health_interval_s)
     router = ray.remote(RouterActor).options(
-        name=ROUTER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_restarts=-1,
+        name=ROUTER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_restarts=-1, max_concurrency=64,
         scheduling_strategy=_on_node(_head_node_id())).remote(config)
     return ray.get(router.describe.remote(), timeout=120)
 

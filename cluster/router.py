@@ -266,5 +266,31 @@ class RouterActor:
     def replica_stats(self) -> dict[str, Any]:
         return self.client.stats()["replicas"]
 
+    # -- the cluster API (Ray calls from drivers, jobs and Ray clients) -------------------------
+    def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        """One completion for ``{"prompt": str | [ids]} | {"messages": [...]}`` plus sampling fields
+        (max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos, session_id).
+        Errors come back as ``{"error": {"status", "message"}}`` so one bad line of a batch does
+        not fail the others."""
+        from cluster.cluster_api import run_request
+
+        future = asyncio.run_coroutine_threadsafe(run_request(self.server.state, request), self.server.loop)
+        return future.result()
+
+    def stream(self, request: dict[str, Any]):
+        """Like :meth:`generate`, as a Ray streaming generator of ``{"text", "token_ids"}`` deltas
+        ending with the full result."""
+        import queue
+
+        from cluster.cluster_api import run_request
+
+        chunks: queue.SimpleQueue = queue.SimpleQueue()
+        future = asyncio.run_coroutine_threadsafe(run_request(self.server.state, request, chunks.put),
+                                                  self.server.loop)
+        future.add_done_callback(lambda _: chunks.put(None))
+        while (delta := chunks.get()) is not None:
+            yield delta
+        yield future.result()
+
     def stop(self) -> None:
         self.server.stop()

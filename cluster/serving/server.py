@@ -109,6 +109,11 @@ class BackgroundServer:
     def url(self) -> str:
         return f"http://{self.options.host}:{self.options.port}"
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The server's event loop (to run coroutines on it from other threads)."""
+        return self._loop
+
     def start(self, timeout: float = 300) -> BackgroundServer:
         self._thread.start()
         if not self._started.wait(timeout) or self._error is not None:
