@@ -1,10 +1,11 @@
-"""``hearth up`` / ``status`` / ``down`` against two ``ray start`` nodes on 127.0.0.2, and the example
-batch job through ``ray job submit`` and through the Ray client."""
+"""The deploy scripts and ``hearth up`` / ``status`` / ``down`` on two ``ray start`` nodes on 127.0.0.2
+with Ray token authentication, and the example batch job through ``ray job submit`` and the Ray client."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -30,19 +31,19 @@ def run(*cmd: str, env: dict[str, str], timeout: float = 300, check: bool = True
 
 @pytest.fixture()
 def ray_nodes(tmp_path):
-    env = dict(os.environ, HEARTH_CACHE=str(tmp_path / "cache"), PATH=f"{BIN}:{os.environ.get('PATH', '')}",
-               RAY_USAGE_STATS_ENABLED="0")
+    """Head and worker started by deploy/desktop-head.sh and deploy/laptop-join.sh."""
     ports = {"gcs": free_port(HOST), "dashboard": free_port(HOST), "client": free_port(HOST)}
-    ray = str(BIN / "ray")
+    env = dict(os.environ, HEARTH_CACHE=str(tmp_path / "cache"), PATH=f"{BIN}:{os.environ.get('PATH', '')}",
+               HEARTH_ENV=str(tmp_path / "none.env"), HEARTH_HEAD_IP=HOST, HEARTH_NODE_IP=HOST,
+               RAY_GCS_PORT=str(ports["gcs"]), RAY_DASHBOARD_PORT=str(ports["dashboard"]),
+               RAY_CLIENT_PORT=str(ports["client"]), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16),
+               RAY=str(BIN / "ray"), HEARTH=str(BIN / "hearth"))
     try:
-        run(ray, "start", "--head", "--node-ip-address", HOST, "--port", str(ports["gcs"]), "--dashboard-host", HOST,
-            "--dashboard-port", str(ports["dashboard"]), "--ray-client-server-port", str(ports["client"]),
-            "--resources", json.dumps({"desktop": 1}), "--num-cpus", "2", env=env)
-        run(ray, "start", "--address", f"{HOST}:{ports['gcs']}", "--node-ip-address", HOST,
-            "--resources", json.dumps({"laptop": 1}), "--num-cpus", "2", env=env)
+        run("bash", "deploy/desktop-head.sh", "--num-cpus", "2", env=env)
+        run("bash", "deploy/laptop-join.sh", "--num-cpus", "2", env=env)
         yield env, ports
     finally:
-        run(ray, "stop", "--force", env=env, check=False)
+        run(str(BIN / "ray"), "stop", "--force", env=env, check=False)
 
 
 def test_up_status_job_client_down(ray_nodes, agent_checkpoint, tmp_path):
@@ -50,8 +51,12 @@ def test_up_status_job_client_down(ray_nodes, agent_checkpoint, tmp_path):
     address = f"{HOST}:{ports['gcs']}"
     http = free_port()
     hearth = str(BIN / "hearth")
-    up = run(hearth, "up", "--address", address, "--model", str(agent_checkpoint), "--name", "tiny", "--port",
-             str(http), "--grpc-port", "0", "--virtual-device", "--expert-cache", "8slots", env=env, timeout=600)
+    # Without the cluster's token nothing connects.
+    no_token = {k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN"}
+    assert run(hearth, "status", "--address", address, env=no_token, check=False, timeout=120).returncode != 0
+    up_env = dict(env, HEARTH_MODEL=str(agent_checkpoint), HEARTH_HOST="127.0.0.1", HEARTH_PORT=str(http))
+    up = run("bash", "deploy/hearth-up.sh", "--name", "tiny", "--grpc-port", "0", "--virtual-device",
+             "--expert-cache", "8slots", env=up_env, timeout=600)
     assert "'tiny' is up: 2 replica(s)" in up.stderr
     r = requests.post(f"http://127.0.0.1:{http}/v1/completions",
                       json={"model": "tiny", "prompt": "def f(x):", "max_tokens": 4}, timeout=60)
@@ -82,7 +87,7 @@ def test_up_status_job_client_down(ray_nodes, agent_checkpoint, tmp_path):
     assert {res["id"]: res["token_ids"] for res in map(json.loads, client_out.read_text().splitlines())} == by_id
     assert "wrote 0 result(s)" in run(*client_cmd, env=env, timeout=600).stdout  # resumed: nothing left
 
-    down = run(hearth, "down", "--address", address, env=env)
+    down = run("bash", "deploy/hearth-down.sh", env=env)
     assert "removed 9 actor(s)" in down.stderr  # router + 2 x (pool, CPU worker, executor, monitor)
     assert run(hearth, "status", "--address", address, env=env, check=False).returncode == 1
     with pytest.raises(requests.ConnectionError):
