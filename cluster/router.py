@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -261,7 +262,7 @@ class RouterActor:
         """The deployment: model, replicas and listeners (for status, down and the client)."""
         c = self.config
         return {"model": c.model.name, "path": c.model.path, "url": self.server.url, "grpc_port": c.grpc_port,
-                "replicas": [r.__dict__ for r in c.replicas], "started": self.started}
+                "replicas": [r.__dict__ for r in c.replicas], "started": self.started, "pid": os.getpid()}
 
     def replica_stats(self) -> dict[str, Any]:
         return self.client.stats()["replicas"]

@@ -62,6 +62,22 @@ class GenerationChunk:
     timings: dict[str, float | int] = field(default_factory=dict)
 
 
+def merge_chunks(chunks: list[GenerationChunk]) -> GenerationChunk:
+    """Consecutive chunks of one request as one (tokens and text joined, the last one's totals):
+    a remote stream sends what piled up since its last send in one message."""
+    if len(chunks) == 1:
+        return chunks[0]
+    last = chunks[-1]
+    return GenerationChunk(
+        token_ids=[t for c in chunks for t in c.token_ids], text="".join(c.text for c in chunks),
+        finished=last.finished, finish_reason=last.finish_reason, stop_reason=last.stop_reason,
+        num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
+        num_cached_tokens=last.num_cached_tokens,
+        first_token_time=next((c.first_token_time for c in chunks if c.first_token_time is not None), None),
+        timings=last.timings,
+    )
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What the API layer needs to know about the served model."""

@@ -25,15 +25,16 @@ log = logging.getLogger("hearth.cpu_worker")
 
 def idle_sleep(idle_s: float) -> float:
     """How long to sleep between polls after ``idle_s`` seconds without a task: spin-wait briefly
-    (a decode step's next layer comes within microseconds), then back off so an idle worker costs
-    almost no CPU (a few hundred wake-ups per second at most)."""
+    (a decode step's next layer comes within microseconds), then back off: after two idle seconds
+    fifty wake-ups per second, so an idle worker costs almost no CPU and the first task after a
+    pause waits at most 20 ms."""
     if idle_s < 1e-3:
         return 0.0
     if idle_s < 0.1:
         return 50e-6
     if idle_s < 2.0:
         return 500e-6
-    return 5e-3
+    return 20e-3
 
 
 def serve(pool: HostExpertPool, ring: TaskRing, parent_pid: int | None = None) -> int:
@@ -44,7 +45,7 @@ def serve(pool: HostExpertPool, ring: TaskRing, parent_pid: int | None = None) -
     dtype = gate_up.dtype
     h, done = ring.layout.hidden, 0
     expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
-    idle_since = time.monotonic()
+    idle_since = owner_checked = time.monotonic()
     while not ring.shutdown:
         busy = False
         for v in ring.slots:
@@ -71,10 +72,13 @@ def serve(pool: HostExpertPool, ring: TaskRing, parent_pid: int | None = None) -
         if busy:
             idle_since = time.monotonic()
             continue
-        pause = idle_sleep(time.monotonic() - idle_since)
+        now = time.monotonic()
+        pause = idle_sleep(now - idle_since)
         if pause:
             time.sleep(pause)
-            if parent_pid is not None and pause >= 5e-3 and not process_alive(parent_pid):
+        if parent_pid is not None and now - owner_checked > 1.0:
+            owner_checked = now
+            if not process_alive(parent_pid):
                 log.warning("the executor that owns this ring is gone; exiting")
                 break
     return done
