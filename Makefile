@@ -13,7 +13,7 @@ TORCH_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
 endif
 endif
 
-.PHONY: venv test lint fmt serve proto clean
+.PHONY: venv test test-cluster lint fmt serve proto clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ venv: $(VENV)/.installed
 test: venv
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The multi-node tests: a two-node Ray cluster on 127.0.0.2, the deploy scripts, jobs (a few minutes).
+test-cluster: venv
+	$(PY) -m pytest -q -m multinode $(PYTEST_ARGS)
 
 # Serve the demo model (or MODEL=DIR) on http://127.0.0.1:8000 (OpenAI /v1, Anthropic) and gRPC :50051.
 serve: venv

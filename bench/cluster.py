@@ -111,6 +111,9 @@ def restarts(args, desc) -> dict:
         load_s.append(info["load_seconds"])
         assert info["attached_pool"], "the restarted executor read the pool again"
     after = ray.get(pool.info.remote())
+    # Cold: the pool actor reads the experts, then the executor builds the engine on it (dense weights,
+    # KV cache, kernels). Restart: Ray starts a new executor process, which builds the engine on the
+    # pool that is already filled.
     return {"pool_read_s": pool_info["load_seconds"], "cold_executor_load_s": cold["load_seconds"],
             "cold_start_s": pool_info["load_seconds"] + cold["load_seconds"],
             "restart_until_ready_s": statistics.median(restart_s), "restart_engine_load_s": statistics.median(load_s),

@@ -17,6 +17,7 @@ Actors only carry decisions out; placement and routing are pure functions elsewh
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import shutil
@@ -72,8 +73,6 @@ def ftw_path(model_path: str, cache: Path) -> Path:
         return Path(model_path)
     src = Path(model_path).resolve()
     stamp = max((p.stat().st_mtime_ns for p in src.iterdir() if p.is_file()), default=0)
-    import hashlib
-
     key = hashlib.blake2b(f"{src}\0{stamp}".encode(), digest_size=6).hexdigest()
     return cache / "ftw" / f"{src.name}-{key}"
 
@@ -191,12 +190,15 @@ class ExecutorActor:
         from engine.hierarchy.cpu_workers import physical_cores
 
         self.spec = spec
-        self.started = time.perf_counter()
+        started = time.perf_counter()
         pool = ray.get(_handle(spec.actor_name("pool")).info.remote())  # waits until the pool is filled
+        self.pool_wait_seconds = time.perf_counter() - started
+        self.started = time.perf_counter()
         self.model_path = pool["path"]
         torch.set_num_threads(spec.threads or len(physical_cores()))
         self.load_seconds = 0.0
         self.attached_pool = False
+        self.bandwidth_updates = 0  # q tables pushed by the monitor
         self.client = InProcessEngineClient(self.model_path, self._build_engine, spec.model_name, spec.max_waiting)
 
     def _build_engine(self):
@@ -218,7 +220,8 @@ class ExecutorActor:
         model = self.client.model
         return {"replica_id": self.spec.replica_id, "max_model_len": model.max_model_len,
                 "vocab_size": model.vocab_size, "load_seconds": self.load_seconds,
-                "attached_pool": self.attached_pool, "pid": os.getpid(), "path": self.model_path}
+                "attached_pool": self.attached_pool, "pid": os.getpid(), "path": self.model_path,
+                "pool_wait_seconds": self.pool_wait_seconds}
 
     async def generate(self, request: GenerateRequest):
         """Stream the request's chunks (a Ray streaming generator). A Ray message costs about a
@@ -258,7 +261,7 @@ class ExecutorActor:
 
     def stats(self) -> dict[str, Any]:
         return dict(self.client.stats(), ready=self.client.ready, pid=os.getpid(), load_seconds=self.load_seconds,
-                    attached_pool=self.attached_pool)
+                    attached_pool=self.attached_pool, bandwidth_updates=self.bandwidth_updates)
 
     def ring(self) -> tuple[str, str, int] | None:
         """(pool, ring, owner pid) for a restarted CPU-worker actor, or None."""
@@ -269,7 +272,11 @@ class ExecutorActor:
 
     async def set_bandwidths(self, b_p: float, b_h: float) -> list[int]:
         """Rebuild the q table for new bandwidths at the next step boundary; returns it."""
-        return await asyncio.wrap_future(self.client.call(lambda e: e.experts.set_bandwidths(b_p, b_h)))
+        table = await asyncio.wrap_future(self.client.call(lambda e: e.experts.set_bandwidths(b_p, b_h)))
+        self.bandwidth_updates += 1
+        log.info("%s: new bandwidths B_P %.2f GB/s, B_H %.2f GB/s; q table %s", self.spec.replica_id, b_p / 1e9,
+                 b_h / 1e9, table)
+        return table
 
     async def probe(self) -> tuple[float | None, float] | None:
         """Measure both paths briefly if the engine is idle (None when busy)."""

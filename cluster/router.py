@@ -63,6 +63,7 @@ class _ReplicaState:
     assigned: int = 0
     decode_tok_s: float = 0.0
     last_error: str | None = None
+    executor_stats: dict[str, Any] = field(default_factory=dict)  # the latest, from the health loop
     lost: asyncio.Event = field(default_factory=asyncio.Event)
 
     def load(self) -> ReplicaLoad:
@@ -105,7 +106,8 @@ class RouterEngineClient:
         in_flight = sum(r.in_flight for r in states)
         return {"running": in_flight, "waiting": 0, "in_flight": in_flight,
                 "replicas": {r.info.replica_id: {"healthy": r.healthy, "in_flight": r.in_flight, "assigned": r.assigned,
-                                                 "decode_tok_s": r.decode_tok_s, "last_error": r.last_error}
+                                                 "decode_tok_s": r.decode_tok_s, "last_error": r.last_error,
+                                                 "node": r.info.node_name, "executor": r.executor_stats}
                              for r in states}}
 
     def close(self) -> None:
@@ -215,6 +217,7 @@ class RouterEngineClient:
             state.last_error = None
         state.healthy = True
         state.decode_tok_s = float(stats.get("decode_tok_s") or 0.0)
+        state.executor_stats = stats
 
 
 class _Lost(Exception):

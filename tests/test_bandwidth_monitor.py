@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cluster.bandwidth import BandwidthTracker, MonitorPolicy
 from engine.hierarchy.qstar import PathCost, SplitCosts, build_qtable
@@ -125,3 +126,22 @@ def test_halving_the_virtual_link_changes_the_qtable_with_identical_tokens(check
     with_old_link = build_qtable(SplitCosts(backend.costs.expert_bytes, PathCost(link), est_b_h), m_max)
     assert sum(table) < int(with_old_link.sum()), (table, with_old_link.tolist())
     assert backend.qtable() == pushed[-1][1]  # what the engine runs with now is the last push
+
+
+def test_idle_probe_measures_both_paths_without_changing_the_cache(checkpoint) -> None:
+    path, _ = checkpoint("qwen3_moe")
+    engine = _engine(path, expert_device="virtual", expert_cache="4slots", virtual_link_gbps=1.0)
+    _run(engine, [[1, 2, 3]], 4)
+    backend = engine.experts
+    resident = backend.tables.resident()
+    assert resident
+    stats = backend.stats()
+    b_p, b_h = backend.probe(k=2, repeats=3)
+    assert 0.3e9 < b_p < 1.1e9  # the virtual link is limited to 1 GB/s
+    assert b_h > 0
+    assert backend.tables.resident() == resident and backend.stats()["fills"] == stats["fills"]
+    pool, device = backend.pool, backend.device
+    for g, slot in resident.items():
+        row = int(pool.row_table[g])
+        assert torch.equal(device.gate_up[slot], pool.gate_up[row]) and torch.equal(device.down[slot], pool.down[row])
+    engine.close()

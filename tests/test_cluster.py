@@ -88,6 +88,20 @@ def session_for(replica: str, desc) -> str:
     return next(s for s in (f"s{i}" for i in range(1000)) if choose_replica(loads, "tiny", f"id:{s}") == replica)
 
 
+def restarted(call, old_pid: int, timeout: float = 120) -> dict:
+    """Poll ``call()`` (an actor method returning a dict with ``pid``) until a new process answers."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            info = ray.get(call(), timeout=30)
+            if info["pid"] != old_pid:
+                return info
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        assert time.monotonic() < deadline, "the actor did not come back"
+        time.sleep(0.2)
+
+
 def test_requests_reach_both_replicas_with_exact_output(deployment, expected):
     """A burst of identical prompts (one derived session key) spreads once its replica is busy."""
     url = deployment["url"]
@@ -124,16 +138,7 @@ def test_killed_executor_reattaches_to_its_pool(deployment, expected):
     assert cold["attached_pool"] is True  # the pool actor filled it; the executor never read experts
     started = time.perf_counter()
     ray.kill(executor, no_restart=False)  # Ray restarts it
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            info = ray.get(executor.ready.remote(), timeout=30)
-            if info["pid"] != cold["pid"]:
-                break
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            pass
-        assert time.monotonic() < deadline, "the executor did not come back"
-        time.sleep(0.2)
+    info = restarted(executor.ready.remote, cold["pid"])
     restart_s = time.perf_counter() - started
     assert info["attached_pool"] is True
     assert ray.get(pool.info.remote())["loads"] == loads_before  # the pool was not read again
@@ -147,6 +152,29 @@ def test_killed_executor_reattaches_to_its_pool(deployment, expected):
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected
     print(f"\nexecutor restart: {restart_s:.2f} s until ready (engine load {info['load_seconds']:.2f} s); "
           f"cold start of the replica: {cold['load_seconds']:.2f} s engine load")
+
+
+def test_killed_pool_actor_is_rebuilt_from_ftw(deployment, expected):
+    """A killed pool actor is recreated by Ray and reads the pool again from the FTW files; the
+    running executor keeps serving, and a later executor restart attaches to the new pool."""
+    from engine.hierarchy.host_pool import HostExpertPool
+
+    replica = "tiny@desktop"
+    pool = ray.get_actor(f"hearth:pool:{replica}", namespace="hearth")
+    before = ray.get(pool.info.remote())
+    ray.kill(pool, no_restart=False)
+    after = restarted(pool.info.remote, before["pid"])
+    assert after["loads"] == 1 and after["path"] == before["path"]  # a new process read it from FTW
+    with HostExpertPool.attach(after["pool_name"]) as segment:
+        assert segment.filled and segment.meta["owner_pid"] == after["pid"]
+    session = session_for(replica, deployment)
+    r = complete(deployment["url"], session=session)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected
+    executor = ray.get_actor(f"hearth:executor:{replica}", namespace="hearth")
+    old = ray.get(executor.ready.remote())["pid"]
+    ray.kill(executor, no_restart=False)
+    info = restarted(executor.ready.remote, old)
+    assert info["attached_pool"] and ray.get(pool.info.remote())["loads"] == 1
 
 
 def test_node_leaving_mid_stream(two_nodes, deployment, expected):
@@ -183,3 +211,59 @@ def test_node_leaving_mid_stream(two_nodes, deployment, expected):
     assert rows["tiny@laptop"]["healthy"] is False
     r = complete(url)
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected
+    metrics = requests.get(f"{url}/metrics", timeout=10).text
+    assert 'hearth_replica_healthy{node="laptop",replica="tiny@laptop"} 0.0' in metrics
+    assert 'hearth_replica_healthy{node="desktop",replica="tiny@desktop"} 1.0' in metrics
+
+
+class _FakeExecutor:
+    """Stands in for an executor: expert counters whose link rate halves after 10 readings."""
+
+    def __init__(self) -> None:
+        self.readings = 0
+        self.total = {"fill_bytes": 0.0, "fill_seconds": 0.0, "fill_calls": 0, "cpu_bytes": 0.0, "cpu_seconds": 0.0,
+                      "cpu_calls": 0}
+        self.pushed: list[tuple[float, float]] = []
+
+    def stats(self) -> dict:
+        self.readings += 1
+        link = 8e9 if self.readings <= 10 else 4e9
+        for path, rate in (("fill", link), ("cpu", 20e9)):
+            self.total[f"{path}_bytes"] += rate * 0.1
+            self.total[f"{path}_seconds"] += 0.1
+            self.total[f"{path}_calls"] += 10
+        qtable = [0, 1, 1] if self.pushed else [0, 1, 2]
+        experts = dict(self.total, b_p=8e9, b_h=20e9, link_fixed_s=0.0, cpu_fixed_s=0.0, qtable=qtable)
+        return {"ready": True, "pid": 1, "experts": experts}
+
+    def set_bandwidths(self, b_p: float, b_h: float) -> list[int]:
+        self.pushed.append((b_p, b_h))
+        return [0, 1, 1]
+
+    def probe(self):
+        return None
+
+    def get_pushed(self) -> list[tuple[float, float]]:
+        return self.pushed
+
+
+def test_monitor_actor_pushes_a_new_table_when_the_link_slows(two_nodes):
+    from cluster.actors import MonitorActor, ReplicaSpec
+
+    spec = ReplicaSpec("fake@desktop", "fake", "/nowhere", "", "fake-pool", monitor_interval_s=0.05)
+    on_desktop = {"resources": {"desktop": 0.01}, "num_cpus": 0}  # the laptop may have left already
+    executor = ray.remote(_FakeExecutor).options(name=spec.actor_name("executor"), namespace="hearth",
+                                                 **on_desktop).remote()
+    monitor = ray.remote(MonitorActor).options(namespace="hearth", **on_desktop).remote(spec)
+    try:
+        deadline = time.monotonic() + 30
+        while not ray.get(executor.get_pushed.remote()):
+            assert time.monotonic() < deadline, "the monitor pushed nothing"
+            time.sleep(0.1)
+        (b_p, b_h), *_ = ray.get(executor.get_pushed.remote())
+        assert b_p == pytest.approx(4e9) and b_h == pytest.approx(20e9)
+        status = ray.get(monitor.status.remote())
+        assert status["changes"] == 1 and status["qtable"] == [0, 1, 1] and status["history"][0]["b_p"] == b_p
+    finally:
+        ray.kill(monitor)
+        ray.kill(executor)

@@ -55,6 +55,8 @@ class _EngineCollector:
         yield _gauge("hearth_in_flight_requests", "Requests accepted and not finished", stats.get("in_flight", 0))
         free, total = stats.get("kv_blocks_free", 0), stats.get("kv_blocks_total", 0)
         yield _gauge("hearth_kv_cache_usage_ratio", "Share of KV blocks in use", (1 - free / total) if total else 0)
+        if "replicas" in stats:
+            yield from _replica_metrics(stats["replicas"])
         experts = stats.get("experts")
         if not experts:
             return
@@ -78,6 +80,44 @@ class _EngineCollector:
                 if m < len(qtable):
                     family.add_metric([str(m)], qtable[m])
             yield family
+
+
+def _replica_metrics(replicas: dict[str, dict[str, Any]]):
+    """Per-replica gauges of a router: rotation, load, speed, and each executor's live bandwidths
+    and q table (as its monitor last set them)."""
+    labels = ["replica", "node"]
+    families = {
+        "healthy": GaugeMetricFamily("hearth_replica_healthy", "1 while the replica is in rotation", labels=labels),
+        "in_flight": GaugeMetricFamily("hearth_replica_in_flight_requests", "Requests routed and not finished",
+                                       labels=labels),
+        "decode_tok_s": GaugeMetricFamily("hearth_replica_decode_tokens_per_second",
+                                          "Moving average of finished requests' decode speed", labels=labels),
+        "b_p": GaugeMetricFamily("hearth_replica_bandwidth_link_bytes_per_second", "B_P behind the q table",
+                                 labels=labels),
+        "b_h": GaugeMetricFamily("hearth_replica_bandwidth_host_bytes_per_second", "B_H behind the q table",
+                                 labels=labels),
+        "hit_rate": GaugeMetricFamily("hearth_replica_expert_cache_hit_ratio", "Expert cache hit ratio",
+                                      labels=labels),
+        "updates": CounterMetricFamily("hearth_replica_bandwidth_updates", "q tables pushed by the monitor",
+                                       labels=labels),
+    }
+    qtable = GaugeMetricFamily("hearth_replica_qtable_fills", "Fills the q table plans for m misses",
+                               labels=[*labels, "m"])
+    for rid, r in replicas.items():
+        key = [rid, str(r.get("node", ""))]
+        executor = r.get("executor") or {}
+        experts = executor.get("experts") or {}
+        values = {"healthy": 1.0 if r.get("healthy") else 0.0, "in_flight": r.get("in_flight", 0),
+                  "decode_tok_s": r.get("decode_tok_s", 0.0), "b_p": experts.get("b_p"), "b_h": experts.get("b_h"),
+                  "hit_rate": experts.get("hit_rate"), "updates": executor.get("bandwidth_updates")}
+        for name, value in values.items():
+            if value is not None:
+                families[name].add_metric(key, float(value))
+        for m in _TYPICAL_MISSES:
+            if m < len(experts.get("qtable") or ()):
+                qtable.add_metric([*key, str(m)], experts["qtable"][m])
+    yield from families.values()
+    yield qtable
 
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
