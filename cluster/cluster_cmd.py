@@ -73,7 +73,7 @@ def _connect(address: str, start_if_missing: bool = False) -> None:
     from cluster.actors import NAMESPACE
 
     try:
-        ray.init(address=address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
+        ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
         return
     except ConnectionError:
         if not (start_if_missing and address == "auto"):
@@ -83,7 +83,7 @@ def _connect(address: str, start_if_missing: bool = False) -> None:
     subprocess.run([_ray_cli(), "start", "--head", "--disable-usage-stats"], check=True, stdout=subprocess.DEVNULL)
     (cache_dir()).mkdir(parents=True, exist_ok=True)
     (cache_dir() / _STATE_FILE).write_text(json.dumps({"started_head": True}))
-    ray.init(address="auto", namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
+    ray.init(address="auto", namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
 
 
 def cmd_up(args: argparse.Namespace) -> int:

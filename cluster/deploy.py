@@ -195,8 +195,10 @@ def cluster_status() -> dict[str, Any] | None:
     routing = ray.get(router.replica_stats.remote(), timeout=30)
     rows = []
     for r in desc["replicas"]:
+        seen = routing.get(r["replica_id"], {})
         row = {"replica": r["replica_id"], "node": r["node_name"], "executor": r["executor_kind"],
-               "gpu": r["gpu_index"], "cache_bytes": r["expert_cache_bytes"], **routing.get(r["replica_id"], {})}
+               "gpu": r["gpu_index"], "cache_bytes": r["expert_cache_bytes"],
+               **{k: seen.get(k) for k in ("healthy", "in_flight", "assigned", "decode_tok_s", "last_error")}}
         row.update(_replica_numbers(r))
         rows.append(row)
     return {**desc, "rows": rows}

@@ -135,7 +135,7 @@ def connect(address: str = "auto") -> HearthClient:
     """Connect to the cluster at ``address`` (``auto``, ``host:6379`` or ``ray://host:10001``) and
     return a client of its deployment. Reuses an existing Ray connection."""
     if not ray.is_initialized():
-        ray.init(address=address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
+        ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
     try:
         router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
     except ValueError:
