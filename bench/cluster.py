@@ -87,6 +87,23 @@ def _run(mode: str, args, desc, local, ids) -> float:
     return time_http(url, "bench", args.gen)
 
 
+def wait_restarted(executor, old_pid: int, timeout_s: float = 600.0) -> dict:
+    """The executor's ready() info once a process other than ``old_pid`` answers."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            info = ray.get(executor.ready.remote(), timeout=120)
+            if info["pid"] != old_pid:
+                return info
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            if isinstance(exc, ray.exceptions.ActorDiedError) and "creation task" in str(exc):
+                raise  # its constructor failed: it will not come back
+            time.sleep(0.05)
+    raise TimeoutError("the executor did not come back")
+
+
 def restarts(args, desc) -> dict:
     import ray
 
@@ -100,24 +117,25 @@ def restarts(args, desc) -> dict:
         pid = info["pid"]
         start = time.perf_counter()
         ray.kill(executor, no_restart=False)
-        while True:
-            try:
-                info = ray.get(executor.ready.remote(), timeout=60)
-                if info["pid"] != pid:
-                    break
-            except Exception:  # noqa: BLE001 - restarting
-                time.sleep(0.05)
+        info = wait_restarted(executor, pid)
         restart_s.append(time.perf_counter() - start)
         load_s.append(info["load_seconds"])
         assert info["attached_pool"], "the restarted executor read the pool again"
     after = ray.get(pool.info.remote())
+    # A cold replica, end to end: pool and executor processes both gone; Ray recreates them, the pool
+    # reads the experts from FTW again and the executor builds its engine on it.
+    start = time.perf_counter()
+    ray.kill(pool, no_restart=False)
+    ray.kill(executor, no_restart=False)
+    info = wait_restarted(executor, info["pid"])
+    cold_until_ready = time.perf_counter() - start
     # Cold: the pool actor reads the experts, then the executor builds the engine on it (dense weights,
     # KV cache, kernels). Restart: Ray starts a new executor process, which builds the engine on the
     # pool that is already filled.
     return {"pool_read_s": pool_info["load_seconds"], "cold_executor_load_s": cold["load_seconds"],
             "cold_start_s": pool_info["load_seconds"] + cold["load_seconds"],
             "restart_until_ready_s": statistics.median(restart_s), "restart_engine_load_s": statistics.median(load_s),
-            "restarts": len(restart_s), "pool_loads": after["loads"]}
+            "restarts": len(restart_s), "pool_loads": after["loads"], "cold_until_ready_s": cold_until_ready}
 
 
 def idle_cpu(args, desc) -> dict:
@@ -203,7 +221,8 @@ def main() -> int:
           f"hearth serve")
     print(f"cold start {r['cold_start_s']:.2f} s (pool read {r['pool_read_s']:.2f} s + executor "
           f"{r['cold_executor_load_s']:.2f} s); executor restart {r['restart_until_ready_s']:.2f} s until ready "
-          f"(engine load {r['restart_engine_load_s']:.2f} s), pool loads {r['pool_loads']}")
+          f"(engine load {r['restart_engine_load_s']:.2f} s), pool loads {r['pool_loads']}; pool and executor "
+          f"both restarted: {r['cold_until_ready_s']:.2f} s until ready")
     print(f"idle CPU over {i['seconds']:.0f} s: {i['total_percent']:.2f} % of one core in hearth's "
           f"{len(i['percent_of_one_core'])} actor processes ("
           + ", ".join(f"{k} {v:.2f}%" for k, v in i["percent_of_one_core"].items())

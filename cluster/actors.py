@@ -64,6 +64,20 @@ def _handle(name: str):
     return ray.get_actor(name, namespace=NAMESPACE)
 
 
+def _wait_for_pool(spec: ReplicaSpec, timeout_s: float = 1800.0) -> dict[str, Any]:
+    """The pool actor's info once its pool is filled. The pool may be restarting (it was killed with
+    the executor, or reads the experts again): wait for it rather than fail, since a constructor
+    that raises leaves the executor dead for good."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(_handle(spec.actor_name("pool")).info.remote())
+        except (ray.exceptions.RayActorError, ValueError):  # restarting, or not created yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def ftw_path(model_path: str, cache: Path) -> Path:
     """The FTW directory for ``model_path``: itself when it is FTW, else a converted copy in the
     cache (made once per node; re-attaching an executor to a filled pool needs FTW)."""
@@ -103,10 +117,13 @@ class HostPoolActor:
 
     def _load(self) -> None:
         from engine.ftw import load_checkpoint
-        from engine.hierarchy.host_pool import HostExpertPool, cleanup
+        from engine.hierarchy.host_pool import HostExpertPool, cleanup, list_pools
 
         if cleanup(self.spec.pool_name):  # left by this actor's previous life (killed): read it again
             log.warning("removed the stale expert pool '%s'; reading it again from %s", self.spec.pool_name, self.path)
+        for stale in list_pools():  # pools of earlier deployments whose owner was killed (a node that left)
+            if not stale["owner_alive"] and cleanup(stale["name"]):
+                log.warning("removed the expert pool '%s' of a process that is gone", stale["name"])
         started = time.perf_counter()
 
         def create(gate_up_shape, down_shape, dtype):
@@ -191,7 +208,7 @@ class ExecutorActor:
 
         self.spec = spec
         started = time.perf_counter()
-        pool = ray.get(_handle(spec.actor_name("pool")).info.remote())  # waits until the pool is filled
+        pool = _wait_for_pool(spec)
         self.pool_wait_seconds = time.perf_counter() - started
         self.started = time.perf_counter()
         self.model_path = pool["path"]

@@ -22,6 +22,7 @@ from cluster.deploy import DeployOptions, cluster_status, deploy, teardown  # no
 from cluster.routing import ReplicaLoad, choose_replica  # noqa: E402
 from cluster.serving.server import free_port  # noqa: E402
 from engine import LLM  # noqa: E402
+from engine.hierarchy.host_pool import cleanup, list_pools  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.multinode
@@ -59,6 +60,9 @@ def deployment(two_nodes, agent_checkpoint):
         yield desc
     finally:
         teardown(log=lambda *_: None)
+        for pool in list_pools():  # the pool of the node removed mid-test had no chance to clean up
+            if not pool["owner_alive"]:
+                cleanup(pool["name"])
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import time
 import torch
 
 from engine.experts import routed_partial_sum
+from engine.hierarchy import shm
 from engine.hierarchy.cpu_workers import bind_current_thread, physical_cores, task_expert_bytes
 from engine.hierarchy.host_pool import HostExpertPool, process_alive
 from engine.hierarchy.ring import DONE, FAILED, SUBMITTED, TaskRing
@@ -79,7 +80,8 @@ def serve(pool: HostExpertPool, ring: TaskRing, parent_pid: int | None = None) -
         if parent_pid is not None and now - owner_checked > 1.0:
             owner_checked = now
             if not process_alive(parent_pid):
-                log.warning("the executor that owns this ring is gone; exiting")
+                log.warning("the executor that owns this ring is gone; removing the ring and exiting")
+                shm.unlink(ring.name)  # its owner cannot any more
                 break
     return done
 
