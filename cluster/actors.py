@@ -305,6 +305,10 @@ class ExecutorActor:
 
         return await asyncio.wrap_future(self.client.call(run))
 
+    async def shutdown(self) -> None:
+        """Stop the engine (aborting what runs) and release its ring and pool mapping."""
+        await asyncio.to_thread(self.client.close)
+
     def ping(self) -> int:
         return os.getpid()
 

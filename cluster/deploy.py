@@ -172,15 +172,18 @@ def teardown(log=print) -> list[str]:
     removed = []
     for role in order:
         for name in [n for n in names if n.split(":")[1] == role]:
-            handle = ray.get_actor(name, namespace=NAMESPACE)
+            try:
+                handle = ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:  # died meanwhile (its node left)
+                continue
             if role == "pool":
                 try:
                     ray.get(handle.close.remote(), timeout=30)
                 except Exception as exc:  # noqa: BLE001 - a dead pool: its segment is cleaned on the node later
                     log(f"hearth: could not close {name} cleanly: {type(exc).__name__}")
-            elif role == "router":
-                with contextlib.suppress(Exception):  # killing it below is what matters
-                    ray.get(handle.stop.remote(), timeout=30)
+            elif role in ("router", "executor"):
+                with contextlib.suppress(Exception):  # a clean stop frees ports and shared memory; kill anyway
+                    ray.get((handle.stop if role == "router" else handle.shutdown).remote(), timeout=30)
             ray.kill(handle, no_restart=True)
             removed.append(name)
     return removed

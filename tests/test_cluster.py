@@ -11,6 +11,7 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -22,7 +23,7 @@ from cluster.deploy import DeployOptions, cluster_status, deploy, teardown  # no
 from cluster.routing import ReplicaLoad, choose_replica  # noqa: E402
 from cluster.serving.server import free_port  # noqa: E402
 from engine import LLM  # noqa: E402
-from engine.hierarchy.host_pool import cleanup, list_pools  # noqa: E402
+from engine.hierarchy.host_pool import cleanup  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.multinode
@@ -59,10 +60,11 @@ def deployment(two_nodes, agent_checkpoint):
     try:
         yield desc
     finally:
-        teardown(log=lambda *_: None)
-        for pool in list_pools():  # the pool of the node removed mid-test had no chance to clean up
-            if not pool["owner_alive"]:
-                cleanup(pool["name"])
+        try:
+            teardown(log=lambda *_: None)
+        finally:  # the pool and ring of the node removed mid-test had no chance to clean up
+            for segment in Path("/dev/shm").glob("hearth-tiny-*"):
+                cleanup(segment.name)
 
 
 @pytest.fixture(scope="module")
