@@ -183,6 +183,21 @@ def test_killed_pool_actor_is_rebuilt_from_ftw(deployment, expected):
     assert info["attached_pool"] and ray.get(pool.info.remote())["loads"] == 1
 
 
+def test_python_client_generate_stream_and_errors(deployment, expected):
+    from cluster.sdk import HearthClient, HearthError
+
+    client = HearthClient(ray.get_actor("hearth:router", namespace="hearth"))
+    out = client.generate(PROMPT, max_tokens=12, temperature=0, ignore_eos=True)
+    assert out["token_ids"] == expected and out["usage"]["completion_tokens"] == 12
+    assert "".join(client.stream(PROMPT, max_tokens=12, temperature=0, ignore_eos=True)) == out["text"]
+    chat = client.generate(messages=[{"role": "user", "content": "hi"}], max_tokens=3, session_id="s")
+    assert chat["usage"]["completion_tokens"] <= 3
+    with pytest.raises(HearthError, match="400"):
+        client.generate(PROMPT, max_tokens=-1)
+    with pytest.raises(HearthError, match="unknown field"):
+        client.generate(PROMPT, bogus=1)
+
+
 def test_node_leaving_mid_stream(two_nodes, deployment, expected):
     """The laptop leaves while streaming: that stream ends with an error event; the requests
     queued behind it there finish on the desktop; the next requests go to the desktop."""
