@@ -14,6 +14,7 @@ Works from any Ray driver: a script on the desktop (``address="auto"``), a job s
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -131,11 +132,24 @@ def _done_ids(path: Path) -> set:
     return done
 
 
+def _init(address: str, attempts: int = 3) -> None:
+    """``ray.init``; through the Ray client, retried: the head starts a server process per client,
+    and that start can fail on a busy machine ("Starting Ray client server failed")."""
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+            return
+        except ConnectionError:
+            if not address.startswith("ray://") or attempt == attempts:
+                raise
+            time.sleep(2.0 * attempt)
+
+
 def connect(address: str = "auto") -> HearthClient:
     """Connect to the cluster at ``address`` (``auto``, ``host:6379`` or ``ray://host:10001``) and
     return a client of its deployment. Reuses an existing Ray connection."""
     if not ray.is_initialized():
-        ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+        _init(address)
     try:
         router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
     except ValueError:
