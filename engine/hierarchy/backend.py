@@ -15,7 +15,7 @@ import torch
 
 from engine.experts import ExpertPool
 from engine.hierarchy.cache import ExpertCacheTables, FillPlan
-from engine.hierarchy.profile import measure_host_path
+from engine.hierarchy.profile import _fit, measure_host_path
 from engine.hierarchy.qstar import PathCost, SplitCosts, build_qtable
 
 
@@ -118,19 +118,25 @@ class HierarchicalExpertBackend:
         resident = self.tables.resident()
         if not resident:
             return None, b_h
-        ids = torch.tensor(list(resident)[:k], dtype=torch.long)
-        slots = torch.tensor([resident[int(g)] for g in ids], dtype=torch.long)
-        plan = FillPlan(torch.empty(0, dtype=torch.long), ids.to(self.tables.device), slots.to(self.tables.device),
-                        torch.tensor(len(ids)))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            nbytes = self.device.fill(plan)
-            self.device.synchronize()
-            times.append(time.perf_counter() - start)
-        fixed = self.costs.link.fixed_s if self.costs is not None else 0.0
-        seconds = max(sorted(times)[len(times) // 2] - fixed, 1e-9)
-        return nbytes / seconds, b_h
+        ids = list(resident)[: max(k, 2)]
+
+        def median_fill(n: int) -> float:
+            src = torch.tensor(ids[:n], dtype=torch.long)
+            dst = torch.tensor([resident[g] for g in ids[:n]], dtype=torch.long)
+            plan = FillPlan(torch.empty(0, dtype=torch.long), src.to(self.tables.device),
+                            dst.to(self.tables.device), torch.tensor(n))
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                self.device.fill(plan)
+                self.device.synchronize()
+                times.append(time.perf_counter() - start)
+            return sorted(times)[len(times) // 2]
+
+        if len(ids) == 1:
+            return self.pool.expert_bytes / median_fill(1), b_h
+        # Affine in the number of experts, like the start-up profile: the slope is the bandwidth.
+        return _fit(1, median_fill(1), len(ids), median_fill(len(ids)), self.pool.expert_bytes).bytes_per_s, b_h
 
     def qtable(self) -> list[int]:
         """The current q table: fills planned for ``m`` misses, m = 0..M."""
