@@ -15,7 +15,7 @@ import torch
 
 from engine.experts import ExpertPool
 from engine.hierarchy.cache import ExpertCacheTables, FillPlan
-from engine.hierarchy.profile import _fit, measure_host_path
+from engine.hierarchy.profile import _fit, _median_time, measure_host_path
 from engine.hierarchy.qstar import PathCost, SplitCosts, build_qtable
 
 
@@ -125,13 +125,7 @@ class HierarchicalExpertBackend:
             dst = torch.tensor([resident[g] for g in ids[:n]], dtype=torch.long)
             plan = FillPlan(torch.empty(0, dtype=torch.long), src.to(self.tables.device),
                             dst.to(self.tables.device), torch.tensor(n))
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                self.device.fill(plan)
-                self.device.synchronize()
-                times.append(time.perf_counter() - start)
-            return sorted(times)[len(times) // 2]
+            return _median_time(lambda: (self.device.fill(plan), self.device.synchronize()), repeats)
 
         if len(ids) == 1:
             return self.pool.expert_bytes / median_fill(1), b_h
