@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     gen = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
-    gen.add_argument("--model", required=True, help="checkpoint directory (Hugging Face or FTW)")
+    gen.add_argument("--model", default=None,
+                     help="checkpoint directory, Hugging Face or FTW (default: the bundled demo model)")
     gen.add_argument("--prompt", required=True, help="prompt text ('-' reads standard input)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     _add_sampling_args(gen)
@@ -113,8 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Serve one model on this machine. Without --model it serves the demo model.")
     _add_serve_args(serve)
     _add_engine_args(serve)
+    from cluster.bench_cmd import add_parser as add_bench_parser
     from cluster.cluster_cmd import add_commands
 
+    add_bench_parser(sub)
     add_commands(sub)
     pool = sub.add_parser("pool", help="list or remove shared-memory expert pools")
     pool.add_argument("action", choices=["list", "clean"])
@@ -136,6 +139,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
     )
+    if args.model is None:
+        from cluster.demo import demo_model_dir
+
+        args.model = str(demo_model_dir())
     llm = LLM(args.model, show_progress=True, **engine_options(args))
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
@@ -245,6 +252,12 @@ def cmd_pool(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from cluster.bench_cmd import cmd_bench as run_bench
+
+    return run_bench(args)
+
+
 def _cluster_handlers() -> dict:
     from cluster.cluster_cmd import cmd_down, cmd_status, cmd_up
 
@@ -255,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {"generate": cmd_generate, "inspect": cmd_inspect, "convert": cmd_convert, "profile": cmd_profile,
-                "pool": cmd_pool, "serve": cmd_serve, **_cluster_handlers()}
+                "pool": cmd_pool, "serve": cmd_serve, "bench": cmd_bench, **_cluster_handlers()}
     if args.command not in handlers:
         parser.print_help()
         return 0 if args.command is None else 2
