@@ -204,8 +204,8 @@ def _held_out_texts() -> list[str]:
     return sorted(corpus(held_out=True), key=len, reverse=True)
 
 
-def record_held_out(model: str | Path, name: str, segments: int = 4, length: int = 1024,
-                    prompt: int = 256) -> Trace:
+def record_held_out(model: str | Path, name: str, segments: int = 16, length: int = 512,
+                    prompt: int = 64) -> Trace:
     """Held-out source files run through the model: each segment's first ``prompt`` tokens are
     the prefill and the rest is teacher-forced decode (routing equals decoding that text)."""
     from engine.tokenizer import load_tokenizer

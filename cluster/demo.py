@@ -1,21 +1,17 @@
-"""The model ``hearth serve`` uses when none is given.
+"""The model ``hearth serve``, ``hearth generate`` and ``hearth up`` use when none is given.
 
-Until a trained demo model ships with the package, this is a deterministic *tiny random* MoE
-(Qwen3-MoE layout, agent chat template with tools and thinking) written on first use into the
-user cache. It exercises every path of the server, but its text is noise; its name says so.
+``hearth-demo`` is a small trained Qwen3-MoE (6 layers, 32 experts, top-4; about 33 MB in bf16)
+that ships inside the package, so a fresh install serves it with no network. It was trained by
+``tools/train_demo.py`` on the Python standard library's sources and writes Python-looking code;
+its routing has real locality, which makes it the source of the benchmark traces.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
-DEMO_NAME = "hearth-demo-tiny-random"
-_DEMO_SHAPE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                   num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, head_dim=32)
-_DEMO_VERSION = "1"  # bump when the recipe changes so old caches are rebuilt
+DEMO_NAME = "hearth-demo"
 
 
 def cache_dir() -> Path:
@@ -26,24 +22,13 @@ def cache_dir() -> Path:
     return Path(base) / "hearth"
 
 
-def demo_model_dir(show_progress: bool = True) -> Path:
-    """The demo checkpoint's directory, generated (a few seconds, no download) if missing."""
-    target = cache_dir() / "models" / f"{DEMO_NAME}-v{_DEMO_VERSION}"
-    if (target / "config.json").is_file():
-        return target
-    from engine.testing import make_checkpoint
+def demo_model_dir() -> Path:
+    """The bundled demo checkpoint (inside the installed ``engine`` package)."""
+    from importlib.resources import files
 
-    if show_progress:
-        print(f"hearth: generating the demo model (tiny, random weights) in {target}", flush=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
-    try:
-        make_checkpoint(tmp, "qwen3_moe", dtype="bfloat16", seed=0, chat_format="agent", **_DEMO_SHAPE)
-        try:
-            tmp.rename(target)
-        except OSError:  # another process finished first
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    path = Path(str(files("engine") / "assets" / DEMO_NAME))
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{path}: the bundled demo model is missing (a partial checkout or install?); "
+                                f"rebuild it with `python tools/train_demo.py --out {path}` or pass --model")
+    return path
+

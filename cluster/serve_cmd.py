@@ -68,8 +68,8 @@ def _announce(state, options: ServeOptions, model: Path, started: threading.Even
         f"  OpenCode       provider npm '@ai-sdk/openai-compatible', options.baseURL '{base}/v1', model '{name}'",
         f"  Python         openai.OpenAI(base_url='{base}/v1', api_key='{key}')",
     ]
-    if name.startswith(DEMO_NAME):
-        lines.insert(1, "  (the demo model is tiny and has random weights: its replies are noise)")
+    if name == DEMO_NAME:
+        lines.insert(1, "  (the demo model is small and was trained on Python's standard library: it writes Python)")
     print("\n".join(lines), file=sys.stderr, flush=True)
     try:
         state.client.wait_ready()

@@ -1,4 +1,4 @@
-"""``hearth serve`` as a user runs it: the demo model is generated on first use, URLs are printed,
+"""``hearth serve`` as a user runs it: the bundled demo model is served with no --model, URLs are printed,
 requests are answered, Ctrl-C stops it cleanly."""
 
 from __future__ import annotations
@@ -32,15 +32,15 @@ def test_serve_demo_model_end_to_end(tmp_path):
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.5)
         r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
-            "model": "hearth-demo-tiny-random", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+            "model": "hearth-demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert f"OpenAI API     http://127.0.0.1:{port}/v1" in err
-    assert f"ANTHROPIC_BASE_URL=http://127.0.0.1:{port}" in err and "random weights" in err
-    assert (tmp_path / "cache" / "models").is_dir()
+    assert f"ANTHROPIC_BASE_URL=http://127.0.0.1:{port}" in err and "trained on Python" in err
+    assert "engine/assets/hearth-demo" in err
     assert "path=/v1/chat/completions status=200" in err  # structured request log
 
 

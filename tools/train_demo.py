@@ -255,7 +255,7 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=60)
-    p.add_argument("--aux-loss", type=float, default=0.02)
+    p.add_argument("--aux-loss", type=float, default=0.1)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--hidden", type=int, default=256)
