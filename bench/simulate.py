@@ -26,6 +26,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from bench.cache_replay import Call, layer_calls
 from bench.traces import Trace, load
@@ -139,7 +140,10 @@ def this_machine(expert_bytes: int = REAL_EXPERT_BYTES) -> Machine:
     n = max(16, (512 << 20) // expert_bytes)  # larger than the last-level cache
     gate_up = torch.randn(n, 2 * inter, hidden, dtype=torch.bfloat16) * 0.02
     down = torch.randn(n, hidden, inter, dtype=torch.bfloat16) * 0.02
-    pool = ExpertPool(gate_up, down, num_experts=n, moe_layer_ids=[0])
+    # One MoE layer of n experts: the fields ExpertPool reads from a model config.
+    shape = SimpleNamespace(num_experts=n, moe_layer_ids=[0], num_layers=1, moe_intermediate_size=inter,
+                            hidden_size=hidden, dtype=torch.bfloat16)
+    pool = ExpertPool(shape, (gate_up, down))
     cost = measure_host_path(pool, activation("silu"), k=8)
     return Machine("this machine (CPU only)", None, cost.bytes_per_s, cpu_fixed_s=cost.fixed_s)
 
