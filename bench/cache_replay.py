@@ -63,11 +63,12 @@ def layer_calls(trace: Trace, prefill_chunk: int = PREFILL_CHUNK) -> list[Call]:
 
 
 class Policy:
-    """A cache of ``capacity`` expert slots. ``access`` returns the call's missed ids."""
+    """A cache of ``capacity`` expert slots. ``access`` returns the call's missed ids. The trace and
+    its calls are there for the policies that plan from them (the LRUs need neither)."""
 
     name = "policy"
 
-    def __init__(self, capacity: int, trace: Trace, calls: list[Call]) -> None:
+    def __init__(self, capacity: int, trace: Trace | None, calls: list[Call]) -> None:
         self.capacity = capacity
 
     def access(self, call: Call) -> list[int]:
@@ -77,31 +78,36 @@ class Policy:
 class _EvictingPolicy(Policy):
     """Shared miss/fill logic: hits are touched first, then each miss evicts a victim."""
 
-    def __init__(self, capacity: int, trace: Trace, calls: list[Call]) -> None:
+    def __init__(self, capacity: int, trace: Trace | None, calls: list[Call]) -> None:
         super().__init__(capacity, trace, calls)
         self.resident: set[int] = set()
 
     def access(self, call: Call) -> list[int]:
-        misses = [g for g in call.ids if g not in self.resident]
+        misses = self.lookup(call)
+        self.admit(misses, call)
+        return misses
+
+    def lookup(self, call: Call) -> list[int]:
+        """Touch the call's hits; return its misses (nothing is filled yet)."""
         for g in call.ids:
             if g in self.resident:
                 self.touch(g, call)
+        return [g for g in call.ids if g not in self.resident]
+
+    def admit(self, ids: list[int], call: Call) -> None:
+        """Fill ``ids`` (misses of ``call``), evicting victims that ``call`` does not use."""
         current = set(call.ids)
-        for g in misses:
+        for g in ids:
             if self.capacity <= 0:
                 break
-            if len(self.resident) >= self._capacity_for(g):
+            if len(self.resident) >= self.capacity:
                 victim = self.victim(g, current)
                 if victim is None:
-                    continue  # everything resident is in use by this call: computed off-cache
+                    return  # everything resident is in use by this call: computed off-cache
                 self.resident.discard(victim)
                 self.evicted(victim)
             self.resident.add(g)
             self.touch(g, call)
-        return misses
-
-    def _capacity_for(self, g: int) -> int:
-        return self.capacity
 
     def touch(self, g: int, call: Call) -> None:
         raise NotImplementedError
@@ -118,7 +124,7 @@ class GlobalLRU(_EvictingPolicy):
 
     name = "global-lru"
 
-    def __init__(self, capacity: int, trace: Trace, calls: list[Call]) -> None:
+    def __init__(self, capacity: int, trace: Trace | None, calls: list[Call]) -> None:
         super().__init__(capacity, trace, calls)
         self.order: OrderedDict[int, None] = OrderedDict()
 

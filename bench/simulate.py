@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench.cache_replay import Call, layer_calls
+from bench.cache_replay import Call, GlobalLRU, layer_calls
 from bench.traces import Trace, load
 from engine.hierarchy.qstar import PathCost, SplitCosts, best_q, step_seconds
 
@@ -85,28 +84,16 @@ def decode_seconds(calls: list[Call], machine: Machine, policy: str, capacity: i
     if policy == "cpu-only" or machine.b_p is None:
         cpu = PathCost(machine.b_h, machine.cpu_fixed_s)
         return sum(cpu.seconds(len(c.ids) * expert_bytes) for c in calls if c.decode)
-    lru: OrderedDict[int, None] = OrderedDict()
+    cache = GlobalLRU(capacity, None, calls)
     total = 0.0
     for call in calls:
-        misses = []
-        for g in call.ids:
-            if g in lru:
-                lru.move_to_end(g)
-            else:
-                misses.append(g)
+        misses = cache.lookup(call)
         if call.decode:
             q = choose_q(policy, machine, costs, len(misses))
             total += step_seconds(costs, len(misses), q)
         else:
             q = len(misses)  # prefill streams whole layers in; every miss is loaded
-        current = set(call.ids)
-        for g in misses[:q]:
-            if len(lru) >= capacity:
-                victim = next((v for v in lru if v not in current), None)
-                if victim is None:
-                    break
-                del lru[victim]
-            lru[g] = None
+        cache.admit(misses[:q], call)  # CPU-computed experts do not enter the cache
     return total
 
 

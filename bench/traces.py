@@ -153,8 +153,7 @@ def uniform(num_layers: int, num_experts: int, top_k: int, tokens: int, seed: in
 # Recording from a model
 
 
-def record(model: str | Path, requests: Iterable[tuple[list[int], int]], name: str,
-           temperature: float = 0.0) -> Trace:
+def record(model: str | Path, requests: Iterable[tuple[list[int], int]], name: str) -> Trace:
     """Run ``(prompt ids, tokens to generate)`` requests one at a time through the engine with its
     routing record on, and return the trace (one segment per request)."""
     from engine import LLM, SamplingParams
@@ -167,8 +166,7 @@ def record(model: str | Path, requests: Iterable[tuple[list[int], int]], name: s
                  max_model_len=longest + 8, record_routing=str(log)) as llm:
             num_experts = llm.engine.model_config.num_experts
             for prompt, gen in requests:
-                llm.generate(prompt, SamplingParams(max_tokens=gen, temperature=temperature, seed=0,
-                                                    ignore_eos=gen > 0))
+                llm.generate(prompt, SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True))
         steps = [json.loads(line) for line in log.read_text().splitlines()]
     rows, decode, segment = [], [], []
     step_tokens = iter(_tokens_of_steps(steps, num_experts))
@@ -193,15 +191,20 @@ def _tokens_of_steps(steps: list[dict], num_experts: int) -> Iterable[list[list[
 # The standard recordings of the benchmark suite
 
 
+def _training_recipe():
+    """``tools/train_demo.py`` as a module: the corpus split and chat samples come from there."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "train_demo.py"
+    spec = importlib.util.spec_from_file_location("train_demo", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _held_out_texts() -> list[str]:
     """Text the demo model never saw in training (the held-out standard-library files)."""
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "tools"))
-    from train_demo import corpus
-
-    return sorted(corpus(held_out=True), key=len, reverse=True)
+    return sorted(_training_recipe().corpus(held_out=True), key=len, reverse=True)
 
 
 def record_held_out(model: str | Path, name: str, segments: int = 16, length: int = 512,
@@ -222,15 +225,10 @@ def record_held_out(model: str | Path, name: str, segments: int = 16, length: in
 def record_chat(model: str | Path, name: str, sessions: int = 3, turns: int = 4, reply_tokens: int = 160) -> Trace:
     """Multi-turn chat sessions: each user turn asks for a held-out documented function; the
     model's sampled reply joins the history; every turn re-sends the whole conversation."""
-    import sys
-
     from engine import LLM, SamplingParams
     from engine.tokenizer import render_chat
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-    from train_demo import chat_pairs
-
-    asks = [request for request, _ in chat_pairs(_held_out_texts(), limit=sessions * turns)]
+    asks = [request for request, _ in _training_recipe().chat_pairs(_held_out_texts(), limit=sessions * turns)]
     turns_ids: list[tuple[list[int], int]] = []  # (prompt + reply ids, prompt length) per turn
     with LLM(model, max_num_seqs=1) as llm:
         for s in range(sessions):

@@ -79,11 +79,10 @@ def transformers_runner(model: str, dtype: str):
     torch_dtype = "auto" if dtype in ("auto", None) else getattr(torch, dtype)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).eval()
     tok = AutoTokenizer.from_pretrained(model)
-    max_len = 1 << 16
 
     @torch.inference_mode()
     def run(depth: int, pp: int, tg: int) -> dict[str, float]:
-        ids = torch.tensor([prompt_ids(tok, min(depth + max(pp, 1), max_len))])
+        ids = torch.tensor([prompt_ids(tok, depth + max(pp, 1))])
         result = {}
         if pp:
             start = time.perf_counter()
