@@ -59,7 +59,7 @@ def trace_set(demo: Path, out: Path, fresh: bool, random_1b: Path) -> dict[str, 
     shape = demo_traces[0]
     small = [traces.synthetic(shape.num_layers, shape.num_experts, shape.top_k, 2048, loc, seed=1,
                               name=f"synthetic {label} locality (demo shape)") for label, loc in SYNTHETIC.items()]
-    real = [traces.synthetic(48, 128, 8, 600, loc, seed=1, name=f"synthetic {label} locality (48×128, top-8)")
+    real = [traces.synthetic(48, 128, 8, 1200, loc, seed=1, name=f"synthetic {label} locality (48×128, top-8)")
             for label, loc in SYNTHETIC.items()]
     big = out / "random-1b-heldout.jsonl.gz"
     if (fresh or not big.is_file()) and (random_1b / "config.json").is_file():

@@ -4,13 +4,16 @@ For every decode MoE layer call of a trace, a global LRU expert cache (``capacit
 experts) classifies the call's experts into hits and m misses; the split policy chooses q of them
 to fill over the link, the rest run on the CPU. The call's exposed time is the design's model
 (DESIGN.md 2.3): ``max(q·S / B_P, (m − q)·S / B_R)`` with ``B_R = max(B_H − B_P, 0)`` plus each
-path's fixed cost; hits run on the GPU and are taken as free. Filled experts enter the cache, CPU
-experts do not, so the policies also shape later hit rates. Policies:
+path's fixed cost; a call that fills nothing leaves the link idle, so its CPU share gets all of
+B_H. Hits run on the GPU and are taken as free. Filled experts enter the cache, CPU experts do
+not, so the policies also shape later hit rates. Policies:
 
 - ``fill-only``: q = m (every miss crosses the link);
 - ``cpu-only``: no expert cache at all; every routed expert runs on the CPU at the full B_H;
 - ``naive-q*``: q = round(m · B_P / B_H), the closed form rounded;
-- ``exact-q*``: hearth's table, the best integer q of ``engine.hierarchy.qstar``.
+- ``step-q*``: the per-step optimal table of ``engine.hierarchy.qstar`` (fill credit 0);
+- ``tuned-q*``: what the engine runs: that table with its fill credit picked online by
+  ``engine.hierarchy.tuning.CreditTuner``, fed the simulated call times.
 
 Tokens/s counts expert time only (attention and dense layers excluded), so it is an upper bound
 whose ratios between policies are the result.
@@ -30,6 +33,7 @@ from types import SimpleNamespace
 from bench.cache_replay import Call, GlobalLRU, layer_calls
 from bench.traces import Trace, load
 from engine.hierarchy.qstar import PathCost, SplitCosts, best_q, step_seconds
+from engine.hierarchy.tuning import TUNER_EPOCH_TOKENS, CreditTuner
 
 GB = 1e9
 # Qwen3-30B-A3B / Qwen3.6-35B-A3B experts: 3 matrices of 2048 x 768 in bf16.
@@ -57,7 +61,7 @@ DESIGN_MACHINES = (
     Machine("RTX 5090 desktop", 49.0 * GB, 53.8 * GB),
 )
 
-POLICIES = ("fill-only", "cpu-only", "naive-q*", "exact-q*")
+POLICIES = ("fill-only", "cpu-only", "naive-q*", "step-q*", "tuned-q*")
 
 
 def costs_of(machine: Machine, expert_bytes: int) -> SplitCosts:
@@ -65,17 +69,27 @@ def costs_of(machine: Machine, expert_bytes: int) -> SplitCosts:
     return SplitCosts(expert_bytes, link, machine.b_h, machine.cpu_fixed_s)
 
 
-def choose_q(policy: str, machine: Machine, costs: SplitCosts, m: int) -> int:
-    """How many of m misses the policy fills."""
+def choose_q(policy: str, machine: Machine, costs: SplitCosts, m: int, credit: float = 0.0) -> int:
+    """How many of m misses the policy fills (``credit``: the tuned policy's current fill credit)."""
     if machine.b_p is None:
         return 0
     if policy == "fill-only":
         return m
     if policy == "naive-q*":
         return min(m, math.floor(m * machine.b_p / machine.b_h + 0.5))
-    if policy == "exact-q*":
+    if policy == "step-q*":
         return best_q(costs, m)
+    if policy == "tuned-q*":
+        return best_q(costs, m, credit)
     raise ValueError(f"unknown split policy '{policy}'")
+
+
+def call_seconds(machine: Machine, costs: SplitCosts, m: int, q: int) -> float:
+    """Exposed time of one call: the design's split model, with the CPU at all of B_H when the
+    link is idle (q = 0)."""
+    if q == 0 and m:
+        return PathCost(machine.b_h, machine.cpu_fixed_s).seconds(m * costs.expert_bytes)
+    return step_seconds(costs, m, q)
 
 
 def decode_seconds(calls: list[Call], machine: Machine, policy: str, capacity: int, expert_bytes: int) -> float:
@@ -84,13 +98,18 @@ def decode_seconds(calls: list[Call], machine: Machine, policy: str, capacity: i
     if policy == "cpu-only" or machine.b_p is None:
         cpu = PathCost(machine.b_h, machine.cpu_fixed_s)
         return sum(cpu.seconds(len(c.ids) * expert_bytes) for c in calls if c.decode)
+    layers = len({c.layer for c in calls}) or 1
+    tuner = CreditTuner(epoch_calls=TUNER_EPOCH_TOKENS * layers) if policy == "tuned-q*" else None
     cache = GlobalLRU(capacity, None, calls)
     total = 0.0
     for call in calls:
         misses = cache.lookup(call)
         if call.decode:
-            q = choose_q(policy, machine, costs, len(misses))
-            total += step_seconds(costs, len(misses), q)
+            q = choose_q(policy, machine, costs, len(misses), tuner.credit if tuner else 0.0)
+            seconds = call_seconds(machine, costs, len(misses), q)
+            total += seconds
+            if tuner is not None:
+                tuner.observe(seconds)
         else:
             q = len(misses)  # prefill streams whole layers in; every miss is loaded
         cache.admit(misses[:q], call)  # CPU-computed experts do not enter the cache
@@ -136,19 +155,20 @@ def this_machine(expert_bytes: int = REAL_EXPERT_BYTES) -> Machine:
 
 
 def markdown(rows: list[dict]) -> str:
-    """Per trace and capacity: machines as rows, policies as columns (tok/s; × exact-q* in brackets)."""
+    """Per trace and capacity: machines as rows, policies as columns (tok/s), and both tables'
+    speed relative to the better single path."""
     out = []
     for key in dict.fromkeys((r["trace"], r["capacity"]) for r in rows):
         sub = [r for r in rows if (r["trace"], r["capacity"]) == key]
         out += [f"**{key[0]}, cache {key[1]:.0%} of all experts** (decode tok/s, expert time only)", "",
-                "| machine | " + " | ".join(POLICIES) + " | exact vs best single path |",
-                "|---" * (len(POLICIES) + 2) + "|"]
+                "| machine | " + " | ".join(POLICIES) + " | step vs best single path | tuned vs best single path |",
+                "|---" * (len(POLICIES) + 3) + "|"]
         for machine in dict.fromkeys(r["machine"] for r in sub):
             cell = {r["policy"]: r["tok_s"] for r in sub if r["machine"] == machine}
             single = max(cell.get("fill-only", 0), cell.get("cpu-only", 0))
-            gain = f"{cell['exact-q*'] / single:.3f}×" if "exact-q*" in cell and single else "–"
+            gains = [f"{cell[p] / single:.3f}×" if p in cell and single else "–" for p in ("step-q*", "tuned-q*")]
             out.append(f"| {machine} | " + " | ".join(f"{cell[p]:.1f}" if p in cell else "–" for p in POLICIES)
-                       + f" | {gain} |")
+                       + " | " + " | ".join(gains) + " |")
         out.append("")
     return "\n".join(out)
 

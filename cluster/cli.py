@@ -42,8 +42,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="rate-limit the virtual device's copy path to X GB/s")
     h.add_argument("--expert-device", default="auto", choices=["auto", "cuda", "virtual", "none"],
                    help="where the expert cache lives (auto: CUDA when present, else every expert on the CPU)")
-    h.add_argument("--q-mode", default="table", choices=["table", "zero", "all"],
-                   help="split of the misses: the q* table, all on the CPU, or fill all (ablations)")
+    h.add_argument("--q-mode", default="table", choices=["table", "step", "zero", "all"],
+                   help="split of the misses: the q* table tuned online (default), the untuned per-step "
+                        "table, all on the CPU, or fill all (ablations)")
     h.add_argument("--record-routing", default=None, metavar="FILE",
                    help="write the routed expert ids of every step and layer (JSON lines)")
     h.add_argument("--host-pool", default=None, metavar="NAME", help="put the expert pool in shared memory NAME")

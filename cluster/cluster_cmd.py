@@ -39,7 +39,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--virtual-device", action="store_true", help="virtual expert device on CPU-only machines "
                                                                  "(testing the hierarchy without a GPU)")
     g.add_argument("--virtual-link-gbps", type=float, default=None)
-    g.add_argument("--q-mode", default=None, choices=["table", "zero", "all"])
+    g.add_argument("--q-mode", default=None, choices=["table", "step", "zero", "all"])
     st = sub.add_parser("status", help="per-machine table of the deployment")
     _add_address(st)
     st.add_argument("--json", action="store_true", help="machine-readable output")

@@ -42,7 +42,7 @@ class EngineConfig:
     expert_device: str = "auto"  # auto | cuda | virtual | none
     expert_cache: str | float | None = None  # fraction, bytes ("2GiB") or "Nslots"; default: what fits
     virtual_link_gbps: float | None = None
-    q_mode: str = "table"  # table | zero | all
+    q_mode: str = "table"  # table | step | zero | all
     expert_bandwidths: tuple[float, float] | None = None  # (B_P, B_H) bytes/s instead of measuring
     # Where the CPU share runs: inline | thread | process | external (the last two need host_pool_name;
     # external: a worker started by someone else, e.g. the cluster's CPU-worker actor, serves the ring).

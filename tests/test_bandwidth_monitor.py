@@ -100,8 +100,9 @@ def test_halving_the_virtual_link_changes_the_qtable_with_identical_tokens(check
     _, b_h = probe_engine.experts.probe(k=2, repeats=5)
     probe_engine.close()
     link = 0.25 * b_h
+    # The untuned table: this test follows the bandwidths alone (the credit tuner is tested apart).
     engine = _engine(path, expert_device="virtual", expert_cache="4slots", virtual_link_gbps=link / GB,
-                     expert_bandwidths=(link, b_h))
+                     expert_bandwidths=(link, b_h), q_mode="step")
     backend = engine.experts
     tracker = BandwidthTracker(link, b_h, MonitorPolicy(window=5, min_calls=1, min_samples=3, drift=0.25))
     pushed: list[tuple[int, list[int], float, float]] = []

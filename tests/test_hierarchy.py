@@ -123,3 +123,46 @@ def test_rate_limited_link_and_routing_record(checkpoint, tmp_path):
     assert sorted(first["layers"]) == ["0", "1", "2"]
     assert len(first["layers"]["0"]) == len(PROMPTS[1])  # one row of k ids per prompt token
     assert all(16 <= g < 32 for row in first["layers"]["1"] for g in row)  # global ids of layer 1
+
+
+def test_tuned_fill_credit_keeps_results_exact(checkpoint, plain):
+    """The credit tuner rewrites the q table between layer calls; a tuner that moves every few
+    calls (on real timings) must leave the tokens and logits unchanged, and the table it leaves is
+    the table of its credit."""
+    from engine.hierarchy.qstar import build_qtable
+    from engine.hierarchy.tuning import CreditTuner
+
+    path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    llm = LLM(path, expert_device="virtual", expert_cache="0.37", expert_bandwidths=SPLIT_BANDWIDTHS)
+    backend = llm.engine.experts
+    assert backend.tuner is not None and backend.credit == 0.0  # the default: tuned, from the per-step table
+    backend.tuner = CreditTuner(epoch_calls=2, hold=1, probe=1, margin=0.0)
+    credits = []
+    original = backend._rebuild_qtable
+
+    def rebuild() -> None:
+        credits.append(backend.credit)
+        original()
+
+    backend._rebuild_qtable = rebuild
+    tokens, logits = run(llm, BATCH4, 24)
+    assert tokens == plain[4][0]
+    assert max(max_rel_error(a, b) for a, b in zip(logits, plain[4][1], strict=True)) <= 1e-5
+    assert len(set(credits)) >= 2, credits  # it really moved
+    m_max = len(backend.qtable()) - 1
+    assert backend.qtable() == build_qtable(backend.costs, m_max, credit=backend.credit).tolist()
+    assert llm.engine.stats()["experts"]["fill_credit"] == backend.credit
+    llm.engine.close()
+
+
+def test_step_mode_is_the_untuned_per_step_table(checkpoint):
+    from engine.hierarchy.qstar import build_qtable
+
+    path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    llm = LLM(path, expert_device="virtual", expert_cache="0.37", expert_bandwidths=SPLIT_BANDWIDTHS,
+              q_mode="step")
+    backend = llm.engine.experts
+    llm.generate(PROMPTS[0], greedy(8))
+    assert backend.tuner is None and backend.credit == 0.0
+    assert backend.qtable() == build_qtable(backend.costs, len(backend.qtable()) - 1).tolist()
+    llm.engine.close()

@@ -6,6 +6,8 @@ import itertools
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.hierarchy.qstar import PathCost, SplitCosts, best_q, build_qtable
 
@@ -74,3 +76,14 @@ def test_degenerate_cases():
     assert build_qtable(no_workers, 8).tolist() == list(range(9))
     slow_host = SplitCosts(EXPERT_BYTES, PathCost(50 * GB), 40 * GB)  # B_H <= B_P
     assert build_qtable(slow_host, 8).tolist() == list(range(9))
+
+
+@settings(max_examples=80, deadline=None)
+@given(b_p=st.floats(1, 80), ratio=st.floats(0.5, 5.0), m=st.integers(0, 16))
+def test_fill_credit_moves_q_monotonically_between_none_and_all(b_p, ratio, m):
+    """More credit per fill never fills fewer; -inf fills none, +inf all, 0 is the per-step table."""
+    costs = SplitCosts(EXPERT_BYTES, PathCost(b_p * GB), b_p * ratio * GB)
+    ladder = [-math.inf, 0.0, 0.25, 0.5, 1.0, 4.0, math.inf]
+    qs = [best_q(costs, m, credit) for credit in ladder]
+    assert qs == sorted(qs)
+    assert qs[0] == 0 and qs[-1] == m and qs[1] == best_q(costs, m)

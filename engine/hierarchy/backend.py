@@ -17,6 +17,11 @@ from engine.experts import ExpertPool
 from engine.hierarchy.cache import ExpertCacheTables, FillPlan
 from engine.hierarchy.profile import _fit, _median_time, measure_host_path
 from engine.hierarchy.qstar import PathCost, SplitCosts, build_qtable
+from engine.hierarchy.tuning import CreditTuner
+
+# Layer calls of at most this many tokens are decode steps for the fill-credit tuner; longer ones
+# are prefill chunks, whose time says nothing about the split.
+TUNED_CALL_MAX_TOKENS = 64
 
 
 @dataclass
@@ -37,9 +42,10 @@ class HierarchicalExpertBackend:
     """An :class:`~engine.experts.ExpertBackend` over a device expert cache and CPU workers."""
 
     def __init__(self, pool: ExpertPool, act, device, tables: ExpertCacheTables, cpu_workers,
-                 costs: SplitCosts | None = None) -> None:
+                 costs: SplitCosts | None = None, tuner: CreditTuner | None = None) -> None:
         self.pool = pool
         self.costs = costs  # the path costs behind the q table; None for a forced table
+        self.tuner = tuner if costs is not None else None  # picks the table's fill credit online
         self.act = act
         self.device = device
         self.tables = tables
@@ -49,6 +55,7 @@ class HierarchicalExpertBackend:
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         t, k = expert_ids.shape
+        call_start = time.perf_counter()
         if self.routing_log is not None:
             self.routing_log.append((int(expert_ids[0, 0]) // self.pool.num_experts, expert_ids.tolist()))
         plan = self.tables.step(expert_ids.reshape(-1).to(self.tables.device))
@@ -78,7 +85,22 @@ class HierarchicalExpertBackend:
             self.times.cpu_bytes += timing.nbytes
             self.times.cpu_calls += 1
         self.times.layer_calls += 1
-        return out.to(device=x.device, dtype=x.dtype)
+        out = out.to(device=x.device, dtype=x.dtype)
+        # Wall time of the whole call: on CUDA the plan read above waits for the device, so the sum
+        # over calls covers the device work too without an extra synchronisation.
+        if self.tuner is not None and t <= TUNED_CALL_MAX_TOKENS \
+                and self.tuner.observe(time.perf_counter() - call_start):
+            self._rebuild_qtable()
+        return out
+
+    @property
+    def credit(self) -> float:
+        """The fill credit behind the current q table (units of S / B_H; 0 = per-step optimum)."""
+        return self.tuner.credit if self.tuner is not None else 0.0
+
+    def _rebuild_qtable(self) -> None:
+        m_max = self.tables.qtable.shape[0] - 1
+        self.tables.set_qtable(build_qtable(self.costs, m_max, self.tables.device, self.credit))
 
     def stats(self) -> dict[str, float]:
         """Counters of the cache (hits, misses, fills, CPU experts, evictions) and path timings."""
@@ -90,6 +112,8 @@ class HierarchicalExpertBackend:
         if self.costs is not None:
             out["b_p"], out["b_h"] = self.bandwidths
             out["link_fixed_s"], out["cpu_fixed_s"] = self.costs.link.fixed_s, self.costs.cpu_fixed_s
+            out["fill_credit"] = self.credit
+            out["credit_moves"] = self.tuner.moves if self.tuner is not None else 0
         out["expert_bytes"] = self.pool.expert_bytes
         return out
 
@@ -106,8 +130,7 @@ class HierarchicalExpertBackend:
         if self.costs is None:
             return self.qtable()
         self.costs = replace(self.costs, link=PathCost(b_p, self.costs.link.fixed_s), host_bytes_per_s=b_h)
-        m_max = self.tables.qtable.shape[0] - 1
-        self.tables.set_qtable(build_qtable(self.costs, m_max, self.tables.device))
+        self._rebuild_qtable()
         return self.qtable()
 
     def probe(self, k: int, repeats: int = 3) -> tuple[float | None, float]:

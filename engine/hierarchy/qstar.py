@@ -61,24 +61,37 @@ def step_seconds(costs: SplitCosts, m: int, q: int) -> float:
     return max(fill, rest)
 
 
-def best_q(costs: SplitCosts, m: int) -> int:
-    """The integer q in 0..m with the least exposed time; ties go to more fills (a filled expert
-    can hit again in later steps, a CPU-computed one cannot)."""
+def credit_seconds(costs: SplitCosts, credit: float) -> float:
+    """A fill credit in units of one expert's CPU time (``S / B_H``), in seconds per fill."""
+    if credit in (0.0, math.inf, -math.inf) or not costs.host_bytes_per_s:
+        return credit
+    return credit * costs.expert_bytes / costs.host_bytes_per_s
+
+
+def best_q(costs: SplitCosts, m: int, credit: float = 0.0) -> int:
+    """The integer q in 0..m with the least exposed time minus ``credit`` (in units of ``S / B_H``,
+    see :func:`credit_seconds`) per fill; ties go to more fills (a filled expert can hit again in
+    later steps, a CPU-computed one cannot). Credit 0 is the per-step optimum, +inf fills every
+    miss and -inf none; ``engine.hierarchy.tuning`` picks the credit by measured step time."""
     if costs.link is None:
         return 0  # no device: every miss runs on the CPU
-    if costs.cpu is None:
-        return m  # no CPU workers: fill everything
-    best, best_t = m, step_seconds(costs, m, m)
+    if costs.cpu is None or credit == math.inf:
+        return m  # no CPU workers, or told to fill everything
+    if credit == -math.inf:
+        return 0
+    per_fill = credit_seconds(costs, credit)
+    best, best_t = m, step_seconds(costs, m, m) - per_fill * m
     for q in range(m - 1, -1, -1):
-        t = step_seconds(costs, m, q)
+        t = step_seconds(costs, m, q) - per_fill * q
         if t < best_t:
             best, best_t = q, t
     return best
 
 
-def build_qtable(costs: SplitCosts, m_max: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def build_qtable(costs: SplitCosts, m_max: int, device: torch.device | str = "cpu",
+                 credit: float = 0.0) -> torch.Tensor:
     """``qtable[m]`` = best q for m = 0..m_max, as an int64 tensor on ``device`` (read on device)."""
-    return torch.tensor([best_q(costs, m) for m in range(m_max + 1)], dtype=torch.long, device=device)
+    return torch.tensor([best_q(costs, m, credit) for m in range(m_max + 1)], dtype=torch.long, device=device)
 
 
 def forced_qtable(mode: str, m_max: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -87,5 +100,5 @@ def forced_qtable(mode: str, m_max: int, device: torch.device | str = "cpu") -> 
         return torch.zeros(m_max + 1, dtype=torch.long, device=device)
     if mode == "all":
         return torch.arange(m_max + 1, dtype=torch.long, device=device)
-    raise ValueError(f"unknown q mode '{mode}' (use 'table', 'zero' or 'all')")
+    raise ValueError(f"unknown q mode '{mode}' (use 'table', 'step', 'zero' or 'all')")
 

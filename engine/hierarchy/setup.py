@@ -17,6 +17,7 @@ from engine.hierarchy.device import CudaDevice, VirtualDevice
 from engine.hierarchy.profile import measure_host_path, measure_link_path
 from engine.hierarchy.qstar import PathCost, SplitCosts, build_qtable, forced_qtable
 from engine.hierarchy.ring import ExternalCpuWorkers, ProcessCpuWorkers, RingLayout
+from engine.hierarchy.tuning import TUNER_EPOCH_TOKENS, CreditTuner
 from engine.layers.mlp import activation
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,8 @@ class HierarchyConfig:
 
     ``device``: ``"auto"`` (CUDA when present, else no device), ``"cuda"``, ``"virtual"`` or ``"none"``.
     ``expert_cache``: a fraction of all experts (``"0.1"``), bytes (``"2GiB"``) or slots (``"8slots"``).
-    ``q_mode``: ``"table"`` (the q* table), ``"zero"`` (every miss on the CPU) or ``"all"`` (fill every miss).
+    ``q_mode``: ``"table"`` (the q* table, its fill credit tuned online by measured decode time), ``"step"``
+    (the per-step optimal table, never tuned), ``"zero"`` (every miss on the CPU) or ``"all"`` (fill every miss).
     ``bandwidths``: (B_P, B_H) in bytes/s to use instead of measuring them.
     """
 
@@ -120,16 +122,18 @@ def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: HierarchyConfig,
     device = build_device(kind, pool, slots, hc.virtual_link_gbps)
     workers = build_cpu_workers(cfg, pool, hc, act, pool_name)
     m_max = cfg.num_experts
-    costs = None
-    if hc.q_mode == "table":
+    costs, tuner = None, None
+    if hc.q_mode in ("table", "step"):
         costs = measure_costs(pool, act, device, cfg.top_k, hc.bandwidths)
         qtable = build_qtable(costs, m_max)
         log.info("expert cache: %d slots; B_P %.1f GB/s, B_H %.1f GB/s; qtable %s", slots,
                  costs.link.bytes_per_s / 1e9, costs.host_bytes_per_s / 1e9, qtable.tolist())
+        if hc.q_mode == "table":
+            tuner = CreditTuner(epoch_calls=TUNER_EPOCH_TOKENS * len(pool.moe_layer_ids))
     else:
         qtable = forced_qtable(hc.q_mode, m_max)
     tables = ExpertCacheTables(pool.num_global_ids, slots, qtable, max_fills=m_max, device=device.device)
-    return HierarchicalExpertBackend(pool, act, device, tables, workers, costs)
+    return HierarchicalExpertBackend(pool, act, device, tables, workers, costs, tuner)
 
 
 def measure_costs(pool: ExpertPool, act, device, k: int, bandwidths: tuple[float, float] | None) -> SplitCosts:
