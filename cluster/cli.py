@@ -45,6 +45,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     h.add_argument("--q-mode", default="table", choices=["table", "step", "zero", "all"],
                    help="split of the misses: the q* table tuned online (default), the untuned per-step "
                         "table, all on the CPU, or fill all (ablations)")
+    h.add_argument("--no-double-buffer", action="store_true",
+                   help="stream prefill layers through one buffer instead of two (ablation: no copy overlap)")
+    h.add_argument("--stream-min-tokens", type=int, default=None, metavar="N",
+                   help="steps of at least N tokens stream whole layers (default: chosen from measured costs)")
     h.add_argument("--record-routing", default=None, metavar="FILE",
                    help="write the routed expert ids of every step and layer (JSON lines)")
     h.add_argument("--host-pool", default=None, metavar="NAME", help="put the expert pool in shared memory NAME")
@@ -79,7 +83,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=max(args.prefill_chunk, 2048), verify_checksums=not args.no_verify,
         expert_device=device, expert_cache=args.expert_cache, virtual_link_gbps=args.virtual_link_gbps,
         q_mode=args.q_mode, record_routing=args.record_routing, host_pool_name=args.host_pool,
-        cpu_experts=args.cpu_experts,
+        cpu_experts=args.cpu_experts, double_buffer=not args.no_double_buffer,
+        stream_min_tokens=args.stream_min_tokens,
     )
 
 

@@ -44,6 +44,8 @@ class EngineConfig:
     virtual_link_gbps: float | None = None
     q_mode: str = "table"  # table | step | zero | all
     expert_bandwidths: tuple[float, float] | None = None  # (B_P, B_H) bytes/s instead of measuring
+    double_buffer: bool = True  # prefill streams whole layers through two buffers (False: one)
+    stream_min_tokens: int | None = None  # steps of at least this many tokens stream; None: from costs
     # Where the CPU share runs: inline | thread | process | external (the last two need host_pool_name;
     # external: a worker started by someone else, e.g. the cluster's CPU-worker actor, serves the ring).
     cpu_experts: str = "inline"
@@ -141,6 +143,7 @@ class LLMEngine:
             virtual_link_gbps=self.config.virtual_link_gbps, q_mode=self.config.q_mode,
             bandwidths=self.config.expert_bandwidths, cpu_workers=self.config.cpu_experts,
             max_tokens=max(self.config.max_num_batched_tokens, self.config.prefill_chunk),
+            double_buffer=self.config.double_buffer, stream_min_tokens=self.config.stream_min_tokens,
         ), pool_name=self.host_pool.name if self.host_pool is not None else None)
         if self.experts is not None:
             loaded.model.set_expert_backend(self.experts)
@@ -253,10 +256,20 @@ class LLMEngine:
         if not scheduled.items:
             return []
         self._mark_scheduled(scheduled)
+        if self.experts is not None:
+            self.experts.begin_step(scheduled.num_tokens, self._next_prefill_tokens(scheduled))
         logits, sampled = self.runner.execute(scheduled.items)
         self._write_routing()
         self._steps += 1
         return self._update(scheduled, logits, sampled)
+
+    def _next_prefill_tokens(self, scheduled: ScheduledStep) -> int:
+        """About how many prompt tokens the step after this one will prefill (chunks left of the
+        prompts in this step, and prompts still waiting), so a streamed prefill can prefetch."""
+        chunk = self.config.prefill_chunk
+        left = sum(min(req.num_pending - n, chunk) for req, n in scheduled.items if req.num_pending > n)
+        waiting = sum(min(req.num_pending, chunk) for req in self.scheduler.waiting)
+        return min(left + waiting, self.config.max_num_batched_tokens)
 
     def _write_routing(self) -> None:
         if self._routing_file is None:

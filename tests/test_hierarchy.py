@@ -33,8 +33,9 @@ def plain(checkpoint):
 @pytest.mark.parametrize("capacity", CAPACITIES)
 def test_fp32_logits_equal_plain_engine(checkpoint, plain, capacity, q_mode, batch):
     path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    # Every step on the decode path (prefill streaming has its own tests in test_prefill_stream.py).
     llm = LLM(path, expert_device="virtual", expert_cache=capacity, q_mode=q_mode,
-              expert_bandwidths=SPLIT_BANDWIDTHS)
+              expert_bandwidths=SPLIT_BANDWIDTHS, stream_min_tokens=1 << 20)
     tokens, logits = run(llm, PROMPTS[:1] if batch == 1 else BATCH4, 24)
     ref_tokens, ref_logits = plain[batch]
     assert tokens == ref_tokens

@@ -15,6 +15,7 @@ import torch
 
 from engine.experts import ExpertPool
 from engine.hierarchy.cache import ExpertCacheTables, FillPlan
+from engine.hierarchy.prefill import LayerStreamer
 from engine.hierarchy.profile import _fit, _median_time, measure_host_path
 from engine.hierarchy.qstar import PathCost, SplitCosts, build_qtable
 from engine.hierarchy.tuning import CreditTuner
@@ -46,6 +47,9 @@ class HierarchicalExpertBackend:
         self.pool = pool
         self.costs = costs  # the path costs behind the q table; None for a forced table
         self.tuner = tuner if costs is not None else None  # picks the table's fill credit online
+        self.streamer: LayerStreamer | None = None  # prefill streaming, when the slots hold its buffers
+        self.stream_min_tokens = 0
+        self._streaming = False
         self.act = act
         self.device = device
         self.tables = tables
@@ -53,11 +57,26 @@ class HierarchicalExpertBackend:
         self.times = PathTimes()
         self.routing_log: list[tuple[int, list[list[int]]]] | None = None  # (layer, ids per token) when recording
 
+    def begin_step(self, num_tokens: int, next_tokens: int = 0) -> bool:
+        """Called by the engine before each step: a step of at least ``stream_min_tokens`` tokens
+        streams whole layers (when ``next_tokens``, the expected size of the next step, streams too,
+        its first layer is prefetched during this one); any other step takes the decode path and
+        returns the buffers. True when the step streams."""
+        self._streaming = self.streamer is not None and num_tokens >= self.stream_min_tokens
+        if self._streaming:
+            self.streamer.begin(next_tokens >= self.stream_min_tokens)
+        elif self.streamer is not None:
+            self.streamer.release()
+        return self._streaming
+
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         t, k = expert_ids.shape
         call_start = time.perf_counter()
         if self.routing_log is not None:
             self.routing_log.append((int(expert_ids[0, 0]) // self.pool.num_experts, expert_ids.tolist()))
+        if self._streaming:
+            out = self.streamer.forward(x, expert_ids, topk_weights, self.act)
+            return out.to(device=x.device, dtype=x.dtype)
         plan = self.tables.step(expert_ids.reshape(-1).to(self.tables.device))
         pair_slot = plan.pair_slot.view(t, k)
         on_cpu = (pair_slot < 0).cpu()
@@ -115,7 +134,15 @@ class HierarchicalExpertBackend:
             out["fill_credit"] = self.credit
             out["credit_moves"] = self.tuner.moves if self.tuner is not None else 0
         out["expert_bytes"] = self.pool.expert_bytes
+        if self.streamer is not None:
+            out.update(self.streamer.stats.summary())
+            out["prefill_buffers"] = self.streamer.buffers
+            out["prefill_stream_min_tokens"] = self.stream_min_tokens
         return out
+
+    def prefill_layers(self) -> list[dict[str, float]]:
+        """Per MoE layer: streamed calls, copy, wait (exposed copy) and compute seconds."""
+        return self.streamer.stats.per_layer() if self.streamer is not None else []
 
     @property
     def bandwidths(self) -> tuple[float, float] | None:
@@ -160,5 +187,7 @@ class HierarchicalExpertBackend:
         return self.tables.qtable.tolist()
 
     def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.release()
         self.cpu_workers.close()
         self.device.close()

@@ -8,7 +8,9 @@ optionally rate-limited copy path, so the whole hierarchy runs, and is tested, w
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -30,6 +32,7 @@ class VirtualDevice:
         self.link_bytes_per_s = link_bytes_per_s
         self.gate_up = torch.empty((num_slots, *pool.gate_up.shape[1:]), dtype=pool.gate_up.dtype)
         self.down = torch.empty((num_slots, *pool.down.shape[1:]), dtype=pool.down.dtype)
+        self._copier: ThreadPoolExecutor | None = None  # started with the first asynchronous copy
 
     def fill(self, plan: FillPlan) -> int:
         """Copy the plan's fills into their slots; returns the bytes moved."""
@@ -58,11 +61,60 @@ class VirtualDevice:
         """fp32 partial sum of the pairs served from slots (``pair_slot`` [T, k], -1 = elsewhere)."""
         return routed_partial_sum(x, self.gate_up, self.down, pair_slot, weights, act)
 
+    def copy_async(self, rows: list[int], slots: list[int]) -> CopyHandle:
+        """Start copying pool rows into slots on the copy thread (the stand-in for a copy engine);
+        the link's rate limit applies. Copies run in the order they were started."""
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="hearth-copy")
+        return CopyHandle(self._copier.submit(self._copy_rows, rows, slots), len(rows) * self.pool.expert_bytes)
+
+    def _copy_rows(self, rows: list[int], slots: list[int]) -> float:
+        start = time.perf_counter()
+        for slot, row in zip(slots, rows, strict=True):  # torch copies release the GIL: compute goes on
+            self.gate_up[slot].copy_(self.pool.gate_up[row])
+            self.down[slot].copy_(self.pool.down[row])
+        if self.link_bytes_per_s:
+            left = len(rows) * self.pool.expert_bytes / self.link_bytes_per_s - (time.perf_counter() - start)
+            if left > 0:
+                time.sleep(left)
+        return time.perf_counter() - start
+
     def synchronize(self) -> None:
-        """Nothing runs asynchronously on the virtual device."""
+        """Nothing runs asynchronously on the virtual device but the copy thread (waited per copy)."""
 
     def close(self) -> None:
-        """Nothing to release beyond the arena's memory."""
+        """Stop the copy thread; the arena is plain memory."""
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
+
+
+class CopyHandle:
+    """A started copy of whole experts into slots. :meth:`wait` blocks until the slots may be read
+    and returns the seconds spent waiting; :attr:`copy_seconds` is how long the copy itself took
+    (known once waited for)."""
+
+    def __init__(self, future: Future | None, nbytes: int, event_pair=None) -> None:
+        self._future = future
+        self._events = event_pair  # (start, end) CUDA events on the copy stream
+        self.nbytes = nbytes
+        self.copy_seconds = 0.0
+        self._done = False
+        self._lock = threading.Lock()
+
+    def wait(self) -> float:
+        with self._lock:
+            if self._done:
+                return 0.0
+            start = time.perf_counter()
+            if self._future is not None:
+                self.copy_seconds = self._future.result()
+            elif self._events is not None:
+                begin, end = self._events
+                end.synchronize()  # the host waits, so the wait is measured like the virtual device's
+                self.copy_seconds = begin.elapsed_time(end) / 1e3
+            self._done = True
+            return time.perf_counter() - start
 
 
 class CudaDevice:
@@ -106,6 +158,19 @@ class CudaDevice:
                 self.down[slot].copy_(self.pool.down[row], non_blocking=True)
         torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         return count * self.pool.expert_bytes
+
+    def copy_async(self, rows: list[int], slots: list[int]) -> CopyHandle:
+        """Start copying pool rows into slots on the copy stream, after the work already queued on
+        the compute stream (which may still read those slots)."""
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.copy_stream):
+            begin.record()
+            for slot, row in zip(slots, rows, strict=True):
+                self.gate_up[slot].copy_(self.pool.gate_up[row], non_blocking=True)
+                self.down[slot].copy_(self.pool.down[row], non_blocking=True)
+            end.record()
+        return CopyHandle(None, len(rows) * self.pool.expert_bytes, (begin, end))
 
     def compute(self, x: torch.Tensor, pair_slot: torch.Tensor, weights: torch.Tensor, act) -> torch.Tensor:
         # Returned on the GPU: the caller computes the CPU share meanwhile and synchronises last.

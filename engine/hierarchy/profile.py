@@ -81,3 +81,28 @@ def measure_stream_read(nbytes: int = 512 << 20, repeats: int = 5) -> float:
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
     buf.sum()
     return nbytes / _median_time(buf.sum, repeats)
+
+
+def measure_pair_costs(pool: ExpertPool, act, device, tokens: int = 64, repeats: int = 3) -> tuple[float, float]:
+    """Seconds per extra (token, expert) pair on the CPU path and on the device: one expert run on
+    ``tokens`` tokens against one token (the weight read cancels out). The device side reads slot 0,
+    which the link measurement has filled; (cpu, 0.0) without slots."""
+    x = torch.randn(tokens, pool.gate_up.shape[2]).to(pool.gate_up.dtype)
+    ones = torch.ones(tokens, 1)
+
+    def per_pair(run) -> float:
+        run(tokens)
+        small, big = _median_time(lambda: run(1), repeats), _median_time(lambda: run(tokens), repeats)
+        return max(big - small, 0.0) / (tokens - 1)
+
+    def cpu(n: int) -> None:
+        routed_partial_sum(x[:n], pool.gate_up, pool.down, torch.zeros(n, 1, dtype=torch.long), ones[:n], act)
+
+    if device.num_slots > 0:  # slot 0 holds a real expert (timings of garbage weights can differ)
+        device.copy_async([0], [0]).wait()
+
+    def dev(n: int) -> None:
+        device.compute(x[:n], torch.zeros(n, 1, dtype=torch.long), ones[:n], act)
+        device.synchronize()
+
+    return per_pair(cpu), (per_pair(dev) if device.num_slots > 0 else 0.0)

@@ -37,12 +37,15 @@ class PathCost:
 @dataclass(frozen=True)
 class SplitCosts:
     """Inputs of the policy. ``link`` is None without a device; ``host_bytes_per_s`` (B_H) is None
-    without CPU expert workers. ``cpu_fixed_s`` is the CPU path's per-dispatch cost."""
+    without CPU expert workers. ``cpu_fixed_s`` is the CPU path's per-dispatch cost. The per-pair
+    compute costs only matter for many tokens per expert (prefill; see ``prefill.py``)."""
 
     expert_bytes: int
     link: PathCost | None
     host_bytes_per_s: float | None
     cpu_fixed_s: float = 0.0
+    cpu_pair_s: float = 0.0  # CPU compute per extra (token, expert) pair beyond the weight read
+    device_pair_s: float = 0.0  # the device's compute per (token, expert) pair
 
     @property
     def cpu(self) -> PathCost | None:

@@ -14,7 +14,8 @@ from engine.hierarchy.backend import HierarchicalExpertBackend
 from engine.hierarchy.cache import ExpertCacheTables
 from engine.hierarchy.cpu_workers import CpuExpertWorkers
 from engine.hierarchy.device import CudaDevice, VirtualDevice
-from engine.hierarchy.profile import measure_host_path, measure_link_path
+from engine.hierarchy.prefill import LayerStreamer, stream_min_tokens
+from engine.hierarchy.profile import measure_host_path, measure_link_path, measure_pair_costs
 from engine.hierarchy.qstar import PathCost, SplitCosts, build_qtable, forced_qtable
 from engine.hierarchy.ring import ExternalCpuWorkers, ProcessCpuWorkers, RingLayout
 from engine.hierarchy.tuning import TUNER_EPOCH_TOKENS, CreditTuner
@@ -33,6 +34,8 @@ class HierarchyConfig:
     ``q_mode``: ``"table"`` (the q* table, its fill credit tuned online by measured decode time), ``"step"``
     (the per-step optimal table, never tuned), ``"zero"`` (every miss on the CPU) or ``"all"`` (fill every miss).
     ``bandwidths``: (B_P, B_H) in bytes/s to use instead of measuring them.
+    ``double_buffer`` / ``stream_min_tokens``: prefill streaming (``prefill.py``); streaming needs
+    ``2 × E`` slots (``E`` with one buffer), otherwise every step takes the decode path.
     """
 
     device: str = "auto"
@@ -43,6 +46,8 @@ class HierarchyConfig:
     cpu_workers: str = "inline"  # inline | thread (bound dispatcher) | process | external (via the ring)
     max_tokens: int = 2048  # most tokens one task can carry (the engine's step budget)
     bandwidths: tuple[float, float] | None = None
+    double_buffer: bool = True  # prefill streams through two whole-layer buffers (False: one, for ablations)
+    stream_min_tokens: int | None = None  # steps of at least this many tokens stream (None: from measured costs)
 
 
 def parse_cache_size(spec: str | float | None, pool: ExpertPool, default_bytes: int) -> int:
@@ -133,17 +138,30 @@ def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: HierarchyConfig,
     else:
         qtable = forced_qtable(hc.q_mode, m_max)
     tables = ExpertCacheTables(pool.num_global_ids, slots, qtable, max_fills=m_max, device=device.device)
-    return HierarchicalExpertBackend(pool, act, device, tables, workers, costs, tuner)
+    backend = HierarchicalExpertBackend(pool, act, device, tables, workers, costs, tuner)
+    buffers = 2 if hc.double_buffer else 1
+    if LayerStreamer.fits(pool, slots, buffers) and (costs is not None or hc.stream_min_tokens is not None):
+        min_tokens = hc.stream_min_tokens
+        if min_tokens is None:
+            resident = max(slots - buffers * pool.num_experts, 0) / pool.num_global_ids
+            min_tokens = stream_min_tokens(costs, cfg.num_experts, cfg.top_k, resident, hc.max_tokens)
+        backend.streamer = LayerStreamer(pool, device, tables, buffers)
+        backend.stream_min_tokens = min_tokens
+        log.info("prefill streaming: %d buffer(s), steps of >= %d tokens", buffers, min_tokens)
+    return backend
 
 
 def measure_costs(pool: ExpertPool, act, device, k: int, bandwidths: tuple[float, float] | None) -> SplitCosts:
     """Costs of both paths: given bandwidths, or a quick measurement of the real paths."""
+    cpu_pair, device_pair = measure_pair_costs(pool, act, device)  # scribbles on slot 0 (tables still empty)
     if bandwidths is not None:
-        return SplitCosts(pool.expert_bytes, PathCost(bandwidths[0]), bandwidths[1])
+        return SplitCosts(pool.expert_bytes, PathCost(bandwidths[0]), bandwidths[1], cpu_pair_s=cpu_pair,
+                          device_pair_s=device_pair)
     host = measure_host_path(pool, act, k, repeats=15)
     if device.num_slots == 0:
         link = PathCost(max(device.link_bytes_per_s or host.bytes_per_s, 1.0))
     else:
         link = measure_link_path(device, pool, k, repeats=15)  # scribbles on slots the (still empty) tables do not use
-    return SplitCosts(pool.expert_bytes, link, host.bytes_per_s, cpu_fixed_s=host.fixed_s)
+    return SplitCosts(pool.expert_bytes, link, host.bytes_per_s, cpu_fixed_s=host.fixed_s, cpu_pair_s=cpu_pair,
+                      device_pair_s=device_pair)
 

@@ -1,0 +1,218 @@
+"""Prefill at the link's limit: whole MoE layers streamed through two buffers (DESIGN.md 2.4).
+
+A long prefill chunk routes its tokens to nearly every expert of every layer, so it reads the
+whole expert pool. Instead of missing expert by expert, :class:`LayerStreamer` borrows two
+whole-layer buffers (``2 × E`` slots) from the cache's slot pool and copies all experts of the
+next MoE layer into one buffer while the current layer computes from the other; they swap. A copy
+starts when the previous layer's experts start computing, before the next layer's router runs,
+and the last layer of a chunk prefetches the first layer of the next chunk. Experts already in the
+cache are used where they are and do not cross the link again. Every routed pair is computed on the
+device from slots with the plain backend's fp32 arithmetic, so results equal the plain engine's.
+
+Whether a step streams is decided per engine step from its token count: below
+:func:`stream_min_tokens` (from measured costs) a small prefill takes the decode path, where only
+missed experts move. When the slot pool cannot hold the buffers, the decode path serves every
+step (on-demand loading of just the routed experts).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.experts import ExpertPool
+from engine.hierarchy.cache import ExpertCacheTables
+from engine.hierarchy.qstar import SplitCosts, best_q
+
+
+@dataclass
+class PrefillStats:
+    """Cumulative timings of streamed layers, per MoE layer rank (seconds, bytes)."""
+
+    num_layers: int
+    layer_calls: list[int] = field(default_factory=list)
+    copy_seconds: list[float] = field(default_factory=list)  # how long each layer's copy ran
+    wait_seconds: list[float] = field(default_factory=list)  # compute waiting for the copy: the exposed part
+    compute_seconds: list[float] = field(default_factory=list)
+    copy_bytes: int = 0
+    in_place: int = 0  # experts used where they already were in the cache
+    streamed_steps: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("layer_calls", "copy_seconds", "wait_seconds", "compute_seconds"):
+            if not getattr(self, name):
+                setattr(self, name, [0 if name == "layer_calls" else 0.0] * self.num_layers)
+
+    def hidden_share(self) -> float:
+        """Share of the copy time hidden behind compute (1.0: the link never stalled the layers)."""
+        copy = sum(self.copy_seconds)
+        return 1.0 - min(sum(self.wait_seconds) / copy, 1.0) if copy > 0 else 1.0
+
+    def summary(self) -> dict[str, float]:
+        return {"prefill_streamed_steps": self.streamed_steps, "prefill_layer_calls": sum(self.layer_calls),
+                "prefill_copy_seconds": sum(self.copy_seconds), "prefill_wait_seconds": sum(self.wait_seconds),
+                "prefill_compute_seconds": sum(self.compute_seconds), "prefill_copy_bytes": self.copy_bytes,
+                "prefill_in_place": self.in_place, "prefill_hidden_share": self.hidden_share()}
+
+    def per_layer(self) -> list[dict[str, float]]:
+        return [{"layer": r, "calls": self.layer_calls[r], "copy_seconds": self.copy_seconds[r],
+                 "wait_seconds": self.wait_seconds[r], "compute_seconds": self.compute_seconds[r]}
+                for r in range(self.num_layers)]
+
+
+def expected_distinct(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts a layer routes ``tokens`` tokens to (uniform routing)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def stream_min_tokens(costs: SplitCosts, num_experts: int, top_k: int, resident: float, max_tokens: int) -> int:
+    """The smallest step size (tokens) for which streaming whole layers is expected to be faster
+    per layer than the decode path; ``max_tokens + 1`` when it never is.
+
+    Streaming moves the layer's non-resident experts and overlaps that with computing every pair on
+    the device: ``max(E·(1 − r)·S / B_P, pairs·c_dev)``. The decode path splits the expected
+    misses by the q table, fills before computing, and computes the CPU's pairs on the CPU:
+    ``max(q·S / B_P, (m − q)·S / B_R + cpu pairs·c_cpu) + device pairs·c_dev``. ``r`` is the
+    resident share of a layer's experts; ``c_dev`` and ``c_cpu`` are the measured per-pair compute
+    costs of the two paths."""
+    if costs.link is None or costs.link.bytes_per_s <= 0:
+        return max_tokens + 1
+    size = costs.expert_bytes
+    stream_copy = num_experts * (1.0 - resident) * size / costs.link.bytes_per_s
+    for tokens in range(1, max_tokens + 1):
+        pairs = tokens * top_k
+        distinct = expected_distinct(num_experts, top_k, tokens)
+        misses = round(distinct * (1.0 - resident))
+        q = best_q(costs, misses)
+        cpu_pairs = pairs * (misses - q) / max(distinct, 1.0)
+        fill = costs.link.seconds(q * size)
+        cpu = 0.0
+        if misses > q and costs.cpu is not None:
+            cpu = costs.cpu.seconds((misses - q) * size) + cpu_pairs * costs.cpu_pair_s
+        decode = max(fill, cpu) + (pairs - cpu_pairs) * costs.device_pair_s
+        stream = max(stream_copy, pairs * costs.device_pair_s)
+        if stream <= decode:
+            return tokens
+    return max_tokens + 1
+
+
+class LayerStreamer:
+    """Streams whole MoE layers through ``buffers`` (2, or 1 for the ablation) whole-layer buffers
+    borrowed from the cache's slots. Drive it with :meth:`begin` per streamed step, :meth:`forward`
+    per MoE layer call and :meth:`release` when a step does not stream."""
+
+    def __init__(self, pool: ExpertPool, device, tables: ExpertCacheTables, buffers: int = 2) -> None:
+        if buffers not in (1, 2):
+            raise ValueError("buffers must be 1 or 2")
+        self.pool, self.device, self.tables = pool, device, tables
+        self.buffers = buffers
+        self.num_experts = pool.num_experts
+        self.num_layers = len(pool.moe_layer_ids)
+        self._rank_of_layer = {layer: r for r, layer in enumerate(pool.moe_layer_ids)}
+        self.stats = PrefillStats(self.num_layers)
+        self._slots: torch.Tensor | None = None  # [buffers * E] borrowed slots, None when not reserved
+        # rank -> (slot map [E], copy handle, buffer, experts copied) of layers whose copy has started
+        self._pending: dict[int, tuple[torch.Tensor, object, int, list[int]]] = {}
+        self._holds: dict[int, tuple[int, list[int]]] = {}  # buffer -> (rank, expert ids copied into it)
+        self._next_buffer = 0
+        self._more_after = False
+
+    @staticmethod
+    def fits(pool: ExpertPool, num_slots: int, buffers: int = 2) -> bool:
+        return num_slots >= buffers * pool.num_experts
+
+    @property
+    def active(self) -> bool:
+        return self._slots is not None
+
+    def begin(self, more_prefill_after: bool) -> None:
+        """Start a streamed step: borrow the buffers if needed and make sure the first MoE layer's
+        copy is under way. ``more_prefill_after``: the next step will stream too, so the last layer
+        prefetches the first."""
+        if self._slots is None:
+            self._reserve()
+        self._more_after = more_prefill_after
+        self.stats.streamed_steps += 1
+        if 0 not in self._pending:
+            self._start(0)
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, act) -> torch.Tensor:
+        """One MoE layer of a streamed step: every routed pair computed on the device (fp32 sum)."""
+        layer = int(expert_ids.reshape(-1)[0]) // self.num_experts
+        rank = self._rank_of_layer[layer]
+        if rank not in self._pending:
+            self._start(rank)
+        following = rank + 1 if rank + 1 < self.num_layers else (0 if self._more_after else None)
+        if self.buffers == 2 and following is not None and following not in self._pending:
+            self._start(following)  # before this layer computes, so the copy overlaps it
+        slot_map, handle, buffer, copied = self._pending.pop(rank)
+        waited = handle.wait()
+        self.stats.wait_seconds[rank] += waited
+        self.stats.copy_seconds[rank] += handle.copy_seconds
+        self._holds[buffer] = (rank, copied)
+        t0 = time.perf_counter()
+        local = expert_ids - (self.pool.moe_layer_ids[rank] * self.num_experts)
+        pair_slot = slot_map[local.to(slot_map.device)]  # [T, k] slots: buffer or in place
+        out = self.device.compute(x, pair_slot, weights, act)
+        self.stats.compute_seconds[rank] += time.perf_counter() - t0
+        self.stats.layer_calls[rank] += 1
+        return out
+
+    def release(self) -> None:
+        """Give the buffers back to the cache. The experts the last layers copied stay in their
+        slots as cached entries; prefetched copies not yet used are waited for and dropped."""
+        if self._slots is None:
+            return
+        for _, handle, buffer, _ in self._pending.values():
+            handle.wait()
+            self._holds.pop(buffer, None)
+        self._pending.clear()
+        t = self.tables
+        clock = int(t.clock[0])
+        for buffer, (rank, copied) in self._holds.items():
+            base = self.pool.moe_layer_ids[rank] * self.num_experts
+            for e in copied:
+                slot = int(self._slots[buffer * self.num_experts + e])
+                t.slot_of[base + e] = slot
+                t.expert_of[slot] = base + e
+                t.last_used[slot] = clock
+        if self._holds:
+            t.clock.add_(1)
+        self._holds.clear()
+        self._slots = None
+
+    def _reserve(self) -> None:
+        """Borrow the least recently used ``buffers × E`` slots, evicting what they hold."""
+        t = self.tables
+        need = self.buffers * self.num_experts
+        order = torch.argsort(t.last_used[: t.num_slots], stable=True)[:need]  # empties (-1) first
+        old = t.expert_of[order]
+        evicted = old[old >= 0]
+        t.slot_of[evicted] = -1
+        t.expert_of[order] = -1
+        t.last_used[order] = -1
+        self._slots = order.to(torch.long)
+        self._holds.clear()
+
+    def _start(self, rank: int) -> None:
+        """Plan layer ``rank``'s slot map and start copying its non-resident experts into the next
+        buffer."""
+        buffer = self._next_buffer if self.buffers == 2 else 0
+        self._next_buffer = 1 - self._next_buffer
+        self._holds.pop(buffer, None)  # being overwritten
+        base = self.pool.moe_layer_ids[rank] * self.num_experts
+        experts = torch.arange(self.num_experts, device=self.tables.slot_of.device)
+        current = self.tables.slot_of[base + experts]
+        buffer_slots = self._slots[buffer * self.num_experts:(buffer + 1) * self.num_experts].to(current.device)
+        in_place = current >= 0
+        slot_map = torch.where(in_place, current, buffer_slots)
+        copied = experts[~in_place].tolist()
+        if in_place.any():
+            self.tables.last_used[current[in_place]] = int(self.tables.clock[0])
+        self.stats.in_place += int(in_place.sum())
+        rows = self.pool.row_table[[base + e for e in copied]].tolist() if copied else []
+        handle = self.device.copy_async(rows, buffer_slots[copied].tolist() if copied else [])
+        self.stats.copy_bytes += handle.nbytes
+        self._pending[rank] = (slot_map, handle, buffer, copied)
