@@ -5,6 +5,7 @@
 1. Exactness: tiny random checkpoints run with the expert cache on the GPU (0 slots, 1 slot, 10 %,
    37 %, 100 % of the experts; q from the table, forced to 0 and to m) must give the plain engine's
    logits (fp32, ≤ 1e-5 relative) and greedy tokens (bf16, 32 steps), at batch 1 and 4.
+   Prefill streamed through whole-layer buffers (two, one, and the fallback) likewise.
 2. The cache-control step compiled with ``torch.compile(fullgraph=True)`` on the GPU equals eager.
 3. Bandwidths on real expert shapes (Qwen3-30B-A3B: hidden 2048, expert intermediate 768, bf16):
    B_P from batched pinned fills, B_H from the CPU expert kernel, and the resulting q table.
@@ -65,6 +66,30 @@ def check_exactness(root: Path) -> list[dict]:
     return results
 
 
+def check_streaming(root: Path) -> list[dict]:
+    """Prefill streamed through whole-layer buffers on the GPU (two buffers, one, and the
+    decode-path fallback) against the plain engine, for prompts around and beyond a chunk."""
+    from engine import LLM
+
+    results = []
+    for dtype in ("float32", "bfloat16"):
+        path = root / dtype  # built by check_exactness
+        prompts = [[(i * 37) % 380 + 3 for i in range(n)] for n in (65, 1000)]
+        ref_tokens, ref_logits = _logits_run(LLM(path, expert_device="none", prefill_chunk=64), prompts, 8)
+        for mode, cache in (("double", "40slots"), ("single", "40slots"), ("fallback", "20slots")):
+            llm = LLM(path, expert_device="cuda", expert_cache=cache, prefill_chunk=64, stream_min_tokens=32,
+                      double_buffer=mode != "single")
+            tokens, logits = _logits_run(llm, prompts, 8)
+            err = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(logits, ref_logits, strict=True))
+            stats = llm.engine.stats()["experts"]
+            results.append({"dtype": dtype, "mode": mode, "tokens_equal": tokens == ref_tokens, "max_rel_error": err,
+                            "ok": tokens == ref_tokens and (dtype == "bfloat16" or err <= 1e-5),
+                            "streamed_steps": stats.get("prefill_streamed_steps", 0),
+                            "hidden_share": stats.get("prefill_hidden_share")})
+            llm.engine.close()
+    return results
+
+
 def check_compile() -> bool:
     from engine.hierarchy.cache import ExpertCacheTables, cache_step
 
@@ -118,6 +143,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         report["exactness"] = check_exactness(root)
+        report["exactness"] += check_streaming(root)
         report["compile_ok"] = check_compile()
         report["bandwidth"] = measure_real_shapes(root, args.shape_layers)
     report["all_exact"] = all(r["ok"] for r in report["exactness"])

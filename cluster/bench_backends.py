@@ -57,9 +57,15 @@ def engine_runner(model: str, dtype: str, max_len: int, n_prompt: int, options: 
     def run(depth: int, pp: int, tg: int) -> dict[str, float]:
         result = {}
         if pp:
+            before = engine.stats().get("experts", {})
             times = timed_steps(ids[: depth + pp], 1)
             result["pp"] = pp / times[-1]  # the last prefill step is the pp chunk (depth % pp == 0)
             result["ttft"] = sum(times) * 1e3
+            after = engine.stats().get("experts", {})
+            copied = after.get("prefill_copy_seconds", 0.0) - before.get("prefill_copy_seconds", 0.0)
+            if copied > 0:  # the prompt streamed whole layers: how much of the copying compute hid
+                waited = after["prefill_wait_seconds"] - before["prefill_wait_seconds"]
+                result["copy_hidden"] = 1.0 - min(waited / copied, 1.0)
         if tg:
             times = timed_steps(ids[: max(depth, 1)], tg + 1)
             result["tg"] = tg / sum(times[-tg:])  # the last tg steps are decode steps

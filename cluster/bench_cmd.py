@@ -57,14 +57,18 @@ def run_backend(name: str, model: str, runner: Runner, args: argparse.Namespace)
         pp = BenchRow(model, name, f"pp{args.n_prompt}", depth)
         tg = BenchRow(model, name, f"tg{args.n_gen}", depth)
         ttft = BenchRow(model, name, f"ttft{args.n_prompt}", depth, unit="ms")
+        # Streamed prefill (expert hierarchy): the share of the pp chunk's copy time hidden behind compute.
+        hidden = BenchRow(model, name, f"pp{args.n_prompt} copy hidden", depth, unit="%")
         for _ in range(args.repetitions):
             result = runner(depth, args.n_prompt, args.n_gen)
             if args.n_prompt:
                 pp.samples.append(result["pp"])
                 ttft.samples.append(result["ttft"])
+                if "copy_hidden" in result:
+                    hidden.samples.append(100 * result["copy_hidden"])
             if args.n_gen:
                 tg.samples.append(result["tg"])
-        rows += [r for r in (pp, tg, ttft) if r.samples]
+        rows += [r for r in (pp, tg, ttft, hidden) if r.samples]
         print(f"  {name} depth {depth}: " + ", ".join(f"{r.test} {r.median:.1f} {r.unit}" for r in (pp, tg, ttft)
                                                       if r.samples), file=sys.stderr, flush=True)
     return rows
@@ -103,6 +107,11 @@ def add_parser(sub) -> None:
                    help="also run with the expert hierarchy at these cache fractions (virtual device "
                         "without a GPU)")
     p.add_argument("--virtual-link-gbps", type=float, default=None, help="rate-limit the virtual device's link")
+    p.add_argument("--no-double-buffer", action="store_true",
+                   help="with --cache-fraction: stream prefill through one buffer (ablation)")
+    p.add_argument("--stream-min-tokens", type=int, default=None, metavar="N",
+                   help="with --cache-fraction: steps of at least N tokens stream whole layers "
+                        "(default: from measured costs)")
     p.add_argument("--transformers", action="store_true", help="also run Hugging Face transformers on the checkpoint")
     p.add_argument("--json", type=Path, default=None, help="write all rows and samples here")
     p.add_argument("-o", "--output", choices=["md", "json"], default="md", help="what to print (default md)")
@@ -140,7 +149,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         with engine_runner(args.model, args.dtype, max_len, args.n_prompt, {}) as runner:
             rows += run_backend("hearth", model, runner, args)
         for fraction in args.cache_fraction or []:
-            opts = {"expert_device": "auto", "expert_cache": fraction, "virtual_link_gbps": args.virtual_link_gbps}
+            opts = {"expert_device": "auto", "expert_cache": fraction, "virtual_link_gbps": args.virtual_link_gbps,
+                    "double_buffer": not args.no_double_buffer, "stream_min_tokens": args.stream_min_tokens}
             with engine_runner(args.model, args.dtype, max_len, args.n_prompt, opts) as runner:
                 rows += run_backend(f"hearth cache {fraction:g}", model, runner, args)
         if args.transformers:

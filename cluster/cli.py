@@ -175,6 +175,12 @@ def _print_expert_stats(stats: dict | None) -> None:
         f"{stats['evictions']} evictions]",
         file=sys.stderr,
     )
+    if stats.get("prefill_streamed_steps"):
+        print(f"[prefill: {stats['prefill_streamed_steps']} steps streamed whole layers through "
+              f"{stats['prefill_buffers']} buffer(s), {stats['prefill_copy_bytes'] / 2**20:.1f} MiB copied in "
+              f"{stats['prefill_copy_seconds']:.2f} s, {stats['prefill_hidden_share']:.0%} of it hidden "
+              "behind compute]",
+              file=sys.stderr)
 
 
 def _print_speed(out, start: float) -> None:

@@ -367,4 +367,6 @@ class LLMEngine:
         }
         if self.experts is not None:
             out["experts"] = self.experts.stats()
+            if self.experts.streamer is not None:
+                out["prefill_layers"] = self.experts.prefill_layers()  # per MoE layer: copy, wait, compute
         return out

@@ -42,3 +42,13 @@ def test_bench_against_a_running_server(agent_checkpoint, tmp_path):
     rows = _rows(out)
     assert {r["test"] for r in rows} == {"pp32", "tg8", "ttft32"}
     assert all(r["backend"] == "server" and r["model"] == "tiny" and r["median"] > 0 for r in rows)
+
+
+def test_bench_reports_the_hidden_copy_share_of_streamed_prefill(checkpoint, tmp_path):
+    path, _ = checkpoint("qwen3_moe")
+    out = tmp_path / "h.json"
+    assert main(["bench", "--model", str(path), "-p", "32", "-n", "2", "-r", "2", "--cache-fraction", "1.0",
+                 "--stream-min-tokens", "16", "--json", str(out)]) == 0
+    hidden = [r for r in _rows(out) if r["test"] == "pp32 copy hidden"]
+    assert [r["backend"] for r in hidden] == ["hearth cache 1"]
+    assert all(0.0 <= s <= 100.0 for s in hidden[0]["samples"]) and len(hidden[0]["samples"]) == 2

@@ -50,6 +50,7 @@ def test_streamed_prefill_equals_plain_engine(checkpoint, plain, chunk, mode):
               max_model_len=4200, double_buffer=mode != "single", stream_min_tokens=32)
     got = run(llm)
     stats = llm.engine.stats()["experts"]
+    per_layer = llm.engine.stats().get("prefill_layers")
     llm.engine.close()
     for (tokens, logits), (ref_tokens, ref_logits), length in zip(got, plain, LENGTHS, strict=True):
         assert tokens == ref_tokens, length
@@ -63,6 +64,9 @@ def test_streamed_prefill_equals_plain_engine(checkpoint, plain, chunk, mode):
         assert stats["prefill_streamed_steps"] == chunks
         assert stats["prefill_layer_calls"] == 3 * chunks
         assert stats["prefill_in_place"] > 0  # later prompts found experts the earlier ones left cached
+        assert [layer["calls"] for layer in per_layer] == [chunks] * 3
+        assert all(layer["copy_seconds"] > 0 and layer["compute_seconds"] > 0 for layer in per_layer)
+        assert 0.0 <= stats["prefill_hidden_share"] <= 1.0
 
 
 class _Recorder:
@@ -135,3 +139,16 @@ def test_stream_threshold_follows_measured_costs():
     assert stream_min_tokens(no_link, 128, 8, 0.0, 4096) == 4097
     assert expected_distinct(128, 8, 1) == pytest.approx(8)
     assert expected_distinct(128, 8, 4096) == pytest.approx(128)
+
+
+def test_threshold_from_costs_follows_the_monitor(checkpoint):
+    path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    llm = LLM(path, expert_device="virtual", expert_cache="40slots", expert_bandwidths=BANDWIDTHS)
+    backend = llm.engine.experts
+    assert backend.streamer is not None and backend.stream_threshold is not None
+    before = backend.stream_min_tokens
+    assert before == backend.stream_threshold(backend.costs)
+    backend.set_bandwidths(1e6, BANDWIDTHS[1])  # a link 10 000x slower: streaming whole layers stops paying
+    assert backend.stream_min_tokens > before
+    assert not backend.begin_step(min(backend.stream_min_tokens - 1, 4096), 0)
+    llm.engine.close()

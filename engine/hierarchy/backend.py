@@ -49,6 +49,7 @@ class HierarchicalExpertBackend:
         self.tuner = tuner if costs is not None else None  # picks the table's fill credit online
         self.streamer: LayerStreamer | None = None  # prefill streaming, when the slots hold its buffers
         self.stream_min_tokens = 0
+        self.stream_threshold = None  # costs -> stream_min_tokens, when it follows the measured costs
         self._streaming = False
         self.act = act
         self.device = device
@@ -158,6 +159,8 @@ class HierarchicalExpertBackend:
             return self.qtable()
         self.costs = replace(self.costs, link=PathCost(b_p, self.costs.link.fixed_s), host_bytes_per_s=b_h)
         self._rebuild_qtable()
+        if self.stream_threshold is not None:
+            self.stream_min_tokens = self.stream_threshold(self.costs)
         return self.qtable()
 
     def probe(self, k: int, repeats: int = 3) -> tuple[float | None, float]:

@@ -81,11 +81,12 @@ def stream_min_tokens(costs: SplitCosts, num_experts: int, top_k: int, resident:
         return max_tokens + 1
     size = costs.expert_bytes
     stream_copy = num_experts * (1.0 - resident) * size / costs.link.bytes_per_s
+    qs = [best_q(costs, m) for m in range(num_experts + 1)]
     for tokens in range(1, max_tokens + 1):
         pairs = tokens * top_k
         distinct = expected_distinct(num_experts, top_k, tokens)
         misses = round(distinct * (1.0 - resident))
-        q = best_q(costs, misses)
+        q = qs[misses]
         cpu_pairs = pairs * (misses - q) / max(distinct, 1.0)
         fill = costs.link.seconds(q * size)
         cpu = 0.0
@@ -116,7 +117,6 @@ class LayerStreamer:
         # rank -> (slot map [E], copy handle, buffer, experts copied) of layers whose copy has started
         self._pending: dict[int, tuple[torch.Tensor, object, int, list[int]]] = {}
         self._holds: dict[int, tuple[int, list[int]]] = {}  # buffer -> (rank, expert ids copied into it)
-        self._next_buffer = 0
         self._more_after = False
 
     @staticmethod
@@ -128,15 +128,16 @@ class LayerStreamer:
         return self._slots is not None
 
     def begin(self, more_prefill_after: bool) -> None:
-        """Start a streamed step: borrow the buffers if needed and make sure the first MoE layer's
-        copy is under way. ``more_prefill_after``: the next step will stream too, so the last layer
-        prefetches the first."""
+        """Start a streamed step: borrow the buffers if needed and make sure the first MoE layers'
+        copies are under way. ``more_prefill_after``: the next step will stream too, so the last
+        layers prefetch the next step's first ones."""
         if self._slots is None:
             self._reserve()
         self._more_after = more_prefill_after
         self.stats.streamed_steps += 1
-        if 0 not in self._pending:
-            self._start(0)
+        for rank in range(min(self.buffers, self.num_layers)):
+            if rank not in self._pending:
+                self._start(rank)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, act) -> torch.Tensor:
         """One MoE layer of a streamed step: every routed pair computed on the device (fp32 sum)."""
@@ -144,9 +145,6 @@ class LayerStreamer:
         rank = self._rank_of_layer[layer]
         if rank not in self._pending:
             self._start(rank)
-        following = rank + 1 if rank + 1 < self.num_layers else (0 if self._more_after else None)
-        if self.buffers == 2 and following is not None and following not in self._pending:
-            self._start(following)  # before this layer computes, so the copy overlaps it
         slot_map, handle, buffer, copied = self._pending.pop(rank)
         waited = handle.wait()
         self.stats.wait_seconds[rank] += waited
@@ -158,7 +156,25 @@ class LayerStreamer:
         out = self.device.compute(x, pair_slot, weights, act)
         self.stats.compute_seconds[rank] += time.perf_counter() - t0
         self.stats.layer_calls[rank] += 1
+        if self.buffers == 2:
+            # This layer's buffer is free once its compute is queued: the layer after the next one
+            # starts copying now, behind the next one's copy, so the link never idles.
+            self._prefetch_after(rank)
         return out
+
+    def _prefetch_after(self, rank: int) -> None:
+        upcoming = list(range(rank + 1, self.num_layers))
+        if self._more_after:
+            upcoming += list(range(0, rank + 1))  # the next step's first layers
+        for r in upcoming[: self.buffers]:
+            if r not in self._pending:
+                if self._free_buffer() is None:
+                    return
+                self._start(r)
+
+    def _free_buffer(self) -> int | None:
+        busy = {buffer for _, _, buffer, _ in self._pending.values()}
+        return next((b for b in range(self.buffers) if b not in busy), None)
 
     def release(self) -> None:
         """Give the buffers back to the cache. The experts the last layers copied stay in their
@@ -170,14 +186,15 @@ class LayerStreamer:
             self._holds.pop(buffer, None)
         self._pending.clear()
         t = self.tables
-        clock = int(t.clock[0])
         for buffer, (rank, copied) in self._holds.items():
+            if not copied:
+                continue
             base = self.pool.moe_layer_ids[rank] * self.num_experts
-            for e in copied:
-                slot = int(self._slots[buffer * self.num_experts + e])
-                t.slot_of[base + e] = slot
-                t.expert_of[slot] = base + e
-                t.last_used[slot] = clock
+            experts = torch.tensor(copied, dtype=torch.long, device=t.slot_of.device)
+            slots = self._slots[buffer * self.num_experts + experts]
+            t.slot_of[base + experts] = slots
+            t.expert_of[slots] = base + experts
+            t.last_used[slots] = t.clock.expand(len(copied))
         if self._holds:
             t.clock.add_(1)
         self._holds.clear()
@@ -197,10 +214,14 @@ class LayerStreamer:
         self._holds.clear()
 
     def _start(self, rank: int) -> None:
-        """Plan layer ``rank``'s slot map and start copying its non-resident experts into the next
-        buffer."""
-        buffer = self._next_buffer if self.buffers == 2 else 0
-        self._next_buffer = 1 - self._next_buffer
+        """Plan layer ``rank``'s slot map and start copying its non-resident experts into a free
+        buffer (when none is free, in an unexpected layer order, the prefetches are dropped)."""
+        buffer = self._free_buffer()
+        if buffer is None:
+            for _, handle, _, _ in self._pending.values():
+                handle.wait()
+            self._pending.clear()
+            buffer = 0
         self._holds.pop(buffer, None)  # being overwritten
         base = self.pool.moe_layer_ids[rank] * self.num_experts
         experts = torch.arange(self.num_experts, device=self.tables.slot_of.device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -139,16 +140,26 @@ def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: HierarchyConfig,
         qtable = forced_qtable(hc.q_mode, m_max)
     tables = ExpertCacheTables(pool.num_global_ids, slots, qtable, max_fills=m_max, device=device.device)
     backend = HierarchicalExpertBackend(pool, act, device, tables, workers, costs, tuner)
-    buffers = 2 if hc.double_buffer else 1
-    if LayerStreamer.fits(pool, slots, buffers) and (costs is not None or hc.stream_min_tokens is not None):
-        min_tokens = hc.stream_min_tokens
-        if min_tokens is None:
-            resident = max(slots - buffers * pool.num_experts, 0) / pool.num_global_ids
-            min_tokens = stream_min_tokens(costs, cfg.num_experts, cfg.top_k, resident, hc.max_tokens)
-        backend.streamer = LayerStreamer(pool, device, tables, buffers)
-        backend.stream_min_tokens = min_tokens
-        log.info("prefill streaming: %d buffer(s), steps of >= %d tokens", buffers, min_tokens)
+    _attach_streamer(backend, cfg, pool, slots, hc)
     return backend
+
+
+def _attach_streamer(backend: HierarchicalExpertBackend, cfg: ModelConfig, pool: ExpertPool, slots: int,
+                     hc: HierarchyConfig) -> None:
+    """Prefill streaming when the slots hold its buffers, with its step-size threshold (given, or
+    from the measured costs and again whenever the monitor changes them)."""
+    buffers = 2 if hc.double_buffer else 1
+    costs = backend.costs
+    if not LayerStreamer.fits(pool, slots, buffers) or (costs is None and hc.stream_min_tokens is None):
+        return  # every step takes the decode path
+    backend.streamer = LayerStreamer(pool, backend.device, backend.tables, buffers)
+    if hc.stream_min_tokens is None:
+        resident = max(slots - buffers * pool.num_experts, 0) / pool.num_global_ids
+        backend.stream_threshold = partial(stream_min_tokens, num_experts=cfg.num_experts, top_k=cfg.top_k,
+                                           resident=resident, max_tokens=hc.max_tokens)
+    min_tokens = hc.stream_min_tokens if hc.stream_min_tokens is not None else backend.stream_threshold(costs)
+    backend.stream_min_tokens = min_tokens
+    log.info("prefill streaming: %d buffer(s), steps of >= %d tokens", buffers, min_tokens)
 
 
 def measure_costs(pool: ExpertPool, act, device, k: int, bandwidths: tuple[float, float] | None) -> SplitCosts:
