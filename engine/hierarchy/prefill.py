@@ -3,9 +3,10 @@
 A long prefill chunk routes its tokens to nearly every expert of every layer, so it reads the
 whole expert pool. Instead of missing expert by expert, :class:`LayerStreamer` borrows two
 whole-layer buffers (``2 × E`` slots) from the cache's slot pool and copies all experts of the
-next MoE layer into one buffer while the current layer computes from the other; they swap. A copy
-starts when the previous layer's experts start computing, before the next layer's router runs,
-and the last layer of a chunk prefetches the first layer of the next chunk. Experts already in the
+next MoE layer into one buffer while the current layer computes from the other; they swap. A
+buffer is refilled as soon as the compute that read it is queued (layer l done: layer l + 2 starts
+copying behind l + 1), so copies start long before their layer's router runs and the link never
+idles; the last layers of a chunk prefetch the first layers of the next chunk. Experts already in the
 cache are used where they are and do not cross the link again. Every routed pair is computed on the
 device from slots with the plain backend's fp32 arithmetic, so results equal the plain engine's.
 
@@ -24,6 +25,7 @@ import torch
 
 from engine.experts import ExpertPool
 from engine.hierarchy.cache import ExpertCacheTables
+from engine.hierarchy.device import CopyHandle
 from engine.hierarchy.qstar import SplitCosts, best_q
 
 
@@ -115,7 +117,7 @@ class LayerStreamer:
         self.stats = PrefillStats(self.num_layers)
         self._slots: torch.Tensor | None = None  # [buffers * E] borrowed slots, None when not reserved
         # rank -> (slot map [E], copy handle, buffer, experts copied) of layers whose copy has started
-        self._pending: dict[int, tuple[torch.Tensor, object, int, list[int]]] = {}
+        self._pending: dict[int, tuple[torch.Tensor, CopyHandle, int, list[int]]] = {}
         self._holds: dict[int, tuple[int, list[int]]] = {}  # buffer -> (rank, expert ids copied into it)
         self._more_after = False
 
