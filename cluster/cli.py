@@ -30,6 +30,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto (checkpoint's), float32, bfloat16 or float16")
     g.add_argument("--max-model-len", type=int, default=None, help="longest context (default: model's, ≤32k)")
     g.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill chunk")
+    g.add_argument("--prefix-caching", action="store_true",
+                   help="reuse the KV blocks of cached prompt prefixes across requests (radix tree)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     g.add_argument("--no-verify", action="store_true", help="skip FTW checksum verification while loading")
     h = p.add_argument_group("expert hierarchy")
@@ -84,7 +86,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         expert_device=device, expert_cache=args.expert_cache, virtual_link_gbps=args.virtual_link_gbps,
         q_mode=args.q_mode, record_routing=args.record_routing, host_pool_name=args.host_pool,
         cpu_experts=args.cpu_experts, double_buffer=not args.no_double_buffer,
-        stream_min_tokens=args.stream_min_tokens,
+        stream_min_tokens=args.stream_min_tokens, prefix_caching=args.prefix_caching,
     )
 
 

@@ -19,6 +19,7 @@ from engine.hierarchy.host_pool import HostExpertPool
 from engine.hierarchy.setup import HierarchyConfig, build_hierarchy
 from engine.kernels import cpu_decode_ops
 from engine.kv_cache import BlockAllocator, PagedKVCache
+from engine.prefix_cache import RadixCache
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample_token
@@ -45,6 +46,7 @@ class EngineConfig:
     q_mode: str = "table"  # table | step | zero | all
     expert_bandwidths: tuple[float, float] | None = None  # (B_P, B_H) bytes/s instead of measuring
     double_buffer: bool = True  # prefill streams whole layers through two buffers (False: one)
+    prefix_caching: bool = False  # reuse the KV blocks of any cached whole-block prompt prefix
     stream_min_tokens: int | None = None  # steps of at least this many tokens stream; None: from costs
     # Where the CPU share runs: inline | thread | process | external (the last two need host_pool_name;
     # external: a worker started by someone else, e.g. the cluster's CPU-worker actor, serves the ring).
@@ -161,7 +163,8 @@ class LLMEngine:
             prefill_chunk=self.config.prefill_chunk,
             max_model_len=self.max_model_len,
         )
-        self.scheduler = Scheduler(sched_cfg, BlockAllocator(num_blocks, bs))
+        prefix = RadixCache(bs) if self.config.prefix_caching else None
+        self.scheduler = Scheduler(sched_cfg, BlockAllocator(num_blocks, bs), prefix)
         self._requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
         self._ids = itertools.count()
@@ -301,6 +304,7 @@ class LLMEngine:
     def _update(self, scheduled: ScheduledStep, logits: torch.Tensor, sampled: list[Request]) -> list[RequestOutput]:
         for req, n in scheduled.items:
             req.num_computed += n
+            self.scheduler.cache_computed(req)
         outputs = []
         for row, req in enumerate(sampled):
             row_logits = logits[row]
@@ -316,6 +320,7 @@ class LLMEngine:
         now = time.time()
         if state.metrics.first_token is None:
             state.metrics.first_token = now
+            state.metrics.num_cached_tokens = req.num_cached_tokens
         reason = self._stop_reason(req, token)
         stop_reason: str | int | None = token if reason == "stop" and token in req.params.stop_token_ids else None
         if state.detok is not None:

@@ -33,6 +33,11 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
+    # Prefix cache: the first ``num_tree_blocks`` blocks of ``block_table`` belong to the shared
+    # tree, pinned through ``prefix_node``; ``num_cached_tokens`` prompt tokens were found there.
+    num_tree_blocks: int = 0
+    prefix_node: object | None = None
+    num_cached_tokens: int = 0
     generator: torch.Generator | None = None
     num_preemptions: int = 0
 

@@ -5,6 +5,12 @@ unfinished prefill its next chunk), then waiting requests are admitted while blo
 last, so new prompts are prefilled in the same steps in which others decode. When KV blocks run
 out, the most recently admitted request is preempted: its blocks are freed and it is recomputed
 later from its tokens (prompt + output so far), which yields the same tokens.
+
+With a prefix cache (:class:`~engine.prefix_cache.RadixCache`), a request admitted with nothing
+computed starts from the longest cached whole-block prefix of its tokens (at least one token is
+always left to compute, for the logits); after each step its newly computed full blocks join the
+tree (:meth:`Scheduler.cache_computed`). Tree blocks no request pins are evicted, least recently
+used first, before anyone is preempted.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.kv_cache import BlockAllocator
+from engine.prefix_cache import RadixCache
 from engine.request import Request, Status
 
 
@@ -41,9 +48,10 @@ class ScheduledStep:
 class Scheduler:
     """Decides which requests run in the next step and owns their KV blocks."""
 
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, prefix: RadixCache | None = None) -> None:
         self.config = config
         self.allocator = allocator
+        self.prefix = prefix
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -61,8 +69,7 @@ class Scheduler:
     def finish(self, request: Request, reason: str) -> None:
         """Mark a request finished (or aborted) and release its blocks."""
         request.status, request.finish_reason = Status.FINISHED, reason
-        self.allocator.free(request.block_table)
-        request.block_table = []
+        self._release_blocks(request)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -89,7 +96,7 @@ class Scheduler:
     def _reserve(self, req: Request, n: int, step: ScheduledStep, scheduled: list[Request]) -> bool:
         """Allocate blocks for ``n`` more tokens, preempting the newest other requests if needed."""
         need = self.allocator.blocks_needed(req.num_computed + n, len(req.block_table))
-        while not self.allocator.can_allocate(need):
+        while not self._can_allocate(need):
             victim = next((r for r in reversed(self.running) if r is not req and r not in scheduled), None)
             if victim is None:
                 self._preempt(req, step)
@@ -100,8 +107,8 @@ class Scheduler:
 
     def _preempt(self, req: Request, step: ScheduledStep) -> None:
         self.running.remove(req)
-        self.allocator.free(req.block_table)
-        req.block_table, req.num_computed = [], 0
+        self._release_blocks(req)
+        req.num_computed = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -110,9 +117,13 @@ class Scheduler:
     def _admit(self, step: ScheduledStep, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.num_computed == 0 and not req.block_table:
+                self._reuse_prefix(req)
             n = min(req.num_pending, budget, self.config.prefill_chunk)
             need = self.allocator.blocks_needed(req.num_computed + n, len(req.block_table))
-            if not self.allocator.can_allocate(need):
+            if not self._can_allocate(need):
+                self._release_blocks(req)
+                req.num_computed = 0
                 break
             self.waiting.popleft()
             req.block_table += self.allocator.allocate(need)
@@ -120,3 +131,47 @@ class Scheduler:
             self.running.append(req)
             step.items.append((req, n))
             budget -= n
+
+    def cache_computed(self, req: Request) -> None:
+        """Hand the request's newly computed full blocks to the prefix tree (call after a step).
+        Where the tree already held the same tokens, the request switches to the tree's block
+        and frees its own copy."""
+        if self.prefix is None:
+            return
+        full = min(req.num_computed // self.allocator.block_size, len(req.block_table))
+        if full <= req.num_tree_blocks:
+            return
+        node, tree_blocks = self.prefix.insert(req.tokens[: full * self.allocator.block_size], req.block_table[:full])
+        duplicates = [own for own, tree in zip(req.block_table[:full], tree_blocks, strict=True) if own != tree]
+        self.allocator.free(duplicates)  # only the request's own blocks can differ from the tree's
+        req.block_table[:full] = tree_blocks
+        self.prefix.lock(node)
+        if req.prefix_node is not None:
+            self.prefix.unlock(req.prefix_node)
+        req.prefix_node, req.num_tree_blocks = node, full
+
+    def _reuse_prefix(self, req: Request) -> None:
+        if self.prefix is None:
+            return
+        req.num_cached_tokens = 0
+        found = self.prefix.match(req.tokens[: req.num_tokens - 1])  # leave a token to compute
+        if not found.blocks:
+            return
+        self.prefix.lock(found.node)
+        req.prefix_node, req.num_tree_blocks = found.node, len(found.blocks)
+        req.block_table = list(found.blocks)
+        req.num_computed = req.num_cached_tokens = found.num_tokens
+
+    def _release_blocks(self, req: Request) -> None:
+        """Free the request's own blocks and unpin its tree blocks (they stay cached)."""
+        self.allocator.free(req.block_table[req.num_tree_blocks:])
+        if req.prefix_node is not None:
+            self.prefix.unlock(req.prefix_node)
+        req.block_table, req.prefix_node, req.num_tree_blocks = [], None, 0
+
+    def _can_allocate(self, need: int) -> bool:
+        """Whether ``need`` blocks are free, after evicting unpinned tree blocks if necessary."""
+        short = need - self.allocator.num_free
+        if short > 0 and self.prefix is not None:
+            self.allocator.free(self.prefix.evict(short))
+        return self.allocator.can_allocate(need)

@@ -82,6 +82,20 @@ def test_convert_then_generate_on_virtual_device(checkpoint, tmp_path):
     assert bad.returncode == 1 and "bare number is a fraction" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_generate_streams_long_prefill_through_one_or_two_buffers(checkpoint):
+    path, _ = checkpoint("qwen3_moe")
+    prompt = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
+    common = ["generate", "--model", str(path), "--prompt", prompt, "--max-tokens", "4", "--ignore-eos",
+              "--virtual-device", "--expert-cache", "1.0", "--prefill-chunk", "16", "--stream-min-tokens", "8",
+              "--q-mode", "all"]
+    two = hearth(*common)
+    one = hearth(*common, "--no-double-buffer")
+    assert two.returncode == 0 and one.returncode == 0, two.stderr + one.stderr
+    assert "through 2 buffer(s)" in two.stderr and "hidden behind compute" in two.stderr
+    assert "through 1 buffer(s)" in one.stderr
+    assert two.stdout == one.stdout  # the same greedy text either way
+
+
 def test_profile_without_gpu_reports_host_bandwidth(checkpoint):
     path, _ = checkpoint("qwen3_moe")
     out = hearth("profile", "--model", str(path), "--repeats", "3", "--json")

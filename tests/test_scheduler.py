@@ -85,3 +85,30 @@ def test_prompt_larger_than_cache_is_rejected():
     sched = Scheduler(SchedulerConfig(), BlockAllocator(2, 4))
     with pytest.raises(ValueError, match="does not fit the KV cache"):
         sched.add(req("a", 9))
+
+
+def test_prefix_cache_reuses_pins_and_evicts_blocks():
+    from engine.prefix_cache import RadixCache
+
+    alloc = BlockAllocator(8, 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, prefill_chunk=64), alloc, RadixCache(4))
+    first = req("a", 10)  # 2 whole blocks + 2 tokens
+    sched.add(first)
+    step = sched.schedule()
+    finish_step(step)
+    sched.cache_computed(first)
+    assert first.num_tree_blocks == 2 and sched.prefix.num_blocks == 2
+    second = req("b", 9)  # same first 9 tokens: reuses the 2 whole blocks, computes 1 token
+    sched.add(second)
+    step = sched.schedule()
+    items = dict((r.request_id, n) for r, n in step.items)
+    assert items["b"] == 1 and second.num_cached_tokens == 8
+    assert second.block_table[:2] == first.block_table[:2]
+    sched.finish(first, "stop")
+    sched.finish(second, "stop")
+    assert alloc.num_free == 8 - 2  # the tree keeps the two shared blocks, unpinned
+    big = req("c", 31)  # needs all 8 blocks: the tree's blocks are evicted for it
+    big.prompt_ids = [100 + i for i in range(31)]
+    sched.add(big)
+    step = sched.schedule()
+    assert [r.request_id for r, _ in step.items] == ["c"] and sched.prefix.num_blocks == 0
