@@ -130,7 +130,11 @@ def test_halving_the_virtual_link_changes_the_qtable_with_identical_tokens(check
     assert table == build_qtable(SplitCosts(backend.costs.expert_bytes, PathCost(b_p), est_b_h),
                                  m_max).tolist()
     with_old_link = build_qtable(SplitCosts(backend.costs.expert_bytes, PathCost(link), est_b_h), m_max)
-    assert sum(table) < int(with_old_link.sum()), (table, with_old_link.tolist())
+    # A slower link never plans more fills; strictly fewer wherever the old link did not already fill
+    # everything (it does when the measured B_H sinks to the link's rate, e.g. on a loaded machine).
+    assert sum(table) <= int(with_old_link.sum()), (table, with_old_link.tolist())
+    if with_old_link.tolist() != list(range(m_max + 1)):
+        assert sum(table) < int(with_old_link.sum()), (table, with_old_link.tolist())
     assert backend.qtable() == pushed[-1][1]  # what the engine runs with now is the last push
 
 
