@@ -50,12 +50,16 @@ class VirtualDevice:
                 self.gate_up[slot].copy_(self.pool.gate_up[row])
                 self.down[slot].copy_(self.pool.down[row])
         nbytes = count * self.pool.expert_bytes
+        self._wait_out_link(nbytes, start)
+        return nbytes
+
+    def _wait_out_link(self, nbytes: int, start: float) -> None:
+        """A link of the given speed would still be busy with ``nbytes`` started at ``start``:
+        wait out the difference."""
         if self.link_bytes_per_s:
-            # A link of the given speed would still be busy: wait out the difference.
             left = nbytes / self.link_bytes_per_s - (time.perf_counter() - start)
             if left > 0:
                 time.sleep(left)
-        return nbytes
 
     def compute(self, x: torch.Tensor, pair_slot: torch.Tensor, weights: torch.Tensor, act) -> torch.Tensor:
         """fp32 partial sum of the pairs served from slots (``pair_slot`` [T, k], -1 = elsewhere)."""
@@ -73,10 +77,7 @@ class VirtualDevice:
         for slot, row in zip(slots, rows, strict=True):  # torch copies release the GIL: compute goes on
             self.gate_up[slot].copy_(self.pool.gate_up[row])
             self.down[slot].copy_(self.pool.down[row])
-        if self.link_bytes_per_s:
-            left = len(rows) * self.pool.expert_bytes / self.link_bytes_per_s - (time.perf_counter() - start)
-            if left > 0:
-                time.sleep(left)
+        self._wait_out_link(len(rows) * self.pool.expert_bytes, start)
         return time.perf_counter() - start
 
     def synchronize(self) -> None:

@@ -164,7 +164,9 @@ def _attach_streamer(backend: HierarchicalExpertBackend, cfg: ModelConfig, pool:
 
 def measure_costs(pool: ExpertPool, act, device, k: int, bandwidths: tuple[float, float] | None) -> SplitCosts:
     """Costs of both paths: given bandwidths, or a quick measurement of the real paths."""
-    cpu_pair, device_pair = measure_pair_costs(pool, act, device)  # scribbles on slot 0 (tables still empty)
+    cpu_pair, device_pair = 0.0, 0.0  # only prefill streaming's threshold reads them
+    if LayerStreamer.fits(pool, device.num_slots, buffers=1):
+        cpu_pair, device_pair = measure_pair_costs(pool, act, device)  # scribbles on slot 0 (tables still empty)
     if bandwidths is not None:
         return SplitCosts(pool.expert_bytes, PathCost(bandwidths[0]), bandwidths[1], cpu_pair_s=cpu_pair,
                           device_pair_s=device_pair)
