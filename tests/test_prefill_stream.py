@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -146,8 +148,12 @@ def test_threshold_from_costs_follows_the_monitor(checkpoint):
     llm = LLM(path, expert_device="virtual", expert_cache="40slots", expert_bandwidths=BANDWIDTHS)
     backend = llm.engine.experts
     assert backend.streamer is not None and backend.stream_threshold is not None
+    assert backend.stream_min_tokens == backend.stream_threshold(backend.costs)
+    # Fixed per-pair costs: the measured ones vary by machine, and on a loaded one streaming may never pay.
+    backend.costs = replace(backend.costs, cpu_pair_s=2e-4, device_pair_s=1e-6)
+    backend.set_bandwidths(*BANDWIDTHS)
     before = backend.stream_min_tokens
-    assert before == backend.stream_threshold(backend.costs)
+    assert before <= 4096
     backend.set_bandwidths(1e6, BANDWIDTHS[1])  # a link 10 000x slower: streaming whole layers stops paying
     assert backend.stream_min_tokens > before
     assert not backend.begin_step(min(backend.stream_min_tokens - 1, 4096), 0)
