@@ -20,6 +20,10 @@ class SequenceSlice:
     context_len: int
     block_ids: torch.Tensor  # [ceil(context_len / block_size)] int64
     first_block: int = -1  # when the blocks are consecutive: the first one (-1 otherwise)
+    # Hybrid models: the sequence's recurrent-state slot, and offsets (1..query_len) after which
+    # the linear-attention layers snapshot their state into ``ForwardBatch.captured``.
+    state_slot: int = -1
+    captures: tuple[int, ...] = ()
 
 
 @dataclass
@@ -35,6 +39,8 @@ class ForwardBatch:
     # Attention masks by (sequence index, window), built by the first layer that needs one and
     # reused by the others: they depend only on the sequence's positions.
     masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
+    # Snapshots requested by ``SequenceSlice.captures``: (sequence index, offset) -> layer -> (conv, state).
+    captured: dict[tuple[int, int], dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

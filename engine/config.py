@@ -39,6 +39,33 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Shape of the gated DeltaNet (linear attention) layers of a hybrid model."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    # "qkvz": Qwen3-Next's in_proj_qkvz/in_proj_ba, grouped per key head; "split": Qwen3.5's
+    # in_proj_qkv, in_proj_z, in_proj_b and in_proj_a.
+    projection_layout: str = "split"
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short causal convolution (q, k and v together)."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Everything the engine needs to know about a decoder-only MoE model."""
 
@@ -71,10 +98,28 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...]
     dtype: torch.dtype
     eos_token_ids: tuple[int, ...] = ()
+    # Hybrid models: per layer "full_attention" or "linear_attention" (empty: all full attention).
+    layer_types: tuple[str, ...] = ()
+    linear_attention: LinearAttentionConfig | None = None
+    # Gated attention: q_proj also yields a per-channel sigmoid gate applied before o_proj.
+    attn_output_gate: bool = False
+    # RMSNorm weights stored zero-centred (the norm scales by 1 + weight, in fp32).
+    zero_centered_norm: bool = False
 
     @property
     def moe_layer_ids(self) -> list[int]:
         return [i for i, is_moe in enumerate(self.moe_layers) if is_moe]
+
+    def is_linear_layer(self, idx: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[idx] == "linear_attention"
+
+    @property
+    def linear_layer_ids(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_linear_layer(i)]
+
+    @property
+    def attention_layer_ids(self) -> list[int]:
+        return [i for i in range(self.num_layers) if not self.is_linear_layer(i)]
 
     @property
     def expert_bytes(self) -> int:

@@ -56,13 +56,17 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        attention_layers: list[int] | None = None,
     ) -> None:
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         self.block_size = block_size
+        layers = set(range(num_layers) if attention_layers is None else attention_layers)
         # Uninitialised on purpose: attention only reads slots this sequence has written, and the
-        # OS then commits pages as they are first used rather than all at start-up.
-        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # OS then commits pages as they are first used rather than all at start-up. Layers without
+        # attention (a hybrid model's linear-attention layers) get an empty placeholder.
+        self.keys = [torch.empty(shape if i in layers else (0,), dtype=dtype, device=device) for i in range(num_layers)]
+        self.values = [torch.empty(shape if i in layers else (0,), dtype=dtype, device=device)
+                       for i in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

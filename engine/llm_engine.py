@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from engine.anchors import anchor_token_ids
 from engine.config import ConfigError
 from engine.detokenizer import IncrementalDetokenizer
 from engine.ftw import load_checkpoint
@@ -23,7 +24,9 @@ from engine.prefix_cache import RadixCache
 from engine.request import Request
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams, sample_token
-from engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from engine.scheduler import RecurrentConfig, ScheduledStep, Scheduler, SchedulerConfig
+from engine.state_checkpoints import POLICIES, CheckpointStore, checkpoint_positions
+from engine.state_pool import RecurrentStatePool
 from engine.tokenizer import load_tokenizer
 
 
@@ -47,6 +50,11 @@ class EngineConfig:
     expert_bandwidths: tuple[float, float] | None = None  # (B_P, B_H) bytes/s instead of measuring
     double_buffer: bool = True  # prefill streams whole layers through two buffers (False: one)
     prefix_caching: bool = False  # reuse the KV blocks of any cached whole-block prompt prefix
+    # Hybrid models with prefix caching: where to keep recurrent-state checkpoints (none, prompt-end,
+    # periodic, anchors = semantic anchors + periodic), the periodic interval, and their byte budget.
+    checkpoints: str = "anchors"
+    checkpoint_interval: int = 64
+    checkpoint_bytes: int = 1 << 30
     stream_min_tokens: int | None = None  # steps of at least this many tokens stream; None: from costs
     # Where the CPU share runs: inline | thread | process | external (the last two need host_pool_name;
     # external: a worker started by someone else, e.g. the cluster's CPU-worker actor, serves the ring).
@@ -139,7 +147,8 @@ class LLMEngine:
         kv_tokens = self._kv_tokens()
         bs = self.config.block_size
         num_blocks = -(-kv_tokens // bs)
-        kv = PagedKVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+        kv = PagedKVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
+                          attention_layers=cfg.attention_layer_ids)
         self.experts = build_hierarchy(cfg, self.pool, HierarchyConfig(
             device=self.config.expert_device, expert_cache=self.config.expert_cache,
             virtual_link_gbps=self.config.virtual_link_gbps, q_mode=self.config.q_mode,
@@ -156,7 +165,8 @@ class LLMEngine:
             self._routing_file = open(self.config.record_routing, "w")  # noqa: SIM115 - closed by close()
             self.experts.routing_log = []
         self._steps = 0
-        self.runner = ModelRunner(loaded.model, kv)
+        states = RecurrentStatePool(cfg, self.config.max_num_seqs) if cfg.linear_layer_ids else None
+        self.runner = ModelRunner(loaded.model, kv, states)
         sched_cfg = SchedulerConfig(
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
@@ -164,7 +174,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         )
         prefix = RadixCache(bs) if self.config.prefix_caching else None
-        self.scheduler = Scheduler(sched_cfg, BlockAllocator(num_blocks, bs), prefix)
+        self.scheduler = Scheduler(sched_cfg, BlockAllocator(num_blocks, bs), prefix, self._recurrent_config(states))
+        self.anchor_ids = anchor_token_ids(self.tokenizer) if self.tokenizer is not None else frozenset()
         self._requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
         self._ids = itertools.count()
@@ -172,6 +183,31 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+
+    def _recurrent_config(self, states: RecurrentStatePool | None) -> RecurrentConfig | None:
+        if states is None:
+            return None
+        policy, interval = self.config.checkpoints, self.config.checkpoint_interval
+        if policy not in POLICIES:
+            raise ValueError(f"unknown checkpoint policy '{policy}' (one of {', '.join(POLICIES)})")
+        if interval <= 0 or interval % self.config.block_size:
+            raise ValueError(f"checkpoint_interval must be a positive multiple of the block size "
+                             f"({self.config.block_size}), got {interval}")
+        store = CheckpointStore(self.config.checkpoint_bytes) if policy != "none" else None
+        return RecurrentConfig(states.num_slots, store)
+
+    def _capture_plan(self, scheduled: ScheduledStep) -> dict[str, dict[int, bool]]:
+        """Per request of the step: positions to checkpoint the recurrent state at (-> anchor?)."""
+        if self.scheduler.checkpoints is None:
+            return {}
+        plan = {}
+        for req, n in scheduled.items:
+            found = checkpoint_positions(req.tokens, req.num_computed, req.num_computed + n, len(req.prompt_ids),
+                                         self.config.block_size, self.config.checkpoints,
+                                         self.config.checkpoint_interval, self.anchor_ids)
+            if found:
+                plan[req.request_id] = found
+        return plan
 
     def _attach_filled_pool(self) -> HostExpertPool | None:
         """An existing, completely filled shared pool of this name (a restarted executor reuses its
@@ -205,7 +241,8 @@ class LLMEngine:
         if self.config.kv_cache_tokens:
             return self.config.kv_cache_tokens
         cfg = self.model_config
-        per_token = PagedKVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+        layers = len(cfg.attention_layer_ids)
+        per_token = PagedKVCache.bytes_per_token(layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
         wanted = self.config.max_num_seqs * self.max_model_len
         return max(self.config.block_size, min(wanted, self.config.kv_cache_bytes // per_token))
 
@@ -261,10 +298,11 @@ class LLMEngine:
         self._mark_scheduled(scheduled)
         if self.experts is not None:
             self.experts.begin_step(scheduled.num_tokens, self._next_prefill_tokens(scheduled))
-        logits, sampled = self.runner.execute(scheduled.items)
+        plan = self._capture_plan(scheduled)
+        logits, sampled = self.runner.execute(scheduled.items, {rid: list(p) for rid, p in plan.items()})
         self._write_routing()
         self._steps += 1
-        return self._update(scheduled, logits, sampled)
+        return self._update(scheduled, logits, sampled, plan)
 
     def _next_prefill_tokens(self, scheduled: ScheduledStep) -> int:
         """About how many prompt tokens the step after this one will prefill (chunks left of the
@@ -301,10 +339,13 @@ class LLMEngine:
             if metrics.first_scheduled is None:
                 metrics.first_scheduled = now
 
-    def _update(self, scheduled: ScheduledStep, logits: torch.Tensor, sampled: list[Request]) -> list[RequestOutput]:
+    def _update(self, scheduled: ScheduledStep, logits: torch.Tensor, sampled: list[Request],
+                plan: dict[str, dict[int, bool]] | None = None) -> list[RequestOutput]:
         for req, n in scheduled.items:
             req.num_computed += n
             self.scheduler.cache_computed(req)
+        for req, position, snapshot in self.runner.last_captures:
+            self.scheduler.add_checkpoint(req, position, snapshot, (plan or {})[req.request_id][position])
         outputs = []
         for row, req in enumerate(sampled):
             row_logits = logits[row]
@@ -370,6 +411,8 @@ class LLMEngine:
             "kv_blocks_free": self.scheduler.allocator.num_free,
             "kv_blocks_total": self.scheduler.allocator.num_blocks,
         }
+        if self.scheduler.checkpoints is not None:
+            out.update(self.scheduler.checkpoints.stats())
         if self.experts is not None:
             out["experts"] = self.experts.stats()
             if self.experts.streamer is not None:

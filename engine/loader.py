@@ -153,7 +153,8 @@ def _load_tensors(model_dir: Path, cfg, model: MoECausalLM, pool: ExpertPool, fa
 
 def _load_one(name, canonical, f, cfg, params, pool, progress: _Progress) -> None:
     try:
-        if _IGNORED.search(canonical) or _load_expert(name, canonical, f, cfg, pool, progress):
+        # An empty canonical name: a tensor the family does not use (e.g. multi-token prediction).
+        if not canonical or _IGNORED.search(canonical) or _load_expert(name, canonical, f, cfg, pool, progress):
             return
         if canonical == "lm_head.weight" and cfg.tie_word_embeddings:
             return  # tied: the embedding is the output projection

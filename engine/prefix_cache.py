@@ -7,14 +7,15 @@ never written again — no copy-on-write and no stale page. Requests pin the pat
 (:meth:`RadixCache.lock`); unpinned leaves are evicted least recently used first when the block
 allocator runs dry. Pure bookkeeping, no tensors (unit-testable), like the block allocator.
 
-Nodes are also where recurrent-state checkpoints of hybrid models will hang (a checkpoint at a
-token position inside a node's edge splits the edge there), which is why this is a radix tree
-rather than a hash chain of blocks.
+Nodes are also where recurrent-state checkpoints of hybrid models hang
+(:mod:`engine.state_checkpoints`): a checkpoint at a block boundary inside an edge splits the edge
+there, so each checkpoint sits at the end of its node; ``on_evict`` hears of every evicted node.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -28,6 +29,7 @@ class RadixNode:
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)  # keyed by their first block
     ref: int = 0  # requests using this node (and so every node above it)
     last_access: int = 0
+    checkpoint: object | None = None  # a hybrid model's recurrent state after this edge (StateCheckpoint)
 
     @property
     def is_leaf(self) -> bool:
@@ -55,6 +57,7 @@ class RadixCache:
         self.root.ref = 1  # never evicted
         self._clock = itertools.count(1)
         self.num_blocks = 0  # blocks the tree owns
+        self.on_evict: Callable[[RadixNode], None] | None = None
 
     def _key(self, tokens: tuple[int, ...] | list[int], at: int = 0) -> tuple[int, ...]:
         return tuple(tokens[at : at + self.block_size])
@@ -122,6 +125,8 @@ class RadixCache:
             del victim.parent.children[self._key(victim.tokens)]
             freed += victim.blocks
             self.num_blocks -= len(victim.blocks)
+            if self.on_evict is not None:
+                self.on_evict(victim)
         return freed
 
     def _common_blocks(self, edge: tuple[int, ...], tokens: list[int], pos: int) -> int:

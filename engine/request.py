@@ -38,6 +38,11 @@ class Request:
     num_tree_blocks: int = 0
     prefix_node: object | None = None
     num_cached_tokens: int = 0
+    # Hybrid models: the recurrent-state slot, and what it starts from before the first step
+    # after admission (a StateCheckpoint's state, or None for zeros) until ``state_ready``.
+    state_slot: int = -1
+    state_source: object | None = None
+    state_ready: bool = False
     generator: torch.Generator | None = None
     num_preemptions: int = 0
 

@@ -8,10 +8,15 @@ from engine.batch import ForwardBatch, SequenceSlice
 from engine.kv_cache import PagedKVCache
 from engine.models import MoECausalLM
 from engine.request import Request
+from engine.state_pool import RecurrentStatePool, StateSnapshot
 
 
-def build_batch(items: list[tuple[Request, int]], block_size: int) -> tuple[ForwardBatch, list[Request]]:
-    """Flatten the step's new tokens; also return the requests that get a sampled token."""
+def build_batch(
+    items: list[tuple[Request, int]], block_size: int, captures: dict[str, list[int]] | None = None
+) -> tuple[ForwardBatch, list[Request]]:
+    """Flatten the step's new tokens; also return the requests that get a sampled token.
+    ``captures`` maps a request id to the positions after which to snapshot its recurrent state."""
+    captures = captures or {}
     token_ids: list[int] = []
     positions: list[int] = []
     slots: list[torch.Tensor] = []
@@ -23,7 +28,9 @@ def build_batch(items: list[tuple[Request, int]], block_size: int) -> tuple[Forw
         table = req.block_table[: -(-end // block_size)]
         blocks = torch.tensor(table, dtype=torch.long)
         consecutive = table == list(range(table[0], table[0] + len(table)))
-        sequences.append(SequenceSlice(len(token_ids), n, end, blocks, table[0] if consecutive else -1))
+        offsets = tuple(p - start for p in captures.get(req.request_id, ()) if start < p <= end)
+        sequences.append(SequenceSlice(len(token_ids), n, end, blocks, table[0] if consecutive else -1,
+                                       req.state_slot, offsets))
         token_ids += req.tokens[start:end]
         positions += range(start, end)
         new_slots = (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)[start:end]
@@ -43,12 +50,28 @@ def build_batch(items: list[tuple[Request, int]], block_size: int) -> tuple[Forw
 
 
 class ModelRunner:
-    """Owns the model and its KV cache; executes one step."""
+    """Owns the model, its KV cache and (hybrid models) its recurrent-state pool; executes one step."""
 
-    def __init__(self, model: MoECausalLM, kv: PagedKVCache) -> None:
+    def __init__(self, model: MoECausalLM, kv: PagedKVCache, states: RecurrentStatePool | None = None) -> None:
         self.model = model
         self.kv = kv
+        self.states = states
+        # The last step's state snapshots: (request, position, snapshot).
+        self.last_captures: list[tuple[Request, int, StateSnapshot]] = []
 
-    def execute(self, items: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
-        batch, sampled = build_batch(items, self.kv.block_size)
-        return self.model(batch, self.kv), sampled
+    def execute(
+        self, items: list[tuple[Request, int]], captures: dict[str, list[int]] | None = None
+    ) -> tuple[torch.Tensor, list[Request]]:
+        batch, sampled = build_batch(items, self.kv.block_size, captures)
+        if self.states is not None:
+            for req, _ in items:
+                if not req.state_ready:  # first step since admission: zeros or a checkpoint
+                    self.states.prepare(req.state_slot, req.state_source)
+                    req.state_ready, req.state_source = True, None
+        logits = self.model(batch, self.kv, self.states)
+        self.last_captures = [
+            (items[index][0], batch.sequences[index].context_len - batch.sequences[index].query_len + offset,
+             StateSnapshot(layers))
+            for (index, offset), layers in batch.captured.items()
+        ]
+        return logits, sampled

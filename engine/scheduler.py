@@ -11,6 +11,11 @@ computed starts from the longest cached whole-block prefix of its tokens (at lea
 always left to compute, for the logits); after each step its newly computed full blocks join the
 tree (:meth:`Scheduler.cache_computed`). Tree blocks no request pins are evicted, least recently
 used first, before anyone is preempted.
+
+Hybrid models (:class:`RecurrentConfig`) also hold a recurrent-state slot per running request. Their
+prefix reuse stops at the deepest state checkpoint of the matched prefix (the state after the
+prefix cannot be rebuilt from KV pages), and the state is restored from it; without one the
+request starts from zeros at position 0.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from dataclasses import dataclass, field
 from engine.kv_cache import BlockAllocator
 from engine.prefix_cache import RadixCache
 from engine.request import Request, Status
+from engine.state_checkpoints import CheckpointStore
+from engine.state_pool import StateSnapshot
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     prefill_chunk: int = 512
     max_model_len: int = 8192
+
+
+@dataclass
+class RecurrentConfig:
+    """Hybrid models: ``num_slots`` state slots, and the checkpoints prefix reuse restores from
+    (None: no reuse)."""
+
+    num_slots: int
+    checkpoints: CheckpointStore | None = None
 
 
 @dataclass
@@ -48,10 +64,16 @@ class ScheduledStep:
 class Scheduler:
     """Decides which requests run in the next step and owns their KV blocks."""
 
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, prefix: RadixCache | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, prefix: RadixCache | None = None,
+                 recurrent: RecurrentConfig | None = None) -> None:
         self.config = config
         self.allocator = allocator
         self.prefix = prefix
+        self.recurrent = recurrent
+        self.checkpoints = recurrent.checkpoints if recurrent is not None and prefix is not None else None
+        if self.checkpoints is not None:
+            prefix.on_evict = self.checkpoints.node_evicted
+        self._free_slots = list(range(recurrent.num_slots - 1, -1, -1)) if recurrent is not None else []
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -70,6 +92,7 @@ class Scheduler:
         """Mark a request finished (or aborted) and release its blocks."""
         request.status, request.finish_reason = Status.FINISHED, reason
         self._release_blocks(request)
+        self._release_slot(request)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -108,6 +131,7 @@ class Scheduler:
     def _preempt(self, req: Request, step: ScheduledStep) -> None:
         self.running.remove(req)
         self._release_blocks(req)
+        self._release_slot(req)
         req.num_computed = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
@@ -116,6 +140,8 @@ class Scheduler:
 
     def _admit(self, step: ScheduledStep, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if self.recurrent is not None and not self._free_slots:
+                break
             req = self.waiting[0]
             if req.num_computed == 0 and not req.block_table:
                 self._reuse_prefix(req)
@@ -128,6 +154,8 @@ class Scheduler:
             self.waiting.popleft()
             req.block_table += self.allocator.allocate(need)
             req.status = Status.RUNNING
+            if self.recurrent is not None:
+                req.state_slot, req.state_ready = self._free_slots.pop(), False
             self.running.append(req)
             step.items.append((req, n))
             budget -= n
@@ -151,16 +179,37 @@ class Scheduler:
         req.prefix_node, req.num_tree_blocks = node, full
 
     def _reuse_prefix(self, req: Request) -> None:
+        req.num_cached_tokens, req.state_source = 0, None
         if self.prefix is None:
             return
-        req.num_cached_tokens = 0
         found = self.prefix.match(req.tokens[: req.num_tokens - 1])  # leave a token to compute
-        if not found.blocks:
+        node, blocks = found.node, found.blocks
+        if self.recurrent is not None:  # stop at the deepest state checkpoint
+            ckpt = self.checkpoints.deepest(node, found.num_tokens) if self.checkpoints is not None else None
+            if ckpt is None:
+                return
+            node, blocks = ckpt.node, blocks[: ckpt.position // self.allocator.block_size]
+            req.state_source = ckpt.state
+        if not blocks:
             return
-        self.prefix.lock(found.node)
-        req.prefix_node, req.num_tree_blocks = found.node, len(found.blocks)
-        req.block_table = list(found.blocks)
-        req.num_computed = req.num_cached_tokens = found.num_tokens
+        self.prefix.lock(node)
+        req.prefix_node, req.num_tree_blocks = node, len(blocks)
+        req.block_table = list(blocks)
+        req.num_computed = req.num_cached_tokens = len(blocks) * self.allocator.block_size
+
+    def add_checkpoint(self, req: Request, position: int, state: StateSnapshot, anchor: bool) -> None:
+        """Keep ``state``, the request's recurrent state after ``position`` tokens (a whole-block
+        position within its tree blocks: call after :meth:`cache_computed`)."""
+        if self.checkpoints is None or position > req.num_tree_blocks * self.allocator.block_size:
+            return
+        found = self.prefix.match(req.tokens[:position])  # splits an edge so that a node ends here
+        if found.num_tokens == position:
+            self.checkpoints.add(found.node, position, state, anchor)
+
+    def _release_slot(self, req: Request) -> None:
+        if req.state_slot >= 0:
+            self._free_slots.append(req.state_slot)
+        req.state_slot, req.state_source, req.state_ready = -1, None, False
 
     def _release_blocks(self, req: Request) -> None:
         """Free the request's own blocks and unpin its tree blocks (they stay cached)."""

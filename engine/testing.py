@@ -105,7 +105,19 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, intermediate_size=96
     ),
     "mixtral": dict(num_local_experts=8, intermediate_size=32),
+    # Hybrids: layers 0-2 gated DeltaNet, layer 3 gated attention (transformers' default 3:1 pattern).
+    "qwen3_next": dict(
+        num_hidden_layers=4, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        intermediate_size=96, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+    ),
+    "qwen3_5_moe": dict(
+        num_hidden_layers=4, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4,
+    ),
 }
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe")
 
 
 def build_tokenizer(out_dir: Path, vocab_size: int = 384, chat_format: str = "chatml") -> Any:
@@ -142,9 +154,10 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384, chat_format: str = "ch
 
 
 def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
-    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3_5MoeTextConfig, Qwen3MoeConfig, Qwen3NextConfig
 
-    classes = {"qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig}
+    classes = {"qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig,
+               "qwen3_next": Qwen3NextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(
@@ -240,8 +253,8 @@ def record_logits(llm: Any) -> dict[str, list[torch.Tensor]]:
     recorded: dict[str, list[torch.Tensor]] = {}
     execute = llm.engine.runner.execute
 
-    def wrapped(items):
-        logits, sampled = execute(items)
+    def wrapped(items, *args, **kwargs):
+        logits, sampled = execute(items, *args, **kwargs)
         for row, req in enumerate(sampled):
             recorded.setdefault(req.request_id, []).append(logits[row].clone())
         return logits, sampled

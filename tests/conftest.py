@@ -7,7 +7,7 @@ import torch
 
 from engine.testing import make_checkpoint
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe"]
 
 
 @pytest.fixture(scope="session")

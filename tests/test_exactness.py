@@ -108,9 +108,13 @@ def test_fp32_prefill_logits_at_every_position(checkpoint, family):
     prompt = PROMPTS[2]
     req = Request("r", prompt, SamplingParams())
     req.block_table = llm.engine.scheduler.allocator.allocate(-(-len(prompt) // 8))
+    states = llm.engine.runner.states
+    if states is not None:  # hybrid: a zeroed recurrent-state slot
+        req.state_slot = 0
+        states.prepare(0, None)
     batch, _ = build_batch([(req, len(prompt))], 8)
     batch.logits_indices = torch.arange(len(prompt))
-    ours = llm.engine.runner.model(batch, llm.engine.runner.kv)
+    ours = llm.engine.runner.model(batch, llm.engine.runner.kv, states)
     with torch.no_grad():
         theirs = ref(torch.tensor([prompt])).logits[0]
     assert ours.shape == theirs.shape

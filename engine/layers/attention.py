@@ -9,7 +9,7 @@ from torch import nn
 from engine.batch import ForwardBatch, SequenceSlice
 from engine.config import ModelConfig
 from engine.layers.linear import Projection, linear
-from engine.layers.norm import RMSNorm
+from engine.layers.norm import make_norm
 from engine.layers.rope import apply_rotary
 
 
@@ -46,14 +46,17 @@ class Attention(nn.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.window = cfg.sliding_windows[layer_idx]
-        q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
+        # Gated attention: q_proj yields, per head, D query channels then D gate channels.
+        self.output_gate = cfg.attn_output_gate
+        q_out, kv_out = cfg.num_heads * d * (2 if self.output_gate else 1), cfg.num_kv_heads * d
         self.q_proj = Projection(h, q_out, cfg.qkv_bias, cfg.dtype)
         self.k_proj = Projection(h, kv_out, cfg.qkv_bias, cfg.dtype)
         self.v_proj = Projection(h, kv_out, cfg.qkv_bias, cfg.dtype)
         self._fuse_qkv(h, q_out, kv_out, cfg.qkv_bias, cfg.dtype)
         self.o_proj = Projection(cfg.num_heads * d, h, False, cfg.dtype)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.dtype) if cfg.qk_norm else None
+        norm = cfg.zero_centered_norm
+        self.q_norm = make_norm(d, cfg.rms_norm_eps, cfg.dtype, norm) if cfg.qk_norm else None
+        self.k_norm = make_norm(d, cfg.rms_norm_eps, cfg.dtype, norm) if cfg.qk_norm else None
         self.scale = d**-0.5
 
     def _fuse_qkv(self, h: int, q_out: int, kv_out: int, bias: bool, dtype: torch.dtype) -> None:
@@ -80,6 +83,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = linear(x, self.qkv_weight, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], -1)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, heads, D] each
+            gate = gate.reshape(t, self.num_heads * self.head_dim)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -110,7 +117,10 @@ class Attention(nn.Module):
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )
             out[rows] = o[0].transpose(0, 1)
-        return linear(out.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight)
+        out = out.reshape(t, self.num_heads * self.head_dim)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return linear(out, self.o_proj.weight)
 
     def _decode_one(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
         """One query token: fold each KV head's query group into the query axis so the kernel

@@ -25,3 +25,37 @@ class RMSNorm(nn.Module):
         if ops is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype:
             return ops.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.normalized_shape, eps=self.eps).to(x.dtype)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm whose stored weight is centred on zero: scales by ``1 + weight``, in fp32, and casts
+    once at the end (Qwen3-Next / Qwen3.5 order)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.normalized_shape = (size,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), self.normalized_shape, eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm then a SiLU gate: ``weight * norm(x) * silu(gate)`` (the DeltaNet output norm)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.normalized_shape = (size,)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = self.weight * F.rms_norm(x.float(), self.normalized_shape, eps=self.eps).to(x.dtype)
+        return (normed * F.silu(gate.float())).to(x.dtype)
+
+
+def make_norm(size: int, eps: float, dtype: torch.dtype, zero_centered: bool) -> nn.Module:
+    """The family's RMSNorm flavour."""
+    return ZeroCenteredRMSNorm(size, eps, dtype) if zero_centered else RMSNorm(size, eps, dtype)

@@ -61,9 +61,7 @@ def _yarn(theta: float, dim: int, p: dict, max_pos: int) -> tuple[torch.Tensor, 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] and the cos/sin scale for the checkpoint's rope type."""
-    rope, dim = cfg.rope, cfg.head_dim
-    if rope.params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ConfigError("partial_rotary_factor != 1 is not supported yet")
+    rope, dim = cfg.rope, rotary_dim(cfg)
     if rope.rope_type == "default":
         return _base_inv_freq(rope.theta, dim), 1.0
     if rope.rope_type == "linear":
@@ -73,6 +71,15 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     if rope.rope_type == "yarn":
         return _yarn(rope.theta, dim, rope.params, cfg.max_position_embeddings)
     raise ConfigError(f"rope_type '{rope.rope_type}' is not supported (default, linear, llama3, yarn are)")
+
+
+def rotary_dim(cfg: ModelConfig) -> int:
+    """Channels of each head that rotate (``partial_rotary_factor`` of the head; the rest pass)."""
+    dim = int(cfg.head_dim * float(cfg.rope.params.get("partial_rotary_factor", 1.0)))
+    if dim <= 0 or dim % 2:
+        raise ConfigError(f"partial_rotary_factor gives {dim} rotary channels of {cfg.head_dim} "
+                          "(need a positive even count)")
+    return dim
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -95,6 +102,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos/sin: [T, D]."""
+    """x: [T, heads, D]; cos/sin: [T, R] with R <= D (the first R channels rotate)."""
     cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + rotate_half(x) * sin
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    head, rest = x[..., :rot], x[..., rot:]
+    return torch.cat((head * cos + rotate_half(head) * sin, rest), dim=-1)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from engine.config import ConfigError
-from engine.models import mixtral, qwen2_moe, qwen3_moe
+from engine.models import mixtral, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
 from engine.models.base import ModelFamily, MoECausalLM
 
-_FAMILIES: tuple[ModelFamily, ...] = (qwen3_moe.FAMILY, qwen2_moe.FAMILY, mixtral.FAMILY)
+_FAMILIES: tuple[ModelFamily, ...] = (
+    qwen3_moe.FAMILY, qwen2_moe.FAMILY, mixtral.FAMILY, qwen3_next.FAMILY, qwen3_5_moe.FAMILY,
+)
 
 
 def supported_architectures() -> list[str]:

@@ -19,11 +19,13 @@ from engine.config import ModelConfig
 from engine.experts import ExpertBackend
 from engine.kv_cache import PagedKVCache
 from engine.layers.attention import Attention
+from engine.layers.deltanet import GatedDeltaNet
 from engine.layers.linear import Projection, linear
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import MoEBlock
-from engine.layers.norm import RMSNorm
+from engine.layers.norm import make_norm
 from engine.layers.rope import RotaryEmbedding
+from engine.state_pool import RecurrentStatePool
 
 
 @dataclass(frozen=True)
@@ -53,21 +55,32 @@ COMMON_FIELDS: tuple[tuple[str, ...], ...] = (
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + (MoE or dense) feed-forward, with residuals."""
+    """Pre-norm token mixer (attention, or a hybrid model's gated DeltaNet) + (MoE or dense)
+    feed-forward, with residuals."""
 
     def __init__(self, cfg: ModelConfig, idx: int, backend: ExpertBackend) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
-        self.self_attn = Attention(cfg, idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.idx = idx
+        self.input_layernorm = make_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, cfg.zero_centered_norm)
+        self.linear_attn: GatedDeltaNet | None = None
+        self.self_attn: Attention | None = None
+        if cfg.is_linear_layer(idx):
+            self.linear_attn = GatedDeltaNet(cfg, idx)
+        else:
+            self.self_attn = Attention(cfg, idx)
+        self.post_attention_layernorm = make_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, cfg.zero_centered_norm)
         self.mlp: nn.Module
         if cfg.moe_layers[idx]:
             self.mlp = MoEBlock(cfg, idx, backend)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.dtype)
 
-    def forward(self, h, rope, batch: ForwardBatch, k_cache, v_cache) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, batch, k_cache, v_cache)
+    def forward(self, h, rope, batch: ForwardBatch, kv: PagedKVCache, states: RecurrentStatePool | None):
+        x = self.input_layernorm(h)
+        if self.linear_attn is not None:
+            h = h + self.linear_attn(x, batch, states.conv[self.idx], states.recurrent[self.idx])
+        else:
+            h = h + self.self_attn(x, rope, batch, kv.keys[self.idx], kv.values[self.idx])
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -80,7 +93,7 @@ class DecoderModel(nn.Module):
         weight = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight, _freeze=True)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype)
+        self.norm = make_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, cfg.zero_centered_norm)
         self.rotary = RotaryEmbedding(cfg)
 
 
@@ -103,12 +116,15 @@ class MoECausalLM(nn.Module):
                 layer.mlp.backend = backend
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab] in fp32."""
+    def forward(self, batch: ForwardBatch, kv: PagedKVCache, states: RecurrentStatePool | None = None) -> torch.Tensor:
+        """Logits [len(batch.logits_indices), vocab] in fp32. Hybrid models also need ``states``
+        (each sequence's slot named in the batch)."""
+        if self.config.linear_layer_ids and states is None:
+            raise ValueError(f"{self.config.architecture} has linear-attention layers: forward needs a state pool")
         h = self.model.embed_tokens(batch.token_ids)  # [T, H]
         rope = self.model.rotary(batch.positions, h.dtype)
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, rope, batch, kv.keys[i], kv.values[i])
+        for layer in self.model.layers:
+            h = layer(h, rope, batch, kv, states)
         h = self.model.norm(h.index_select(0, batch.logits_indices))
         return linear(h, self.lm_head.weight).float()
 

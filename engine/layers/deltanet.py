@@ -1,0 +1,203 @@
+"""Gated DeltaNet: the linear-attention layers of hybrid models (Qwen3-Next, Qwen3.5).
+
+Each sequence carries two pieces of state per layer, kept in a pool outside the layer (one slot per
+running sequence): the last ``K - 1`` inputs of the short causal convolution, and the recurrent
+state ``S`` [heads, Dk, Dv] (fp32) of the gated delta rule. Per token t:
+
+    S <- exp(g_t) * S                  (decay)
+    u_t = beta_t * (v_t - S^T k_t)      (the part of v_t that S does not already predict)
+    S <- S + k_t u_t^T                  (delta-rule write)
+    o_t = S^T q_t
+
+Decode steps apply this recurrence directly. Prefill chunks use the equivalent chunked form: within
+a chunk of C tokens the writes u solve one unit lower-triangular system, and the state is touched
+once per chunk. A step may also snapshot the state part-way through a sequence (the prefix cache's
+checkpoints): the sequence is then computed in segments cut at those offsets.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.batch import ForwardBatch
+from engine.config import ModelConfig
+from engine.layers.linear import Projection, linear
+from engine.layers.norm import GatedRMSNorm
+
+CHUNK = 64
+
+
+class _Weight(nn.Module):
+    """A bare ``weight`` parameter under a checkpoint name (``conv1d.weight``)."""
+
+    def __init__(self, *shape: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def recurrent_step(q, k, v, g, beta, state):
+    """One token for B sequences at once. q, k: [B, H, Dk]; v: [B, H, Dv]; g, beta: [B, H];
+    state: [B, H, Dk, Dv] (all fp32). Returns (o [B, H, Dv], new state)."""
+    state = state * g.exp()[..., None, None]
+    predicted = (state * k[..., None]).sum(dim=-2)  # S^T k: [B, H, Dv]
+    update = (v - predicted) * beta[..., None]
+    state = state + k[..., None] * update[..., None, :]
+    return (state * q[..., None]).sum(dim=-2), state
+
+
+def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """The gated delta rule over one sequence segment, chunk by chunk.
+
+    q, k: [n, H, Dk]; v: [n, H, Dv]; g, beta: [n, H]; state: [H, Dk, Dv] (all fp32; q already
+    scaled). Returns (o [n, H, Dv], final state)."""
+    n = q.shape[0]
+    pad = (-n) % chunk  # zero padding: g = 0 keeps the state, beta = k = 0 writes nothing
+    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))  # [H, n + pad, D]
+    g, beta = (F.pad(x.transpose(0, 1), (0, pad)) for x in (g, beta))  # [H, n + pad]
+    heads, total = g.shape
+    q, k, v = (x.reshape(heads, total // chunk, chunk, -1) for x in (q, k, v))  # [H, N, C, D]
+    g, beta = g.reshape(heads, -1, chunk), beta.reshape(heads, -1, chunk)  # [H, N, C]
+
+    gamma = g.cumsum(dim=-1)  # log decay from the chunk start through each position
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # decay[i, j] = exp(gamma_i - gamma_j) for j <= i, else 0: [H, N, C, C]
+    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta[..., None]
+    # (I + L) u = beta v - (beta exp(gamma) k) S0 with L[i, j] = beta_i (k_i . k_j) decay[i, j], j < i.
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    writes = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    reads = torch.linalg.solve_triangular(system, k_beta * gamma.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay  # [H, N, C, C]
+    q_from_start = q * gamma.exp()[..., None]
+    k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]
+    chunk_decay = gamma[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+
+    out = torch.empty_like(v)
+    for c in range(total // chunk):
+        u = writes[:, c] - reads[:, c] @ state  # [H, C, Dv]
+        out[:, c] = q_from_start[:, c] @ state + intra[:, c] @ u
+        state = state * chunk_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ u
+    return out.reshape(heads, total, -1)[:, :n].transpose(0, 1), state
+
+
+class GatedDeltaNet(nn.Module):
+    """One linear-attention layer; its state lives in ``conv_cache`` / ``state_cache`` slots."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        la = cfg.linear_attention
+        assert la is not None
+        self.layer_idx = layer_idx
+        self.la = la
+        self.group = la.num_value_heads // la.num_key_heads  # value heads per key head
+        h, dt = cfg.hidden_size, cfg.dtype
+        if la.projection_layout == "qkvz":
+            self.in_proj_qkvz = Projection(h, la.conv_dim + la.value_dim, False, dt)
+            self.in_proj_ba = Projection(h, 2 * la.num_value_heads, False, dt)
+        else:
+            self.in_proj_qkv = Projection(h, la.conv_dim, False, dt)
+            self.in_proj_z = Projection(h, la.value_dim, False, dt)
+            self.in_proj_b = Projection(h, la.num_value_heads, False, dt)
+            self.in_proj_a = Projection(h, la.num_value_heads, False, dt)
+        self.conv1d = _Weight(la.conv_dim, 1, la.conv_kernel, dtype=dt)
+        self.dt_bias = nn.Parameter(torch.empty(la.num_value_heads, dtype=dt), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(la.num_value_heads, dtype=dt), requires_grad=False)
+        self.norm = GatedRMSNorm(la.value_head_dim, cfg.rms_norm_eps, dt)
+        self.out_proj = Projection(la.value_dim, h, False, dt)
+
+    def _project(self, x: torch.Tensor):
+        """x [T, H] -> (qkv [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
+        la, t = self.la, x.shape[0]
+        if la.projection_layout == "qkvz":
+            # Grouped per key head: [q (Dk), k (Dk), v (group*Dv), z (group*Dv)] for each key head.
+            mixed = linear(x, self.in_proj_qkvz.weight).view(t, la.num_key_heads, -1)
+            gv = self.group * la.value_head_dim
+            q, k, v, z = mixed.split([la.key_head_dim, la.key_head_dim, gv, gv], dim=-1)
+            qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+            b, a = linear(x, self.in_proj_ba.weight).view(t, la.num_key_heads, -1).split(self.group, dim=-1)
+            return qkv, z.reshape(t, la.num_value_heads, -1), b.reshape(t, -1), a.reshape(t, -1)
+        z = linear(x, self.in_proj_z.weight).view(t, la.num_value_heads, -1)
+        return linear(x, self.in_proj_qkv.weight), z, linear(x, self.in_proj_b.weight), linear(x, self.in_proj_a.weight)
+
+    def _qkv_heads(self, mixed: torch.Tensor):
+        """Convolved [n, conv_dim] -> fp32 q (normalised, scaled), k (normalised), v, with the key
+        heads repeated for their value heads: [n, Hv, Dk], [n, Hv, Dk], [n, Hv, Dv]."""
+        la, n = self.la, mixed.shape[0]
+        q, k, v = mixed.float().split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
+        q = l2_normalize(q.view(n, la.num_key_heads, -1)) * la.key_head_dim**-0.5
+        k = l2_normalize(k.view(n, la.num_key_heads, -1))
+        if self.group > 1:
+            q, k = q.repeat_interleave(self.group, dim=1), k.repeat_interleave(self.group, dim=1)
+        return q, k, v.view(n, la.num_value_heads, -1)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        batch: ForwardBatch,
+        conv_cache: torch.Tensor,  # [slots, conv_dim, K - 1]
+        state_cache: torch.Tensor,  # [slots, Hv, Dk, Dv] fp32
+    ) -> torch.Tensor:
+        qkv, z, b, a = self._project(x)
+        beta = torch.sigmoid(b).float()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv], <= 0
+        out = torch.empty(x.shape[0], self.la.num_value_heads, self.la.value_head_dim, dtype=torch.float32)
+        decode = [i for i, s in enumerate(batch.sequences) if s.query_len == 1 and not s.captures]
+        if decode:
+            self._decode(qkv, g, beta, out, batch, decode, conv_cache, state_cache)
+        done = set(decode)
+        for index in range(len(batch.sequences)):
+            if index not in done:
+                self._sequence(index, qkv, g, beta, out, batch, conv_cache, state_cache)
+        core = self.norm(out.to(x.dtype).view(-1, self.la.value_head_dim), z.reshape(-1, self.la.value_head_dim))
+        return linear(core.view(x.shape[0], -1), self.out_proj.weight)
+
+    def _conv(self, window: torch.Tensor) -> torch.Tensor:
+        """Causal depthwise convolution over ``window`` [B, C, K - 1 + n] -> SiLU'd [B, C, n]."""
+        w = self.conv1d.weight
+        return F.silu(F.conv1d(window.to(w.dtype), w, groups=w.shape[0]))
+
+    def _decode(self, qkv, g, beta, out, batch, indices, conv_cache, state_cache) -> None:
+        """Every single-token sequence of the step in one batched recurrent update."""
+        rows = torch.tensor([batch.sequences[i].query_start for i in indices], dtype=torch.long)
+        slots = torch.tensor([batch.sequences[i].state_slot for i in indices], dtype=torch.long)
+        window = torch.cat([conv_cache.index_select(0, slots), qkv.index_select(0, rows)[:, :, None]], dim=-1)
+        conv_cache.index_copy_(0, slots, window[:, :, 1:].to(conv_cache.dtype))
+        mixed = self._conv(window)[:, :, -1].to(qkv.dtype)  # [B, C]
+        q, k, v = self._qkv_heads(mixed)
+        o, state = recurrent_step(q, k, v, g.index_select(0, rows), beta.index_select(0, rows),
+                                  state_cache.index_select(0, slots))
+        state_cache.index_copy_(0, slots, state)
+        out.index_copy_(0, rows, o)
+
+    def _sequence(self, index, qkv, g, beta, out, batch, conv_cache, state_cache) -> None:
+        """One sequence's new tokens, in segments cut where the step snapshots the state."""
+        seq = batch.sequences[index]
+        start, n, slot = seq.query_start, seq.query_len, seq.state_slot
+        history = conv_cache.shape[-1]  # K - 1
+        window = torch.cat([conv_cache[slot], qkv[start : start + n].T.to(conv_cache.dtype)], dim=-1)  # [C, K-1+n]
+        mixed = self._conv(window[None])[0].T.to(qkv.dtype)  # [n, C]
+        q, k, v = self._qkv_heads(mixed)
+        state = state_cache[slot]
+        lo = 0
+        for cut in sorted({*seq.captures, n}):
+            rows = slice(lo, cut)
+            if cut - lo == 1:
+                o, state = recurrent_step(q[rows], k[rows], v[rows], g[start + lo][None], beta[start + lo][None],
+                                          state[None])
+                state = state[0]
+            else:
+                o, state = chunked_delta_rule(q[rows], k[rows], v[rows], g[start + lo : start + cut],
+                                              beta[start + lo : start + cut], state)
+            out[start + lo : start + cut] = o
+            if cut in seq.captures:
+                batch.captured.setdefault((index, cut), {})[self.layer_idx] = (
+                    window[:, cut : cut + history].clone(), state.clone())
+            lo = cut
+        conv_cache[slot] = window[:, n:]
+        state_cache[slot] = state
