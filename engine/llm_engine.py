@@ -196,8 +196,8 @@ class LLMEngine:
         store = CheckpointStore(self.config.checkpoint_bytes) if policy != "none" else None
         return RecurrentConfig(states.num_slots, store)
 
-    def _capture_plan(self, scheduled: ScheduledStep) -> dict[str, dict[int, bool]]:
-        """Per request of the step: positions to checkpoint the recurrent state at (-> anchor?)."""
+    def _capture_plan(self, scheduled: ScheduledStep) -> dict[str, dict[int, frozenset[str]]]:
+        """Per request of the step: positions to checkpoint the recurrent state at (-> anchor kinds)."""
         if self.scheduler.checkpoints is None:
             return {}
         plan = {}
@@ -340,7 +340,7 @@ class LLMEngine:
                 metrics.first_scheduled = now
 
     def _update(self, scheduled: ScheduledStep, logits: torch.Tensor, sampled: list[Request],
-                plan: dict[str, dict[int, bool]] | None = None) -> list[RequestOutput]:
+                plan: dict[str, dict[int, frozenset[str]]] | None = None) -> list[RequestOutput]:
         for req, n in scheduled.items:
             req.num_computed += n
             self.scheduler.cache_computed(req)

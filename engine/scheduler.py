@@ -197,14 +197,14 @@ class Scheduler:
         req.block_table = list(blocks)
         req.num_computed = req.num_cached_tokens = len(blocks) * self.allocator.block_size
 
-    def add_checkpoint(self, req: Request, position: int, state: StateSnapshot, anchor: bool) -> None:
+    def add_checkpoint(self, req: Request, position: int, state: StateSnapshot, kinds: frozenset[str]) -> None:
         """Keep ``state``, the request's recurrent state after ``position`` tokens (a whole-block
         position within its tree blocks: call after :meth:`cache_computed`)."""
         if self.checkpoints is None or position > req.num_tree_blocks * self.allocator.block_size:
             return
         found = self.prefix.match(req.tokens[:position])  # splits an edge so that a node ends here
         if found.num_tokens == position:
-            self.checkpoints.add(found.node, position, state, anchor)
+            self.checkpoints.add(found.node, position, state, kinds)
 
     def _release_slot(self, req: Request) -> None:
         if req.state_slot >= 0:

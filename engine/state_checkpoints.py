@@ -11,8 +11,12 @@ by a policy:
   boundaries, which agent edits keep) plus the periodic ones as a fallback.
 
 A checkpoint lives on the tree node whose edge ends at its position, and dies with that node when
-the tree evicts it. Over the budget, checkpoints are evicted periodic ones first, then anchors, the
-least recently used (created or restored) first within each kind.
+the tree evicts it. Over the budget, the store evicts the checkpoint least likely to be restored:
+periodic ones before anchors, and among anchors those whose *kind* (the anchor token and the side
+of it) has the lowest survival rate so far — restores as the deepest usable checkpoint over
+checkpoints created — least recently used first. Which boundaries a client's edits respect is
+thus learnt from the traffic, not assumed: OpenClaw-style edits make "before a thinking block"
+anchors survive, OpenCode-style ones "inside a tool result".
 """
 
 from __future__ import annotations
@@ -34,33 +38,39 @@ class StateCheckpoint:
     position: int
     state: StateSnapshot
     nbytes: int
-    anchor: bool
+    kinds: frozenset[str]  # anchor kinds ("<token id>:before" / "<token id>:after"); empty: periodic
     last_use: int
     node: RadixNode | None = None
+
+    @property
+    def anchor(self) -> bool:
+        return bool(self.kinds)
 
 
 def checkpoint_positions(
     tokens: list[int], start: int, end: int, num_prompt: int, block_size: int, policy: str, interval: int,
     anchors: frozenset[int],
-) -> dict[int, bool]:
+) -> dict[int, frozenset[str]]:
     """Positions in ``(start, end]`` to checkpoint while computing ``tokens[start:end]``, each
-    mapped to whether it is an anchor. Every position is a multiple of ``block_size``."""
+    mapped to its anchor kinds (empty for a periodic or prompt-end one). Every position is a
+    multiple of ``block_size``: an anchor's is rounded down to its block."""
     if policy not in POLICIES:
         raise ValueError(f"unknown checkpoint policy '{policy}' (one of {', '.join(POLICIES)})")
-    found: dict[int, bool] = {}
+    found: dict[int, frozenset[str]] = {}
     if policy == "prompt-end":
         p = num_prompt // block_size * block_size
         if start < p <= end:
-            found[p] = False
+            found[p] = frozenset()
     if policy in ("periodic", "anchors"):
         first = (start // interval + 1) * interval
-        found.update(dict.fromkeys(range(first, end + 1, interval), False))
+        found.update(dict.fromkeys(range(first, end + 1, interval), frozenset()))
     if policy == "anchors":
         for i in range(start, end):
             if tokens[i] in anchors:
-                for p in (i // block_size * block_size, (i + 1) // block_size * block_size):
+                for p, side in ((i, "before"), (i + 1, "after")):
+                    p = p // block_size * block_size
                     if start < p <= end:
-                        found[p] = True
+                        found[p] = found.get(p, frozenset()) | {f"{tokens[i]}:{side}"}
     return found
 
 
@@ -75,26 +85,34 @@ class CheckpointStore:
         self._live: set[StateCheckpoint] = set()
         self._clock = itertools.count(1)
         self.evictions = 0
+        self.restores = 0
+        self._created: dict[str, int] = {}  # anchor kind -> checkpoints of that kind created
+        self._restored: dict[str, int] = {}  # anchor kind -> restores of a checkpoint of that kind
 
     def __len__(self) -> int:
         return len(self._live)
 
-    def add(self, node: RadixNode, position: int, state: StateSnapshot, anchor: bool) -> StateCheckpoint | None:
-        """Keep ``state`` as the checkpoint at the end of ``node`` (``position`` tokens deep). An
-        existing checkpoint there is kept (and becomes an anchor if this one is). Returns the
-        checkpoint, or None when it does not fit the budget at all."""
+    def add(self, node: RadixNode, position: int, state: StateSnapshot,
+            kinds: frozenset[str] = frozenset()) -> StateCheckpoint | None:
+        """Keep ``state`` as the checkpoint at the end of ``node`` (``position`` tokens deep), of
+        the given anchor ``kinds`` (none: periodic). An existing checkpoint there is kept (and
+        gains the kinds). Returns the checkpoint, or None when it does not fit the budget at all."""
+        new_kinds = kinds
         existing: StateCheckpoint | None = node.checkpoint
         if existing is not None:
-            existing.anchor |= anchor
+            new_kinds = kinds - existing.kinds
+            existing.kinds |= kinds
             existing.last_use = next(self._clock)
-            return existing
-        nbytes = state.nbytes
-        if nbytes > self.budget_bytes:
+        elif state.nbytes > self.budget_bytes:
             return None
-        ckpt = StateCheckpoint(position, state, nbytes, anchor, next(self._clock), node)
+        for kind in new_kinds:
+            self._created[kind] = self._created.get(kind, 0) + 1
+        if existing is not None:
+            return existing
+        ckpt = StateCheckpoint(position, state, state.nbytes, kinds, next(self._clock), node)
         node.checkpoint = ckpt
         self._live.add(ckpt)
-        self.used_bytes += nbytes
+        self.used_bytes += ckpt.nbytes
         self._evict_to_budget(keep=ckpt)
         return ckpt
 
@@ -105,6 +123,9 @@ class CheckpointStore:
             ckpt: StateCheckpoint | None = node.checkpoint
             if ckpt is not None and ckpt.position <= limit:
                 ckpt.last_use = next(self._clock)
+                self.restores += 1
+                for kind in ckpt.kinds:
+                    self._restored[kind] = self._restored.get(kind, 0) + 1
                 return ckpt
             node = node.parent
         return None
@@ -124,13 +145,21 @@ class CheckpointStore:
             ckpt.node.checkpoint = None
         ckpt.node = None
 
+    def survival(self, ckpt: StateCheckpoint) -> float:
+        """How likely ``ckpt`` is to be restored, from its kinds' record: the best kind's
+        (restores + 1) / (created + 2); -1 for a periodic checkpoint."""
+        if not ckpt.kinds:
+            return -1.0
+        return max((self._restored.get(k, 0) + 1) / (self._created.get(k, 0) + 2) for k in ckpt.kinds)
+
     def _evict_to_budget(self, keep: StateCheckpoint) -> None:
         while self.used_bytes > self.budget_bytes:
-            victim = min((c for c in self._live if c is not keep), key=lambda c: (c.anchor, c.last_use))
+            victim = min((c for c in self._live if c is not keep), key=lambda c: (self.survival(c), c.last_use))
             self._drop(victim)
             self.evictions += 1
 
     def stats(self) -> dict[str, int]:
         anchors = sum(c.anchor for c in self._live)
         return {"checkpoints": len(self._live), "checkpoint_anchors": anchors, "checkpoint_bytes": self.used_bytes,
-                "checkpoint_budget_bytes": self.budget_bytes, "checkpoint_evictions": self.evictions}
+                "checkpoint_budget_bytes": self.budget_bytes, "checkpoint_evictions": self.evictions,
+                "checkpoint_restores": self.restores}
