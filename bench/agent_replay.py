@@ -180,7 +180,7 @@ def summarize(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 def run(model: Path, styles: list[str], strategies: list[str], sessions: int, turns: int, budget: int,
-        interval: int) -> dict[str, Any]:
+        interval: int, keep_results: int) -> dict[str, Any]:
     probe = LLMEngine(model, EngineConfig(expert_device="none", max_num_seqs=1))
     tokenizer, per_checkpoint = probe.tokenizer, RecurrentStatePool.bytes_per_sequence(probe.model_config)
     probe.close()
@@ -188,7 +188,7 @@ def run(model: Path, styles: list[str], strategies: list[str], sessions: int, tu
         raise SystemExit(f"{model} is not a hybrid model: it has no recurrent state to checkpoint")
     results: dict[str, Any] = {}
     for style in styles:
-        prompts = [turn_prompts(tokenizer, build_session(seed, turns), style) for seed in range(sessions)]
+        prompts = [turn_prompts(tokenizer, build_session(seed, turns), style, keep_results) for seed in range(sessions)]
         for strategy in strategies:
             engine = LLMEngine(model, strategy_config(strategy, budget * per_checkpoint, interval))
             rows = [row for session in prompts for row in replay(engine, session)]
@@ -202,6 +202,34 @@ def run(model: Path, styles: list[str], strategies: list[str], sessions: int, tu
                   f"ttft median {s['ttft_median'] * 1e3:7.1f} ms  worst {s['ttft_worst'] * 1e3:7.1f} ms",
                   file=sys.stderr, flush=True)
     return results
+
+
+def sweep(model: Path, styles: list[str], sessions: int, turns: int, budgets: list[int], interval: int,
+          keep_results: int) -> dict[str, Any]:
+    """Recomputed tokens of periodic-only and anchors + periodic across checkpoint budgets (0:
+    unlimited), without the model (:func:`simulate`)."""
+    engine = LLMEngine(model, EngineConfig(expert_device="none", max_num_seqs=1))
+    tokenizer, anchors = engine.tokenizer, engine.anchor_ids
+    engine.close()
+    table: dict[str, Any] = {}
+    for style in styles:
+        prompts = [p for seed in range(sessions)
+                   for p in turn_prompts(tokenizer, build_session(seed, turns), style, keep_results)]
+        for budget in budgets:
+            row = {s: sum(simulate(prompts, s, budget or 10**9, interval, anchors)) for s in ("periodic", "anchors")}
+            table[f"{style}/{budget}"] = {**row, "prompt_tokens": sum(map(len, prompts)),
+                                          "ratio": row["periodic"] / row["anchors"]}
+    return table
+
+
+def sweep_markdown(table: dict[str, Any], styles: list[str], budgets: list[int]) -> str:
+    head = " | ".join(str(b) if b else "unlimited" for b in budgets)
+    lines = [f"| client \\ budget (checkpoints) | {head} |", "|---|" + "---:|" * len(budgets)]
+    for style in styles:
+        cells = [f"{table[f'{style}/{b}']['periodic']} / {table[f'{style}/{b}']['anchors']} = "
+                 f"**{table[f'{style}/{b}']['ratio']:.2f}×**" for b in budgets]
+        lines.append(f"| {style} (periodic / anchors) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def markdown(results: dict[str, Any], styles: list[str], strategies: list[str]) -> str:
@@ -236,16 +264,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     p.add_argument("--sessions", type=int, default=1)
     p.add_argument("--turns", type=int, default=12)
-    p.add_argument("--budget", type=int, default=16, help="checkpoint budget, in checkpoints' worth of bytes")
+    p.add_argument("--budget", type=int, default=4, help="checkpoint budget, in checkpoints' worth of bytes")
     p.add_argument("--interval", type=int, default=64)
+    p.add_argument("--keep-results", type=int, default=1, help="opencode: tool results kept whole (newest)")
+    p.add_argument("--sweep", type=int, nargs="+", metavar="BUDGET",
+                   help="instead: recomputed tokens across these budgets (0 = unlimited), without the model")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     if args.build_random and not (args.model / "config.json").is_file():
         build_model(args.model)
-    results = run(args.model, args.styles, args.strategies, args.sessions, args.turns, args.budget, args.interval)
+    meta = {"model": str(args.model), "interval": args.interval, "sessions": args.sessions, "turns": args.turns,
+            "keep_results": args.keep_results}
+    if args.sweep:
+        table = sweep(args.model, args.styles, args.sessions, args.turns, args.sweep, args.interval,
+                      args.keep_results)
+        print(sweep_markdown(table, args.styles, args.sweep))
+        emit({**meta, "sweep": table}, args.json)
+        return 0
+    results = run(args.model, args.styles, args.strategies, args.sessions, args.turns, args.budget, args.interval,
+                  args.keep_results)
     print(markdown(results, args.styles, args.strategies))
-    emit({"model": str(args.model), "budget_checkpoints": args.budget, "interval": args.interval,
-          "sessions": args.sessions, "turns": args.turns, "results": results}, args.json)
+    emit({**meta, "budget_checkpoints": args.budget, "results": results}, args.json)
     return 0
 
 

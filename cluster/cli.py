@@ -32,6 +32,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill chunk")
     g.add_argument("--prefix-caching", action="store_true",
                    help="reuse the KV blocks of cached prompt prefixes across requests (radix tree)")
+    g.add_argument("--checkpoints", default="anchors", choices=["none", "prompt-end", "periodic", "anchors"],
+                   help="hybrid models with --prefix-caching: where to keep recurrent-state checkpoints "
+                        "(default anchors: semantic anchors plus periodic ones)")
+    g.add_argument("--checkpoint-interval", type=int, default=64, metavar="N",
+                   help="tokens between periodic checkpoints (a multiple of 16; default 64)")
+    g.add_argument("--checkpoint-budget", default="1GiB", metavar="BYTES",
+                   help="memory for recurrent-state checkpoints (default 1GiB)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     g.add_argument("--no-verify", action="store_true", help="skip FTW checksum verification while loading")
     h = p.add_argument_group("expert hierarchy")
@@ -87,7 +94,15 @@ def engine_options(args: argparse.Namespace) -> dict:
         q_mode=args.q_mode, record_routing=args.record_routing, host_pool_name=args.host_pool,
         cpu_experts=args.cpu_experts, double_buffer=not args.no_double_buffer,
         stream_min_tokens=args.stream_min_tokens, prefix_caching=args.prefix_caching,
+        checkpoints=args.checkpoints, checkpoint_interval=args.checkpoint_interval,
+        checkpoint_bytes=_bytes(args.checkpoint_budget),
     )
+
+
+def _bytes(text: str) -> int:
+    from engine.hierarchy.setup import parse_bytes
+
+    return parse_bytes(text)
 
 
 def build_parser() -> argparse.ArgumentParser:

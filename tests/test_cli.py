@@ -123,3 +123,16 @@ def test_pool_clean_removes_a_named_segment():
         assert out.returncode == 0 and "removed" in out.stdout
     finally:
         pool.close()
+
+
+def test_generate_on_a_hybrid_model_with_checkpoint_flags(checkpoint):
+    path, _ = checkpoint("qwen3_next")
+    common = ["generate", "--model", str(path), "--prompt", "def add(a, b):\n    return a + b\n" * 8,
+              "--max-tokens", "4", "--ignore-eos", "--prefill-chunk", "32"]
+    plain = hearth(*common)
+    cached = hearth(*common, "--prefix-caching", "--checkpoints", "periodic", "--checkpoint-interval", "32",
+                    "--checkpoint-budget", "1MiB")
+    assert plain.returncode == 0 and cached.returncode == 0, plain.stderr + cached.stderr
+    assert plain.stdout == cached.stdout
+    bad = hearth(*common, "--prefix-caching", "--checkpoint-interval", "20")
+    assert bad.returncode != 0 and "checkpoint_interval" in bad.stderr and "Traceback" not in bad.stderr

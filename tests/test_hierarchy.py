@@ -167,3 +167,20 @@ def test_step_mode_is_the_untuned_per_step_table(checkpoint):
     assert backend.tuner is None and backend.credit == 0.0
     assert backend.qtable() == build_qtable(backend.costs, len(backend.qtable()) - 1).tolist()
     llm.engine.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_hybrid_models_through_the_hierarchy(checkpoint, family):
+    """Hybrid (DeltaNet + attention) models: experts through the cache with a split, a batch of
+    four with chunked prefill, against the plain engine (fp32)."""
+    path, _ = checkpoint(family, **OVERRIDES)
+    plain_tokens, plain_logits = run(LLM(path, expert_device="none"), BATCH4, 12)
+    llm = LLM(path, expert_device="virtual", expert_cache="0.37", expert_bandwidths=SPLIT_BANDWIDTHS,
+              prefill_chunk=8)
+    tokens, logits = run(llm, BATCH4, 12)
+    assert tokens == plain_tokens
+    for ours, ref in zip(logits, plain_logits, strict=True):
+        assert max_rel_error(ours, ref) <= 1e-4
+    stats = llm.engine.stats()["experts"]
+    assert stats["fills"] > 0 and stats["cpu"] > 0
+    llm.engine.close()
