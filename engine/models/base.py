@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from engine.batch import ForwardBatch
-from engine.config import ModelConfig
+from engine.config import ModelConfig, eos_ids, parse_rope
 from engine.experts import ExpertBackend
 from engine.kv_cache import PagedKVCache
 from engine.layers.attention import Attention
@@ -137,3 +137,22 @@ def moe_layer_flags(num_layers: int, num_experts: int, mlp_only: list[int], spar
 
 def head_dim_of(hf: Any) -> int:
     return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+
+
+def decoder_fields(hf: Any, model_dir: Path, dtype: torch.dtype) -> dict[str, Any]:
+    """The ModelConfig fields every family reads the same way from its HF config."""
+    return dict(
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads,
+        num_kv_heads=hf.num_key_value_heads,
+        head_dim=head_dim_of(hf),
+        rms_norm_eps=hf.rms_norm_eps,
+        rope=parse_rope(hf.to_dict()),
+        max_position_embeddings=hf.max_position_embeddings,
+        hidden_act=hf.hidden_act,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        dtype=dtype,
+        eos_token_ids=eos_ids(hf.to_dict(), model_dir),
+    )

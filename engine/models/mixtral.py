@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelConfig, eos_ids, parse_rope
-from engine.models.base import COMMON_FIELDS, ModelFamily, head_dim_of
+from engine.config import ModelConfig
+from engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 _W_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -23,17 +23,7 @@ def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> ModelConfig:
     n = hf.num_hidden_layers
     return ModelConfig(
         architecture="MixtralForCausalLM",
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        num_layers=n,
-        num_heads=hf.num_attention_heads,
-        num_kv_heads=hf.num_key_value_heads,
-        head_dim=head_dim_of(hf),
-        rms_norm_eps=hf.rms_norm_eps,
-        rope=parse_rope(hf.to_dict()),
-        max_position_embeddings=hf.max_position_embeddings,
-        hidden_act=hf.hidden_act,
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        **decoder_fields(hf, model_dir, dtype),
         qkv_bias=False,
         qk_norm=False,
         intermediate_size=hf.intermediate_size,
@@ -45,8 +35,6 @@ def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> ModelConfig:
         shared_expert_intermediate_size=0,
         moe_layers=(True,) * n,
         sliding_windows=(getattr(hf, "sliding_window", None) or None,) * n,
-        dtype=dtype,
-        eos_token_ids=eos_ids(hf.to_dict(), model_dir),
     )
 
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelConfig, eos_ids, parse_rope
-from engine.models.base import COMMON_FIELDS, ModelFamily, head_dim_of, moe_layer_flags
+from engine.config import ModelConfig
+from engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields, moe_layer_flags
 
 
 def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> ModelConfig:
@@ -17,17 +17,7 @@ def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> ModelConfig:
     windows = tuple((hf.sliding_window or None) if kind == "sliding_attention" else None for kind in layer_types)
     return ModelConfig(
         architecture="Qwen2MoeForCausalLM",
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        num_layers=n,
-        num_heads=hf.num_attention_heads,
-        num_kv_heads=hf.num_key_value_heads,
-        head_dim=head_dim_of(hf),
-        rms_norm_eps=hf.rms_norm_eps,
-        rope=parse_rope(hf.to_dict()),
-        max_position_embeddings=hf.max_position_embeddings,
-        hidden_act=hf.hidden_act,
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        **decoder_fields(hf, model_dir, dtype),
         qkv_bias=bool(getattr(hf, "qkv_bias", True)),
         qk_norm=False,
         intermediate_size=hf.intermediate_size,
@@ -39,8 +29,6 @@ def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> ModelConfig:
         shared_expert_intermediate_size=hf.shared_expert_intermediate_size,
         moe_layers=moe_layer_flags(n, hf.num_experts, hf.mlp_only_layers, hf.decoder_sparse_step),
         sliding_windows=windows,
-        dtype=dtype,
-        eos_token_ids=eos_ids(hf.to_dict(), model_dir),
     )
 
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from engine.config import ModelConfig, eos_ids, parse_rope
-from engine.models.base import COMMON_FIELDS, ModelFamily, head_dim_of, moe_layer_flags
+from engine.config import ModelConfig
+from engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields, moe_layer_flags
 
 
 def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> ModelConfig:
@@ -16,17 +16,7 @@ def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> ModelConfig:
     window = getattr(hf, "sliding_window", None)
     return ModelConfig(
         architecture="Qwen3MoeForCausalLM",
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        num_layers=n,
-        num_heads=hf.num_attention_heads,
-        num_kv_heads=hf.num_key_value_heads,
-        head_dim=head_dim_of(hf),
-        rms_norm_eps=hf.rms_norm_eps,
-        rope=parse_rope(hf.to_dict()),
-        max_position_embeddings=hf.max_position_embeddings,
-        hidden_act=hf.hidden_act,
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        **decoder_fields(hf, model_dir, dtype),
         qkv_bias=bool(getattr(hf, "attention_bias", False)),
         qk_norm=True,
         intermediate_size=hf.intermediate_size,
@@ -38,8 +28,6 @@ def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> ModelConfig:
         shared_expert_intermediate_size=0,
         moe_layers=moe_layer_flags(n, hf.num_experts, hf.mlp_only_layers, hf.decoder_sparse_step),
         sliding_windows=(window or None,) * n,
-        dtype=dtype,
-        eos_token_ids=eos_ids(hf.to_dict(), model_dir),
     )
 
 

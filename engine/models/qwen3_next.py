@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from engine.config import LinearAttentionConfig, ModelConfig, eos_ids, parse_rope
-from engine.models.base import COMMON_FIELDS, ModelFamily, head_dim_of, moe_layer_flags
+from engine.config import LinearAttentionConfig, ModelConfig
+from engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields, moe_layer_flags
 
 
 def linear_attention_of(hf: Any, layout: str) -> LinearAttentionConfig:
@@ -34,17 +34,7 @@ def hybrid_config(hf: Any, model_dir: Path, dtype: torch.dtype, architecture: st
     n = hf.num_hidden_layers
     return ModelConfig(
         architecture=architecture,
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        num_layers=n,
-        num_heads=hf.num_attention_heads,
-        num_kv_heads=hf.num_key_value_heads,
-        head_dim=head_dim_of(hf),
-        rms_norm_eps=hf.rms_norm_eps,
-        rope=parse_rope(hf.to_dict()),
-        max_position_embeddings=hf.max_position_embeddings,
-        hidden_act=hf.hidden_act,
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        **decoder_fields(hf, model_dir, dtype),
         qkv_bias=bool(getattr(hf, "attention_bias", False)),
         qk_norm=True,
         intermediate_size=intermediate_size,
@@ -56,8 +46,6 @@ def hybrid_config(hf: Any, model_dir: Path, dtype: torch.dtype, architecture: st
         shared_expert_intermediate_size=hf.shared_expert_intermediate_size,
         moe_layers=moe_layers,
         sliding_windows=(None,) * n,
-        dtype=dtype,
-        eos_token_ids=eos_ids(hf.to_dict(), model_dir),
         layer_types=tuple(hf.layer_types),
         linear_attention=linear_attention_of(hf, layout),
         attn_output_gate=True,
