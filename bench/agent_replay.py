@@ -164,6 +164,7 @@ def simulate(prompts: list[list[int]], strategy: str, budget: int, interval: int
             for r, n in sched.schedule().items:
                 plan = checkpoint_positions(r.tokens, r.num_computed, r.num_computed + n, len(r.prompt_ids),
                                             block_size, config.checkpoints, interval, anchors)
+                plan = sched.checkpoints.worth_taking(plan, unit.nbytes) if sched.checkpoints is not None else {}
                 r.num_computed += n
                 sched.cache_computed(r)
                 for position, kinds in plan.items():

@@ -198,13 +198,16 @@ class LLMEngine:
 
     def _capture_plan(self, scheduled: ScheduledStep) -> dict[str, dict[int, frozenset[str]]]:
         """Per request of the step: positions to checkpoint the recurrent state at (-> anchor kinds)."""
-        if self.scheduler.checkpoints is None:
+        store = self.scheduler.checkpoints
+        if store is None:
             return {}
+        nbytes = RecurrentStatePool.bytes_per_sequence(self.model_config)
         plan = {}
         for req, n in scheduled.items:
             found = checkpoint_positions(req.tokens, req.num_computed, req.num_computed + n, len(req.prompt_ids),
                                          self.config.block_size, self.config.checkpoints,
                                          self.config.checkpoint_interval, self.anchor_ids)
+            found = store.worth_taking(found, nbytes)
             if found:
                 plan[req.request_id] = found
         return plan

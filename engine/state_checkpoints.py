@@ -148,9 +148,23 @@ class CheckpointStore:
     def survival(self, ckpt: StateCheckpoint) -> float:
         """How likely ``ckpt`` is to be restored, from its kinds' record: the best kind's
         (restores + 1) / (created + 2); -1 for a periodic checkpoint."""
-        if not ckpt.kinds:
+        return self._kinds_survival(ckpt.kinds)
+
+    def _kinds_survival(self, kinds: frozenset[str]) -> float:
+        if not kinds:
             return -1.0
-        return max((self._restored.get(k, 0) + 1) / (self._created.get(k, 0) + 2) for k in ckpt.kinds)
+        return max((self._restored.get(k, 0) + 1) / (self._created.get(k, 0) + 2) for k in kinds)
+
+    def worth_taking(self, positions: dict[int, frozenset[str]], nbytes: int) -> dict[int, frozenset[str]]:
+        """The planned checkpoints (position -> kinds) that would outlive the eviction their own
+        arrival causes: with the budget full, one rated below every kept checkpoint would be
+        dropped at once, so its snapshot (a copy of the whole state) is not worth taking."""
+        if nbytes > self.budget_bytes:
+            return {}
+        if self.used_bytes + nbytes <= self.budget_bytes or not self._live:
+            return positions
+        floor = min(self.survival(c) for c in self._live)
+        return {p: kinds for p, kinds in positions.items() if self._kinds_survival(kinds) >= floor}
 
     def _evict_to_budget(self, keep: StateCheckpoint) -> None:
         while self.used_bytes > self.budget_bytes:

@@ -207,3 +207,15 @@ def test_hybrid_without_prefix_caching_recomputes_and_reports_no_checkpoints(che
     assert "checkpoints" not in engine.stats()
     with pytest.raises(ValueError, match="checkpoint_interval"):
         LLMEngine(path, EngineConfig(prefix_caching=True, checkpoint_interval=20))
+
+
+def test_snapshots_that_would_be_evicted_at_once_are_not_taken():
+    tree, nodes = _tree_nodes((8, 16, 24, 32))
+    store = CheckpointStore(budget_bytes=2 * 400)
+    planned = {40: frozenset(), 44: frozenset({"3:after"})}
+    assert store.worth_taking(planned, 400) == planned  # room left: everything
+    store.add(nodes[8], 8, _snapshot(400), frozenset({"3:after"}))
+    store.add(nodes[16], 16, _snapshot(400), frozenset({"3:after"}))
+    # Full of anchors: a periodic snapshot would be the first to go, an anchor of the same kind not.
+    assert store.worth_taking(planned, 400) == {44: frozenset({"3:after"})}
+    assert store.worth_taking(planned, 5000) == {}  # bigger than the budget
