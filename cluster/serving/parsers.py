@@ -213,6 +213,7 @@ ARCHITECTURE_TOOL_PARSERS = {
     "Qwen3MoeForCausalLM": "hermes",
     "Qwen2MoeForCausalLM": "hermes",
     "MixtralForCausalLM": "hermes",
+    "Qwen3NextForCausalLM": "hermes",
 }
 
 
