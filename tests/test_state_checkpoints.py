@@ -219,3 +219,51 @@ def test_snapshots_that_would_be_evicted_at_once_are_not_taken():
     # Full of anchors: a periodic snapshot would be the first to go, an anchor of the same kind not.
     assert store.worth_taking(planned, 400) == {44: frozenset({"3:after"})}
     assert store.worth_taking(planned, 5000) == {}  # bigger than the budget
+
+
+def _openai_messages(history: list[dict]) -> list[dict]:
+    """A scripted session in the OpenAI wire format (call ids, JSON-string arguments)."""
+    import json
+
+    out = []
+    for i, m in enumerate(history):
+        m = {k: v for k, v in m.items() if k != "reasoning_content"}
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{"id": f"call_{i}", "type": "function",
+                                "function": {"name": c["function"]["name"],
+                                             "arguments": json.dumps(c["function"]["arguments"])}}
+                               for c in m["tool_calls"]]
+        if m["role"] == "tool":
+            m["tool_call_id"] = f"call_{i - 1}"
+        out.append(m)
+    return out
+
+
+def test_server_reports_restored_prompt_tokens_as_cached(checkpoint):
+    """Over HTTP: a hybrid model behind the OpenAI and Anthropic APIs; the second request of an
+    agent session (an edited, longer history) restores a checkpoint and says so in its usage."""
+    import requests
+
+    from tests.serving_helpers import running_server
+
+    path, _ = checkpoint("qwen3_next", chat_format="agent", **HYBRID)
+    history = _openai_messages(build_session(5, 3, result_words=(20, 40)))
+    first, second = history[:4], history[:6]
+    options = {"prefix_caching": True, "checkpoints": "anchors", "max_model_len": 4096}
+    with running_server(path, options, scripted=False) as srv:
+        usage = []
+        for messages in (first, second):
+            r = requests.post(srv.url + "/v1/chat/completions", timeout=60, json={
+                "model": "tiny", "messages": messages, "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+            usage.append(r.json()["usage"])
+        assert usage[0]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert 0 < usage[1]["prompt_tokens_details"]["cached_tokens"] < usage[1]["prompt_tokens"]
+        r = requests.post(srv.url + "/v1/messages", timeout=60, json={
+            "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Task: " + "x " * 40}]})
+        r2 = requests.post(srv.url + "/v1/messages", timeout=60, json={
+            "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "Task: " + "x " * 40},
+                                                          {"role": "assistant", "content": "ok"},
+                                                          {"role": "user", "content": "again"}]})
+        assert r.status_code == 200 and r2.status_code == 200, r.text + r2.text
+        assert r2.json()["usage"]["cache_read_input_tokens"] > 0
