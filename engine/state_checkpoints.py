@@ -89,7 +89,9 @@ class CheckpointStore:
         self._created: dict[str, int] = {}  # anchor kind -> checkpoints of that kind created
         self._restored: dict[str, int] = {}  # anchor kind -> restores of a checkpoint of that kind
 
-    def __len__(self) -> int:
+    @property
+    def count(self) -> int:
+        """Checkpoints held (a property, not ``len``: an empty store must not read as no store)."""
         return len(self._live)
 
     def add(self, node: RadixNode, position: int, state: StateSnapshot,
@@ -174,6 +176,6 @@ class CheckpointStore:
 
     def stats(self) -> dict[str, int]:
         anchors = sum(c.anchor for c in self._live)
-        return {"checkpoints": len(self._live), "checkpoint_anchors": anchors, "checkpoint_bytes": self.used_bytes,
+        return {"checkpoints": self.count, "checkpoint_anchors": anchors, "checkpoint_bytes": self.used_bytes,
                 "checkpoint_budget_bytes": self.budget_bytes, "checkpoint_evictions": self.evictions,
                 "checkpoint_restores": self.restores}

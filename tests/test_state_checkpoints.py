@@ -58,7 +58,7 @@ def test_store_evicts_periodic_first_then_least_recently_used():
     store.add(nodes[8], 8, _snapshot(400), a)
     store.add(nodes[16], 16, _snapshot(400))  # periodic
     store.add(nodes[24], 24, _snapshot(400), a)
-    assert store.used_bytes == 1200 and len(store) == 3
+    assert store.used_bytes == 1200 and store.count == 3
     store.add(nodes[32], 32, _snapshot(400), a)  # over budget: the periodic one goes
     assert nodes[16].checkpoint is None and store.used_bytes == 1200
     assert store.deepest(nodes[16], limit=100).position == 8  # the restore point falls back to 8
@@ -90,7 +90,7 @@ def test_evicted_tree_node_takes_its_checkpoint_along():
     node, _ = tree.insert(list(range(8)), [0, 1])
     store.add(node, 8, _snapshot(400))
     assert sorted(tree.evict(2)) == [0, 1]
-    assert len(store) == 0 and store.used_bytes == 0
+    assert store.count == 0 and store.used_bytes == 0
 
 
 def _run(engine: LLMEngine, batches: list[list[list[int]]], steps: int = 3):
@@ -187,7 +187,7 @@ def test_checkpoint_memory_stays_within_budget_over_a_long_session(checkpoint):
     def watched_add(*args, **kwargs):
         result = add(*args, **kwargs)
         peak.append(store.used_bytes)
-        assert store.used_bytes <= store.budget_bytes and len(store) <= 4
+        assert store.used_bytes <= store.budget_bytes and store.count <= 4
         return result
 
     store.add = watched_add
