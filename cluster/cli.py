@@ -79,7 +79,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=16, help="requests decoded together (default 16)")
     g.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait beyond those running; more get 429/529 (default 64)")
-    g.add_argument("--tool-parser", default=None, choices=["hermes", "none"],
+    g.add_argument("--tool-parser", default=None, choices=["hermes", "qwen3_coder", "none"],
                    help="tool-call format (default: chosen from the model family and chat template)")
     g.add_argument("--log-format", default="json", choices=["json", "text"], help="log lines on stderr")
 

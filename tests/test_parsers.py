@@ -73,3 +73,46 @@ def test_parser_choice():
     assert choose_tool_parser("Unknown", "plain") == "none"
     with pytest.raises(ValueError, match="unknown tool parser"):
         choose_tool_parser("Qwen3MoeForCausalLM", None, "xml")
+
+
+XML_CASES = [
+    ("I'll check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nMilan\n</parameter>\n"
+     "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+     [("content", "I'll check."), ("tool_call", ("get_weather", '{"city": "Milan", "days": 3}'))]),
+    ("<tool_call>\n<function=run>\n<parameter=cmd>\nls -la\necho hi\n</parameter>\n</function>\n</tool_call>"
+     "<tool_call>\n<function=noop>\n</function>\n</tool_call> done",
+     [("tool_call", ("run", '{"cmd": "ls -la\\necho hi"}')), ("tool_call", ("noop", "{}")), ("content", "done")]),
+    ("<tool_call>\n<function=f>\nstray text\n</function>\n</tool_call>",
+     [("content", "<tool_call>\n<function=f>\nstray text\n</function>\n</tool_call>")]),
+    ('<tool_call>{"name": "f", "arguments": {}}</tool_call>',
+     [("content", '<tool_call>{"name": "f", "arguments": {}}</tool_call>')]),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), XML_CASES)
+def test_qwen3_coder_xml_calls_under_any_chunking(text, expected):
+    def run(chunks):
+        parser = OutputParser("qwen3_coder", True, False, tools_enabled=True)
+        events = [e for c in chunks for e in parser.feed(c)] + parser.flush()
+        merged: list[tuple] = []
+        for e in events:
+            if e.kind == "tool_call":
+                merged.append(("tool_call", (e.tool_call.name, e.tool_call.arguments)))
+            elif merged and merged[-1][0] == e.kind:
+                merged[-1] = (e.kind, merged[-1][1] + e.text)
+            else:
+                merged.append((e.kind, e.text))
+        return merged
+
+    assert run([text]) == expected
+    rng = random.Random(1)
+    for _ in range(100):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 20))))
+        assert run([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]) == expected
+
+
+def test_qwen3_coder_parser_choice():
+    assert choose_tool_parser("Qwen3_5MoeForCausalLM", None) == "qwen3_coder"
+    template = "{{ '<tool_call>\\n<function=' + name + '>' }}"
+    assert choose_tool_parser("Unknown", template) == "qwen3_coder"
+    assert choose_tool_parser("Qwen3NextForCausalLM", None) == "hermes"

@@ -77,10 +77,12 @@ class ModelFrontend:
     def _forced_prefix(self, tool_mode: ToolMode) -> str:
         if tool_mode.mode not in ("required", "named"):
             return ""
-        if self.tool_parser != "hermes":
+        if self.tool_parser not in ("hermes", "qwen3_coder"):
             raise APIError(400, "tool_choice: forcing a tool call is not supported for this model", "tool_choice")
         if tool_mode.mode == "required":
             return "<tool_call>\n"
+        if self.tool_parser == "qwen3_coder":
+            return f"<tool_call>\n<function={tool_mode.name}>\n"
         return '<tool_call>\n{"name": ' + json.dumps(tool_mode.name) + ', "arguments": '
 
     def prompt_ids(self, prompt: str | list[int], field: str) -> list[int]:

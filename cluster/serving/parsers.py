@@ -1,13 +1,14 @@
 """Streaming parsers that split model output into reasoning, content and tool calls.
 
 Both protocols consume the same events, so streaming and non-streaming responses are built from
-one parse. Parsers are chosen per model: a registry maps a name (``hermes``, ``none``) to a tool
-parser, and the reasoning parser is on when the tokenizer knows the ``<think>`` markers.
+one parse. Parsers are chosen per model: a registry maps a name (``hermes``, ``qwen3_coder``,
+``none``) to a tool parser, and the reasoning parser is on when the tokenizer knows the ``<think>`` markers.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -197,6 +198,50 @@ def parse_hermes_call(body: str) -> ToolCall | None:
     return ToolCall(new_tool_call_id(), data["name"], json.dumps(args, ensure_ascii=False))
 
 
+class Qwen3CoderToolParser(HermesToolParser):
+    """Finds Qwen3-Coder / Qwen3.5 XML calls in content::
+
+        <tool_call>
+        <function=NAME>
+        <parameter=KEY>
+        VALUE
+        </parameter>
+        </function>
+        </tool_call>
+
+    A value that reads as JSON (a number, true, an object…) is taken as such, otherwise as text."""
+
+    def _call(self, body: str, events: list[Event]) -> None:
+        call = parse_xml_call(body)
+        if call is None:
+            self._content(self.open_tag + body + self.close_tag, events)
+            return
+        self.pending_ws, self.last_was_call = "", True
+        events.append(Event("tool_call", tool_call=call))
+
+
+_XML_FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*)</function>\s*$", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+
+
+def parse_xml_call(body: str) -> ToolCall | None:
+    """The tool call in one XML ``<tool_call>`` body, or None when it is not a valid call."""
+    match = _XML_FUNCTION.match(body)
+    if match is None or not match.group(1).strip():
+        return None
+    inner = match.group(2)
+    args: dict[str, Any] = {}
+    for param in _XML_PARAMETER.finditer(inner):
+        value = param.group(2).removeprefix("\n").removesuffix("\n")
+        try:
+            args[param.group(1).strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            args[param.group(1).strip()] = value
+    if _XML_PARAMETER.sub("", inner).strip():
+        return None  # text outside the parameters: not a call
+    return ToolCall(new_tool_call_id(), match.group(1).strip(), json.dumps(args, ensure_ascii=False))
+
+
 class NoToolParser:
     """Everything is content."""
 
@@ -207,13 +252,14 @@ class NoToolParser:
         return []
 
 
-TOOL_PARSERS = {"hermes": HermesToolParser, "none": NoToolParser}
+TOOL_PARSERS = {"hermes": HermesToolParser, "qwen3_coder": Qwen3CoderToolParser, "none": NoToolParser}
 # Which tool-call format each architecture's chat templates use.
 ARCHITECTURE_TOOL_PARSERS = {
     "Qwen3MoeForCausalLM": "hermes",
     "Qwen2MoeForCausalLM": "hermes",
     "MixtralForCausalLM": "hermes",
     "Qwen3NextForCausalLM": "hermes",
+    "Qwen3_5MoeForCausalLM": "qwen3_coder",
 }
 
 
@@ -224,6 +270,8 @@ def choose_tool_parser(architecture: str, chat_template: str | None, override: s
         if override not in TOOL_PARSERS:
             raise ValueError(f"unknown tool parser '{override}' (one of {', '.join(sorted(TOOL_PARSERS))})")
         return override
+    if chat_template and "<function=" in chat_template:
+        return "qwen3_coder"
     if chat_template and "<tool_call>" in chat_template:
         return "hermes"
     return ARCHITECTURE_TOOL_PARSERS.get(architecture, "none")
