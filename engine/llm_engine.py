@@ -201,7 +201,7 @@ class LLMEngine:
         store = self.scheduler.checkpoints
         if store is None:
             return {}
-        nbytes = RecurrentStatePool.bytes_per_sequence(self.model_config)
+        nbytes = self.runner.states.nbytes
         plan = {}
         for req, n in scheduled.items:
             found = checkpoint_positions(req.tokens, req.num_computed, req.num_computed + n, len(req.prompt_ids),

@@ -34,6 +34,7 @@ class RecurrentStatePool:
         if la is None or not cfg.linear_layer_ids:
             raise ValueError(f"{cfg.architecture} has no linear-attention layers")
         self.num_slots = num_slots
+        self.nbytes = self.bytes_per_sequence(cfg)  # of one slot, and of one checkpoint
         history = la.conv_kernel - 1
         self.conv = {i: torch.zeros(num_slots, la.conv_dim, history, dtype=cfg.dtype, device=device)
                      for i in cfg.linear_layer_ids}

@@ -22,8 +22,8 @@ CASES = [
 ]
 
 
-def parse(chunks: list[str], reasoning: bool = True, in_reasoning: bool = False) -> list[tuple]:
-    parser = OutputParser("hermes", reasoning, in_reasoning, tools_enabled=True)
+def parse(chunks: list[str], reasoning: bool = True, in_reasoning: bool = False, tools: str = "hermes") -> list[tuple]:
+    parser = OutputParser(tools, reasoning, in_reasoning, tools_enabled=True)
     events = [e for c in chunks for e in parser.feed(c)] + parser.flush()
     merged: list[tuple] = []
     for e in events:
@@ -92,17 +92,7 @@ XML_CASES = [
 @pytest.mark.parametrize(("text", "expected"), XML_CASES)
 def test_qwen3_coder_xml_calls_under_any_chunking(text, expected):
     def run(chunks):
-        parser = OutputParser("qwen3_coder", True, False, tools_enabled=True)
-        events = [e for c in chunks for e in parser.feed(c)] + parser.flush()
-        merged: list[tuple] = []
-        for e in events:
-            if e.kind == "tool_call":
-                merged.append(("tool_call", (e.tool_call.name, e.tool_call.arguments)))
-            elif merged and merged[-1][0] == e.kind:
-                merged[-1] = (e.kind, merged[-1][1] + e.text)
-            else:
-                merged.append((e.kind, e.text))
-        return merged
+        return parse(chunks, tools="qwen3_coder")
 
     assert run([text]) == expected
     rng = random.Random(1)

@@ -120,6 +120,11 @@ class HermesToolParser:
 
     open_tag, close_tag = "<tool_call>", "</tool_call>"
 
+    @staticmethod
+    def parse_call(body: str) -> ToolCall | None:
+        """The call in one tag body, or None (then the body stays text); subclasses swap the format."""
+        return parse_hermes_call(body)
+
     def __init__(self) -> None:
         self.buffer = ""
         self.in_call = False
@@ -171,7 +176,7 @@ class HermesToolParser:
         self.pending_ws, self.last_was_call = text[len(text.rstrip()):], False
 
     def _call(self, body: str, events: list[Event]) -> None:
-        call = parse_hermes_call(body)
+        call = self.parse_call(body)
         if call is None:
             self._content(self.open_tag + body + self.close_tag, events)
             return
@@ -211,13 +216,9 @@ class Qwen3CoderToolParser(HermesToolParser):
 
     A value that reads as JSON (a number, true, an object…) is taken as such, otherwise as text."""
 
-    def _call(self, body: str, events: list[Event]) -> None:
-        call = parse_xml_call(body)
-        if call is None:
-            self._content(self.open_tag + body + self.close_tag, events)
-            return
-        self.pending_ws, self.last_was_call = "", True
-        events.append(Event("tool_call", tool_call=call))
+    @staticmethod
+    def parse_call(body: str) -> ToolCall | None:
+        return parse_xml_call(body)
 
 
 _XML_FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*)</function>\s*$", re.DOTALL)
