@@ -15,7 +15,8 @@ endif
 
 .PHONY: venv test test-cluster lint fmt serve proto clean
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+# The native kernels build at install: edits to them reinstall (editable install, built in place).
+$(VENV)/.installed: pyproject.toml constraints.txt setup.py $(wildcard engine/kernels/*.cpp engine/kernels/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt $(TORCH_INDEX) "$(TORCH_SPEC)"
@@ -38,7 +39,7 @@ serve: venv
 
 # Regenerate the gRPC modules from proto/hearth.proto (tests fail when they are stale).
 proto: venv
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/hearth.proto
+	$(PY) tools/gen_proto.py
 
 lint: venv
 	$(VENV)/bin/ruff check .

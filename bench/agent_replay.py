@@ -36,10 +36,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import emit  # noqa: E402
-from engine import SamplingParams  # noqa: E402
-from engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from engine.state_pool import RecurrentStatePool  # noqa: E402
-from engine.tokenizer import render_chat  # noqa: E402
+from hearth.engine import SamplingParams  # noqa: E402
+from hearth.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from hearth.engine.state_pool import RecurrentStatePool  # noqa: E402
+from hearth.engine.tokenizer import render_chat  # noqa: E402
 
 STYLES = ("openclaw", "opencode", "append")
 STRATEGIES = ("none", "kv", "periodic", "anchors")
@@ -141,21 +141,21 @@ def simulate(prompts: list[list[int]], strategy: str, budget: int, interval: int
     a quick sweep of budgets and intervals. ``replay`` gives the same counts with the model."""
     import torch
 
-    from engine.kv_cache import BlockAllocator
-    from engine.prefix_cache import RadixCache
-    from engine.request import Request
-    from engine.scheduler import RecurrentConfig, Scheduler, SchedulerConfig
-    from engine.state_checkpoints import CheckpointStore, checkpoint_positions
-    from engine.state_pool import StateSnapshot
+    from hearth.engine.kv_cache import BlockAllocator
+    from hearth.engine.prefix_cache import RadixCache
+    from hearth.engine.request import Request
+    from hearth.engine.scheduler import RecurrentConfig, Scheduler, SchedulerConfig
+    from hearth.engine.state_checkpoints import CheckpointStore, checkpoint_positions
+    from hearth.engine.state_pool import StateSnapshot
 
     config = strategy_config(strategy, budget * 4, interval)
     unit = StateSnapshot({0: (torch.zeros(0), torch.zeros(1))})  # 4 bytes
     longest = max(len(p) for p in prompts)
     blocks = 4 * (longest // block_size + 2)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=512, prefill_chunk=512,
-                                      max_model_len=longest + 1),
-                      BlockAllocator(blocks, block_size), RadixCache(block_size) if config.prefix_caching else None,
-                      RecurrentConfig(1, CheckpointStore(config.checkpoint_bytes)))
+    prefix = RadixCache(block_size) if config.kv_cache.prefix_caching else None
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=512, prefill_chunk=512),
+                      BlockAllocator(blocks, block_size), prefix,
+                      RecurrentConfig(1, CheckpointStore(config.checkpoints.budget_bytes)))
     recomputed = []
     for turn, prompt in enumerate(prompts):
         req = Request(str(turn), list(prompt), SamplingParams(max_tokens=1))
@@ -163,7 +163,7 @@ def simulate(prompts: list[list[int]], strategy: str, budget: int, interval: int
         while req.num_computed < len(prompt):
             for r, n in sched.schedule().items:
                 plan = checkpoint_positions(r.tokens, r.num_computed, r.num_computed + n, len(r.prompt_ids),
-                                            block_size, config.checkpoints, interval, anchors)
+                                            block_size, config.checkpoints.policy, interval, anchors)
                 plan = sched.checkpoints.worth_taking(plan, unit.nbytes) if sched.checkpoints is not None else {}
                 r.num_computed += n
                 sched.cache_computed(r)
@@ -248,7 +248,7 @@ def markdown(results: dict[str, Any], styles: list[str], strategies: list[str]) 
 
 def build_model(path: Path) -> None:
     """A small random Qwen3.5-MoE hybrid (6 DeltaNet + 2 attention layers) with the agent template."""
-    from engine.testing import make_checkpoint
+    from tests.checkpoints import make_checkpoint
 
     make_checkpoint(path, "qwen3_5_moe", chat_format="agent", hidden_size=256, num_hidden_layers=8,
                     num_attention_heads=8, num_key_value_heads=2, head_dim=32, num_experts=16,

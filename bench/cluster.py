@@ -34,9 +34,10 @@ import requests
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import emit  # noqa: E402
-from cluster.serving.client import GenerateRequest  # noqa: E402
-from cluster.serving.server import BackgroundServer, ServeOptions, build_state, free_port  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from hearth.config import EngineConfig, ServingConfig  # noqa: E402
+from hearth.engine.sampling import SamplingParams  # noqa: E402
+from hearth.proto.contracts import GenerateRequest  # noqa: E402
+from hearth.serving.server import BackgroundServer, build_state, free_port  # noqa: E402
 
 PROMPT = "def fibonacci(n):\n    "
 
@@ -184,23 +185,23 @@ def main() -> int:
     os.environ.setdefault("HEARTH_CACHE", str(tmp / "cache"))
     model = args.model
     if model is None:
-        from engine.testing import make_checkpoint
+        from tests.checkpoints import make_checkpoint
 
         model, _ = make_checkpoint(tmp / "tiny", "qwen3_moe", chat_format="agent")
     import ray
 
-    from cluster.deploy import DeployOptions, deploy, teardown
-    from engine.tokenizer import load_tokenizer
+    from hearth.cluster.deploy import DeployOptions, deploy, teardown
+    from hearth.engine.tokenizer import load_tokenizer
 
     engine_options = {} if args.no_virtual_device else {"expert_device": "virtual", "expert_cache": "0.25",
                                                          "cpu_experts": "external"}
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    serve_options = ServeOptions(port=free_port(), grpc_port=None, model_names=("bench",))
+    serve_options = ServingConfig(port=free_port(), grpc_port=None, model_names=("bench",))
     # The local paths run the same engine setup as the replica: its CPU experts in a worker process
     # on a shared pool, where the replica has them in the CPU-worker actor.
     local_options = dict(engine_options, cpu_experts="process", host_pool_name=f"bench-local-{os.getpid()}") \
         if engine_options else {}
-    local = BackgroundServer(build_state(model, local_options, serve_options), serve_options)
+    local = BackgroundServer(build_state(model, EngineConfig(**local_options), serve_options), serve_options)
     try:
         local.start()
         desc = deploy(DeployOptions(str(model), "bench", port=free_port(), grpc_port=None,

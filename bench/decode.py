@@ -1,7 +1,8 @@
-"""Decode and prefill throughput of hearth's engine against transformers ``generate``.
+"""Decode and prefill throughput of hearth's engine against transformers.
 
 Both run on the same checkpoint, in the same process, on the same prompt, alternating run by
-run; the table reports medians over ``--runs`` repetitions and the ratio hearth / transformers.
+run, through the same runners as ``hearth bench --transformers`` (``hearth.cli.bench_backends``);
+the table reports medians over ``--runs`` repetitions and the ratio hearth / transformers.
 
     python bench/decode.py --model DIR [--prompt-len 128] [--gen 64] [--runs 3] [--dtype bfloat16]
     python bench/decode.py --build-random /tmp/qwen3-1b   # ~1B random Qwen3-MoE, then benchmark it
@@ -17,17 +18,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import emit, synthetic_prompt  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.inspect import human_bytes, summarize  # noqa: E402
-from engine.loader import load_config  # noqa: E402
+from bench.common import emit  # noqa: E402
+from hearth.engine.inspect import human_bytes, summarize  # noqa: E402
+from hearth.engine.loader import load_config  # noqa: E402
 
 RANDOM_1B = dict(
     hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
@@ -37,32 +36,12 @@ RANDOM_1B = dict(
 
 
 def build_random(path: Path, dtype: str) -> None:
-    from engine.testing import make_checkpoint
+    from tests.checkpoints import make_checkpoint
 
     if (path / "config.json").is_file():
         return
     print(f"building a ~1B random Qwen3-MoE in {path} …", file=sys.stderr)
     make_checkpoint(path, "qwen3_moe", "per_expert", dtype, shard_bytes=1 << 30, vocab_size=32000, **RANDOM_1B)
-
-
-def time_hearth(llm: LLM, prompt: list[int], gen: int) -> tuple[float, float]:
-    """(prefill seconds, decode tok/s) for one request."""
-    out = llm.generate(prompt, SamplingParams(max_tokens=gen, temperature=0, ignore_eos=True))[0]
-    m = out.metrics
-    return m.first_token - m.arrival, (gen - 1) / (m.finished - m.first_token)
-
-
-def time_transformers(model, prompt: list[int], gen: int) -> tuple[float, float]:
-    ids = torch.tensor([prompt])
-    kwargs = dict(do_sample=False, pad_token_id=0)
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
-        t1 = time.perf_counter()
-        model.generate(ids, max_new_tokens=gen, min_new_tokens=gen, **kwargs)
-        t2 = time.perf_counter()
-    prefill = t1 - t0
-    return prefill, (gen - 1) / ((t2 - t1) - prefill)
 
 
 def main() -> int:
@@ -93,37 +72,29 @@ def main() -> int:
 
         return run_sweep(args)
 
-    from transformers import AutoModelForCausalLM
+    # The runners of `hearth bench`, interleaved run by run so that a drifting machine affects both alike.
+    from hearth.cli.bench_backends import engine_runner, transformers_runner
 
-    dtype = getattr(torch, args.dtype)
-    _, cfg = load_config(args.model, dtype)
+    _, cfg = load_config(args.model, getattr(torch, args.dtype))
     summary = summarize(cfg)
-    prompt = synthetic_prompt(cfg.vocab_size, args.prompt_len)
-    llm = LLM(args.model, dtype=args.dtype, max_num_seqs=1, max_model_len=args.prompt_len + args.gen + 16)
-    ref = AutoModelForCausalLM.from_pretrained(str(args.model), dtype=dtype).eval()
-    time_hearth(llm, prompt[:16], 4)  # warm-up both
-    time_transformers(ref, prompt[:16], 4)
-    rows: dict[str, list[tuple[float, float]]] = {"hearth": [], "transformers": []}
-    for _ in range(args.runs):
-        rows["hearth"].append(time_hearth(llm, prompt, args.gen))
-        rows["transformers"].append(time_transformers(ref, prompt, args.gen))
-
-    def med(name: str, i: int) -> float:
-        return statistics.median(r[i] for r in rows[name])
-
+    samples: dict[str, list[dict[str, float]]] = {"hearth": [], "transformers": []}
+    with engine_runner(str(args.model), args.dtype, args.prompt_len + args.gen + 16, args.prompt_len, {}) as ours:
+        theirs = transformers_runner(str(args.model), args.dtype)
+        ours(0, 16, 4)  # warm-up both
+        theirs(0, 16, 4)
+        for _ in range(args.runs):
+            samples["hearth"].append(ours(0, args.prompt_len, args.gen))
+            samples["transformers"].append(theirs(0, args.prompt_len, args.gen))
     result = {
         "model": str(args.model), "dtype": args.dtype, "prompt_len": args.prompt_len, "gen": args.gen,
         "runs": args.runs, "threads": torch.get_num_threads(),
         "bytes_per_decode_token": summary.bytes_per_decode_token,
         "total_params": summary.total_params, "active_params": summary.active_params_per_token,
     }
-    for name in rows:
-        result[name] = {
-            "prefill_tok_s": args.prompt_len / med(name, 0),
-            "decode_tok_s": med(name, 1),
-            "decode_tok_s_all": [r[1] for r in rows[name]],
-            "prefill_s_all": [r[0] for r in rows[name]],
-        }
+    for name, runs in samples.items():
+        result[name] = {"prefill_tok_s": statistics.median(r["pp"] for r in runs),
+                        "decode_tok_s": statistics.median(r["tg"] for r in runs),
+                        "decode_tok_s_all": [r["tg"] for r in runs], "prefill_tok_s_all": [r["pp"] for r in runs]}
     h, t = result["hearth"], result["transformers"]
     result["decode_ratio"] = h["decode_tok_s"] / t["decode_tok_s"]
     result["prefill_ratio"] = h["prefill_tok_s"] / t["prefill_tok_s"]
@@ -134,7 +105,7 @@ def main() -> int:
           f"(hearth streams {bw / 1e9:.2f} GB/s of weights)\n")
     print("| engine       | prefill tok/s | decode tok/s |")
     print("|--------------|---------------|--------------|")
-    for name in rows:
+    for name in samples:
         print(f"| {name:<12} | {result[name]['prefill_tok_s']:13.1f} | {result[name]['decode_tok_s']:12.2f} |")
     print(f"| ratio        | {result['prefill_ratio']:12.2f}x | {result['decode_ratio']:11.2f}x |")
     emit(result, args.json)

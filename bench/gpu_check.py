@@ -32,8 +32,8 @@ CAPACITIES = ["0slots", "1slot", "0.1", "0.37", "1.0"]
 
 
 def _logits_run(llm, prompts, steps):
-    from engine import SamplingParams
-    from engine.testing import record_logits
+    from hearth.engine import SamplingParams
+    from tests.checkpoints import record_logits
 
     recorded = record_logits(llm)
     outs = llm.generate(prompts, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
@@ -41,8 +41,8 @@ def _logits_run(llm, prompts, steps):
 
 
 def check_exactness(root: Path) -> list[dict]:
-    from engine import LLM
-    from engine.testing import make_checkpoint
+    from hearth.engine import LLM
+    from tests.checkpoints import make_checkpoint
 
     results = []
     for dtype in ("float32", "bfloat16"):
@@ -69,7 +69,7 @@ def check_exactness(root: Path) -> list[dict]:
 def check_streaming(root: Path) -> list[dict]:
     """Prefill streamed through whole-layer buffers on the GPU (two buffers, one, and the
     decode-path fallback) against the plain engine, for prompts around and beyond a chunk."""
-    from engine import LLM
+    from hearth.engine import LLM
 
     results = []
     for dtype in ("float32", "bfloat16"):
@@ -91,7 +91,7 @@ def check_streaming(root: Path) -> list[dict]:
 
 
 def check_compile() -> bool:
-    from engine.hierarchy.cache import ExpertCacheTables, cache_step
+    from hearth.engine.experts.policy.cache import ExpertCacheTables, cache_step
 
     compiled = torch.compile(cache_step, fullgraph=True, dynamic=False)
     a = ExpertCacheTables(256, 24, torch.arange(65), 64, device="cuda")
@@ -106,12 +106,12 @@ def check_compile() -> bool:
 
 
 def measure_real_shapes(root: Path, layers: int) -> dict:
-    from engine.ftw import load_checkpoint
-    from engine.hierarchy.device import CudaDevice
-    from engine.hierarchy.profile import measure_host_path, measure_link_path
-    from engine.hierarchy.qstar import SplitCosts, build_qtable
-    from engine.layers.mlp import activation
-    from engine.testing import make_checkpoint
+    from hearth.engine.experts.measure import measure_host_path, measure_link_path
+    from hearth.engine.experts.mechanism.device import CudaDevice
+    from hearth.engine.experts.policy.qstar import SplitCosts, build_qtable
+    from hearth.engine.ftw import load_checkpoint
+    from hearth.engine.ops import activation
+    from tests.checkpoints import make_checkpoint
 
     path = root / "qwen3-30b-shapes"
     make_checkpoint(path, "qwen3_moe", "fused", "bfloat16", hidden_size=2048, num_hidden_layers=layers,

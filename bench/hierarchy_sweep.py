@@ -6,10 +6,10 @@ import argparse
 import statistics
 
 from bench.common import emit, synthetic_prompt
-from engine import LLM, SamplingParams
-from engine.hierarchy.profile import measure_host_path
-from engine.layers.mlp import activation
-from engine.loader import load_config
+from hearth.engine import LLM, SamplingParams
+from hearth.engine.experts.measure import measure_host_path
+from hearth.engine.loader import load_config
+from hearth.engine.ops import activation
 
 _COUNTERS = ("hits", "misses", "fills", "cpu", "cpu_bytes", "cpu_seconds", "fill_seconds", "fill_bytes")
 

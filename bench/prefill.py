@@ -27,8 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import emit, synthetic_prompt  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.loader import load_config  # noqa: E402
+from hearth.engine import LLM, SamplingParams  # noqa: E402
+from hearth.engine.loader import load_config  # noqa: E402
 
 
 def prefill_seconds(llm: LLM, prompt: list[int]) -> float:

@@ -6,7 +6,7 @@
 Steps: record the demo model's traces (held-out code, chat, its random twin) unless they exist;
 draw synthetic traces of low and high locality in the demo's shape and in a real model's shape
 (48 layers, 128 experts, top-8); routing statistics; cache-policy replay at 11 % and 37 %; the
-step-time simulator on the six machines of DESIGN.md plus this one (tables and a PNG); and
+step-time simulator on the six reference machines of docs/design.md plus this one (tables and a PNG); and
 ``hearth bench`` of the demo model and of a ~1B random model against transformers.
 """
 
@@ -70,7 +70,7 @@ def trace_set(demo: Path, out: Path, fresh: bool, random_1b: Path) -> dict[str, 
 
 def run_bench(model: Path, label: str, extra: list[str], out: Path) -> dict:
     """``hearth bench`` in a fresh process (its own memory), with JSON output."""
-    cmd = [sys.executable, "-m", "cluster.cli", "bench", "--model", str(model), "--transformers",
+    cmd = [sys.executable, "-m", "hearth.cli.main", "bench", "--model", str(model), "--transformers",
            "--json", str(out), *extra]
     print(f"bench {label}: {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
@@ -79,7 +79,7 @@ def run_bench(model: Path, label: str, extra: list[str], out: Path) -> dict:
 
 def demo_sample(demo: Path) -> tuple[str, str]:
     """The demo model's greedy continuation of a Python prompt."""
-    from engine import LLM, SamplingParams
+    from hearth.engine import LLM, SamplingParams
 
     prompt = "def read_lines(path):\n    with open(path) as f:"
     with LLM(demo) as llm:
@@ -97,12 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--random-1b", type=Path, default=Path("/tmp/qwen3-1b"),
                    help="where the ~1B random model is (built there if absent)")
     args = p.parse_args(argv)
-    from cluster.demo import demo_model_dir
+    from hearth.engine.demo import demo_model_dir
 
     demo = args.model or demo_model_dir()
     started = time.time()
     if not args.skip_bench and not (args.random_1b / "config.json").is_file():
-        from engine.testing import make_checkpoint
+        from tests.checkpoints import make_checkpoint
 
         make_checkpoint(args.random_1b, "qwen3_moe", "per_expert", "bfloat16", shard_bytes=1 << 30,
                         vocab_size=32000, **RANDOM_1B)

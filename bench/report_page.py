@@ -94,10 +94,10 @@ def render(results: dict, demo: Path, sample: tuple[str, str], seconds: float) -
         "## Miss split policies (step-time model)", "",
         "`bench/simulate.py`: a global LRU cache; per decode layer call, the split policy fills q of the m misses "
         "over PCIe and runs the rest on the CPU; the exposed time is max(q·S/B_P, (m − q)·S/B_R) with "
-        "B_R = B_H − B_P (DESIGN.md 2.3), or all of B_H when the call fills nothing, S a real expert "
-        "(3 × 2048 × 768 bf16 = 9.4 MB). `cpu-only` keeps no cache and runs every routed expert on the CPU at "
+        "B_R = B_H − B_P (docs/design.md, the q* cost model), or all of B_H when the call fills nothing, S a real "
+        "expert (3 × 2048 × 768 bf16 = 9.4 MB). `cpu-only` keeps no cache and runs every routed expert on the CPU at "
         "the full B_H. `step-q*` is the per-step optimal table; `tuned-q*` is what the engine runs: that table "
-        "with a fill credit (seconds subtracted per fill) picked online by `engine/hierarchy/tuning.py` from the "
+        "with a fill credit (seconds subtracted per fill) picked online by `engine/experts/policy/tuning.py` from the "
         "measured call times, here fed the simulated ones. Tokens/s count expert time only "
         "(attention and dense layers excluded): compare the ratios. Machines: the paper's Table 1, plus this "
         "machine (no GPU: its B_H measured with the real CPU expert kernel on such experts).", "",
@@ -168,7 +168,7 @@ def stats_table(rows: list[dict]) -> str:
 
 
 def bench_table(result: dict) -> str:
-    from cluster.bench_cmd import BenchRow, markdown
+    from hearth.cli.bench import BenchRow, markdown
 
     return markdown([BenchRow(r["model"], r["backend"], r["test"], r["depth"], r["samples"], r["unit"])
                      for r in result["rows"]])

@@ -28,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import emit, synthetic_prompt  # noqa: E402
 from bench.decode import build_random  # noqa: E402
-from cluster.serving.server import free_port  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
+from hearth.engine import LLM, SamplingParams  # noqa: E402
+from hearth.serving.server import free_port  # noqa: E402
 
 
 def start_server(model: Path, dtype: str, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(model), "--port", str(port),
+    cmd = [sys.executable, "-m", "hearth.cli.main", "serve", "--model", str(model), "--port", str(port),
            "--grpc-port", "0", "--dtype", dtype, "--served-model-name", "bench", "--log-format", "text"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600

@@ -3,7 +3,7 @@
 For every decode MoE layer call of a trace, a global LRU expert cache (``capacity`` of all
 experts) classifies the call's experts into hits and m misses; the split policy chooses q of them
 to fill over the link, the rest run on the CPU. The call's exposed time is the design's model
-(DESIGN.md 2.3): ``max(q·S / B_P, (m − q)·S / B_R)`` with ``B_R = max(B_H − B_P, 0)`` plus each
+(docs/design.md, the q* cost model): ``max(q·S / B_P, (m − q)·S / B_R)`` with ``B_R = max(B_H − B_P, 0)`` plus each
 path's fixed cost; a call that fills nothing leaves the link idle, so its CPU share gets all of
 B_H. Hits run on the GPU and are taken as free. Filled experts enter the cache, CPU experts do
 not, so the policies also shape later hit rates. Policies:
@@ -11,9 +11,9 @@ not, so the policies also shape later hit rates. Policies:
 - ``fill-only``: q = m (every miss crosses the link);
 - ``cpu-only``: no expert cache at all; every routed expert runs on the CPU at the full B_H;
 - ``naive-q*``: q = round(m · B_P / B_H), the closed form rounded;
-- ``step-q*``: the per-step optimal table of ``engine.hierarchy.qstar`` (fill credit 0);
+- ``step-q*``: the per-step optimal table of ``hearth.engine.experts.policy.qstar`` (fill credit 0);
 - ``tuned-q*``: what the engine runs: that table with its fill credit picked online by
-  ``engine.hierarchy.tuning.CreditTuner``, fed the simulated call times.
+  ``hearth.engine.experts.policy.tuning.CreditTuner``, fed the simulated call times.
 
 Tokens/s counts expert time only (attention and dense layers excluded), so it is an upper bound
 whose ratios between policies are the result.
@@ -32,8 +32,8 @@ from types import SimpleNamespace
 
 from bench.cache_replay import Call, GlobalLRU, layer_calls
 from bench.traces import Trace, load
-from engine.hierarchy.qstar import PathCost, SplitCosts, best_q, step_seconds
-from engine.hierarchy.tuning import TUNER_EPOCH_TOKENS, CreditTuner
+from hearth.engine.experts.policy.qstar import PathCost, SplitCosts, best_q, step_seconds
+from hearth.engine.experts.policy.tuning import TUNER_EPOCH_TOKENS, CreditTuner
 
 GB = 1e9
 # Qwen3-30B-A3B / Qwen3.6-35B-A3B experts: 3 matrices of 2048 x 768 in bf16.
@@ -51,7 +51,7 @@ class Machine:
     cpu_fixed_s: float = 0.0
 
 
-# The paper's Table 1 (DESIGN.md 2.3): pinned host->device copy and CPU-expert bandwidths.
+# The paper's Table 1 (docs/design.md, the q* cost model): pinned host->device copy and CPU-expert bandwidths.
 DESIGN_MACHINES = (
     Machine("RTX 4060 laptop", 11.8 * GB, 47.5 * GB),
     Machine("RTX 4090", 25.1 * GB, 63.2 * GB),
@@ -138,9 +138,9 @@ def this_machine(expert_bytes: int = REAL_EXPERT_BYTES) -> Machine:
     (no GPU here, so no link)."""
     import torch
 
-    from engine.experts import ExpertPool
-    from engine.hierarchy.profile import measure_host_path
-    from engine.layers.mlp import activation
+    from hearth.engine.experts.measure import measure_host_path
+    from hearth.engine.experts.pool import ExpertPool
+    from hearth.engine.ops import activation
 
     hidden, inter = 2048, 768
     n = max(16, (512 << 20) // expert_bytes)  # larger than the last-level cache

@@ -156,7 +156,7 @@ def uniform(num_layers: int, num_experts: int, top_k: int, tokens: int, seed: in
 def record(model: str | Path, requests: Iterable[tuple[list[int], int]], name: str) -> Trace:
     """Run ``(prompt ids, tokens to generate)`` requests one at a time through the engine with its
     routing record on, and return the trace (one segment per request)."""
-    from engine import LLM, SamplingParams
+    from hearth.engine import LLM, SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "routing.jsonl"
@@ -211,7 +211,7 @@ def record_held_out(model: str | Path, name: str, segments: int = 16, length: in
                     prompt: int = 64) -> Trace:
     """Held-out source files run through the model: each segment's first ``prompt`` tokens are
     the prefill and the rest is teacher-forced decode (routing equals decoding that text)."""
-    from engine.tokenizer import load_tokenizer
+    from hearth.engine.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model)
     texts = [t for t in _held_out_texts() if len(t) > 6 * length][:segments]
@@ -225,8 +225,8 @@ def record_held_out(model: str | Path, name: str, segments: int = 16, length: in
 def record_chat(model: str | Path, name: str, sessions: int = 3, turns: int = 4, reply_tokens: int = 160) -> Trace:
     """Multi-turn chat sessions: each user turn asks for a held-out documented function; the
     model's sampled reply joins the history; every turn re-sends the whole conversation."""
-    from engine import LLM, SamplingParams
-    from engine.tokenizer import render_chat
+    from hearth.engine import LLM, SamplingParams
+    from hearth.engine.tokenizer import render_chat
 
     asks = [request for request, _ in _training_recipe().chat_pairs(_held_out_texts(), limit=sessions * turns)]
     turns_ids: list[tuple[list[int], int]] = []  # (prompt + reply ids, prompt length) per turn
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "record":
         if args.model is None:
-            from cluster.demo import demo_model_dir
+            from hearth.engine.demo import demo_model_dir
 
             args.model = demo_model_dir()
         for path in record_standard(args.model, args.out):

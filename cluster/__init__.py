@@ -1,6 +1,7 @@
-"""hearth on Ray: per-machine actors, the router and the command line (``hearth``).
+"""hearth on Ray: per-machine actors, the router, placement and deployment.
 
-``cluster.connect(address)`` returns a client of a running deployment (see ``cluster.sdk``).
+``hearth.cluster.connect(address)`` returns a client of a running deployment (see
+:mod:`hearth.cluster.sdk`).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from typing import Any
 
 
 def connect(address: str = "auto") -> Any:
-    """A :class:`cluster.sdk.HearthClient` of the deployment on the cluster at ``address``."""
-    from cluster.sdk import connect as _connect
+    """A :class:`hearth.cluster.sdk.HearthClient` of the deployment on the cluster at ``address``."""
+    from hearth.cluster.sdk import connect as _connect
 
     return _connect(address)

@@ -1,4 +1,4 @@
-"""The per-machine actors of a deployment (DESIGN.md section 3).
+"""The per-machine actors of a deployment (docs/design.md, the home cluster).
 
 One group per replica, all pinned to the replica's node:
 
@@ -23,14 +23,16 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from cluster.bandwidth import BandwidthTracker, MonitorPolicy
-from cluster.serving.client import GenerateRequest, GenerationChunk, InProcessEngineClient, merge_chunks
+from hearth.cluster.bandwidth import BandwidthTracker, MonitorPolicy
+from hearth.config import EngineConfig
+from hearth.proto.contracts import GenerateRequest, GenerationChunk
+from hearth.serving.client import InProcessEngineClient
 
 log = logging.getLogger("hearth.cluster")
 NAMESPACE = "hearth"
@@ -39,15 +41,15 @@ STREAM_INTERVAL_S = 0.02  # an executor sends a stream's chunks at most this oft
 
 @dataclass(frozen=True)
 class ReplicaSpec:
-    """Everything the actors of one replica need (plain data: it crosses process boundaries)."""
+    """Everything the actors of one replica need (plain, typed data: it crosses process boundaries).
+    ``engine`` names the replica's shared pool (``host_pool_name``)."""
 
     replica_id: str
     model_name: str
     model_path: str
     node_id: str
     pool_name: str
-    engine_options: dict[str, Any] = field(default_factory=dict)
-    threads: int | None = None
+    engine: EngineConfig = EngineConfig()
     max_waiting: int = 64
     monitor_interval_s: float = 2.0
     probe_idle_s: float = 300.0
@@ -57,7 +59,7 @@ class ReplicaSpec:
 
     @property
     def uses_cpu_worker(self) -> bool:
-        return self.engine_options.get("cpu_experts") == "external"
+        return self.engine.experts.cpu_workers == "external"
 
 
 def _handle(name: str):
@@ -81,7 +83,7 @@ def _wait_for_pool(spec: ReplicaSpec, timeout_s: float = 1800.0) -> dict[str, An
 def ftw_path(model_path: str, cache: Path) -> Path:
     """The FTW directory for ``model_path``: itself when it is FTW, else a converted copy in the
     cache (made once per node; re-attaching an executor to a filled pool needs FTW)."""
-    from engine.ftw import is_ftw
+    from hearth.engine.ftw import is_ftw
 
     if is_ftw(model_path):
         return Path(model_path)
@@ -95,8 +97,8 @@ class HostPoolActor:
     """Owns the replica's expert pool segment."""
 
     def __init__(self, spec: ReplicaSpec) -> None:
-        from cluster.demo import cache_dir
-        from engine.ftw import convert, is_ftw
+        from hearth.config import cache_dir
+        from hearth.engine.ftw import convert, is_ftw
 
         self.spec = spec
         self.loads = 0
@@ -116,8 +118,8 @@ class HostPoolActor:
         self._load()
 
     def _load(self) -> None:
-        from engine.ftw import load_checkpoint
-        from engine.hierarchy.host_pool import HostExpertPool, cleanup, list_pools
+        from hearth.engine.experts.mechanism.host_pool import HostExpertPool, cleanup, list_pools
+        from hearth.engine.ftw import load_checkpoint
 
         if cleanup(self.spec.pool_name):  # left by this actor's previous life (killed): read it again
             log.warning("removed the stale expert pool '%s'; reading it again from %s", self.spec.pool_name, self.path)
@@ -130,7 +132,8 @@ class HostPoolActor:
             self.pool = HostExpertPool.create(self.spec.pool_name, gate_up_shape, down_shape, dtype)
             return self.pool.tensors
 
-        load_checkpoint(self.path, self.spec.engine_options.get("dtype"), create)
+        dtype = self.spec.engine.dtype
+        load_checkpoint(self.path, None if dtype == "auto" else dtype, create)
         self.pool.mark_filled()
         self.loads += 1
         self.load_seconds = time.perf_counter() - started
@@ -167,10 +170,10 @@ class CpuWorkerActor:
 
     def serve(self, pool_name: str, ring_name: str, owner_pid: int) -> int:
         """Serve ``ring_name`` until the executor closes it or dies; returns the tasks done."""
-        from engine.hierarchy.cpu_workers import bind_current_thread, physical_cores
-        from engine.hierarchy.host_pool import HostExpertPool
-        from engine.hierarchy.ring import TaskRing
-        from engine.hierarchy.worker import serve
+        from hearth.engine.experts.mechanism.cpu_workers import bind_current_thread, physical_cores
+        from hearth.engine.experts.mechanism.host_pool import HostExpertPool
+        from hearth.engine.experts.mechanism.ring import TaskRing
+        from hearth.engine.experts.mechanism.worker import serve
 
         with self._lock:
             if ring_name in self._rings:
@@ -180,7 +183,7 @@ class CpuWorkerActor:
 
         cores = physical_cores()
         bind_current_thread(cores)
-        torch.set_num_threads(self.spec.threads or len(cores))
+        torch.set_num_threads(self.spec.engine.threads or len(cores))
         pool = HostExpertPool.attach(pool_name)
         ring = TaskRing.attach(ring_name)
         ring.words[1] = os.getpid()
@@ -204,7 +207,7 @@ class ExecutorActor:
     def __init__(self, spec: ReplicaSpec) -> None:
         import torch
 
-        from engine.hierarchy.cpu_workers import physical_cores
+        from hearth.engine.experts.mechanism.cpu_workers import physical_cores
 
         self.spec = spec
         started = time.perf_counter()
@@ -212,17 +215,16 @@ class ExecutorActor:
         self.pool_wait_seconds = time.perf_counter() - started
         self.started = time.perf_counter()
         self.model_path = pool["path"]
-        torch.set_num_threads(spec.threads or len(physical_cores()))
+        torch.set_num_threads(spec.engine.threads or len(physical_cores()))
         self.load_seconds = 0.0
         self.attached_pool = False
         self.bandwidth_updates = 0  # q tables pushed by the monitor
         self.client = InProcessEngineClient(self.model_path, self._build_engine, spec.model_name, spec.max_waiting)
 
     def _build_engine(self):
-        from engine.llm_engine import EngineConfig, LLMEngine
+        from hearth.engine.llm_engine import LLMEngine
 
-        options = dict(self.spec.engine_options, host_pool_name=self.spec.pool_name)
-        engine = LLMEngine(self.model_path, EngineConfig(**options))
+        engine = LLMEngine(self.model_path, self.spec.engine)
         self.attached_pool = engine.host_pool is not None and not engine.host_pool.owner
         if self.spec.uses_cpu_worker and engine.experts is not None:
             workers = engine.experts.cpu_workers
@@ -267,7 +269,7 @@ class ExecutorActor:
                     items.append(pending.get_nowait())
                 chunks = [c for c in items if isinstance(c, GenerationChunk)]
                 if chunks:
-                    yield merge_chunks(chunks)
+                    yield GenerationChunk.merge(chunks)
                     last_sent = loop.time()
                     if chunks[-1].finished:
                         return

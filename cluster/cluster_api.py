@@ -12,11 +12,11 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from cluster.routing import session_key
-from cluster.serving.client import GenerateRequest
-from cluster.serving.errors import APIError
-from cluster.serving.frontend import ToolMode
-from cluster.serving.generation import Reply, stream_reply
+from hearth.proto.contracts import GenerateRequest
+from hearth.serving.errors import APIError
+from hearth.serving.frontend import ToolMode
+from hearth.serving.generation import Reply, stream_reply
+from hearth.serving.session import session_key
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "ignore_eos")

@@ -19,19 +19,21 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.actors import NAMESPACE, CpuWorkerActor, ExecutorActor, HostPoolActor, MonitorActor, ReplicaSpec
-from cluster.node_info import describe_this_node
-from cluster.placement import ModelSpec, NodeInfo, PlacementPlan, ReplicaPlan, plan_placement
-from cluster.router import ROUTER_NAME, ReplicaInfo, RouterActor, RouterConfig
-from cluster.serving.client import ModelInfo
+from hearth.cluster.actors import NAMESPACE, CpuWorkerActor, ExecutorActor, HostPoolActor, MonitorActor, ReplicaSpec
+from hearth.cluster.node_info import describe_this_node
+from hearth.cluster.placement import ModelSpec, NodeInfo, PlacementPlan, ReplicaPlan, plan_placement
+from hearth.cluster.router import ROUTER_NAME, ReplicaInfo, RouterActor, RouterConfig
+from hearth.config import EngineConfig, ServingConfig
+from hearth.proto.contracts import ModelInfo
 
 _BUILTIN_RESOURCES = re.compile(r"^(CPU|GPU|memory|object_store_memory|node:.*|accelerator_type:.*)$")
 
 
 @dataclass(frozen=True)
 class DeployOptions:
-    """What ``hearth up`` deploys and how it listens. ``engine_options`` override the per-replica
-    engine settings the plan chooses (tests use the virtual device this way)."""
+    """What ``hearth up`` deploys and how it listens. ``engine_options`` (engine settings by option
+    name, see :class:`hearth.config.EngineConfig`) override what the plan chooses per replica; tests
+    use the virtual device this way. They are checked when the options are made."""
 
     model_path: str
     model_name: str | None = None
@@ -45,6 +47,21 @@ class DeployOptions:
     monitor_interval_s: float = 2.0
     health_interval_s: float = 1.0
     ready_timeout_s: float = 900.0
+    max_waiting: int = 64
+    tool_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        # A clear ConfigError now rather than inside an actor (each replica gets its own pool's name).
+        EngineConfig(**{"host_pool_name": "check", **self.engine_options})
+
+    @property
+    def serving(self) -> ServingConfig:
+        return ServingConfig(host=self.host, port=self.port, grpc_port=self.grpc_port, api_key=self.api_key,
+                             model_names=(self.name,), max_waiting=self.max_waiting, tool_parser=self.tool_parser)
+
+    @property
+    def name(self) -> str:
+        return self.model_name or Path(self.model_path).name
 
 
 def _labels(resources: dict[str, float]) -> frozenset[str]:
@@ -70,8 +87,8 @@ def discover_nodes() -> list[NodeInfo]:
 
 def model_spec(path: str, name: str, replicas: int | None = None, require: str | None = None) -> ModelSpec:
     """Pool and dense sizes of the checkpoint at ``path``, from its config alone."""
-    from engine.inspect import summarize
-    from engine.loader import load_config
+    from hearth.engine.inspect import summarize
+    from hearth.engine.loader import load_config
 
     _, cfg = load_config(path)
     s = summarize(cfg)
@@ -79,12 +96,17 @@ def model_spec(path: str, name: str, replicas: int | None = None, require: str |
     return ModelSpec(name, path, s.expert_pool_bytes, (s.total_params - s.expert_params) * item, replicas, require)
 
 
-def _engine_options(replica: ReplicaPlan, overrides: dict[str, Any]) -> dict[str, Any]:
+def replica_engine(replica: ReplicaPlan, overrides: dict[str, Any], pool_name: str) -> EngineConfig:
+    """The engine settings of one replica: what its plan chooses, then the user's overrides. With an
+    expert device, the CPU experts run in the replica's CPU-worker actor on the shared pool."""
     if replica.executor == "cuda":
-        options = {"expert_device": "cuda", "expert_cache": f"{replica.expert_cache_bytes}b", "cpu_experts": "external"}
+        options: dict[str, Any] = {"expert_device": "cuda", "expert_cache": f"{replica.expert_cache_bytes}b"}
     else:
         options = {"expert_device": "none"}
-    return {**options, **overrides}
+    options.update(overrides)
+    if options["expert_device"] != "none":
+        options.setdefault("cpu_experts", "external")
+    return EngineConfig(**options, host_pool_name=pool_name)
 
 
 def _pool_name(model: str, replica: ReplicaPlan) -> str:
@@ -93,9 +115,13 @@ def _pool_name(model: str, replica: ReplicaPlan) -> str:
 
 
 def replica_specs(plan: PlacementPlan, options: DeployOptions, model_name: str) -> list[ReplicaSpec]:
-    return [ReplicaSpec(r.replica_id, model_name, str(Path(options.model_path).resolve()), r.node_id,
-                        _pool_name(model_name, r), _engine_options(r, options.engine_options),
-                        monitor_interval_s=options.monitor_interval_s) for r in plan.replicas]
+    specs = []
+    for r in plan.replicas:
+        pool = _pool_name(model_name, r)
+        specs.append(ReplicaSpec(r.replica_id, model_name, str(Path(options.model_path).resolve()), r.node_id, pool,
+                                 replica_engine(r, options.engine_options, pool), max_waiting=options.max_waiting,
+                                 monitor_interval_s=options.monitor_interval_s))
+    return specs
 
 
 def _start_replica(spec: ReplicaSpec) -> Any:
@@ -105,7 +131,7 @@ def _start_replica(spec: ReplicaSpec) -> Any:
     ray.remote(HostPoolActor).options(name=spec.actor_name("pool"), **common).remote(spec)
     if spec.uses_cpu_worker:
         ray.remote(CpuWorkerActor).options(name=spec.actor_name("cpu"), max_concurrency=4, **common).remote(spec)
-    gpus = 1 if spec.engine_options.get("expert_device") == "cuda" else 0
+    gpus = 1 if spec.engine.experts.device == "cuda" else 0
     executor = ray.remote(ExecutorActor).options(name=spec.actor_name("executor"), num_gpus=gpus,
                                                  **common).remote(spec)
     ray.remote(MonitorActor).options(name=spec.actor_name("monitor"), **common).remote(spec)
@@ -123,13 +149,13 @@ def deploy(options: DeployOptions, log=print) -> dict[str, Any]:
     """Deploy the model onto the connected cluster; returns the router's description."""
     if find_router() is not None:
         raise RuntimeError("hearth is already deployed on this cluster (`hearth status`; `hearth down` first)")
-    name = options.model_name or Path(options.model_path).name
+    name = options.name
     nodes = discover_nodes()
     plan = plan_placement(nodes, [model_spec(options.model_path, name, options.replicas, options.require)])
     specs = replica_specs(plan, options, name)
     for r, spec in zip(plan.replicas, specs, strict=True):
         log(f"hearth: replica {r.replica_id}: {r.executor} executor on {r.node_name} "
-            f"({spec.engine_options.get('expert_device')}), pool '{spec.pool_name}'")
+            f"({spec.engine.experts.device}), pool '{spec.pool_name}'")
     started = time.perf_counter()
     executors = [_start_replica(spec) for spec in specs]
     try:
@@ -144,8 +170,7 @@ def deploy(options: DeployOptions, log=print) -> dict[str, Any]:
     replicas = tuple(ReplicaInfo(r.replica_id, name, r.node_id, r.node_name, s.actor_name("executor"),
                                  s.actor_name("monitor"), r.executor, r.gpu_index, r.expert_cache_bytes)
                      for r, s in zip(plan.replicas, specs, strict=True))
-    config = RouterConfig(model, replicas, options.host, options.port, options.grpc_port, options.api_key,
-                          options.health_interval_s)
+    config = RouterConfig(model, replicas, options.serving, options.health_interval_s)
     router = ray.remote(RouterActor).options(
         name=ROUTER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_restarts=-1, max_concurrency=64,
         scheduling_strategy=_on_node(_head_node_id())).remote(config)

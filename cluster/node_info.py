@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from cluster.placement import GpuInfo, NodeInfo
+from hearth.cluster.placement import GpuInfo, NodeInfo
 
 
 def meminfo() -> tuple[int, int]:
@@ -50,7 +50,7 @@ def nvidia_gpus() -> tuple[GpuInfo, ...]:
 
 def describe_this_node(node_id: str, address: str, labels: frozenset[str]) -> NodeInfo:
     """A :class:`NodeInfo` for the machine this runs on."""
-    from engine.hierarchy.cpu_workers import physical_cores
+    from hearth.engine.experts.mechanism.cpu_workers import physical_cores
 
     total, available = meminfo()
     return NodeInfo(node_id, address, total, available, len(physical_cores()), nvidia_gpus(), labels)

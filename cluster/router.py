@@ -22,14 +22,9 @@ from typing import Any
 
 import ray
 
-from cluster.routing import ReplicaLoad, choose_replica
-from cluster.serving.client import (
-    EngineNotReady,
-    EngineOverloaded,
-    GenerateRequest,
-    GenerationChunk,
-    ModelInfo,
-)
+from hearth.cluster.routing import ReplicaLoad, choose_replica
+from hearth.config import ServingConfig
+from hearth.proto.contracts import EngineNotReady, EngineOverloaded, GenerateRequest, GenerationChunk, ModelInfo
 
 log = logging.getLogger("hearth.router")
 ROUTER_NAME = "hearth:router"
@@ -234,28 +229,24 @@ class RouterConfig:
 
     model: ModelInfo
     replicas: tuple[ReplicaInfo, ...]
-    host: str = "127.0.0.1"
-    port: int = 8000
-    grpc_port: int | None = 50051
-    api_key: str | None = None
+    serving: ServingConfig = ServingConfig()
     health_interval_s: float = 1.0
-    max_waiting: int = 64
 
 
 class RouterActor:
     """Runs the API server (HTTP + gRPC) on its own thread and event loop inside the actor."""
 
     def __init__(self, config: RouterConfig) -> None:
-        from cluster.serving.app import ServerState
-        from cluster.serving.server import BackgroundServer, ServeOptions
+        from hearth.serving.app import ServerState
+        from hearth.serving.server import BackgroundServer
 
         self.config = config
         self.started = time.time()
         self.client = RouterEngineClient(config.model, list(config.replicas), config.health_interval_s)
-        state = ServerState(self.client, [config.model.name], config.api_key)
-        options = ServeOptions(config.host, config.port, config.grpc_port, config.api_key, (config.model.name,),
-                               config.max_waiting)
-        self.server = BackgroundServer(state, options, on_loop_start=self.client.start)
+        serving = config.serving
+        state = ServerState(self.client, list(serving.model_names) or [config.model.name], serving.api_key,
+                            serving.tool_parser)
+        self.server = BackgroundServer(state, serving, on_loop_start=self.client.start)
         self.server.start()
 
     def url(self) -> str:
@@ -264,7 +255,7 @@ class RouterActor:
     def describe(self) -> dict[str, Any]:
         """The deployment: model, replicas and listeners (for status, down and the client)."""
         c = self.config
-        return {"model": c.model.name, "path": c.model.path, "url": self.server.url, "grpc_port": c.grpc_port,
+        return {"model": c.model.name, "path": c.model.path, "url": self.server.url, "grpc_port": c.serving.grpc_port,
                 "replicas": [r.__dict__ for r in c.replicas], "started": self.started, "pid": os.getpid()}
 
     def replica_stats(self) -> dict[str, Any]:
@@ -276,7 +267,7 @@ class RouterActor:
         (max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos, session_id).
         Errors come back as ``{"error": {"status", "message"}}`` so one bad line of a batch does
         not fail the others."""
-        from cluster.cluster_api import run_request
+        from hearth.cluster.cluster_api import run_request
 
         future = asyncio.run_coroutine_threadsafe(run_request(self.server.state, request), self.server.loop)
         return future.result()
@@ -286,7 +277,7 @@ class RouterActor:
         ending with the full result."""
         import queue
 
-        from cluster.cluster_api import run_request
+        from hearth.cluster.cluster_api import run_request
 
         chunks: queue.SimpleQueue = queue.SimpleQueue()
         future = asyncio.run_coroutine_threadsafe(run_request(self.server.state, request, chunks.put),

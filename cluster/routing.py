@@ -13,13 +13,11 @@
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
-PREFIX_KEY_TOKENS = 256  # raw prompts: the session is identified by this many leading tokens
-CLIENT_KEY = "id:"  # session keys the client gave start with this
+from hearth.serving.session import CLIENT_KEY
+
 SLACK = 2  # a derived session key yields to load once its replica has this many more requests in flight
 
 
@@ -58,32 +56,3 @@ def choose_replica(replicas: Iterable[ReplicaLoad], model: str, session_key: str
         return ((r.in_flight + 1) / speed, r.assigned, r.replica_id)
 
     return min(pool, key=expected_wait).replica_id
-
-
-def conversation_key(messages: list[dict[str, Any]]) -> str:
-    """A session key for a chat: the messages up to and including the first user message (the
-    system prompt and the opening question identify a conversation; later turns only append)."""
-    head: list[dict[str, Any]] = []
-    for m in messages:
-        head.append({"role": m.get("role"), "content": m.get("content")})
-        if m.get("role") == "user":
-            break
-    return "conv:" + hashlib.blake2b(json.dumps(head, sort_keys=True, default=str).encode(),
-                                     digest_size=12).hexdigest()
-
-
-def prefix_key(prompt_ids: list[int]) -> str:
-    """A session key for a raw prompt: a hash of its leading tokens."""
-    head = prompt_ids[:PREFIX_KEY_TOKENS]
-    return "prefix:" + hashlib.blake2b(json.dumps(head).encode(), digest_size=12).hexdigest()
-
-
-def session_key(header: str | None, messages: list[dict[str, Any]] | None = None,
-                prompt_ids: list[int] | None = None) -> str:
-    """The routing key of a request: the client's ``x-session-id`` when it sends one, else the
-    conversation's opening (chat), else the prompt's leading tokens."""
-    if header and header.strip():
-        return CLIENT_KEY + header.strip()[:256]
-    if messages:
-        return conversation_key(messages)
-    return prefix_key(prompt_ids or [])

@@ -21,8 +21,8 @@ from typing import Any
 
 import ray
 
-from cluster.actors import NAMESPACE
-from cluster.router import ROUTER_NAME
+from hearth.cluster.actors import NAMESPACE
+from hearth.cluster.router import ROUTER_NAME
 
 
 class HearthError(RuntimeError):

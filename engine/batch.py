@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from hearth.engine.experts.contract import StepContext
+    from hearth.engine.kv_cache import PagedKVCache
+    from hearth.engine.state_pool import RecurrentStatePool
 
 
 @dataclass
@@ -41,7 +47,20 @@ class ForwardBatch:
     masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
     # Snapshots requested by ``SequenceSlice.captures``: (sequence index, offset) -> layer -> (conv, state).
     captured: dict[tuple[int, int], dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    # What the expert hierarchy was told about this step (None: the plain backend, decode rules).
+    experts: StepContext | None = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
+
+
+@dataclass
+class LayerContext:
+    """What every decoder layer reads besides its hidden states, one per forward pass: the batch, the
+    KV cache, the recurrent states of hybrid models, and the rotary tables of the batch's positions."""
+
+    batch: ForwardBatch
+    kv: PagedKVCache
+    states: RecurrentStatePool | None
+    rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, R]

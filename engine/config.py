@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from hearth.config import ConfigError
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -23,10 +25,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
-
-
-class ConfigError(ValueError):
-    """A checkpoint's config.json is missing, malformed or describes something unsupported."""
 
 
 @dataclass(frozen=True)
@@ -47,9 +45,6 @@ class LinearAttentionConfig:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
-    # "qkvz": Qwen3-Next's in_proj_qkvz/in_proj_ba, grouped per key head; "split": Qwen3.5's
-    # in_proj_qkv, in_proj_z, in_proj_b and in_proj_a.
-    projection_layout: str = "split"
 
     @property
     def key_dim(self) -> int:
@@ -65,9 +60,11 @@ class LinearAttentionConfig:
         return 2 * self.key_dim + self.value_dim
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Everything the engine needs to know about a decoder-only MoE model."""
+    """What the engine (KV cache, state pool, expert pool, scheduler) knows about a decoder-only MoE
+    model. A family subclasses it with the choices only its own network reads (bias, router rules,
+    shared experts); the shared layers never see a config, they are built by the family."""
 
     architecture: str
     vocab_size: int
@@ -81,30 +78,23 @@ class ModelConfig:
     max_position_embeddings: int
     hidden_act: str
     tie_word_embeddings: bool
-    qkv_bias: bool
-    qk_norm: bool
-    # Dense MLP size (used by dense layers inside MoE models).
-    intermediate_size: int
+    dtype: torch.dtype
     num_experts: int
     top_k: int
     moe_intermediate_size: int
-    norm_topk_prob: bool
-    # Mixtral keeps routing weights in fp32 when combining expert outputs; Qwen casts them back.
-    router_weights_in_fp32: bool
-    shared_expert_intermediate_size: int
     # Per layer: True when the layer's feed-forward is an MoE block.
     moe_layers: tuple[bool, ...]
-    # Per layer: the sliding window in tokens, or None for full attention.
-    sliding_windows: tuple[int | None, ...]
-    dtype: torch.dtype
+    # Dense MLP size (the dense layers of MoE models).
+    intermediate_size: int = 0
+    # Per layer: the sliding window in tokens, or None for full attention (empty: all full).
+    sliding_windows: tuple[int | None, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     # Hybrid models: per layer "full_attention" or "linear_attention" (empty: all full attention).
     layer_types: tuple[str, ...] = ()
     linear_attention: LinearAttentionConfig | None = None
-    # Gated attention: q_proj also yields a per-channel sigmoid gate applied before o_proj.
-    attn_output_gate: bool = False
-    # RMSNorm weights stored zero-centred (the norm scales by 1 + weight, in fp32).
-    zero_centered_norm: bool = False
+
+    def window(self, idx: int) -> int | None:
+        return self.sliding_windows[idx] if self.sliding_windows else None
 
     @property
     def moe_layer_ids(self) -> list[int]:

@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from engine.config import ConfigError, parse_dtype
-from engine.experts import ExpertPool, LocalExpertBackend
-from engine.loader import CheckpointError, LoadedModel, load_config, load_model
-from engine.models import MoECausalLM
+from hearth.engine.config import ConfigError, parse_dtype
+from hearth.engine.experts.compute import LocalExpertBackend
+from hearth.engine.experts.pool import ExpertPool
+from hearth.engine.loader import CheckpointError, LoadedModel, load_config, load_model
+from hearth.engine.models import MoECausalLM, build_model
 
 FORMAT = "hearth-ftw"
 VERSION = 1
@@ -262,7 +263,7 @@ def load_ftw(path: str | Path, dtype: str | torch.dtype | None = None, pool_fact
         raise CheckpointError(f"the shared expert pool holds {filled_pool[0].dtype}, the checkpoint {cfg.dtype}")
     storage = filled_pool if filled_pool is not None else pool_factory(*shapes, cfg.dtype) if pool_factory else None
     pool = ExpertPool(cfg, storage)
-    model = MoECausalLM(cfg, LocalExpertBackend(pool, cfg.hidden_act))
+    model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
     reads = _plan_reads(index, model, pool, cfg, read_banks=filled_pool is None)
     fds = [os.open(f, os.O_RDONLY) for f in files]
     bar = tqdm(total=sum(len(r.dst) for r in reads), unit="B", unit_scale=True, desc="loading FTW",

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.config import ModelConfig
+from hearth.engine.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -30,15 +30,14 @@ class ModelSummary:
         return asdict(self)
 
 
-def _attention_params(cfg: ModelConfig) -> int:
-    h, d = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
-    params = h * q + 2 * h * kv + q * h
-    if cfg.qkv_bias:
-        params += q + 2 * kv
-    if cfg.qk_norm:
-        params += 2 * d
-    return params
+def _non_expert_params(cfg: ModelConfig) -> int:
+    """Parameters of the family's network without its experts, counted on a model built on the meta
+    device (no memory, no weights read): whatever layers the family composes are counted."""
+    from hearth.engine.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg, experts=None)  # type: ignore[arg-type] - never called here
+    return sum(p.numel() for p in model.parameters())
 
 
 def summarize(cfg: ModelConfig) -> ModelSummary:
@@ -47,17 +46,9 @@ def summarize(cfg: ModelConfig) -> ModelSummary:
     h = cfg.hidden_size
     per_expert = 3 * h * cfg.moe_intermediate_size
     moe_layers = len(cfg.moe_layer_ids)
-    dense_layers = cfg.num_layers - moe_layers
-    shared = 3 * h * cfg.shared_expert_intermediate_size + h if cfg.shared_expert_intermediate_size else 0
-    per_layer = _attention_params(cfg) + 2 * h  # attention + the two norms
-    moe_dense_part = cfg.num_experts * h + shared  # router + shared expert
-    embed = cfg.vocab_size * h
-    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
-    non_expert = (
-        embed + head + h + cfg.num_layers * per_layer + moe_layers * moe_dense_part
-        + dense_layers * 3 * h * cfg.intermediate_size
-    )
+    non_expert = _non_expert_params(cfg)
     expert_params = moe_layers * cfg.num_experts * per_expert
+    embed = cfg.vocab_size * h
     # One token reads one embedding row; the output projection is read whole (tied or not).
     active = non_expert - embed + h + (embed if cfg.tie_word_embeddings else 0) + moe_layers * cfg.top_k * per_expert
     elem = torch.empty((), dtype=cfg.dtype).element_size()

@@ -6,9 +6,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
-from engine.sampling import SamplingParams
-from engine.tokenizer import render_chat
+from hearth.config import EngineConfig
+from hearth.engine.llm_engine import LLMEngine
+from hearth.engine.tokenizer import render_chat
+from hearth.proto.contracts import RequestOutput, SamplingParams
 
 Prompt = str | list[int]
 
@@ -20,8 +21,12 @@ class LLM:
     >>> llm.generate(["def fib(n):"], SamplingParams(max_tokens=32, temperature=0))[0].text
     """
 
-    def __init__(self, model: str | Path, show_progress: bool = False, **engine_options: Any) -> None:
-        self.engine = LLMEngine(model, EngineConfig(**engine_options), show_progress=show_progress)
+    def __init__(self, model: str | Path, show_progress: bool = False, config: EngineConfig | None = None,
+                 **options: Any) -> None:
+        """``config`` and/or any engine option by name (``LLM(path, prefix_caching=True)``; see
+        :class:`hearth.config.EngineConfig`)."""
+        config = (config or EngineConfig()).replace(**options) if options else config
+        self.engine = LLMEngine(model, config, show_progress=show_progress)
 
     def close(self) -> None:
         """Release CPU workers, a shared-memory pool and the routing record (also on ``with`` exit)."""

@@ -17,9 +17,10 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from engine.config import ConfigError, ModelConfig, parse_dtype, read_config_json
-from engine.experts import ExpertPool, LocalExpertBackend
-from engine.models import MoECausalLM, family_for
+from hearth.engine.config import ConfigError, ModelConfig, parse_dtype, read_config_json
+from hearth.engine.experts.compute import LocalExpertBackend
+from hearth.engine.experts.pool import ExpertPool
+from hearth.engine.models import MoECausalLM, build_model, family_for
 
 _PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
@@ -215,7 +216,7 @@ def load_model(
         raise ConfigError(f"model directory '{model_dir}' does not exist")
     family, cfg = load_config(model_dir, dtype)
     pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None)
-    model = MoECausalLM(cfg, LocalExpertBackend(pool, cfg.hidden_act))
+    model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
     progress = _load_tensors(model_dir, cfg, model, pool, family, show_progress)
     _report(progress)
     model.eval()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling import SamplingParams
+from hearth.engine.sampling import SamplingParams
 
 
 class Status(enum.Enum):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.batch import ForwardBatch, SequenceSlice
-from engine.kv_cache import PagedKVCache
-from engine.models import MoECausalLM
-from engine.request import Request
-from engine.state_pool import RecurrentStatePool, StateSnapshot
+from hearth.engine.batch import ForwardBatch, SequenceSlice
+from hearth.engine.experts.contract import StepContext
+from hearth.engine.kv_cache import PagedKVCache
+from hearth.engine.models import MoECausalLM
+from hearth.engine.request import Request
+from hearth.engine.state_pool import RecurrentStatePool, StateSnapshot
 
 
 def build_batch(
@@ -60,9 +61,12 @@ class ModelRunner:
         self.last_captures: list[tuple[Request, int, StateSnapshot]] = []
 
     def execute(
-        self, items: list[tuple[Request, int]], captures: dict[str, list[int]] | None = None
+        self, items: list[tuple[Request, int]], captures: dict[str, list[int]] | None = None,
+        experts: StepContext | None = None,
     ) -> tuple[torch.Tensor, list[Request]]:
+        """Run the step; ``experts`` is what the expert hierarchy made of it (its MoE layers read it)."""
         batch, sampled = build_batch(items, self.kv.block_size, captures)
+        batch.experts = experts
         if self.states is not None:
             for req, _ in items:
                 if not req.state_ready:  # first step since admission: zeros or a checkpoint

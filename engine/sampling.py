@@ -1,51 +1,11 @@
-"""Sampling parameters and the sampler (penalties, temperature, top-k, top-p, min-p, seeds)."""
+"""The sampler: penalties, temperature, top-k, top-p, min-p and seeds (the parameters are a contract:
+:class:`hearth.proto.contracts.SamplingParams`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-
-@dataclass
-class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` means greedy."""
-
-    max_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        checks = [
-            (self.max_tokens >= 1, "max_tokens must be at least 1"),
-            (self.temperature >= 0, "temperature must be >= 0"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
-            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
-            (all(s for s in self.stop), "stop strings must be non-empty"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from hearth.proto.contracts import SamplingParams
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:

@@ -23,21 +23,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_cache import BlockAllocator
-from engine.prefix_cache import RadixCache
-from engine.request import Request, Status
-from engine.state_checkpoints import CheckpointStore
-from engine.state_pool import StateSnapshot
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Limits of one step."""
-
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
-    prefill_chunk: int = 512
-    max_model_len: int = 8192
+from hearth.config import SchedulerConfig
+from hearth.engine.kv_cache import BlockAllocator
+from hearth.engine.prefix_cache import RadixCache
+from hearth.engine.request import Request, Status
+from hearth.engine.state_checkpoints import CheckpointStore
+from hearth.engine.state_pool import StateSnapshot
 
 
 @dataclass
@@ -100,7 +91,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep:
         step = ScheduledStep()
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.step_tokens
         scheduled: list[Request] = []
         for req in list(self.running):
             if budget <= 0:

@@ -25,8 +25,8 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.prefix_cache import RadixNode
-from engine.state_pool import StateSnapshot
+from hearth.engine.prefix_cache import RadixNode
+from hearth.engine.state_pool import StateSnapshot
 
 POLICIES = ("none", "prompt-end", "periodic", "anchors")
 

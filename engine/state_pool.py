@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
+from hearth.engine.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import hearth_pb2 as proto_dot_hearth__pb2
+from hearth.proto import hearth_pb2 as hearth_dot_proto_dot_hearth__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/hearth_pb2_grpc.py depends on'
+        + ' but the generated code in hearth/proto/hearth_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class HearthStub:
         """
         self.Generate = channel.unary_stream(
                 '/hearth.v1.Hearth/Generate',
-                request_serializer=proto_dot_hearth__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_hearth__pb2.GenerateResponse.FromString,
+                request_serializer=hearth_dot_proto_dot_hearth__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=hearth_dot_proto_dot_hearth__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/hearth.v1.Hearth/ListModels',
-                request_serializer=proto_dot_hearth__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=proto_dot_hearth__pb2.ListModelsResponse.FromString,
+                request_serializer=hearth_dot_proto_dot_hearth__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=hearth_dot_proto_dot_hearth__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/hearth.v1.Hearth/Health',
-                request_serializer=proto_dot_hearth__pb2.HealthRequest.SerializeToString,
-                response_deserializer=proto_dot_hearth__pb2.HealthResponse.FromString,
+                request_serializer=hearth_dot_proto_dot_hearth__pb2.HealthRequest.SerializeToString,
+                response_deserializer=hearth_dot_proto_dot_hearth__pb2.HealthResponse.FromString,
                 _registered_method=True)
 
 
@@ -78,18 +78,18 @@ def add_HearthServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_hearth__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_hearth__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=hearth_dot_proto_dot_hearth__pb2.GenerateRequest.FromString,
+                    response_serializer=hearth_dot_proto_dot_hearth__pb2.GenerateResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=proto_dot_hearth__pb2.ListModelsRequest.FromString,
-                    response_serializer=proto_dot_hearth__pb2.ListModelsResponse.SerializeToString,
+                    request_deserializer=hearth_dot_proto_dot_hearth__pb2.ListModelsRequest.FromString,
+                    response_serializer=hearth_dot_proto_dot_hearth__pb2.ListModelsResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=proto_dot_hearth__pb2.HealthRequest.FromString,
-                    response_serializer=proto_dot_hearth__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=hearth_dot_proto_dot_hearth__pb2.HealthRequest.FromString,
+                    response_serializer=hearth_dot_proto_dot_hearth__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -117,8 +117,8 @@ class Hearth:
             request,
             target,
             '/hearth.v1.Hearth/Generate',
-            proto_dot_hearth__pb2.GenerateRequest.SerializeToString,
-            proto_dot_hearth__pb2.GenerateResponse.FromString,
+            hearth_dot_proto_dot_hearth__pb2.GenerateRequest.SerializeToString,
+            hearth_dot_proto_dot_hearth__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -144,8 +144,8 @@ class Hearth:
             request,
             target,
             '/hearth.v1.Hearth/ListModels',
-            proto_dot_hearth__pb2.ListModelsRequest.SerializeToString,
-            proto_dot_hearth__pb2.ListModelsResponse.FromString,
+            hearth_dot_proto_dot_hearth__pb2.ListModelsRequest.SerializeToString,
+            hearth_dot_proto_dot_hearth__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -171,8 +171,8 @@ class Hearth:
             request,
             target,
             '/hearth.v1.Hearth/Health',
-            proto_dot_hearth__pb2.HealthRequest.SerializeToString,
-            proto_dot_hearth__pb2.HealthResponse.FromString,
+            hearth_dot_proto_dot_hearth__pb2.HealthRequest.SerializeToString,
+            hearth_dot_proto_dot_hearth__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.testing import make_checkpoint
+from tests.checkpoints import make_checkpoint
 
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe"]
 

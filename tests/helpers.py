@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine import SamplingParams
-from engine.testing import record_logits  # noqa: F401 - re-exported for the tests
+from hearth.engine import SamplingParams
+from tests.checkpoints import record_logits  # noqa: F401 - re-exported for the tests
 
 PROMPTS = [
     [5, 17, 33, 99, 100, 3, 7, 200, 201, 45],

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from cluster.serving.server import BackgroundServer, ServeOptions, build_state, free_port
+from hearth.config import EngineConfig, ServingConfig
+from hearth.serving.server import BackgroundServer, build_state, free_port
 
 SCRIPTS = {
     "WEATHER": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
@@ -69,12 +70,12 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
 def running_server(model_dir, engine_options: dict | None = None, scripted: bool = True,
                    **options: Any) -> Iterator[BackgroundServer]:
     """A BackgroundServer on loopback (free ports), stopped on exit."""
-    from engine.tokenizer import load_tokenizer
+    from hearth.engine.tokenizer import load_tokenizer
 
-    opts = ServeOptions(host="127.0.0.1", port=free_port(), grpc_port=free_port(), model_names=("tiny",),
+    opts = ServingConfig(host="127.0.0.1", port=free_port(), grpc_port=free_port(), model_names=("tiny",),
                         **options)
     processors = [ScriptedReplies(load_tokenizer(model_dir))] if scripted else []
-    state = build_state(model_dir, dict(engine_options or {}), opts, logits_processors=processors)
+    state = build_state(model_dir, EngineConfig(**(engine_options or {})), opts, logits_processors=processors)
     server = BackgroundServer(state, opts).start()
     try:
         yield server

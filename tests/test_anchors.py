@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.anchors import anchor_positions, anchor_token_ids
-from engine.tokenizer import load_tokenizer, render_chat
+from hearth.engine.anchors import anchor_positions, anchor_token_ids
+from hearth.engine.tokenizer import load_tokenizer, render_chat
 
 
 def test_anchors_are_the_template_markers(agent_checkpoint):

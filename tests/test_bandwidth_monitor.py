@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.bandwidth import BandwidthTracker, MonitorPolicy
-from engine.hierarchy.qstar import PathCost, SplitCosts, build_qtable
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.sampling import SamplingParams
+from hearth.cluster.bandwidth import BandwidthTracker, MonitorPolicy
+from hearth.engine.experts.policy.qstar import PathCost, SplitCosts, build_qtable
+from hearth.engine.llm_engine import EngineConfig, LLMEngine
+from hearth.engine.sampling import SamplingParams
 
 GB = 1e9
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from hearth.engine import LLM, SamplingParams
 from tests.helpers import greedy
 
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 23, 41, 70)]

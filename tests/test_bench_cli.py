@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from cluster.cli import main
+from hearth.cli.main import main
 from tests.serving_helpers import running_server
 
 

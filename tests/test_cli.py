@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from engine.inspect import summarize
-from engine.loader import load_config
+from hearth.engine.inspect import summarize
+from hearth.engine.loader import load_config
 from tests.helpers import reference
 
 
 def hearth(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", *args], capture_output=True, text=True, input=stdin, timeout=120
+        [sys.executable, "-m", "hearth.cli.main", *args], capture_output=True, text=True, input=stdin, timeout=120
     )
 
 
@@ -113,7 +113,7 @@ def test_pool_clean_removes_a_named_segment():
 
     import torch
 
-    from engine.hierarchy.host_pool import HostExpertPool
+    from hearth.engine.experts.mechanism.host_pool import HostExpertPool
 
     name = f"test-cli-{uuid.uuid4().hex[:8]}"
     pool = HostExpertPool.create(name, (1, 2, 2), (1, 2, 1), torch.float32)

@@ -19,12 +19,12 @@ import requests
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from cluster.deploy import DeployOptions, cluster_status, deploy, teardown  # noqa: E402
-from cluster.routing import ReplicaLoad, choose_replica  # noqa: E402
-from cluster.serving.server import free_port  # noqa: E402
-from engine import LLM  # noqa: E402
-from engine.hierarchy.host_pool import cleanup  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
+from hearth.cluster.deploy import DeployOptions, cluster_status, deploy, teardown  # noqa: E402
+from hearth.cluster.routing import ReplicaLoad, choose_replica  # noqa: E402
+from hearth.engine import LLM  # noqa: E402
+from hearth.engine.experts.mechanism.host_pool import cleanup  # noqa: E402
+from hearth.engine.sampling import SamplingParams  # noqa: E402
+from hearth.serving.server import free_port  # noqa: E402
 
 pytestmark = pytest.mark.multinode
 # Every miss is filled over a slow virtual link: a token takes tens of milliseconds, long enough to
@@ -163,7 +163,7 @@ def test_killed_executor_reattaches_to_its_pool(deployment, expected):
 def test_killed_pool_actor_is_rebuilt_from_ftw(deployment, expected):
     """A killed pool actor is recreated by Ray and reads the pool again from the FTW files; the
     running executor keeps serving, and a later executor restart attaches to the new pool."""
-    from engine.hierarchy.host_pool import HostExpertPool
+    from hearth.engine.experts.mechanism.host_pool import HostExpertPool
 
     replica = "tiny@desktop"
     pool = ray.get_actor(f"hearth:pool:{replica}", namespace="hearth")
@@ -184,7 +184,7 @@ def test_killed_pool_actor_is_rebuilt_from_ftw(deployment, expected):
 
 
 def test_python_client_generate_stream_and_errors(deployment, expected):
-    from cluster.sdk import HearthClient, HearthError
+    from hearth.cluster.sdk import HearthClient, HearthError
 
     client = HearthClient(ray.get_actor("hearth:router", namespace="hearth"))
     out = client.generate(PROMPT, max_tokens=12, temperature=0, ignore_eos=True)
@@ -269,7 +269,7 @@ class _FakeExecutor:
 
 
 def test_monitor_actor_pushes_a_new_table_when_the_link_slows(two_nodes):
-    from cluster.actors import MonitorActor, ReplicaSpec
+    from hearth.cluster.actors import MonitorActor, ReplicaSpec
 
     spec = ReplicaSpec("fake@desktop", "fake", "/nowhere", "", "fake-pool", monitor_interval_s=0.05)
     on_desktop = {"resources": {"desktop": 0.01}, "num_cpus": 0}  # the laptop may have left already

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from cluster.serving.server import free_port
+from hearth.serving.server import free_port
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent

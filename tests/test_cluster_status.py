@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.cluster_cmd import format_status
+from hearth.cli.cluster import format_status
 
 
 def test_status_table_has_a_row_per_replica() -> None:

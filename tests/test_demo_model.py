@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.demo import DEMO_NAME, demo_model_dir
-from engine import LLM, SamplingParams
-from engine.testing import record_logits
+from hearth.engine import LLM, SamplingParams
+from hearth.engine.demo import DEMO_NAME, demo_model_dir
+from tests.checkpoints import record_logits
 from tests.helpers import hf_greedy, max_rel_error, reference
 
 ROOT = Path(__file__).resolve().parents[1]

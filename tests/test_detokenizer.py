@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine import LLM, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer
-from engine.testing import build_tokenizer
+from hearth.engine import LLM, SamplingParams
+from hearth.engine.detokenizer import IncrementalDetokenizer
+from tests.checkpoints import build_tokenizer
 
 
 def test_multibyte_characters_are_never_split(tmp_path):

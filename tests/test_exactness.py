@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM
+from hearth.engine import LLM
 from tests.conftest import FAMILIES
 from tests.helpers import PROMPTS, greedy, hf_greedy, max_rel_error, record_logits, reference
 
@@ -98,9 +98,9 @@ def test_config_variants_match_transformers(checkpoint, family, overrides):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fp32_prefill_logits_at_every_position(checkpoint, family):
     """Not just the last position: every prompt position's logits match transformers."""
-    from engine.request import Request
-    from engine.runner import build_batch
-    from engine.sampling import SamplingParams
+    from hearth.engine.request import Request
+    from hearth.engine.runner import build_batch
+    from hearth.engine.sampling import SamplingParams
 
     path, _ = checkpoint(family, "fused")
     ref = reference(path)

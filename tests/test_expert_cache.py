@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from engine.hierarchy.cache import ExpertCacheTables, cache_step
-from engine.kernels import cpu_decode_ops
+from hearth.engine.experts.policy.cache import ExpertCacheTables, cache_step
+from hearth.engine.kernels import cpu_decode_ops
 
 
 class ReferenceLRU:

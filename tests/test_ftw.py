@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from engine import LLM
-from engine.ftw import convert, load_checkpoint, load_ftw, read_index
-from engine.loader import CheckpointError, load_model
+from hearth.engine import LLM
+from hearth.engine.ftw import convert, load_checkpoint, load_ftw, read_index
+from hearth.engine.loader import CheckpointError, load_model
 from tests.helpers import PROMPTS, greedy, record_logits
 
 
@@ -88,7 +88,7 @@ def test_version_mismatch_is_clear(ftw_dir):
 
 
 def test_loads_into_shared_memory_pool(ftw_dir):
-    from engine.hierarchy.host_pool import HostExpertPool
+    from hearth.engine.experts.mechanism.host_pool import HostExpertPool
 
     made = []
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM
+from hearth.engine import LLM
 from tests.helpers import PROMPTS, greedy, max_rel_error, record_logits
 
 CAPACITIES = ["0slots", "1slot", "0.1", "0.37", "1.0"]
@@ -130,8 +130,8 @@ def test_tuned_fill_credit_keeps_results_exact(checkpoint, plain):
     """The credit tuner rewrites the q table between layer calls; a tuner that moves every few
     calls (on real timings) must leave the tokens and logits unchanged, and the table it leaves is
     the table of its credit."""
-    from engine.hierarchy.qstar import build_qtable
-    from engine.hierarchy.tuning import CreditTuner
+    from hearth.engine.experts.policy.qstar import build_qtable
+    from hearth.engine.experts.policy.tuning import CreditTuner
 
     path, _ = checkpoint("qwen3_moe", **OVERRIDES)
     llm = LLM(path, expert_device="virtual", expert_cache="0.37", expert_bandwidths=SPLIT_BANDWIDTHS)
@@ -157,7 +157,7 @@ def test_tuned_fill_credit_keeps_results_exact(checkpoint, plain):
 
 
 def test_step_mode_is_the_untuned_per_step_table(checkpoint):
-    from engine.hierarchy.qstar import build_qtable
+    from hearth.engine.experts.policy.qstar import build_qtable
 
     path, _ = checkpoint("qwen3_moe", **OVERRIDES)
     llm = LLM(path, expert_device="virtual", expert_cache="0.37", expert_bandwidths=SPLIT_BANDWIDTHS,

@@ -10,10 +10,10 @@ import uuid
 import pytest
 import torch
 
-from engine.hierarchy.cpu_workers import CpuExpertWorkers
-from engine.hierarchy.host_pool import HostExpertPool, cleanup, list_pools
-from engine.hierarchy.ring import RingCpuWorkers, RingLayout, TaskRing
-from engine.layers.mlp import activation
+from hearth.engine.experts.mechanism.cpu_workers import CpuExpertWorkers
+from hearth.engine.experts.mechanism.host_pool import HostExpertPool, cleanup, list_pools
+from hearth.engine.experts.mechanism.ring import RingCpuWorkers, RingLayout, TaskRing
+from hearth.engine.ops import activation
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX shared memory")
 E_ROWS, H, I, K = 24, 64, 32, 4
@@ -42,7 +42,7 @@ class _PoolView:
 def test_attach_by_name_from_another_process():
     pool = filled_pool(unique("attach"), torch.float32)
     try:
-        code = ("import sys; from engine.hierarchy.host_pool import HostExpertPool as P; "
+        code = ("import sys; from hearth.engine.experts.mechanism.host_pool import HostExpertPool as P; "
                 "p = P.attach(sys.argv[1]); print(float(p.gate_up.double().sum()), float(p.down.double().sum()))")
         out = subprocess.run([sys.executable, "-c", code, pool.name], capture_output=True, text=True, check=True)
         gu, dn = (float(v) for v in out.stdout.split())
@@ -55,7 +55,7 @@ def test_attach_by_name_from_another_process():
 
 def test_crashed_owner_segment_is_cleaned_up_by_name():
     name = unique("crash")
-    code = ("import os, sys, torch; from engine.hierarchy.host_pool import HostExpertPool as P; "
+    code = ("import os, sys, torch; from hearth.engine.experts.mechanism.host_pool import HostExpertPool as P; "
             "pool = P.create(sys.argv[1], (2, 4, 4), (2, 4, 2), torch.float32); os._exit(0)")
     subprocess.run([sys.executable, "-c", code, name], check=True)
     if os.path.isdir("/dev/shm"):
@@ -81,7 +81,7 @@ def random_tasks(seed: int, weight_dtype: torch.dtype, dtype: torch.dtype):
 def test_worker_process_returns_same_partial_sums(dtype, weight_dtype):
     pool = filled_pool(unique("work"), dtype)
     ring = TaskRing.create(unique("ring"), RingLayout(slots=2, max_tokens=8, hidden=H, top_k=K))
-    proc = subprocess.Popen([sys.executable, "-m", "engine.hierarchy.worker", "--pool", pool.name,
+    proc = subprocess.Popen([sys.executable, "-m", "hearth.engine.experts.mechanism.worker", "--pool", pool.name,
                              "--ring", ring.name, "--threads", "1"], stderr=subprocess.PIPE, text=True)
     local = CpuExpertWorkers(_PoolView(pool), activation("silu"), threaded=True)
     remote = RingCpuWorkers(ring, local.pool.expert_bytes, timeout_s=60)
@@ -106,7 +106,7 @@ def test_worker_process_returns_same_partial_sums(dtype, weight_dtype):
 
 
 def test_engine_pool_in_shared_memory(checkpoint):
-    from engine import LLM
+    from hearth.engine import LLM
     from tests.helpers import PROMPTS, greedy
 
     path, _ = checkpoint("qwen3_moe")
@@ -122,7 +122,7 @@ def test_engine_pool_in_shared_memory(checkpoint):
 
 def test_owner_that_exits_without_close_removes_its_segment():
     name = unique("exit")
-    code = ("import sys, torch; from engine.hierarchy.host_pool import HostExpertPool as P; "
+    code = ("import sys, torch; from hearth.engine.experts.mechanism.host_pool import HostExpertPool as P; "
             "pool = P.create(sys.argv[1], (2, 4, 4), (2, 4, 2), torch.float32)")
     subprocess.run([sys.executable, "-c", code, name], check=True)
     with pytest.raises(FileNotFoundError):
@@ -130,8 +130,8 @@ def test_owner_that_exits_without_close_removes_its_segment():
 
 
 def test_restarted_engine_reattaches_without_reading_experts(checkpoint, tmp_path):
-    from engine import LLM
-    from engine.ftw import convert, read_index
+    from hearth.engine import LLM
+    from hearth.engine.ftw import convert, read_index
     from tests.helpers import PROMPTS, greedy
 
     src, _ = checkpoint("qwen3_moe")
@@ -158,8 +158,8 @@ def test_restarted_engine_reattaches_without_reading_experts(checkpoint, tmp_pat
 
 
 def test_half_filled_pool_is_refused(checkpoint, tmp_path):
-    from engine import LLM
-    from engine.config import ConfigError
+    from hearth.engine import LLM
+    from hearth.engine.config import ConfigError
 
     src, _ = checkpoint("qwen3_moe")
     name = unique("half")
@@ -184,8 +184,8 @@ def test_worker_process_exits_when_its_executor_dies():
     import time
 
     name = unique("orphan")
-    code = ("import os, sys, torch; from engine.hierarchy.host_pool import HostExpertPool as P; "
-            "from engine.hierarchy.ring import ProcessCpuWorkers, RingLayout; "
+    code = ("import os, sys, torch; from hearth.engine.experts.mechanism.host_pool import HostExpertPool as P; "
+            "from hearth.engine.experts.mechanism.ring import ProcessCpuWorkers, RingLayout; "
             "p = P.create(sys.argv[1], (2, 4, 4), (2, 4, 2), torch.float32); p.mark_filled(); "
             "w = ProcessCpuWorkers(p.name, RingLayout(1, 1, 4, 1), 100); "
             "print(w.process.pid, w.ring.name, flush=True); os._exit(0)")

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import engine.experts
-import engine.layers.linear
-import engine.layers.norm
-from engine import LLM
-from engine.kernels import cpu_decode_ops
+import hearth.engine.experts.compute
+import hearth.engine.layers.norm
+import hearth.engine.ops
+from hearth.engine import LLM
+from hearth.engine.kernels import cpu_decode_ops
 from tests.helpers import PROMPTS, greedy, hf_greedy, max_rel_error, record_logits, reference
 
 ops = cpu_decode_ops()
@@ -82,9 +82,9 @@ def test_experts_decode_matches_reference(dtype, weights_fp32):
 
 
 def test_engine_without_kernels_matches_transformers(checkpoint, monkeypatch):
-    monkeypatch.setattr(engine.experts, "cpu_decode_ops", lambda: None)
-    monkeypatch.setattr(engine.layers.linear, "cpu_decode_ops", lambda: None)
-    monkeypatch.setattr(engine.layers.norm, "cpu_decode_ops", lambda: None)
+    monkeypatch.setattr(hearth.engine.experts.compute, "cpu_decode_ops", lambda: None)
+    monkeypatch.setattr(hearth.engine.ops, "cpu_decode_ops", lambda: None)
+    monkeypatch.setattr(hearth.engine.layers.norm, "cpu_decode_ops", lambda: None)
     path, _ = checkpoint("qwen2_moe")
     ref = reference(path)
     llm = LLM(path)
@@ -98,7 +98,7 @@ def test_engine_without_kernels_matches_transformers(checkpoint, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_multi_token_half_linear_keeps_torch_numerics(dtype):
-    from engine.layers.linear import linear
+    from hearth.engine.ops import linear
 
     torch.manual_seed(3)
     w = torch.randn(64, 200, dtype=dtype)
@@ -126,9 +126,9 @@ def test_copy_rows_is_a_batched_row_gather():
 def test_small_batch_linear_is_bit_identical_to_one_token_at_a_time(dtype):
     torch.manual_seed(3)
     w, b = torch.randn(96, 200).to(dtype), torch.randn(96).to(dtype)
-    x = torch.randn(engine.layers.linear.SMALL_BATCH, 200).to(dtype)
-    together = engine.layers.linear.linear(x, w, b)
-    alone = torch.cat([engine.layers.linear.linear(x[i : i + 1], w, b) for i in range(x.shape[0])])
+    x = torch.randn(hearth.engine.ops.SMALL_BATCH, 200).to(dtype)
+    together = hearth.engine.ops.linear(x, w, b)
+    alone = torch.cat([hearth.engine.ops.linear(x[i : i + 1], w, b) for i in range(x.shape[0])])
     assert torch.equal(together, alone)
     assert max_rel_error(together, F.linear(x.float(), w.float(), b.float())) < 1e-2
 
@@ -140,7 +140,7 @@ def test_small_batch_experts_are_bit_identical_to_one_token_at_a_time():
     x = torch.randn(5, 48).bfloat16()
     rows = torch.tensor([[0, 3], [5, -1], [2, 2], [-1, -1], [1, 4]])
     weights = torch.rand(5, 2)
-    together = engine.experts.routed_partial_sum(x, gate_up, down, rows, weights, F.silu)
-    alone = torch.cat([engine.experts.routed_partial_sum(x[i : i + 1], gate_up, down, rows[i : i + 1],
+    together = hearth.engine.experts.compute.routed_partial_sum(x, gate_up, down, rows, weights, F.silu)
+    alone = torch.cat([hearth.engine.experts.compute.routed_partial_sum(x[i : i + 1], gate_up, down, rows[i : i + 1],
                                                          weights[i : i + 1], F.silu) for i in range(5)])
     assert torch.equal(together, alone) and not together[3].any()

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import ConfigError
-from engine.loader import CheckpointError, load_model
+from hearth.engine.config import ConfigError
+from hearth.engine.loader import CheckpointError, load_model
 
 
 @pytest.fixture

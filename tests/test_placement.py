@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.placement import (
+from hearth.cluster.placement import (
     GIB,
     GpuInfo,
     ModelSpec,

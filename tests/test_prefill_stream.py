@@ -7,9 +7,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine import LLM
-from engine.hierarchy.prefill import LayerStreamer, expected_distinct, stream_min_tokens
-from engine.hierarchy.qstar import PathCost, SplitCosts
+from hearth.engine import LLM
+from hearth.engine.experts.mechanism.streamer import LayerStreamer
+from hearth.engine.experts.policy.qstar import PathCost, SplitCosts
+from hearth.engine.experts.policy.streaming import expected_distinct, stream_min_tokens
 from tests.helpers import greedy, max_rel_error, record_logits
 
 OVERRIDES = {"num_experts": 16, "num_experts_per_tok": 4, "max_position_embeddings": 8192}

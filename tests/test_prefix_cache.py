@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.prefix_cache import RadixCache
+from hearth.engine.prefix_cache import RadixCache
 
 B = 4
 

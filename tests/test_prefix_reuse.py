@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import torch
 
-from engine import SamplingParams
-from engine.llm_engine import EngineConfig, LLMEngine
+from hearth.engine import SamplingParams
+from hearth.engine.llm_engine import EngineConfig, LLMEngine
 from tests.helpers import max_rel_error, record_logits
 
 

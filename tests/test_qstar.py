@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.hierarchy.qstar import PathCost, SplitCosts, best_q, build_qtable
+from hearth.engine.experts.policy.qstar import PathCost, SplitCosts, best_q, build_qtable
 
 GB = 1e9
-# DESIGN.md's reference machines: (B_P, B_H) in GB/s.
+# The reference machines of docs/design.md: (B_P, B_H) in GB/s.
 MACHINES = {
     "rtx4060-laptop": (11.8, 47.5),
     "rtx4090": (25.1, 63.2),

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from cluster.routing import ReplicaLoad, choose_replica, conversation_key, prefix_key, session_key
+from hearth.cluster.routing import ReplicaLoad, choose_replica
+from hearth.serving.session import conversation_key, prefix_key, session_key
 
 
 def replicas(**overrides) -> list[ReplicaLoad]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling import SamplingParams, apply_penalties, filter_logits, sample_token
+from hearth.engine.sampling import SamplingParams, apply_penalties, filter_logits, sample_token
 
 
 def test_greedy_picks_argmax():

@@ -11,14 +11,14 @@ import time
 
 import requests
 
-from cluster.serving.server import free_port
+from hearth.serving.server import free_port
 
 
 def test_serve_demo_model_end_to_end(tmp_path):
     port, grpc_port = free_port(), free_port()
     env = dict(os.environ, HEARTH_CACHE=str(tmp_path / "cache"))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--grpc-port", str(grpc_port),
+        [sys.executable, "-m", "hearth.cli.main", "serve", "--port", str(port), "--grpc-port", str(grpc_port),
          "--log-format", "text"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -45,6 +45,6 @@ def test_serve_demo_model_end_to_end(tmp_path):
 
 
 def test_serve_missing_model_is_a_clear_error(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "serve", "--model", str(tmp_path / "nope")],
+    out = subprocess.run([sys.executable, "-m", "hearth.cli.main", "serve", "--model", str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "hearth: error:" in out.stderr and "Traceback" not in out.stderr

@@ -16,10 +16,11 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.serving.app import ServerState
-from cluster.serving.client import InProcessEngineClient
-from cluster.serving.server import BackgroundServer, ServeOptions, free_port
-from proto import hearth_pb2, hearth_pb2_grpc
+from hearth.config import ServingConfig
+from hearth.proto import hearth_pb2, hearth_pb2_grpc
+from hearth.serving.app import ServerState
+from hearth.serving.client import InProcessEngineClient
+from hearth.serving.server import BackgroundServer, free_port
 from tests.serving_helpers import running_server, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,12 +50,12 @@ def test_health_while_loading(agent_checkpoint):
     gate = threading.Event()
 
     def slow_factory():
-        from engine.llm_engine import LLMEngine
+        from hearth.engine.llm_engine import LLMEngine
 
         gate.wait(60)
         return LLMEngine(agent_checkpoint)
 
-    opts = ServeOptions(port=free_port(), grpc_port=None, model_names=("tiny",))
+    opts = ServingConfig(port=free_port(), grpc_port=None, model_names=("tiny",))
     state = ServerState(InProcessEngineClient(agent_checkpoint, slow_factory, "tiny"), ["tiny"])
     server = BackgroundServer(state, opts)
     server._thread.start()
@@ -211,8 +212,7 @@ def test_grpc_matches_http_for_the_same_seed(server):
 def test_generated_grpc_code_is_current(tmp_path):
     """Regenerate from proto/hearth.proto and compare with the committed modules."""
     (tmp_path / "proto").mkdir()
-    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", f"--python_out={tmp_path}",
-                    f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}", "proto/hearth.proto"],
+    subprocess.run([sys.executable, str(ROOT / "tools" / "gen_proto.py"), "--out", str(tmp_path / "proto")],
                    cwd=ROOT, check=True)
     for name in ("hearth_pb2.py", "hearth_pb2.pyi", "hearth_pb2_grpc.py"):
         assert filecmp.cmp(tmp_path / "proto" / name, ROOT / "proto" / name, shallow=False), \

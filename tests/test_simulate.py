@@ -1,4 +1,4 @@
-"""The step-time model reproduces the direction of the design's claims (DESIGN.md 2.3)."""
+"""The step-time model reproduces the direction of the design's claims (docs/design.md, the q* cost model)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from bench.cache_replay import layer_calls
 from bench.simulate import DESIGN_MACHINES, Machine, choose_q, costs_of, decode_seconds, simulate
 from bench.traces import synthetic
-from engine.hierarchy.qstar import step_seconds
+from hearth.engine.experts.policy.qstar import step_seconds
 
 EXPERT = 3 * 2048 * 768 * 2
 GB = 1e9

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from engine.hierarchy.tuning import CREDIT_LADDER, CreditTuner
+from hearth.engine.experts.policy.tuning import CREDIT_LADDER, CreditTuner
 
 EPOCH = 8
 HOME = CREDIT_LADDER.index(0.0)

@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.testing import AGENT_TEMPLATE, AGENT_TOKENS, SPECIAL_TOKENS  # noqa: E402
+from tests.checkpoints import AGENT_TEMPLATE, AGENT_TOKENS, SPECIAL_TOKENS  # noqa: E402
 
 EOT = "<|endoftext|>"
 HELD_OUT_PERCENT = 5  # stdlib files whose name hashes below this go to the held-out set

@@ -21,7 +21,7 @@ import argparse
 import json
 from pathlib import Path
 
-import cluster
+from hearth import cluster
 
 
 def main() -> int:

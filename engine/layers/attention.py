@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.batch import ForwardBatch, SequenceSlice
-from engine.config import ModelConfig
-from engine.layers.linear import Projection, linear
-from engine.layers.norm import make_norm
-from engine.layers.rope import apply_rotary
+from hearth.engine.batch import LayerContext, SequenceSlice
+from hearth.engine.layers.linear import Projection
+from hearth.engine.layers.rope import apply_rotary
+from hearth.engine.ops import linear
 
 
 def attention_mask(seq: SequenceSlice, window: int | None) -> torch.Tensor | None:
@@ -39,25 +40,31 @@ def gather_context(cache: torch.Tensor, seq: SequenceSlice, block_size: int) -> 
 
 
 class Attention(nn.Module):
-    """Self-attention of one decoder layer; writes this step's K/V into the paged cache."""
+    """Grouped-query self-attention of one decoder layer; writes this step's K/V into the paged cache.
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    What differs between families is chosen by the family, not read from a config: projection bias,
+    a norm factory for per-head q/k norms (or None), and a sliding window. Subclasses change how the
+    query projection is split and how the output leaves (see :class:`GatedAttention`)."""
+
+    checkpoint_name = "self_attn"
+    query_channels_per_head = 1  # units of head_dim in q_proj per head
+
+    def __init__(self, layer_idx: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, *, bias: bool = False, qk_norm: Callable[[int], nn.Module] | None = None,
+                 window: int | None = None) -> None:
         super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.window = cfg.sliding_windows[layer_idx]
-        # Gated attention: q_proj yields, per head, D query channels then D gate channels.
-        self.output_gate = cfg.attn_output_gate
-        q_out, kv_out = cfg.num_heads * d * (2 if self.output_gate else 1), cfg.num_kv_heads * d
-        self.q_proj = Projection(h, q_out, cfg.qkv_bias, cfg.dtype)
-        self.k_proj = Projection(h, kv_out, cfg.qkv_bias, cfg.dtype)
-        self.v_proj = Projection(h, kv_out, cfg.qkv_bias, cfg.dtype)
-        self._fuse_qkv(h, q_out, kv_out, cfg.qkv_bias, cfg.dtype)
-        self.o_proj = Projection(cfg.num_heads * d, h, False, cfg.dtype)
-        norm = cfg.zero_centered_norm
-        self.q_norm = make_norm(d, cfg.rms_norm_eps, cfg.dtype, norm) if cfg.qk_norm else None
-        self.k_norm = make_norm(d, cfg.rms_norm_eps, cfg.dtype, norm) if cfg.qk_norm else None
-        self.scale = d**-0.5
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.window = window
+        q_out, kv_out = num_heads * head_dim * self.query_channels_per_head, num_kv_heads * head_dim
+        self.q_proj = Projection(hidden, q_out, bias, dtype)
+        self.k_proj = Projection(hidden, kv_out, bias, dtype)
+        self.v_proj = Projection(hidden, kv_out, bias, dtype)
+        self._fuse_qkv(hidden, q_out, kv_out, bias, dtype)
+        self.o_proj = Projection(num_heads * head_dim, hidden, False, dtype)
+        self.q_norm = qk_norm(head_dim) if qk_norm is not None else None
+        self.k_norm = qk_norm(head_dim) if qk_norm is not None else None
+        self.scale = head_dim**-0.5
 
     def _fuse_qkv(self, h: int, q_out: int, kv_out: int, bias: bool, dtype: torch.dtype) -> None:
         """Back q/k/v_proj by one [q + 2kv, H] matrix (one GEMM instead of three); the per-projection
@@ -73,26 +80,24 @@ class Attention(nn.Module):
                 proj.bias = nn.Parameter(self.qkv_bias[lo:hi], requires_grad=False)
         self.q_size, self.kv_size = q_out, kv_out
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, H]
-        rope: tuple[torch.Tensor, torch.Tensor],
-        batch: ForwardBatch,
-        k_cache: torch.Tensor,  # [slots, kv_heads, D]
-        v_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        t = x.shape[0]
+    def split_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q_proj's output [T, q_size] -> (queries [T, heads, D], what the output needs from it, or None)."""
+        return q.reshape(q.shape[0], self.num_heads, self.head_dim), None
+
+    def project_out(self, out: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        """Attention output [T, heads * D] -> hidden states [T, H]."""
+        return linear(out, self.o_proj.weight)
+
+    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:  # x: [T, H]
+        t, batch = x.shape[0], ctx.batch
+        k_cache, v_cache = ctx.kv.keys[self.layer_idx], ctx.kv.values[self.layer_idx]  # [slots, kv_heads, D]
         q, k, v = linear(x, self.qkv_weight, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], -1)
-        gate = None
-        if self.output_gate:
-            q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, heads, D] each
-            gate = gate.reshape(t, self.num_heads * self.head_dim)
-        q = q.reshape(t, self.num_heads, self.head_dim)
+        q, extra = self.split_query(q)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
 
@@ -117,10 +122,7 @@ class Attention(nn.Module):
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )
             out[rows] = o[0].transpose(0, 1)
-        out = out.reshape(t, self.num_heads * self.head_dim)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return linear(out, self.o_proj.weight)
+        return self.project_out(out.reshape(t, self.num_heads * self.head_dim), extra)
 
     def _decode_one(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
         """One query token: fold each KV head's query group into the query axis so the kernel
@@ -133,3 +135,18 @@ class Attention(nn.Module):
             scale=self.scale,
         )
         return o.view(1, self.num_heads, self.head_dim)
+
+
+class GatedAttention(Attention):
+    """Attention with an output gate (Qwen3-Next, Qwen3.5): per head, q_proj yields D query channels
+    then D gate channels, and the output is scaled by the gate's sigmoid before o_proj."""
+
+    query_channels_per_head = 2
+
+    def split_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t = q.shape[0]
+        q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, heads, D] each
+        return q.reshape(t, self.num_heads, self.head_dim), gate.reshape(t, self.num_heads * self.head_dim)
+
+    def project_out(self, out: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
+        return linear(out * torch.sigmoid(extra), self.o_proj.weight)

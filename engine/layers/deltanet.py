@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.batch import ForwardBatch
-from engine.config import ModelConfig
-from engine.layers.linear import Projection, linear
-from engine.layers.norm import GatedRMSNorm
+from hearth.engine.batch import LayerContext
+from hearth.engine.config import LinearAttentionConfig
+from hearth.engine.layers.linear import Projection
+from hearth.engine.layers.norm import GatedRMSNorm
+from hearth.engine.ops import linear
 
 CHUNK = 64
 
@@ -87,42 +88,35 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
 
 
 class GatedDeltaNet(nn.Module):
-    """One linear-attention layer; its state lives in ``conv_cache`` / ``state_cache`` slots."""
+    """One linear-attention layer; its state lives in the state pool's slots. This class reads the
+    separate input projections of Qwen3.5 (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+    ``in_proj_a``); a family with another projection layout overrides :meth:`_make_projections`
+    and :meth:`_project` (Qwen3-Next's fused ones, in its family file)."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    checkpoint_name = "linear_attn"
+
+    def __init__(self, layer_idx: int, hidden: int, la: LinearAttentionConfig, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
-        la = cfg.linear_attention
-        assert la is not None
         self.layer_idx = layer_idx
         self.la = la
         self.group = la.num_value_heads // la.num_key_heads  # value heads per key head
-        h, dt = cfg.hidden_size, cfg.dtype
-        if la.projection_layout == "qkvz":
-            self.in_proj_qkvz = Projection(h, la.conv_dim + la.value_dim, False, dt)
-            self.in_proj_ba = Projection(h, 2 * la.num_value_heads, False, dt)
-        else:
-            self.in_proj_qkv = Projection(h, la.conv_dim, False, dt)
-            self.in_proj_z = Projection(h, la.value_dim, False, dt)
-            self.in_proj_b = Projection(h, la.num_value_heads, False, dt)
-            self.in_proj_a = Projection(h, la.num_value_heads, False, dt)
-        self.conv1d = _Weight(la.conv_dim, 1, la.conv_kernel, dtype=dt)
-        self.dt_bias = nn.Parameter(torch.empty(la.num_value_heads, dtype=dt), requires_grad=False)
-        self.A_log = nn.Parameter(torch.empty(la.num_value_heads, dtype=dt), requires_grad=False)
-        self.norm = GatedRMSNorm(la.value_head_dim, cfg.rms_norm_eps, dt)
-        self.out_proj = Projection(la.value_dim, h, False, dt)
+        self._make_projections(hidden, dtype)
+        self.conv1d = _Weight(la.conv_dim, 1, la.conv_kernel, dtype=dtype)
+        self.dt_bias = nn.Parameter(torch.empty(la.num_value_heads, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(la.num_value_heads, dtype=dtype), requires_grad=False)
+        self.norm = GatedRMSNorm(la.value_head_dim, eps, dtype)
+        self.out_proj = Projection(la.value_dim, hidden, False, dtype)
+
+    def _make_projections(self, hidden: int, dtype: torch.dtype) -> None:
+        la = self.la
+        self.in_proj_qkv = Projection(hidden, la.conv_dim, False, dtype)
+        self.in_proj_z = Projection(hidden, la.value_dim, False, dtype)
+        self.in_proj_b = Projection(hidden, la.num_value_heads, False, dtype)
+        self.in_proj_a = Projection(hidden, la.num_value_heads, False, dtype)
 
     def _project(self, x: torch.Tensor):
         """x [T, H] -> (qkv [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
-        la, t = self.la, x.shape[0]
-        if la.projection_layout == "qkvz":
-            # Grouped per key head: [q (Dk), k (Dk), v (group*Dv), z (group*Dv)] for each key head.
-            mixed = linear(x, self.in_proj_qkvz.weight).view(t, la.num_key_heads, -1)
-            gv = self.group * la.value_head_dim
-            q, k, v, z = mixed.split([la.key_head_dim, la.key_head_dim, gv, gv], dim=-1)
-            qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
-            b, a = linear(x, self.in_proj_ba.weight).view(t, la.num_key_heads, -1).split(self.group, dim=-1)
-            return qkv, z.reshape(t, la.num_value_heads, -1), b.reshape(t, -1), a.reshape(t, -1)
-        z = linear(x, self.in_proj_z.weight).view(t, la.num_value_heads, -1)
+        z = linear(x, self.in_proj_z.weight).view(x.shape[0], self.la.num_value_heads, -1)
         return linear(x, self.in_proj_qkv.weight), z, linear(x, self.in_proj_b.weight), linear(x, self.in_proj_a.weight)
 
     def _qkv_heads(self, mixed: torch.Tensor):
@@ -136,13 +130,10 @@ class GatedDeltaNet(nn.Module):
             q, k = q.repeat_interleave(self.group, dim=1), k.repeat_interleave(self.group, dim=1)
         return q, k, v.view(n, la.num_value_heads, -1)
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, H]
-        batch: ForwardBatch,
-        conv_cache: torch.Tensor,  # [slots, conv_dim, K - 1]
-        state_cache: torch.Tensor,  # [slots, Hv, Dk, Dv] fp32
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:  # x: [T, H]
+        batch = ctx.batch
+        conv_cache = ctx.states.conv[self.layer_idx]  # [slots, conv_dim, K - 1]
+        state_cache = ctx.states.recurrent[self.layer_idx]  # [slots, Hv, Dk, Dv] fp32
         qkv, z, b, a = self._project(x)
         beta = torch.sigmoid(b).float()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv], <= 0

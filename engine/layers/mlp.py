@@ -3,19 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import Projection, linear
-
-ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
-
-
-def activation(name: str):
-    """The activation function for a config's ``hidden_act``."""
-    if name not in ACTIVATIONS:
-        raise ValueError(f"hidden_act '{name}' is not supported ({', '.join(ACTIVATIONS)} are)")
-    return ACTIVATIONS[name]
+from hearth.engine.layers.linear import Projection
+from hearth.engine.ops import activation, linear
 
 
 class GatedMLP(nn.Module):
@@ -28,6 +19,6 @@ class GatedMLP(nn.Module):
         self.down_proj = Projection(intermediate, hidden, False, dtype)
         self.act = activation(act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: object = None) -> torch.Tensor:  # ctx: the decoder layer's, unused
         gate, up = linear(x, self.gate_proj.weight), linear(x, self.up_proj.weight)
         return linear(self.act(gate) * up, self.down_proj.weight)

@@ -1,28 +1,28 @@
-"""MoE block: the router (gating, top-k, normalisation, shared-expert gate) and the hand-off of
-routed tokens to an expert backend."""
+"""MoE block: the router (gating, top-k, normalisation) and the hand-off of routed tokens to an expert
+backend, plus an optional shared expert. Families choose the router's rules and the shared expert."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.experts import ExpertBackend
-from engine.layers.linear import Projection, linear
-from engine.layers.mlp import GatedMLP
+from hearth.engine.batch import LayerContext
+from hearth.engine.experts.contract import ExpertBackend
+from hearth.engine.layers.linear import Projection
+from hearth.engine.ops import linear
 
 
 class TopKRouter(nn.Module):
-    """Softmax gating over all experts, top-k selection and optional renormalisation."""
+    """Softmax gating over all experts and top-k selection; ``normalize`` renormalises the k weights,
+    ``weights_in_fp32`` keeps them in fp32 when combining (Mixtral) instead of the model dtype (Qwen)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype, *, normalize: bool,
+                 weights_in_fp32: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(
-            torch.empty(cfg.num_experts, cfg.hidden_size, dtype=cfg.dtype), requires_grad=False
-        )
-        self.top_k = cfg.top_k
-        self.normalize = cfg.norm_topk_prob
-        self.weights_in_fp32 = cfg.router_weights_in_fp32
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
+        self.top_k = top_k
+        self.normalize = normalize
+        self.weights_in_fp32 = weights_in_fp32
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k])."""
@@ -37,25 +37,25 @@ class TopKRouter(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    """Routed experts (through the backend) plus an optional sigmoid-gated shared expert."""
+    """Routed experts (through the backend, by global id ``layer * E + expert``) plus an optional
+    shared expert, scaled by the sigmoid of ``shared_expert_gate`` when there is one."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, backend: ExpertBackend) -> None:
+    def __init__(self, layer_idx: int, num_experts: int, router: nn.Module, backend: ExpertBackend,
+                 shared_expert: nn.Module | None = None, shared_expert_gate: Projection | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.first_expert_id = layer_idx * cfg.num_experts  # global ids g = layer * E + expert
-        self.gate = TopKRouter(cfg)
+        self.first_expert_id = layer_idx * num_experts
+        self.gate = router
         self.backend = backend
-        self.shared_expert: GatedMLP | None = None
-        self.shared_expert_gate: Projection | None = None
-        if cfg.shared_expert_intermediate_size:
-            self.shared_expert = GatedMLP(
-                cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act, cfg.dtype
-            )
-            self.shared_expert_gate = Projection(cfg.hidden_size, 1, False, cfg.dtype)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: LayerContext | None = None) -> torch.Tensor:
         ids, weights = self.gate(x)
-        out = self.backend.forward(x, ids + self.first_expert_id, weights)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * self.shared_expert(x)
-        return out
+        out = self.backend.forward(x, ids + self.first_expert_id, weights, ctx.batch.experts if ctx else None)
+        if self.shared_expert is None:
+            return out
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * shared
+        return out + shared

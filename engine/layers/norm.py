@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels import cpu_decode_ops
+from hearth.engine.kernels import cpu_decode_ops
 
 
 class RMSNorm(nn.Module):
@@ -54,8 +54,3 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         normed = self.weight * F.rms_norm(x.float(), self.normalized_shape, eps=self.eps).to(x.dtype)
         return (normed * F.silu(gate.float())).to(x.dtype)
-
-
-def make_norm(size: int, eps: float, dtype: torch.dtype, zero_centered: bool) -> nn.Module:
-    """The family's RMSNorm flavour."""
-    return ZeroCenteredRMSNorm(size, eps, dtype) if zero_centered else RMSNorm(size, eps, dtype)

@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from engine.config import ConfigError, ModelConfig
+from hearth.engine.config import ConfigError, ModelConfig
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:

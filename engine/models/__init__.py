@@ -1,27 +1,41 @@
-"""Model registry keyed by the checkpoint's ``architectures`` name."""
+"""The model families, one file each, keyed by the checkpoint's ``architectures`` name.
+
+A family file reads its config (``parse_config``), composes its network from the shared layer
+classes (``build``) and maps checkpoint names (``map_name``); see :class:`ModelFamily`. A new
+architecture is a new file here plus, where its attention or routing is new, a new layer class.
+"""
 
 from __future__ import annotations
 
-from engine.config import ConfigError
-from engine.models import mixtral, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
-from engine.models.base import ModelFamily, MoECausalLM
+from hearth.config import ConfigError
+from hearth.engine.config import ModelConfig
+from hearth.engine.experts.contract import ExpertBackend
+from hearth.engine.models import mixtral, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
+from hearth.engine.models.base import ModelFamily
+from hearth.engine.models.decoder import MoECausalLM
 
-_FAMILIES: tuple[ModelFamily, ...] = (
+FAMILIES: tuple[ModelFamily, ...] = (
     qwen3_moe.FAMILY, qwen2_moe.FAMILY, mixtral.FAMILY, qwen3_next.FAMILY, qwen3_5_moe.FAMILY,
 )
 
 
 def supported_architectures() -> list[str]:
-    return sorted(arch for fam in _FAMILIES for arch in fam.architectures)
+    return sorted(arch for fam in FAMILIES for arch in fam.architectures)
 
 
 def family_for(architectures: list[str] | None) -> ModelFamily:
     """The family for a config's ``architectures`` list, or a clear error naming what is supported."""
     for arch in architectures or []:
-        for fam in _FAMILIES:
+        for fam in FAMILIES:
             if arch in fam.architectures:
                 return fam
     raise ConfigError(f"unknown architecture {architectures!r}; supported: {', '.join(supported_architectures())}")
 
 
-__all__ = ["ModelFamily", "MoECausalLM", "family_for", "supported_architectures"]
+def build_model(cfg: ModelConfig, experts: ExpertBackend) -> MoECausalLM:
+    """The network of ``cfg``'s family, its MoE layers computing through ``experts`` (weights
+    uninitialised: the loader fills them)."""
+    return family_for([cfg.architecture]).build(cfg, experts)
+
+
+__all__ = ["FAMILIES", "ModelFamily", "MoECausalLM", "build_model", "family_for", "supported_architectures"]

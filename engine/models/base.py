@@ -1,8 +1,5 @@
-"""The decoder shared by every MoE family, and the family descriptor the registry holds.
-
-Parameter names follow the transformers in-memory layout (``model.layers.N.self_attn.q_proj.weight``),
-so a family's checkpoint-name mapping only has to handle what differs from it.
-"""
+"""What a family file declares (:class:`ModelFamily`), and the helpers families share to read HF
+configs and to compose the common parts (a Qwen-style MoE block or a dense MLP per layer)."""
 
 from __future__ import annotations
 
@@ -14,32 +11,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.batch import ForwardBatch
-from engine.config import ModelConfig, eos_ids, parse_rope
-from engine.experts import ExpertBackend
-from engine.kv_cache import PagedKVCache
-from engine.layers.attention import Attention
-from engine.layers.deltanet import GatedDeltaNet
-from engine.layers.linear import Projection, linear
-from engine.layers.mlp import GatedMLP
-from engine.layers.moe import MoEBlock
-from engine.layers.norm import make_norm
-from engine.layers.rope import RotaryEmbedding
-from engine.state_pool import RecurrentStatePool
+from hearth.engine.config import ModelConfig, eos_ids, parse_rope
+from hearth.engine.experts.contract import ExpertBackend
+from hearth.engine.layers.linear import Projection
+from hearth.engine.layers.mlp import GatedMLP
+from hearth.engine.layers.moe import MoEBlock, TopKRouter
+from hearth.engine.models.decoder import MoECausalLM
 
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """How to read one family's config and checkpoint names.
+    """One family: how to read its config, how to build its network, and its checkpoint names.
 
-    ``parse_config(hf_config, model_dir, dtype)`` returns the normalised :class:`ModelConfig`;
-    ``map_name(name)`` turns a checkpoint tensor name into the canonical name (see module doc);
-    ``required_fields`` lists config.json fields that must be present (each entry: alternatives).
+    ``parse_config(hf_config, model_dir, dtype)`` returns its :class:`ModelConfig` (subclass);
+    ``build(config, experts)`` composes the network from layer classes, every MoE layer calling
+    ``experts``; ``map_name(name)`` turns a checkpoint tensor name into the in-memory name (the
+    transformers layout; "" for a tensor the family does not use); ``required_fields`` lists
+    config.json fields that must be present (each entry: alternatives).
     """
 
     name: str
     architectures: tuple[str, ...]
     parse_config: Callable[[Any, Path, torch.dtype], ModelConfig]
+    build: Callable[[ModelConfig, ExpertBackend], MoECausalLM]
     map_name: Callable[[str], str]
     required_fields: tuple[tuple[str, ...], ...] = ()
 
@@ -52,81 +46,6 @@ COMMON_FIELDS: tuple[tuple[str, ...], ...] = (
     ("intermediate_size",),
     ("num_experts_per_tok",),
 )
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm token mixer (attention, or a hybrid model's gated DeltaNet) + (MoE or dense)
-    feed-forward, with residuals."""
-
-    def __init__(self, cfg: ModelConfig, idx: int, backend: ExpertBackend) -> None:
-        super().__init__()
-        self.idx = idx
-        self.input_layernorm = make_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, cfg.zero_centered_norm)
-        self.linear_attn: GatedDeltaNet | None = None
-        self.self_attn: Attention | None = None
-        if cfg.is_linear_layer(idx):
-            self.linear_attn = GatedDeltaNet(cfg, idx)
-        else:
-            self.self_attn = Attention(cfg, idx)
-        self.post_attention_layernorm = make_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, cfg.zero_centered_norm)
-        self.mlp: nn.Module
-        if cfg.moe_layers[idx]:
-            self.mlp = MoEBlock(cfg, idx, backend)
-        else:
-            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.dtype)
-
-    def forward(self, h, rope, batch: ForwardBatch, kv: PagedKVCache, states: RecurrentStatePool | None):
-        x = self.input_layernorm(h)
-        if self.linear_attn is not None:
-            h = h + self.linear_attn(x, batch, states.conv[self.idx], states.recurrent[self.idx])
-        else:
-            h = h + self.self_attn(x, rope, batch, kv.keys[self.idx], kv.values[self.idx])
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class DecoderModel(nn.Module):
-    """Embeddings, decoder layers and final norm (the ``model.`` prefix of checkpoints)."""
-
-    def __init__(self, cfg: ModelConfig, backend: ExpertBackend) -> None:
-        super().__init__()
-        # Uninitialised (the loader fills it) and frozen.
-        weight = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight, _freeze=True)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, backend) for i in range(cfg.num_layers))
-        self.norm = make_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.dtype, cfg.zero_centered_norm)
-        self.rotary = RotaryEmbedding(cfg)
-
-
-class MoECausalLM(nn.Module):
-    """A decoder-only MoE language model over a flattened batch and a paged KV cache."""
-
-    def __init__(self, cfg: ModelConfig, backend: ExpertBackend) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = DecoderModel(cfg, backend)
-        self.lm_head = Projection(cfg.hidden_size, cfg.vocab_size, False, cfg.dtype)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.requires_grad_(False)
-
-    def set_expert_backend(self, backend: ExpertBackend) -> None:
-        """Route every MoE layer's experts through ``backend`` (e.g. the expert hierarchy)."""
-        for layer in self.model.layers:
-            if isinstance(layer.mlp, MoEBlock):
-                layer.mlp.backend = backend
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: PagedKVCache, states: RecurrentStatePool | None = None) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab] in fp32. Hybrid models also need ``states``
-        (each sequence's slot named in the batch)."""
-        if self.config.linear_layer_ids and states is None:
-            raise ValueError(f"{self.config.architecture} has linear-attention layers: forward needs a state pool")
-        h = self.model.embed_tokens(batch.token_ids)  # [T, H]
-        rope = self.model.rotary(batch.positions, h.dtype)
-        for layer in self.model.layers:
-            h = layer(h, rope, batch, kv, states)
-        h = self.model.norm(h.index_select(0, batch.logits_indices))
-        return linear(h, self.lm_head.weight).float()
 
 
 def moe_layer_flags(num_layers: int, num_experts: int, mlp_only: list[int], sparse_step: int) -> tuple[bool, ...]:
@@ -156,3 +75,17 @@ def decoder_fields(hf: Any, model_dir: Path, dtype: torch.dtype) -> dict[str, An
         dtype=dtype,
         eos_token_ids=eos_ids(hf.to_dict(), model_dir),
     )
+
+
+def qwen_moe_block(cfg: ModelConfig, idx: int, experts: ExpertBackend, *, normalize: bool,
+                   weights_in_fp32: bool = False, shared_expert_size: int = 0) -> nn.Module:
+    """Layer ``idx``'s feed-forward in the Qwen/Mixtral pattern: a softmax top-k MoE block (with a
+    sigmoid-gated shared expert of ``shared_expert_size``) on MoE layers, a gated MLP elsewhere."""
+    h, dt = cfg.hidden_size, cfg.dtype
+    if not cfg.moe_layers[idx]:
+        return GatedMLP(h, cfg.intermediate_size, cfg.hidden_act, dt)
+    router = TopKRouter(h, cfg.num_experts, cfg.top_k, dt, normalize=normalize, weights_in_fp32=weights_in_fp32)
+    shared = gate = None
+    if shared_expert_size:
+        shared, gate = GatedMLP(h, shared_expert_size, cfg.hidden_act, dt), Projection(h, 1, False, dt)
+    return MoEBlock(idx, cfg.num_experts, router, experts, shared, gate)

@@ -1,4 +1,5 @@
-"""Mixtral: plain GQA attention, top-k router with renormalised fp32 weights, no shared expert.
+"""Mixtral: plain GQA attention, a top-k router whose renormalised weights stay in fp32, no shared
+expert, every layer MoE.
 
 Checkpoints name the MoE block ``block_sparse_moe`` with experts ``w1`` (gate), ``w3`` (up) and
 ``w2`` (down); transformers 5 uses ``mlp`` in memory. Both are accepted.
@@ -7,13 +8,18 @@ Checkpoints name the MoE block ``block_sparse_moe`` with experts ``w1`` (gate), 
 from __future__ import annotations
 
 import re
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.config import ModelConfig
-from engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields
+from hearth.engine.config import ModelConfig
+from hearth.engine.experts.contract import ExpertBackend
+from hearth.engine.layers.attention import Attention
+from hearth.engine.layers.norm import RMSNorm
+from hearth.engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields, qwen_moe_block
+from hearth.engine.models.decoder import DecoderLayer, MoECausalLM
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 _W_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -24,18 +30,25 @@ def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> ModelConfig:
     return ModelConfig(
         architecture="MixtralForCausalLM",
         **decoder_fields(hf, model_dir, dtype),
-        qkv_bias=False,
-        qk_norm=False,
         intermediate_size=hf.intermediate_size,
         num_experts=hf.num_local_experts,
         top_k=hf.num_experts_per_tok,
         moe_intermediate_size=hf.intermediate_size,
-        norm_topk_prob=True,
-        router_weights_in_fp32=True,
-        shared_expert_intermediate_size=0,
         moe_layers=(True,) * n,
         sliding_windows=(getattr(hf, "sliding_window", None) or None,) * n,
     )
+
+
+def build(cfg: ModelConfig, experts: ExpertBackend) -> MoECausalLM:
+    norm = partial(RMSNorm, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
+
+    def layer(i: int) -> DecoderLayer:
+        attn = Attention(i, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
+                         window=cfg.window(i))
+        mlp = qwen_moe_block(cfg, i, experts, normalize=True, weights_in_fp32=True)
+        return DecoderLayer(attn, mlp, norm(cfg.hidden_size), norm(cfg.hidden_size))
+
+    return MoECausalLM(cfg, [layer(i) for i in range(cfg.num_layers)], norm(cfg.hidden_size))
 
 
 def map_name(name: str) -> str:
@@ -47,5 +60,5 @@ def map_name(name: str) -> str:
 
 
 FAMILY = ModelFamily(
-    "mixtral", ("MixtralForCausalLM",), parse_config, map_name, COMMON_FIELDS + (("num_local_experts",),)
+    "mixtral", ("MixtralForCausalLM",), parse_config, build, map_name, COMMON_FIELDS + (("num_local_experts",),)
 )

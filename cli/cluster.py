@@ -1,0 +1,145 @@
+"""``hearth up``, ``hearth status`` and ``hearth down``: the deployment on a Ray cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from hearth.cli.flags import add_engine_flags, add_serving_flags, engine_options
+from hearth.config import cache_dir
+
+_STATE_FILE = "cluster.json"  # records a head node that `hearth up` started itself (stopped by `down`)
+_TYPICAL_M = (1, 2, 4, 8)
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    up = sub.add_parser("up", help="deploy a model onto a Ray cluster (starting a local one if needed)",
+                        description="Place replicas of the model on the cluster's machines and start the router.")
+    up.add_argument("--model", default=None, help="checkpoint directory, the same path on every machine "
+                                                  "(default: the demo model)")
+    up.add_argument("--name", default=None, help="name clients use for the model (default: the directory name)")
+    _add_address(up)
+    up.add_argument("--replicas", type=int, default=None, help="replicas (default: one per machine that fits)")
+    up.add_argument("--require", default=None, metavar="LABEL", help="only machines with this Ray resource")
+    add_serving_flags(up, skip=frozenset({"served_model_name", "log_format"}))
+    add_engine_flags(up, overrides_only=True, skip=frozenset({"host_pool_name", "cpu_experts"}))
+    st = sub.add_parser("status", help="per-machine table of the deployment")
+    _add_address(st)
+    st.add_argument("--json", action="store_true", help="machine-readable output")
+    down = sub.add_parser("down", help="remove everything `hearth up` started")
+    _add_address(down)
+
+
+def _add_address(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default="auto",
+                   help="Ray cluster: auto (the running one, else a new local one for `up`), HOST:PORT, "
+                        "or ray://HOST:10001 (Ray client)")
+
+
+def _ray_cli() -> str:
+    """The ``ray`` command of this Python environment."""
+    beside = Path(sys.executable).parent / "ray"
+    return str(beside) if beside.exists() else (shutil.which("ray") or "ray")
+
+
+def _connect(address: str, start_if_missing: bool = False) -> None:
+    import ray
+
+    from hearth.cluster.actors import NAMESPACE
+
+    try:
+        ray.init(address=address, namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+        return
+    except ConnectionError:
+        if not (start_if_missing and address == "auto"):
+            raise ConnectionError(f"no Ray cluster at '{address}' (start one with `ray start --head`, "
+                                  "see deploy/)") from None
+    print("hearth: no Ray cluster running; starting a local head node (`ray start --head`)", file=sys.stderr)
+    subprocess.run([_ray_cli(), "start", "--head", "--disable-usage-stats"], check=True, stdout=subprocess.DEVNULL)
+    (cache_dir()).mkdir(parents=True, exist_ok=True)
+    (cache_dir() / _STATE_FILE).write_text(json.dumps({"started_head": True}))
+    ray.init(address="auto", namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from hearth.cluster.deploy import DeployOptions, deploy
+    from hearth.engine.demo import DEMO_NAME, demo_model_dir
+
+    model = Path(args.model) if args.model else demo_model_dir()
+    if not model.is_dir():
+        raise FileNotFoundError(f"{model}: no such checkpoint directory")
+    name = args.name or (DEMO_NAME if args.model is None else model.name)
+    api_key = args.api_key or os.environ.get("HEARTH_API_KEY") or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print("hearth: warning: the router listens beyond this machine without --api-key", file=sys.stderr)
+    _connect(args.address, start_if_missing=True)
+    options = DeployOptions(str(model.resolve()), name, args.host, args.port, args.grpc_port or None, api_key,
+                            args.replicas, args.require, engine_options(args), max_waiting=args.max_queue,
+                            tool_parser=args.tool_parser)
+    desc = deploy(options, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    base = desc["url"]
+    print(f"hearth: '{name}' is up: {len(desc['replicas'])} replica(s)\n"
+          f"  OpenAI API     {base}/v1\n  Anthropic API  {base}\n"
+          f"  gRPC           {'port ' + str(args.grpc_port) if args.grpc_port else 'off'}\n"
+          f"  Python         hearth.cluster.connect('{args.address}')\n"
+          f"  `hearth status` for the per-machine table, `hearth down` to stop", file=sys.stderr)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from hearth.cluster.deploy import cluster_status
+
+    _connect(args.address)
+    status = cluster_status()
+    if status is None:
+        print("hearth: nothing is deployed on this cluster", file=sys.stderr)
+        return 1
+    print(json.dumps(status, indent=2, default=str) if args.json else format_status(status))
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    import ray
+
+    from hearth.cluster.deploy import teardown
+
+    _connect(args.address)
+    removed = teardown(log=lambda msg: print(msg, file=sys.stderr))
+    print(f"hearth: removed {len(removed)} actor(s)" if removed else "hearth: nothing was deployed",
+          file=sys.stderr)
+    ray.shutdown()
+    state = cache_dir() / _STATE_FILE
+    if args.address == "auto" and state.exists():
+        subprocess.run([_ray_cli(), "stop"], check=False, stdout=subprocess.DEVNULL)
+        state.unlink()
+        print("hearth: stopped the local Ray head node that `hearth up` started", file=sys.stderr)
+    return 0
+
+
+def _gbps(value: float | None) -> str:
+    return "-" if not value else f"{value / 1e9:.1f}"
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """The per-replica table of ``hearth status``."""
+    header = ("REPLICA", "NODE", "STATE", "EXEC", "GPU", "VRAM BUDGET", "B_P GB/s", "B_H GB/s",
+              "q(m=" + ",".join(map(str, _TYPICAL_M)) + ")", "HIT", "DECODE tok/s", "ACTIVE")
+    rows = [header]
+    for r in status["rows"]:
+        table = r.get("qtable")
+        q = ",".join(str(table[m]) for m in _TYPICAL_M if m < len(table)) if table else "-"
+        state = r.get("state", "?") if r.get("healthy", False) or r.get("state") != "ready" else "out"
+        rows.append((r["replica"], r["node"], state, r["executor"], "-" if r["gpu"] is None else str(r["gpu"]),
+                     f"{r['cache_bytes'] / 2**30:.1f} GiB" if r["cache_bytes"] else "-", _gbps(r.get("b_p")),
+                     _gbps(r.get("b_h")), q, "-" if r.get("hit_rate") is None else f"{r['hit_rate']:.0%}",
+                     f"{r.get('decode_tok_s') or 0:.1f}", str(r.get("in_flight", 0))))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [f"model {status['model']} at {status['url']}"]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,107 @@
+"""Command-line flags generated from the configuration tree (:mod:`hearth.config`).
+
+Each setting declared with ``option(...)`` becomes one flag: ``--`` + its option name with dashes
+(or the flag it names), its default and help from the declaration, choices from its ``Literal``
+type, ``--x/--no-x`` for booleans, a repeatable flag for tuples. Defaults are written once, in the
+config; the parsed namespace is turned back into the config by :func:`engine_config` and
+:func:`serving_config`, which validate it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from hearth.config import EngineConfig, ServingConfig, leaves, option_name, type_parts
+
+_GROUPS = {"": "engine", "scheduler": "scheduler", "kv_cache": "KV cache", "checkpoints": "state checkpoints",
+           "experts": "expert hierarchy"}
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + option_name(f).replace("_", "-")
+
+
+def _add(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, overrides_only: bool) -> None:
+    meta = f.metadata
+    choices, kinds, _ = type_parts(hint)
+    kwargs: dict[str, Any] = {"dest": option_name(f)}
+    shown = f.default
+    if bool in kinds:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    elif tuple in kinds:
+        kwargs.update(action="append", metavar=meta.get("metavar"))
+        shown = None
+    else:
+        kind = next((k for k in kinds if k in (int, float)), str)
+        kwargs.update(type=meta.get("parse") or kind, metavar=meta.get("metavar"))
+        if meta.get("parse") is not None:
+            kwargs["type"] = str  # parsed (and checked) when the config is built
+        if choices or meta.get("choices"):
+            kwargs["choices"] = meta.get("choices") or [c for c in choices if c is not None]
+            kwargs.pop("metavar")
+    if overrides_only:
+        kwargs["default"] = argparse.SUPPRESS
+        text = meta["help"]
+    else:
+        kwargs["default"] = None if tuple in kinds else f.default
+        text = meta["help"] if shown is None or isinstance(shown, bool) and shown is False else \
+            f"{meta['help']} (default {_show(shown)})"
+    group.add_argument(_flag(f), help=text, **kwargs)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
+        return f"{value >> 30}GiB" if value % (1 << 30) == 0 else f"{value >> 20}MiB"
+    return str(value)
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, overrides_only: bool = False,
+                     skip: frozenset[str] = frozenset()) -> None:
+    """A flag for every command-line setting of :class:`EngineConfig`, grouped by section.
+
+    ``overrides_only``: flags the user does not give stay out of the namespace (``hearth up``, where
+    the placement chooses the rest per machine)."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for path, f, hint in leaves(EngineConfig):
+        if not f.metadata.get("cli", True) or option_name(f) in skip:
+            continue
+        key = ".".join(path)
+        if key not in groups:
+            title = _GROUPS.get(key, key) + (" (overrides; default: chosen per machine)" if overrides_only else "")
+            groups[key] = parser.add_argument_group(title)
+        _add(groups[key], f, hint, overrides_only)
+    groups["experts"].add_argument("--virtual-device", dest="expert_device", action="store_const", const="virtual",
+                                   default=argparse.SUPPRESS,
+                                   help="shorthand for --expert-device virtual (the cache on a CPU arena standing "
+                                        "in for a GPU, on a machine without one)")
+
+
+def add_serving_flags(parser: argparse.ArgumentParser, skip: frozenset[str] = frozenset()) -> None:
+    """A flag for every setting of :class:`ServingConfig`."""
+    group = parser.add_argument_group("server")
+    hints = {f.name: hint for _, f, hint in leaves(ServingConfig)}
+    for f in dataclasses.fields(ServingConfig):
+        if f.metadata.get("cli", True) and option_name(f) not in skip:
+            _add(group, f, hints[f.name], False)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine settings present in ``args``, by option name."""
+    names = {option_name(f) for _, f, _ in leaves(EngineConfig)}
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
+    """The validated :class:`EngineConfig` of the parsed flags (plus ``extra`` settings)."""
+    return EngineConfig(**engine_options(args), **extra)
+
+
+def serving_config(args: argparse.Namespace, **extra: Any) -> ServingConfig:
+    """The validated :class:`ServingConfig` of the parsed flags (plus ``extra`` settings)."""
+    names = {option_name(f) for f in dataclasses.fields(ServingConfig)}
+    given = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    return ServingConfig.from_options(**{**given, **extra})

@@ -1,0 +1,236 @@
+"""The ``hearth`` command line: the parser, and the single-machine commands that fit in a few lines.
+
+Importing this module loads neither torch nor Ray: each command imports what it runs. Engine and
+server flags come from the configuration tree (:mod:`hearth.cli.flags`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from hearth.cli.flags import add_engine_flags, add_serving_flags, engine_config
+from hearth.config import ConfigError, parse_bytes
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default 128)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hearth",
+        description="Exact mixture-of-experts inference on the machines you already own.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    gen = sub.add_parser("generate", help="generate text from a prompt, streamed to the terminal")
+    gen.add_argument("--model", default=None,
+                     help="checkpoint directory, Hugging Face or FTW (default: the bundled demo model)")
+    gen.add_argument("--prompt", required=True, help="prompt text ('-' reads standard input)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    _add_sampling_args(gen)
+    add_engine_flags(gen)
+    ins = sub.add_parser("inspect", help="print architecture, parameter and expert counts, bytes per token")
+    ins.add_argument("model", help="checkpoint directory")
+    ins.add_argument("--json", action="store_true", help="machine-readable output")
+    conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint to the FTW format")
+    conv.add_argument("src", help="Hugging Face checkpoint directory")
+    conv.add_argument("dst", help="output FTW directory")
+    conv.add_argument("--dtype", default="auto", help="auto (checkpoint's), float32, bfloat16 (bf16) or float16")
+    conv.add_argument("--shard-size", default="4GiB", help="largest shard (default 4GiB)")
+    prof = sub.add_parser("profile", help="measure B_P and B_H and print the q* table")
+    prof.add_argument("--model", required=True, help="checkpoint directory (Hugging Face or FTW)")
+    prof.add_argument("--dtype", default="auto")
+    prof.add_argument("--virtual-device", action="store_true", help="profile the virtual device's copy path")
+    prof.add_argument("--virtual-link-gbps", type=float, default=None)
+    prof.add_argument("--repeats", type=int, default=15, help="timed runs per measurement (median)")
+    prof.add_argument("--json", action="store_true", help="machine-readable output")
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI and Anthropic HTTP APIs and gRPC",
+                           description="Serve one model on this machine. Without --model it serves the demo model.")
+    serve.add_argument("--model", default=None, help="checkpoint directory (default: the bundled demo model)")
+    add_serving_flags(serve)
+    add_engine_flags(serve)
+    from hearth.cli.bench import add_parser as add_bench_parser
+    from hearth.cli.cluster import add_commands
+
+    add_bench_parser(sub)
+    add_commands(sub)
+    pool = sub.add_parser("pool", help="list or remove shared-memory expert pools")
+    pool.add_argument("action", choices=["list", "clean"])
+    pool.add_argument("name", nargs="?", help="pool to remove (clean); without it, clean removes pools whose "
+                                              "owner process is gone")
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from hearth.engine import LLM, SamplingParams
+    from hearth.engine.tokenizer import render_chat
+
+    config = engine_config(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+    if args.model is None:
+        from hearth.engine.demo import demo_model_dir
+
+        args.model = str(demo_model_dir())
+    llm = LLM(args.model, show_progress=True, config=config)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.chat:
+        prompt = render_chat(llm.tokenizer, [{"role": "user", "content": prompt}])
+    start = time.perf_counter()
+    last = None
+    for out in llm.stream(prompt, params):
+        sys.stdout.write(out.delta_text)
+        sys.stdout.flush()
+        last = out
+    sys.stdout.write("\n")
+    _print_speed(last, start)
+    _print_expert_stats(llm.engine.stats().get("experts"))
+    llm.engine.close()
+    return 0
+
+
+def _print_expert_stats(stats: dict | None) -> None:
+    if not stats:
+        return
+    print(
+        f"[experts: {stats['slots']} cache slots, hit rate {stats['hit_rate']:.1%}, "
+        f"{stats['fills']} fills ({stats['fill_bytes'] / 2**20:.1f} MiB), {stats['cpu']} on CPU, "
+        f"{stats['evictions']} evictions]",
+        file=sys.stderr,
+    )
+    if stats.get("prefill_streamed_steps"):
+        print(f"[prefill: {stats['prefill_streamed_steps']} steps streamed whole layers through "
+              f"{stats['prefill_buffers']} buffer(s), {stats['prefill_copy_bytes'] / 2**20:.1f} MiB copied in "
+              f"{stats['prefill_copy_seconds']:.2f} s, {stats['prefill_hidden_share']:.0%} of it hidden "
+              "behind compute]",
+              file=sys.stderr)
+
+
+def _print_speed(out, start: float) -> None:
+    if out is None or out.metrics is None:
+        return
+    t = out.metrics.timings()
+    print(
+        f"[prompt: {out.metrics.num_prompt_tokens} tokens, {t['prompt_per_second']:.1f} tok/s | "
+        f"decode: {t['predicted_n']} tokens, {t['predicted_per_second']:.1f} tok/s | "
+        f"finish: {out.finish_reason} | total {time.perf_counter() - start:.2f} s]",
+        file=sys.stderr,
+    )
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from hearth.engine.inspect import human_bytes, human_count, summarize
+    from hearth.engine.loader import load_config
+
+    _, cfg = load_config(args.model)
+    s = summarize(cfg)
+    if args.json:
+        print(json.dumps(s.as_dict(), indent=2))
+        return 0
+    rows = [
+        ("architecture", s.architecture),
+        ("dtype", s.dtype),
+        ("layers (MoE)", f"{s.num_layers} ({s.num_moe_layers})"),
+        ("experts per layer / top-k", f"{s.num_experts} / {s.top_k}"),
+        ("parameters", f"{human_count(s.total_params)} total, {human_count(s.expert_params)} in experts"),
+        ("active per token", human_count(s.active_params_per_token)),
+        ("expert size", human_bytes(s.expert_bytes)),
+        ("expert pool", human_bytes(s.expert_pool_bytes)),
+        ("bytes per decode token", human_bytes(s.bytes_per_decode_token)),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from hearth.engine.ftw import convert, read_index
+
+    start = time.perf_counter()
+    path = convert(args.src, args.dst, None if args.dtype == "auto" else args.dtype,
+                   shard_bytes=parse_bytes(args.shard_size), show_progress=True)
+    index = read_index(path.parent)
+    total = sum(s["bytes"] for s in index["shards"])
+    print(f"wrote {path.parent}: {len(index['shards'])} shard(s), {total / 2**30:.2f} GiB, "
+          f"{index['dtype']}, in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from hearth.cli.profile import run_profile
+
+    return run_profile(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from hearth.cli.serve import run_serve
+
+    return run_serve(args)
+
+
+def cmd_pool(args: argparse.Namespace) -> int:
+    from hearth.engine.experts.mechanism.host_pool import cleanup, list_pools
+
+    pools = list_pools()
+    if args.action == "list":
+        for p in pools:
+            state = "owner alive" if p["owner_alive"] else "owner gone"
+            print(f"{p['name']}  {p['bytes'] / 2**20:.1f} MiB  pid {p['owner_pid']} ({state})")
+        if not pools:
+            print("no hearth shared-memory pools")
+        return 0
+    names = [args.name] if args.name else [p["name"] for p in pools if not p["owner_alive"]]
+    for name in names:
+        print(f"{'removed' if cleanup(name) else 'not found'}: {name}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from hearth.cli.bench import cmd_bench as run_bench
+
+    return run_bench(args)
+
+
+def _cluster_handlers() -> dict:
+    from hearth.cli.cluster import cmd_down, cmd_status, cmd_up
+
+    return {"up": cmd_up, "status": cmd_status, "down": cmd_down}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers = {"generate": cmd_generate, "inspect": cmd_inspect, "convert": cmd_convert, "profile": cmd_profile,
+                "pool": cmd_pool, "serve": cmd_serve, "bench": cmd_bench, **_cluster_handlers()}
+    if args.command not in handlers:
+        parser.print_help()
+        return 0 if args.command is None else 2
+    try:
+        return handlers[args.command](args)
+    except (ConfigError, ValueError, FileExistsError, FileNotFoundError, OSError, RuntimeError) as exc:
+        print(f"hearth: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""``hearth serve``: one model on this machine over HTTP (OpenAI, Anthropic) and gRPC. No Ray."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from hearth.cli.flags import engine_config, serving_config
+from hearth.config import ServingConfig
+from hearth.engine.demo import DEMO_NAME, demo_model_dir
+from hearth.serving.server import build_state, configure_logging, serve_async
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    model = Path(args.model) if args.model else demo_model_dir()
+    if not model.is_dir():
+        raise FileNotFoundError(f"{model}: no such checkpoint directory")
+    names = args.served_model_name or [DEMO_NAME if args.model is None else model.name]
+    serving = serving_config(args, served_model_name=names,
+                             api_key=args.api_key or os.environ.get("HEARTH_API_KEY") or None)
+    engine = engine_config(args)
+    configure_logging(serving.log_format)
+    state = build_state(model, engine, serving, show_progress=True)
+    if serving.host not in ("127.0.0.1", "localhost", "::1") and not serving.api_key:
+        print("hearth: warning: listening beyond this machine without --api-key", file=sys.stderr)
+    started = threading.Event()
+    threading.Thread(target=_announce, args=(state, serving, model, started), daemon=True).start()
+    try:
+        asyncio.run(_serve(state, serving, started))
+    finally:
+        state.client.close()
+    return 0
+
+
+async def _serve(state, options: ServingConfig, started: threading.Event) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await serve_async(state, options, started, stop)
+
+
+def _announce(state, options: ServingConfig, model: Path, started: threading.Event) -> None:
+    """Print where to connect once the listener is up, then when the model is ready."""
+    start = time.monotonic()
+    started.wait()
+    host = "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
+    base = f"http://{host}:{options.port}"
+    name = state.model_name
+    key = "<your key>" if options.api_key else "unused"
+    lines = [
+        f"hearth: serving '{name}' from {model}",
+        f"  OpenAI API     {base}/v1    (OPENAI_BASE_URL={base}/v1)",
+        f"  Anthropic API  {base}       (ANTHROPIC_BASE_URL={base})",
+        f"  gRPC           {host}:{options.grpc_port}" if options.grpc_port else "  gRPC           off",
+        f"  health         {base}/health    metrics {base}/metrics",
+        f"  Claude Code    ANTHROPIC_BASE_URL={base} ANTHROPIC_AUTH_TOKEN={key} ANTHROPIC_MODEL={name} "
+        f"ANTHROPIC_SMALL_FAST_MODEL={name} claude",
+        f"  OpenCode       provider npm '@ai-sdk/openai-compatible', options.baseURL '{base}/v1', model '{name}'",
+        f"  Python         openai.OpenAI(base_url='{base}/v1', api_key='{key}')",
+    ]
+    if name == DEMO_NAME:
+        lines.insert(1, "  (the demo model is small and was trained on Python's standard library: it writes Python)")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    try:
+        state.client.wait_ready()
+    except Exception as exc:  # noqa: BLE001 - reported, and /health says "failed"
+        print(f"hearth: error: loading failed: {exc}", file=sys.stderr, flush=True)
+    else:
+        print(f"hearth: model ready in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)

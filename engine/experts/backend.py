@@ -1,0 +1,200 @@
+"""The expert backend of the hierarchy: hits and fills on the device, the CPU set on CPU workers.
+
+Per MoE layer call (docs/design.md, a decode layer call): the cache-control step classifies the routed ids and plans
+fills by ``qtable``; the CPU workers start on the pairs left to them while the device fills its
+slots and computes the rest; the two fp32 partial sums are added. Results equal the plain backend
+up to fp32 summation order at every cache size and split.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from hearth.engine.experts.contract import FillPlan, StepContext
+from hearth.engine.experts.measure import _fit, _median_time, measure_host_path
+from hearth.engine.experts.mechanism.streamer import LayerStreamer
+from hearth.engine.experts.policy.cache import ExpertCacheTables
+from hearth.engine.experts.policy.qstar import PathCost, SplitCosts, build_qtable
+from hearth.engine.experts.policy.tuning import CreditTuner
+from hearth.engine.experts.pool import ExpertPool
+
+# Layer calls of at most this many tokens are decode steps for the fill-credit tuner; longer ones
+# are prefill chunks, whose time says nothing about the split.
+TUNED_CALL_MAX_TOKENS = 64
+
+
+@dataclass
+class PathTimes:
+    """Host-side accumulators (seconds, bytes) of the hierarchy's paths."""
+
+    fill_seconds: float = 0.0
+    fill_bytes: int = 0
+    fill_calls: int = 0  # layer calls that filled at least one expert
+    device_seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    cpu_bytes: int = 0
+    cpu_calls: int = 0  # layer calls that ran at least one expert on the CPU
+    layer_calls: int = 0
+
+
+class HierarchicalExpertBackend:
+    """The expert hierarchy: an :class:`~hearth.engine.experts.contract.ExpertBackend` over a device
+    expert cache and CPU workers, and the :class:`~hearth.engine.experts.contract.ExpertControl` the
+    cluster drives."""
+
+    def __init__(self, pool: ExpertPool, act, device, tables: ExpertCacheTables, cpu_workers,
+                 costs: SplitCosts | None = None, tuner: CreditTuner | None = None) -> None:
+        self.pool = pool
+        self.costs = costs  # the path costs behind the q table; None for a forced table
+        self.tuner = tuner if costs is not None else None  # picks the table's fill credit online
+        self.streamer: LayerStreamer | None = None  # prefill streaming, when the slots hold its buffers
+        self.stream_min_tokens = 0
+        self.stream_threshold = None  # costs -> stream_min_tokens, when it follows the measured costs
+        self.act = act
+        self.device = device
+        self.tables = tables
+        self.cpu_workers = cpu_workers
+        self.times = PathTimes()
+        self.routing_log: list[tuple[int, list[list[int]]]] | None = None  # (layer, ids per token) when recording
+
+    def begin_step(self, num_tokens: int, next_tokens: int = 0) -> StepContext:
+        """Called by the engine before each step; returns the context its MoE layers pass to
+        :meth:`forward`. A step of at least ``stream_min_tokens`` tokens streams whole layers (the
+        first layers' copies start now; when ``next_tokens``, the expected size of the next step,
+        streams too, its first layers are prefetched during this one); any other step takes the
+        decode path and the buffers go back to the cache. The context is truthy when it streams."""
+        streams = self.streamer is not None and num_tokens >= self.stream_min_tokens
+        if streams:
+            self.streamer.begin(next_tokens >= self.stream_min_tokens)
+        elif self.streamer is not None:
+            self.streamer.release()
+        return StepContext("stream" if streams else "decode", num_tokens, next_tokens)
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, topk_weights: torch.Tensor,
+                step: StepContext | None = None) -> torch.Tensor:
+        t, k = expert_ids.shape
+        call_start = time.perf_counter()
+        if self.routing_log is not None:
+            self.routing_log.append((int(expert_ids[0, 0]) // self.pool.num_experts, expert_ids.tolist()))
+        if step is not None and step.mode == "stream":
+            out = self.streamer.forward(x, expert_ids, topk_weights, self.act)
+            return out.to(device=x.device, dtype=x.dtype)
+        plan = self.tables.step(expert_ids.reshape(-1).to(self.tables.device))
+        pair_slot = plan.pair_slot.view(t, k)
+        on_cpu = (pair_slot < 0).cpu()
+        n_cpu = int(on_cpu.sum())
+        # The CPU share is submitted first (a worker thread or process starts at once; inline work
+        # waits until the device work below has been launched), then fills and device compute.
+        task = None
+        if n_cpu:
+            task = self.cpu_workers.submit(x, torch.where(on_cpu, self.pool.row_table[expert_ids], -1), topk_weights)
+        start = time.perf_counter()
+        filled_bytes = self.device.fill(plan)
+        filled = time.perf_counter()
+        if filled_bytes:
+            self.times.fill_bytes += filled_bytes
+            self.times.fill_calls += 1
+        out = None
+        if n_cpu < t * k:
+            out = self.device.compute(x, pair_slot, topk_weights, self.act)
+        self.times.fill_seconds += filled - start
+        self.times.device_seconds += time.perf_counter() - filled
+        if task is not None:
+            cpu_part, timing = task.result()
+            out = cpu_part if out is None else out.to(cpu_part.device) + cpu_part
+            self.times.cpu_seconds += timing.seconds
+            self.times.cpu_bytes += timing.nbytes
+            self.times.cpu_calls += 1
+        self.times.layer_calls += 1
+        out = out.to(device=x.device, dtype=x.dtype)
+        # Wall time of the whole call: on CUDA the plan read above waits for the device, so the sum
+        # over calls covers the device work too without an extra synchronisation.
+        if self.tuner is not None and t <= TUNED_CALL_MAX_TOKENS \
+                and self.tuner.observe(time.perf_counter() - call_start):
+            self._rebuild_qtable()
+        return out
+
+    @property
+    def credit(self) -> float:
+        """The fill credit behind the current q table (units of S / B_H; 0 = per-step optimum)."""
+        return self.tuner.credit if self.tuner is not None else 0.0
+
+    def _rebuild_qtable(self) -> None:
+        m_max = self.tables.qtable.shape[0] - 1
+        self.tables.set_qtable(build_qtable(self.costs, m_max, self.tables.device, self.credit))
+
+    def stats(self) -> dict[str, float]:
+        """Counters of the cache (hits, misses, fills, CPU experts, evictions) and path timings."""
+        out: dict[str, float] = dict(self.tables.read_stats())
+        out.update(asdict(self.times))
+        out["slots"] = self.tables.num_slots
+        out["hit_rate"] = out["hits"] / max(out["hits"] + out["misses"], 1)
+        out["cpu_bytes_per_s"] = self.times.cpu_bytes / self.times.cpu_seconds if self.times.cpu_seconds else 0.0
+        if self.costs is not None:
+            out["b_p"], out["b_h"] = self.bandwidths
+            out["link_fixed_s"], out["cpu_fixed_s"] = self.costs.link.fixed_s, self.costs.cpu_fixed_s
+            out["fill_credit"] = self.credit
+            out["credit_moves"] = self.tuner.moves if self.tuner is not None else 0
+        out["expert_bytes"] = self.pool.expert_bytes
+        if self.streamer is not None:
+            out.update(self.streamer.stats.summary())
+            out["prefill_buffers"] = self.streamer.buffers
+            out["prefill_stream_min_tokens"] = self.stream_min_tokens
+        return out
+
+    def prefill_layers(self) -> list[dict[str, float]]:
+        """Per MoE layer: streamed calls, copy, wait (exposed copy) and compute seconds."""
+        return self.streamer.stats.per_layer() if self.streamer is not None else []
+
+    @property
+    def bandwidths(self) -> tuple[float, float] | None:
+        """(B_P, B_H) in bytes/s behind the current q table; None for a forced table."""
+        if self.costs is None:
+            return None
+        return self.costs.link.bytes_per_s, self.costs.host_bytes_per_s
+
+    def set_bandwidths(self, b_p: float, b_h: float) -> list[int]:
+        """Rebuild the q table for new bandwidths (fixed costs kept) and write it into the device
+        table in place. Call between steps. A forced table (q mode zero/all) is left as it is."""
+        if self.costs is None:
+            return self.qtable()
+        self.costs = replace(self.costs, link=PathCost(b_p, self.costs.link.fixed_s), host_bytes_per_s=b_h)
+        self._rebuild_qtable()
+        if self.stream_threshold is not None:
+            self.stream_min_tokens = self.stream_threshold(self.costs)
+        return self.qtable()
+
+    def probe(self, k: int, repeats: int = 3) -> tuple[float | None, float]:
+        """A short measurement of both paths while idle: (B_P, B_H) bytes/s, B_P None when the cache
+        holds nothing yet. The link probe re-fills resident slots with the experts they already
+        hold, so the cache contents never change."""
+        b_h = measure_host_path(self.pool, self.act, k, repeats).bytes_per_s
+        resident = self.tables.resident()
+        if not resident:
+            return None, b_h
+        ids = list(resident)[: max(k, 2)]
+
+        def median_fill(n: int) -> float:
+            src = torch.tensor(ids[:n], dtype=torch.long)
+            dst = torch.tensor([resident[g] for g in ids[:n]], dtype=torch.long)
+            plan = FillPlan(torch.empty(0, dtype=torch.long), src.to(self.tables.device),
+                            dst.to(self.tables.device), torch.tensor(n))
+            return _median_time(lambda: (self.device.fill(plan), self.device.synchronize()), repeats)
+
+        if len(ids) == 1:
+            return self.pool.expert_bytes / median_fill(1), b_h
+        # Affine in the number of experts, like the start-up profile: the slope is the bandwidth.
+        return _fit(1, median_fill(1), len(ids), median_fill(len(ids)), self.pool.expert_bytes).bytes_per_s, b_h
+
+    def qtable(self) -> list[int]:
+        """The current q table: fills planned for ``m`` misses, m = 0..M."""
+        return self.tables.qtable.tolist()
+
+    def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.release()
+        self.cpu_workers.close()
+        self.device.close()

@@ -1,0 +1,147 @@
+"""Build the expert backend an engine runs with, from its settings and what the machine has."""
+
+from __future__ import annotations
+
+import logging
+import re
+from functools import partial
+
+import torch
+
+from hearth.config import ConfigError, ExpertConfig, parse_bytes
+from hearth.engine.config import ModelConfig
+from hearth.engine.experts.backend import HierarchicalExpertBackend
+from hearth.engine.experts.measure import measure_host_path, measure_link_path, measure_pair_costs
+from hearth.engine.experts.mechanism.cpu_workers import CpuExpertWorkers
+from hearth.engine.experts.mechanism.device import CudaDevice, VirtualDevice
+from hearth.engine.experts.mechanism.ring import ExternalCpuWorkers, ProcessCpuWorkers, RingLayout
+from hearth.engine.experts.mechanism.streamer import LayerStreamer
+from hearth.engine.experts.policy.cache import ExpertCacheTables
+from hearth.engine.experts.policy.qstar import PathCost, SplitCosts, build_qtable, forced_qtable
+from hearth.engine.experts.policy.streaming import stream_min_tokens
+from hearth.engine.experts.policy.tuning import TUNER_EPOCH_TOKENS, CreditTuner
+from hearth.engine.experts.pool import ExpertPool
+from hearth.engine.ops import activation
+
+log = logging.getLogger(__name__)
+
+
+def parse_cache_size(spec: str | float | None, pool: ExpertPool, default_bytes: int) -> int:
+    """Number of cache slots for ``spec`` (fraction, bytes with a unit, or ``Nslots``)."""
+    total = pool.gate_up.shape[0]
+    if spec is None:
+        return min(total, default_bytes // pool.expert_bytes)
+    text = str(spec).strip().lower().replace(" ", "")
+    if (m := re.fullmatch(r"(\d+)slots?", text)) is not None:
+        return min(int(m.group(1)), total)
+    if re.fullmatch(r"\d+(?:\.\d+)?", text) is None:  # with a unit: bytes
+        try:
+            return min(total, parse_bytes(text) // pool.expert_bytes)
+        except ConfigError:
+            raise ConfigError(f"cannot read expert cache size '{spec}' (use a fraction like 0.1, bytes like 2GiB, "
+                              "or slots like 8slots)") from None
+    if float(text) > 1:
+        raise ConfigError(f"expert cache size '{spec}': a bare number is a fraction of all experts (0..1); "
+                          "give bytes with a unit, e.g. 2GiB")
+    return int(float(text) * total + 1e-9)
+
+
+def _resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "none"
+    if name not in ("cuda", "virtual", "none"):
+        raise ConfigError(f"unknown expert device '{name}' (auto, cuda, virtual or none)")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--expert-device cuda: no CUDA device is available (use --virtual-device on this machine)")
+    return name
+
+
+def build_device(kind: str, pool: ExpertPool, slots: int, virtual_link_gbps: float | None = None):
+    """A ``cuda`` or ``virtual`` device with ``slots`` expert slots."""
+    if kind == "cuda":
+        return CudaDevice(pool, slots)
+    return VirtualDevice(pool, slots, virtual_link_gbps * 1e9 if virtual_link_gbps else None)
+
+
+def build_cpu_workers(cfg: ModelConfig, pool: ExpertPool, hc: ExpertConfig, max_tokens: int, act,
+                      pool_name: str | None):
+    """The CPU expert workers ``hc.cpu_workers`` asks for."""
+    cores = list(hc.cpu_cores) if hc.cpu_cores else None
+    if hc.cpu_workers in ("inline", "thread"):
+        return CpuExpertWorkers(pool, act, cores, threaded=hc.cpu_workers == "thread")
+    if pool_name is None:
+        raise ConfigError("CPU expert workers in another process need the expert pool in shared memory "
+                          "(give it a name: host_pool_name / --host-pool)")
+    layout = RingLayout(slots=2, max_tokens=max_tokens, hidden=cfg.hidden_size, top_k=cfg.top_k,
+                        hidden_act=cfg.hidden_act)
+    if hc.cpu_workers == "external":  # a worker that someone else starts attaches to the ring by name
+        return ExternalCpuWorkers(pool_name, layout, pool.expert_bytes)
+    return ProcessCpuWorkers(pool_name, layout, pool.expert_bytes, cores)
+
+
+def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: ExpertConfig, max_tokens: int,
+                    pool_name: str | None = None) -> HierarchicalExpertBackend | None:
+    """The hierarchical backend, or None when there is no device (every expert runs from the pool).
+    ``max_tokens`` is the most tokens one step computes; ``pool_name`` names the shared-memory pool
+    when there is one (for worker processes)."""
+    kind = _resolve_device(hc.device)
+    if kind == "none":
+        return None
+    act = activation(cfg.hidden_act)
+    free = torch.cuda.mem_get_info()[0] if kind == "cuda" else 0
+    # Default size: 80 % of free GPU memory; on the virtual device a quarter of the pool.
+    default_bytes = int(free * 0.8) if kind == "cuda" else pool.nbytes // 4
+    slots = parse_cache_size(hc.cache, pool, default_bytes)
+    device = build_device(kind, pool, slots, hc.virtual_link_gbps)
+    workers = build_cpu_workers(cfg, pool, hc, max_tokens, act, pool_name)
+    m_max = cfg.num_experts
+    costs, tuner = None, None
+    if hc.q_mode in ("table", "step"):
+        costs = measure_costs(pool, act, device, cfg.top_k, hc.bandwidths)
+        qtable = build_qtable(costs, m_max)
+        log.info("expert cache: %d slots; B_P %.1f GB/s, B_H %.1f GB/s; qtable %s", slots,
+                 costs.link.bytes_per_s / 1e9, costs.host_bytes_per_s / 1e9, qtable.tolist())
+        if hc.q_mode == "table":
+            tuner = CreditTuner(epoch_calls=TUNER_EPOCH_TOKENS * len(pool.moe_layer_ids))
+    else:
+        qtable = forced_qtable(hc.q_mode, m_max)
+    tables = ExpertCacheTables(pool.num_global_ids, slots, qtable, max_fills=m_max, device=device.device)
+    backend = HierarchicalExpertBackend(pool, act, device, tables, workers, costs, tuner)
+    _attach_streamer(backend, cfg, pool, slots, hc, max_tokens)
+    return backend
+
+
+def _attach_streamer(backend: HierarchicalExpertBackend, cfg: ModelConfig, pool: ExpertPool, slots: int,
+                     hc: ExpertConfig, max_tokens: int) -> None:
+    """Prefill streaming when the slots hold its buffers, with its step-size threshold (given, or
+    from the measured costs and again whenever the monitor changes them)."""
+    buffers = 2 if hc.double_buffer else 1
+    costs = backend.costs
+    if not LayerStreamer.fits(pool, slots, buffers) or (costs is None and hc.stream_min_tokens is None):
+        return  # every step takes the decode path
+    backend.streamer = LayerStreamer(pool, backend.device, backend.tables, buffers)
+    if hc.stream_min_tokens is None:
+        resident = max(slots - buffers * pool.num_experts, 0) / pool.num_global_ids
+        backend.stream_threshold = partial(stream_min_tokens, num_experts=cfg.num_experts, top_k=cfg.top_k,
+                                           resident=resident, max_tokens=max_tokens)
+    min_tokens = hc.stream_min_tokens if hc.stream_min_tokens is not None else backend.stream_threshold(costs)
+    backend.stream_min_tokens = min_tokens
+    log.info("prefill streaming: %d buffer(s), steps of >= %d tokens", buffers, min_tokens)
+
+
+def measure_costs(pool: ExpertPool, act, device, k: int, bandwidths: tuple[float, float] | None) -> SplitCosts:
+    """Costs of both paths: given bandwidths, or a quick measurement of the real paths."""
+    cpu_pair, device_pair = 0.0, 0.0  # only prefill streaming's threshold reads them
+    if LayerStreamer.fits(pool, device.num_slots, buffers=1):
+        cpu_pair, device_pair = measure_pair_costs(pool, act, device)  # scribbles on slot 0 (tables still empty)
+    if bandwidths is not None:
+        return SplitCosts(pool.expert_bytes, PathCost(bandwidths[0]), bandwidths[1], cpu_pair_s=cpu_pair,
+                          device_pair_s=device_pair)
+    host = measure_host_path(pool, act, k, repeats=15)
+    if device.num_slots == 0:
+        link = PathCost(max(device.link_bytes_per_s or host.bytes_per_s, 1.0))
+    else:
+        link = measure_link_path(device, pool, k, repeats=15)  # scribbles on slots the (still empty) tables do not use
+    return SplitCosts(pool.expert_bytes, link, host.bytes_per_s, cpu_fixed_s=host.fixed_s, cpu_pair_s=cpu_pair,
+                      device_pair_s=device_pair)
+

@@ -1,0 +1,81 @@
+"""Expert computation from weight banks: the fp32 partial sum of routed (token, expert) pairs, and the
+plain backend that runs every routed expert straight from the pool (no device cache).
+
+Both the device slots and the CPU workers compute their share with :func:`routed_partial_sum`, so
+the parts add up to what one path computes, up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hearth.engine.experts.contract import StepContext
+from hearth.engine.experts.pool import ExpertPool
+from hearth.engine.kernels import cpu_decode_ops
+from hearth.engine.ops import SMALL_BATCH, activation, linear
+
+
+def group_by_row(rows: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """[(pool_row, token_indices, k_positions)] for a [T, k] table of pool rows, in ascending row
+    order: one matmul per routed expert."""
+    k = rows.shape[1]
+    flat = rows.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    uniq, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    groups, start = [], 0
+    for row, count in zip(uniq.tolist(), counts.tolist(), strict=True):
+        sel = order[start : start + count]
+        groups.append((row, sel // k, sel % k))
+        start += count
+    return groups
+
+
+def routed_partial_sum(
+    x: torch.Tensor,  # [T, H]
+    gate_up: torch.Tensor,  # [rows, 2I, H]
+    down: torch.Tensor,  # [rows, H, I]
+    rows: torch.Tensor,  # [T, k] rows of gate_up/down; -1 = served elsewhere
+    weights: torch.Tensor,  # [T, k]
+    act,
+) -> torch.Tensor:  # [T, H] fp32, unrounded
+    """Weighted sum of the routed experts whose row is >= 0, kept in fp32 so that partial sums of
+    different paths (device slots, CPU workers) add up to what one path computes, up to fp32
+    rounding order."""
+    t, k = rows.shape
+    ops = cpu_decode_ops() if act is torch.nn.functional.silu and gate_up.device.type == "cpu" else None
+    if ops is not None and t <= SMALL_BATCH:
+        # A few tokens (decode steps): each token's experts through the native kernel, exactly as
+        # when the token is alone; reading t*k experts beats upcasting the shared ones for a GEMM.
+        return torch.cat([_token_experts(ops, x[i : i + 1], gate_up, down, rows[i], weights[i]) for i in range(t)])
+    parts = torch.zeros((t, k, x.shape[1]), dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
+    for row, tokens, kpos in group_by_row(rows):
+        if row < 0:
+            continue
+        gate, up = linear(x[tokens], gate_up[row]).chunk(2, dim=-1)
+        parts[tokens, kpos] = linear(act(gate) * up, down[row]) * weights[tokens, kpos, None]
+    return parts.sum(dim=1, dtype=torch.float32)
+
+
+def _token_experts(ops, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:  # [1, H] fp32
+    row_list = rows.tolist()
+    keep = [j for j, r in enumerate(row_list) if r >= 0]
+    if not keep:
+        return torch.zeros((1, x.shape[1]), dtype=torch.float32)
+    w = weights if len(keep) == len(row_list) else weights[keep]
+    return ops.experts_decode(x, gate_up, down, [row_list[j] for j in keep], w, fp32_out=True)
+
+
+class LocalExpertBackend:
+    """Runs every routed expert on the pool's own device (the CPU path and the plain engine)."""
+
+    def __init__(self, pool: ExpertPool, hidden_act: str) -> None:
+        self.pool = pool
+        self.act = activation(hidden_act)
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, topk_weights: torch.Tensor,
+                step: StepContext | None = None) -> torch.Tensor:
+        # Each (token, slot) product is kept apart and the k of them are summed with fp32
+        # accumulation and rounded once, as the reference does; low-precision results match it.
+        rows = self.pool.row_table[expert_ids]  # [T, k] pool rows
+        return routed_partial_sum(x, self.pool.gate_up, self.pool.down, rows, topk_weights, self.act).to(x.dtype)

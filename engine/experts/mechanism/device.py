@@ -1,0 +1,201 @@
+"""Where cached experts live and how they get there: a CUDA device, or the *virtual device*.
+
+A device owns the slot arena (``gate_up`` [S, 2I, H], ``down`` [S, H, I]) that the cache tables
+index, carries out a step's fill plan (host pool -> slots, one batched copy) and computes the
+routed pairs served from slots. The virtual device is a separate CPU arena with a byte budget and an
+optionally rate-limited copy path, so the whole hierarchy runs, and is tested, without a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from hearth.engine.experts.compute import routed_partial_sum
+from hearth.engine.experts.contract import FillPlan
+from hearth.engine.experts.pool import ExpertPool
+from hearth.engine.kernels import cpu_decode_ops
+
+
+class VirtualDevice:
+    """A CPU arena of ``num_slots`` expert slots; fills are memcpys, optionally slowed to
+    ``link_bytes_per_s`` to stand in for a PCIe link."""
+
+    kind = "virtual"
+
+    def __init__(self, pool: ExpertPool, num_slots: int, link_bytes_per_s: float | None = None) -> None:
+        self.device = torch.device("cpu")
+        self.pool = pool
+        self.num_slots = num_slots
+        self.link_bytes_per_s = link_bytes_per_s
+        self.gate_up = torch.empty((num_slots, *pool.gate_up.shape[1:]), dtype=pool.gate_up.dtype)
+        self.down = torch.empty((num_slots, *pool.down.shape[1:]), dtype=pool.down.dtype)
+        self._copier: ThreadPoolExecutor | None = None  # started with the first asynchronous copy
+
+    def fill(self, plan: FillPlan) -> int:
+        """Copy the plan's fills into their slots; returns the bytes moved."""
+        count = int(plan.count)  # a host tensor here: no device synchronisation involved
+        if count == 0:
+            return 0
+        start = time.perf_counter()
+        rows, slots = self.pool.row_table[plan.src[:count]], plan.dst[:count]
+        ops = cpu_decode_ops()
+        if ops is not None:  # one batched, parallel copy per bank
+            ops.copy_rows(self.gate_up, slots, self.pool.gate_up, rows)
+            ops.copy_rows(self.down, slots, self.pool.down, rows)
+        else:
+            for slot, row in zip(slots.tolist(), rows.tolist(), strict=True):  # straight copies, no temporaries
+                self.gate_up[slot].copy_(self.pool.gate_up[row])
+                self.down[slot].copy_(self.pool.down[row])
+        nbytes = count * self.pool.expert_bytes
+        self._wait_out_link(nbytes, start)
+        return nbytes
+
+    def _wait_out_link(self, nbytes: int, start: float) -> None:
+        """A link of the given speed would still be busy with ``nbytes`` started at ``start``:
+        wait out the difference."""
+        if self.link_bytes_per_s:
+            left = nbytes / self.link_bytes_per_s - (time.perf_counter() - start)
+            if left > 0:
+                time.sleep(left)
+
+    def compute(self, x: torch.Tensor, pair_slot: torch.Tensor, weights: torch.Tensor, act) -> torch.Tensor:
+        """fp32 partial sum of the pairs served from slots (``pair_slot`` [T, k], -1 = elsewhere)."""
+        return routed_partial_sum(x, self.gate_up, self.down, pair_slot, weights, act)
+
+    def copy_async(self, rows: list[int], slots: list[int]) -> CopyHandle:
+        """Start copying pool rows into slots on the copy thread (the stand-in for a copy engine);
+        the link's rate limit applies. Copies run in the order they were started."""
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix="hearth-copy")
+        return CopyHandle(self._copier.submit(self._copy_rows, rows, slots), len(rows) * self.pool.expert_bytes)
+
+    def _copy_rows(self, rows: list[int], slots: list[int]) -> float:
+        start = time.perf_counter()
+        for slot, row in zip(slots, rows, strict=True):  # torch copies release the GIL: compute goes on
+            self.gate_up[slot].copy_(self.pool.gate_up[row])
+            self.down[slot].copy_(self.pool.down[row])
+        self._wait_out_link(len(rows) * self.pool.expert_bytes, start)
+        return time.perf_counter() - start
+
+    def synchronize(self) -> None:
+        """Nothing runs asynchronously on the virtual device but the copy thread (waited per copy)."""
+
+    def close(self) -> None:
+        """Stop the copy thread; the arena is plain memory."""
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
+            self._copier = None
+
+
+class CopyHandle:
+    """A started copy of whole experts into slots. :meth:`wait` blocks until the slots may be read
+    and returns the seconds spent waiting; :attr:`copy_seconds` is how long the copy itself took
+    (known once waited for)."""
+
+    def __init__(self, future: Future | None, nbytes: int, event_pair=None) -> None:
+        self._future = future
+        self._events = event_pair  # (start, end) CUDA events on the copy stream
+        self.nbytes = nbytes
+        self.copy_seconds = 0.0
+        self._done = False
+        self._lock = threading.Lock()
+
+    def wait(self) -> float:
+        with self._lock:
+            if self._done:
+                return 0.0
+            start = time.perf_counter()
+            if self._future is not None:
+                self.copy_seconds = self._future.result()
+            elif self._events is not None:
+                begin, end = self._events
+                end.synchronize()  # the host waits, so the wait is measured like the virtual device's
+                self.copy_seconds = begin.elapsed_time(end) / 1e3
+            self._done = True
+            return time.perf_counter() - start
+
+
+class CudaDevice:
+    """Expert slots in GPU memory, filled from the (pinned) host pool on a copy stream.
+
+    The cache-control step already runs on the GPU without host synchronisation; the copy here reads
+    the fill count once per step to size the batched gather (a count-aware copy kernel that removes
+    that read is what CUDA-graph capture of the whole step needs).
+    """
+
+    kind = "cuda"
+
+    def __init__(self, pool: ExpertPool, num_slots: int, device: torch.device | str = "cuda") -> None:
+        self.device = torch.device(device)
+        self.pool = pool
+        self.num_slots = num_slots
+        self.link_bytes_per_s = None
+        self.gate_up = torch.empty((num_slots, *pool.gate_up.shape[1:]), dtype=pool.gate_up.dtype, device=self.device)
+        self.down = torch.empty((num_slots, *pool.down.shape[1:]), dtype=pool.down.dtype, device=self.device)
+        self.copy_stream = torch.cuda.Stream(self.device)
+        self._registered = pin_host_memory((pool.gate_up, pool.down))
+
+    def close(self) -> None:
+        """Unregister the pool's pages (the pool itself stays: it is the source of truth)."""
+        cudart = torch.cuda.cudart()
+        for ptr in self._registered:
+            cudart.cudaHostUnregister(ptr)
+        self._registered = []
+
+    def fill(self, plan: FillPlan) -> int:
+        count = int(plan.count)
+        if count == 0:
+            return 0
+        rows = self.pool.row_table[plan.src[:count].cpu()].tolist()
+        slots = plan.dst[:count].tolist()
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # slots no longer read
+        with torch.cuda.stream(self.copy_stream):
+            for slot, row in zip(slots, rows, strict=True):
+                # Pinned source pages -> asynchronous DMA on the copy stream.
+                self.gate_up[slot].copy_(self.pool.gate_up[row], non_blocking=True)
+                self.down[slot].copy_(self.pool.down[row], non_blocking=True)
+        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        return count * self.pool.expert_bytes
+
+    def copy_async(self, rows: list[int], slots: list[int]) -> CopyHandle:
+        """Start copying pool rows into slots on the copy stream, after the work already queued on
+        the compute stream (which may still read those slots)."""
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.copy_stream):
+            begin.record()
+            for slot, row in zip(slots, rows, strict=True):
+                self.gate_up[slot].copy_(self.pool.gate_up[row], non_blocking=True)
+                self.down[slot].copy_(self.pool.down[row], non_blocking=True)
+            end.record()
+        return CopyHandle(None, len(rows) * self.pool.expert_bytes, (begin, end))
+
+    def compute(self, x: torch.Tensor, pair_slot: torch.Tensor, weights: torch.Tensor, act) -> torch.Tensor:
+        # Returned on the GPU: the caller computes the CPU share meanwhile and synchronises last.
+        return routed_partial_sum(x.to(self.device), self.gate_up, self.down, pair_slot.to(self.device),
+                                  weights.to(self.device), act)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def pin_host_memory(tensors) -> list[int]:
+    """Register already-filled host tensors with CUDA (mapped, pinned) for asynchronous DMA.
+
+    Filling first and pinning afterwards avoids the OS zeroing pages about to be overwritten.
+    Returns the registered pointers (for unregistering); tensors already pinned are skipped.
+    """
+    cudart = torch.cuda.cudart()
+    registered = []
+    for t in tensors:
+        if t.is_pinned() or t.nbytes == 0:
+            continue
+        err = cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 2)  # cudaHostRegisterMapped
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {t.nbytes} bytes of the expert pool failed ({err})")
+        registered.append(t.data_ptr())
+    return registered

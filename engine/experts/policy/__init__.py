@@ -1,0 +1,1 @@
+"""The expert hierarchy's decisions: the q* split, its fill credit, cache control, when to stream."""

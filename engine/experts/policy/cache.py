@@ -1,0 +1,131 @@
+"""The device expert cache: one LRU slot pool shared by every MoE layer, controlled on the device.
+
+Tables (device tensors, each with one trailing *dummy* entry that masked scatters write to, so the
+step never needs a data-dependent shape):
+
+- ``slot_of[g]``       slot holding global expert id g, -1 when absent          [G + 1]
+- ``expert_of[s]``     global id held by slot s, -1 when empty                   [S + 1]
+- ``last_used[s]``     logical time of the step that last used slot s            [S + 1]
+
+:func:`cache_step` runs one routing decision: dedupe, classify hits and misses, read
+``q = qtable[m]``, pick the q least-recently-used slots not hit in this step (one top-K pass), and
+update the tables. It uses fixed-shape tensor operations with valid counts only — no ``.item()``,
+``.tolist()`` or ``nonzero`` — so it compiles with ``torch.compile(fullgraph=True)`` and can be
+captured in a CUDA graph. The copies it plans are carried out by the device (``mechanism/device.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hearth.engine.experts.contract import FillPlan
+from hearth.engine.kernels import cpu_decode_ops
+
+# Stats counters kept on the device (read only when asked for).
+STAT_NAMES = ("steps", "hits", "misses", "fills", "cpu", "evictions")
+_NEVER = torch.iinfo(torch.int64).max
+
+
+def cache_step(
+    ids: torch.Tensor,  # [N] int64 global ids routed in this step (duplicates allowed)
+    slot_of: torch.Tensor,  # [G + 1]
+    expert_of: torch.Tensor,  # [S + 1]
+    last_used: torch.Tensor,  # [S + 1]
+    clock: torch.Tensor,  # [1] logical time
+    qtable: torch.Tensor,  # [m_max + 1]
+    stats: torch.Tensor,  # [len(STAT_NAMES)]
+    num_candidates: int,  # K: the most fills one step can make, <= S
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One cache-control step, in place on the tables; returns (pair_slot, src, dst, count)."""
+    n = ids.shape[0]
+    g_dummy, s_dummy = slot_of.shape[0] - 1, expert_of.shape[0] - 1
+    num_slots = s_dummy
+    sorted_ids = torch.sort(ids).values
+    first = torch.ones(n, dtype=torch.bool, device=ids.device)
+    first[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    cur = slot_of[sorted_ids]
+    hit = first & (cur >= 0)
+    miss = first & (cur < 0)
+    num_hits, m = hit.sum(), miss.sum()
+    q_want = qtable.gather(0, m.clamp(max=qtable.shape[0] - 1).view(1))[0]  # a tensor index: no host read
+    # Victims: least recently used slots that this step does not hit; ties (e.g. empty slots) by slot.
+    hit_slot = torch.where(hit, cur, s_dummy)
+    was_hit = torch.zeros(num_slots + 1, dtype=torch.bool, device=ids.device).scatter(0, hit_slot, True)
+    slot_index = torch.arange(num_slots, device=ids.device)
+    key = torch.where(was_hit[:num_slots], _NEVER, last_used[:num_slots] * num_slots + slot_index)
+    candidates = torch.topk(key, num_candidates, largest=False, sorted=True).indices  # [K]
+    q = torch.minimum(torch.minimum(q_want, num_slots - num_hits), torch.tensor(num_candidates, device=ids.device))
+    rank = torch.cumsum(miss.long(), 0) - 1
+    fill = miss & (rank < q)
+    dst_slot = torch.where(fill, candidates[rank.clamp(0, num_candidates - 1)], s_dummy)
+    # Evict what the chosen slots held, then install the fills.
+    old = expert_of[dst_slot]
+    evict = fill & (old >= 0)
+    slot_of.scatter_(0, torch.where(evict, old, g_dummy), torch.full_like(old, -1))
+    slot_of.scatter_(0, torch.where(fill, sorted_ids, g_dummy), dst_slot)
+    slot_of[g_dummy] = -1
+    expert_of.scatter_(0, dst_slot, sorted_ids)
+    expert_of[s_dummy] = -1
+    now = clock.expand(n)
+    last_used.scatter_(0, hit_slot, now)
+    last_used.scatter_(0, dst_slot, now)
+    last_used[s_dummy] = -1
+    clock.add_(1)
+    # The fill plan, compacted to its first q entries.
+    plan_pos = torch.where(fill, rank, num_candidates)
+    src = torch.full((num_candidates + 1,), -1, dtype=torch.long, device=ids.device)
+    src.scatter_(0, plan_pos, sorted_ids)
+    dst = torch.full((num_candidates + 1,), -1, dtype=torch.long, device=ids.device)
+    dst.scatter_(0, plan_pos, dst_slot)
+    stats.add_(torch.stack([torch.ones_like(m), num_hits, m, q, m - q, evict.sum()]))
+    pair_slot = slot_of[ids]
+    return pair_slot, src[:num_candidates], dst[:num_candidates], q
+
+
+class ExpertCacheTables:
+    """The device tables of a cache with ``num_slots`` slots over ``num_global_ids`` expert ids."""
+
+    def __init__(self, num_global_ids: int, num_slots: int, qtable: torch.Tensor, max_fills: int,
+                 device: torch.device | str = "cpu") -> None:
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        self.slot_of = torch.full((num_global_ids + 1,), -1, dtype=torch.long, device=device)
+        self.expert_of = torch.full((num_slots + 1,), -1, dtype=torch.long, device=device)
+        self.last_used = torch.full((num_slots + 1,), -1, dtype=torch.long, device=device)
+        self.clock = torch.zeros(1, dtype=torch.long, device=device)
+        self.stats = torch.zeros(len(STAT_NAMES), dtype=torch.long, device=device)
+        self.qtable = qtable.to(device)
+        self.num_candidates = min(max_fills, num_slots)
+
+    def set_qtable(self, qtable: torch.Tensor) -> None:
+        """Replace the table in place (a captured graph keeps reading the same tensor)."""
+        if qtable.shape != self.qtable.shape:
+            raise ValueError(f"qtable must have shape {tuple(self.qtable.shape)}")
+        self.qtable.copy_(qtable)
+
+    def step(self, ids: torch.Tensor, step_fn=None) -> FillPlan:
+        """Run the control step for the routed global ids ``ids`` [N]. Host-memory tables use the
+        native version of the same step when it is built (one call instead of ~50 small ops)."""
+        if self.num_slots == 0 or self.num_candidates == 0:
+            return self._step_without_slots(ids)
+        if step_fn is None:
+            ops = cpu_decode_ops() if self.device.type == "cpu" else None
+            step_fn = ops.cache_step_host if ops is not None else cache_step
+        pair_slot, src, dst, count = step_fn(
+            ids, self.slot_of, self.expert_of, self.last_used, self.clock, self.qtable, self.stats,
+            self.num_candidates,
+        )
+        return FillPlan(pair_slot, src, dst, count)
+
+    def _step_without_slots(self, ids: torch.Tensor) -> FillPlan:
+        m = len(set(ids.tolist()))
+        self.stats.add_(torch.tensor([1, 0, m, 0, m, 0], device=self.device))
+        empty = torch.full((0,), -1, dtype=torch.long, device=self.device)
+        return FillPlan(torch.full_like(ids, -1), empty, empty, torch.zeros((), dtype=torch.long, device=self.device))
+
+    def read_stats(self) -> dict[str, int]:
+        return dict(zip(STAT_NAMES, self.stats.tolist(), strict=True))
+
+    def resident(self) -> dict[int, int]:
+        """{global id: slot} of what the cache holds (host copy, for tests and inspection)."""
+        return {g: s for s, g in enumerate(self.expert_of[:-1].tolist()) if g >= 0}

@@ -1,0 +1,253 @@
+// Decode (few-token) CPU kernels for AVX2 + FMA + F16C: matrix-vector products that stream the weights
+// at memory speed, RMSNorm, and a whole MoE layer's routed experts for one token in one call. Built with
+// -mavx2 -mfma -mf16c; the dispatcher loads this library only on CPUs that have them.
+//
+// Numerics follow PyTorch's own low-precision kernels: products are accumulated in fp32 and every
+// intermediate tensor the reference materialises (projection outputs, the activation, the gated
+// product, the weighted expert outputs) is rounded to the model dtype at the same points. Only the
+// order of the fp32 accumulation inside a dot product differs.
+#include <vector>
+
+#include "native.h"
+
+namespace {
+
+using hearth::bf16;
+using hearth::f16;
+using hearth::fastcall;
+using hearth::ptr;
+using hearth::round_to;
+using hearth::to_float;
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 0x55));
+  return _mm_cvtss_f32(lo);
+}
+
+// Dot product of one weight row (K elements) with an fp32 vector.
+template <typename W>
+inline float dot(const W* w, const float* x, int64_t K) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    a0 = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), a0);
+    a1 = _mm256_fmadd_ps(load8(w + k + 8), _mm256_loadu_ps(x + k + 8), a1);
+    a2 = _mm256_fmadd_ps(load8(w + k + 16), _mm256_loadu_ps(x + k + 16), a2);
+    a3 = _mm256_fmadd_ps(load8(w + k + 24), _mm256_loadu_ps(x + k + 24), a3);
+  }
+  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), a0);
+  float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; k < K; ++k) s += to_float(w[k]) * x[k];
+  return s;
+}
+
+inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+
+template <typename T>
+std::vector<float> to_floats(const T* p, int64_t n) {
+  std::vector<float> out(n);
+  for (int64_t i = 0; i < n; ++i) out[i] = to_float(p[i]);
+  return out;
+}
+
+// x: [M, K] with M small (decode steps of a few sequences). Each weight row is read from memory once
+// and reused from L1 for every token; each token's dot product runs in exactly the order of the
+// single-token case, so a sequence gets bit-identical results alone or in a batch.
+template <typename T>
+void linear_impl(const T* x, int64_t M, int64_t K, const T* w, int64_t N, const T* bias, T* out, int threads) {
+  const auto xf = to_floats(x, M * K);
+  const auto bf = bias != nullptr ? to_floats(bias, N) : std::vector<float>();
+  hearth::parallel_for(0, N, 16, threads, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t m = 0; m < M; ++m) {
+        float s = dot(w + r * K, xf.data() + m * K, K);
+        if (!bf.empty()) s += bf[r];
+        out[m * N + r] = hearth::from_float<T>(s);
+      }
+    }
+  });
+}
+
+// One token's k routed experts: gate_up [rows, 2I, H], down [rows, H, I], pool rows ids[k], routing
+// weights (widened to fp32; `weights_fp32` says whether they were fp32 to begin with) -> out [H],
+// rounded to the model dtype unless `fp32_out` (a partial sum that another path's part is added to).
+template <typename T>
+void experts_impl(const T* x, int64_t H, const T* gate_up, const T* down, int64_t I, const int64_t* ids, int64_t k,
+                  const float* weights, bool weights_fp32, void* out, bool fp32_out, int threads) {
+  const auto xf = to_floats(x, H);
+  std::vector<float> proj(k * 2 * I), act(k * I), y(k * H);
+  hearth::parallel_for(0, k * 2 * I, 32, threads, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t j = r / (2 * I), row = r % (2 * I);
+      proj[r] = round_to<T>(dot(gate_up + (ids[j] * 2 * I + row) * H, xf.data(), H));
+    }
+  });
+  for (int64_t j = 0; j < k; ++j)
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = proj[j * 2 * I + i], u = proj[j * 2 * I + I + i];
+      act[j * I + i] = round_to<T>(round_to<T>(silu(g)) * u);
+    }
+  hearth::parallel_for(0, k * H, 32, threads, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t j = r / H, row = r % H;
+      y[r] = round_to<T>(dot(down + (ids[j] * H + row) * I, act.data() + j * I, I));
+    }
+  });
+  // Weighted sum over the k experts with fp32 accumulation; each weighted term is rounded to the
+  // promoted dtype of (model dtype, weight dtype), as the reference's elementwise product is.
+  for (int64_t h = 0; h < H; ++h) {
+    float s = 0.f;
+    for (int64_t j = 0; j < k; ++j) {
+      const float term = y[j * H + h] * weights[j];
+      s += weights_fp32 ? term : round_to<T>(term);
+    }
+    if (fp32_out)
+      static_cast<float*>(out)[h] = s;
+    else
+      static_cast<T*>(out)[h] = hearth::from_float<T>(s);
+  }
+}
+
+// RMSNorm over the last dimension, in the reference's order: fp32 normalise, round to the model
+// dtype, then scale by the weight (rounded again).
+template <typename T>
+void rms_norm_impl(const T* x, int64_t rows, int64_t D, const T* w, float eps, T* out, int threads) {
+  hearth::parallel_for(0, rows, 256, threads, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* row = x + r * D;
+      float ss = 0.f;
+      for (int64_t i = 0; i < D; ++i) {
+        const float v = to_float(row[i]);
+        ss += v * v;
+      }
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+      for (int64_t i = 0; i < D; ++i) {
+        const float normed = round_to<T>(to_float(row[i]) * inv);
+        out[r * D + i] = hearth::from_float<T>(to_float(w[i]) * normed);
+      }
+    }
+  });
+}
+
+// Calls `fn` with a typed null pointer of the dtype's element type; -1 for an unknown dtype code.
+template <typename F>
+int by_dtype(int dtype, const F& fn) {
+  switch (dtype) {
+    case hearth::kFloat32: fn(static_cast<float*>(nullptr)); return 0;
+    case hearth::kBFloat16: fn(static_cast<bf16*>(nullptr)); return 0;
+    case hearth::kFloat16: fn(static_cast<f16*>(nullptr)); return 0;
+    default: return -1;
+  }
+}
+
+// -- Python entry points (METH_FASTCALL; pointers and sizes as ints; the GIL is released) ---------
+
+// linear_decode(dtype, x, M, K, w, N, bias or None, out, threads): out[M, N] = x[M, K] @ w[N, K]^T (+ bias)
+PyObject* py_linear_decode(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  int64_t a[9];
+  if (!hearth::int_args(args, n, 9, a, "linear_decode")) return nullptr;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = by_dtype(static_cast<int>(a[0]), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    linear_impl<T>(ptr<const T>(a[1]), a[2], a[3], ptr<const T>(a[4]), a[5], ptr<const T>(a[6]), ptr<T>(a[7]),
+                   static_cast<int>(a[8]));
+  });
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(rc);
+}
+
+// The routing weights [k] of dtype code `dtype` at `address`, widened to fp32.
+bool widen_weights(int64_t address, int dtype, size_t k, std::vector<float>& out) {
+  out.resize(k);
+  return by_dtype(dtype, [&](auto* tag) {
+    using W = std::remove_pointer_t<decltype(tag)>;
+    const W* w = ptr<const W>(address);
+    for (size_t j = 0; j < k; ++j) out[j] = to_float(w[j]);
+  }) == 0;
+}
+
+// experts_decode(dtype, x, H, gate_up, down, I, rows, ids (list of pool rows), weights, weights_dtype, out,
+//                fp32_out, threads)
+PyObject* py_experts_decode(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 13 || !PyList_Check(args[7])) {
+    PyErr_SetString(PyExc_TypeError, "experts_decode takes 13 arguments, the 8th a list of pool rows");
+    return nullptr;
+  }
+  PyObject* ints[13];
+  std::copy(args, args + 13, ints);
+  ints[7] = Py_None;
+  int64_t a[13];
+  if (!hearth::int_args(ints, 13, 13, a, "experts_decode")) return nullptr;
+  const Py_ssize_t k = PyList_GET_SIZE(args[7]);
+  std::vector<int64_t> ids(k);
+  for (Py_ssize_t j = 0; j < k; ++j) {
+    ids[j] = PyLong_AsLongLong(PyList_GET_ITEM(args[7], j));
+    if (ids[j] == -1 && PyErr_Occurred()) return nullptr;
+    if (ids[j] < 0 || ids[j] >= a[6]) {
+      PyErr_Format(PyExc_ValueError, "experts_decode: pool row %lld out of range [0, %lld)",
+                   static_cast<long long>(ids[j]), static_cast<long long>(a[6]));
+      return nullptr;
+    }
+  }
+  std::vector<float> weights;
+  if (!widen_weights(a[8], static_cast<int>(a[9]), k, weights)) {
+    PyErr_SetString(PyExc_ValueError, "experts_decode: unsupported weight dtype");
+    return nullptr;
+  }
+  const bool weights_fp32 = a[9] == hearth::kFloat32;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = by_dtype(static_cast<int>(a[0]), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    experts_impl<T>(ptr<const T>(a[1]), a[2], ptr<const T>(a[3]), ptr<const T>(a[4]), a[5], ids.data(), k,
+                    weights.data(), weights_fp32, ptr<void>(a[10]), a[11] != 0, static_cast<int>(a[12]));
+  });
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(rc);
+}
+
+// rms_norm(dtype, x, rows, D, w, eps, out, threads)
+PyObject* py_rms_norm(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 8) {
+    PyErr_Format(PyExc_TypeError, "rms_norm takes 8 arguments (%zd given)", n);
+    return nullptr;
+  }
+  const double eps = PyFloat_AsDouble(args[5]);
+  if (eps == -1.0 && PyErr_Occurred()) return nullptr;
+  int64_t a[8];
+  PyObject* ints[8] = {args[0], args[1], args[2], args[3], args[4], Py_None, args[6], args[7]};
+  if (!hearth::int_args(ints, 8, 8, a, "rms_norm")) return nullptr;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = by_dtype(static_cast<int>(a[0]), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    rms_norm_impl<T>(ptr<const T>(a[1]), a[2], a[3], ptr<const T>(a[4]), static_cast<float>(eps), ptr<T>(a[6]),
+                     static_cast<int>(a[7]));
+  });
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(rc);
+}
+
+PyMethodDef methods[] = {
+    {"linear_decode", fastcall(py_linear_decode), METH_FASTCALL, "out = x @ w^T (+ bias) for a few tokens"},
+    {"experts_decode", fastcall(py_experts_decode), METH_FASTCALL, "one token's routed experts, weighted and summed"},
+    {"rms_norm", fastcall(py_rms_norm), METH_FASTCALL, "weight * round(x * rsqrt(mean(x^2) + eps))"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native_avx2", "hearth's decode kernels for AVX2 + FMA + F16C", -1,
+                      methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__native_avx2() { return PyModule_Create(&module); }

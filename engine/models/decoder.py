@@ -1,0 +1,85 @@
+"""The decoder every family is assembled into: residual blocks of a token mixer and a feed-forward,
+each part chosen and built by the family file.
+
+Parameter names follow the transformers in-memory layout (``model.layers.N.self_attn.q_proj.weight``),
+so a family's checkpoint-name mapping only has to handle what differs from it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hearth.engine.batch import ForwardBatch, LayerContext
+from hearth.engine.config import ModelConfig
+from hearth.engine.experts.contract import ExpertBackend
+from hearth.engine.kv_cache import PagedKVCache
+from hearth.engine.layers.linear import Projection
+from hearth.engine.layers.moe import MoEBlock
+from hearth.engine.layers.rope import RotaryEmbedding
+from hearth.engine.ops import linear
+from hearth.engine.state_pool import RecurrentStatePool
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: ``h + mixer(norm(h))``, then ``h + mlp(norm(h))``. The mixer (attention,
+    or a hybrid's gated DeltaNet) is registered under its checkpoint name (``self_attn``,
+    ``linear_attn``); mixer and mlp are called with the forward pass's :class:`LayerContext`."""
+
+    def __init__(self, mixer: nn.Module, mlp: nn.Module, input_layernorm: nn.Module,
+                 post_attention_layernorm: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = input_layernorm
+        self.add_module(mixer.checkpoint_name, mixer)
+        object.__setattr__(self, "_mixer", mixer)  # the same module, not registered twice
+        self.post_attention_layernorm = post_attention_layernorm
+        self.mlp = mlp
+
+    def forward(self, h: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        h = h + self._mixer(self.input_layernorm(h), ctx)
+        return h + self.mlp(self.post_attention_layernorm(h), ctx)
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, decoder layers and final norm (the ``model.`` prefix of checkpoints)."""
+
+    def __init__(self, cfg: ModelConfig, layers: list[DecoderLayer], norm: nn.Module) -> None:
+        super().__init__()
+        # Uninitialised (the loader fills it) and frozen.
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight, _freeze=True)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.rotary = RotaryEmbedding(cfg)
+
+
+class MoECausalLM(nn.Module):
+    """A decoder-only MoE language model over a flattened batch and a paged KV cache."""
+
+    def __init__(self, cfg: ModelConfig, layers: list[DecoderLayer], norm: nn.Module) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, layers, norm)
+        self.lm_head = Projection(cfg.hidden_size, cfg.vocab_size, False, cfg.dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.requires_grad_(False)
+
+    def set_expert_backend(self, backend: ExpertBackend) -> None:
+        """Route every MoE layer's experts through ``backend`` (e.g. the expert hierarchy)."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, MoEBlock):
+                layer.mlp.backend = backend
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: PagedKVCache, states: RecurrentStatePool | None = None) -> torch.Tensor:
+        """Logits [len(batch.logits_indices), vocab] in fp32. Hybrid models also need ``states``
+        (each sequence's slot named in the batch)."""
+        if self.config.linear_layer_ids and states is None:
+            raise ValueError(f"{self.config.architecture} has linear-attention layers: forward needs a state pool")
+        h = self.model.embed_tokens(batch.token_ids)  # [T, H]
+        ctx = LayerContext(batch, kv, states, self.model.rotary(batch.positions, h.dtype))
+        for layer in self.model.layers:
+            h = layer(h, ctx)
+        h = self.model.norm(h.index_select(0, batch.logits_indices))
+        return linear(h, self.lm_head.weight).float()

@@ -1,0 +1,153 @@
+"""The FastAPI application: both protocols, health, metrics, API-key check and error shapes."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hearth.serving import anthropic_api, openai_api
+from hearth.serving.errors import APIError, key_matches
+from hearth.serving.frontend import ModelFrontend
+from hearth.serving.metrics import ServerMetrics
+
+log = logging.getLogger("hearth.serving")
+_OPEN_PATHS = {"/health", "/"}
+
+
+class ServerState:
+    """What the handlers share: the engine client, the tokenizer-side frontend, metrics, settings."""
+
+    def __init__(self, client: Any, model_names: list[str] | None = None, api_key: str | None = None,
+                 tool_parser: str | None = None) -> None:
+        self.client = client
+        self.model_names = model_names or [client.model.name]
+        self.api_key = api_key
+        self.tool_parser = tool_parser
+        self.metrics = ServerMetrics(client)
+        self._frontend: ModelFrontend | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    @property
+    def frontend(self) -> ModelFrontend:
+        if self._frontend is None:
+            self.check_ready()
+            from hearth.engine.loader import load_config
+            from hearth.engine.tokenizer import load_tokenizer
+
+            path = Path(self.client.model.path)
+            _, cfg = load_config(path)
+            model = self.client.model
+            self._frontend = ModelFrontend(load_tokenizer(path), cfg.architecture, model.max_model_len,
+                                           model.vocab_size, self.tool_parser)
+        return self._frontend
+
+    def check_ready(self) -> None:
+        if not self.client.ready:
+            error = getattr(self.client, "load_error", None)
+            raise APIError(503, "the model is still loading, retry shortly" if error is None
+                           else f"the model failed to load: {error}")
+
+    def check_model(self, name: str) -> None:
+        self.check_ready()
+        if name not in self.model_names and name != self.client.model.path:
+            raise APIError(404, f"model: '{name}' is not served here (this server serves "
+                                f"{', '.join(repr(n) for n in self.model_names)})", "model")
+
+
+def protocol_of(path: str) -> str:
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
+def error_response(path: str, error: APIError) -> JSONResponse:
+    body = error.anthropic_body() if protocol_of(path) == "anthropic" else error.openai_body()
+    headers = {"retry-after": "1"} if error.status in (429, 503, 529) else None
+    return JSONResponse(body, status_code=error.status, headers=headers)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """The ASGI app over ``state``'s engine client."""
+    app = FastAPI(title="hearth", description="OpenAI- and Anthropic-compatible API of a hearth engine",
+                  version="0.1.0")
+    app.state.hearth = state
+    app.include_router(openai_api.router)
+    app.include_router(anthropic_api.router)
+    app.add_middleware(AuthAndAccessLog, state=state)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(request.url.path, APIError(exc.status_code, f"{request.method} {request.url.path}: "
+                                                                          f"{exc.detail}"))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        log.exception("unexpected error on %s", request.url.path)
+        return error_response(request.url.path, APIError(500, f"internal error: {type(exc).__name__}"))
+
+    @app.get("/health")
+    async def health():
+        client = state.client
+        if client.ready:
+            return {"status": "ready", "model": state.model_name}
+        error = getattr(client, "load_error", None)
+        body = {"status": "loading"} if error is None else {"status": "failed", "error": str(error)}
+        return JSONResponse(body, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class AuthAndAccessLog:
+    """Pure ASGI middleware (no per-chunk overhead on streams): the API-key check, then one
+    structured log line per request when its response completes."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        path = scope["path"]
+        status = 0
+
+        async def send_and_watch(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.state.api_key and path not in _OPEN_PATHS and not _authorized(scope, self.state.api_key):
+                error = APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY' or "
+                                      "'x-api-key: KEY')")
+                await error_response(path, error)(scope, receive, send_and_watch)
+            else:
+                await self.app(scope, receive, send_and_watch)
+        finally:
+            log.info("request", extra={"fields": {
+                "method": scope.get("method"), "path": path, "status": status,
+                "ms": round((time.perf_counter() - start) * 1e3, 2)}})
+
+
+def _authorized(scope: dict, key: str) -> bool:
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+    return key_matches(headers.get("authorization", ""), headers.get("x-api-key"), key)

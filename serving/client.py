@@ -1,0 +1,217 @@
+"""The in-process engine client: an :class:`~hearth.proto.contracts.EngineClient` over an engine in
+this process.
+
+It owns an :class:`~hearth.engine.llm_engine.LLMEngine` and drives it from one background thread:
+requests and aborts arrive through a queue, every step's chunks are handed to the waiting
+coroutines on their event loop. (The cluster's router is the other implementation of the contract.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hearth.proto.contracts import EngineNotReady, EngineOverloaded, GenerateRequest, GenerationChunk, ModelInfo
+
+log = logging.getLogger("hearth.serving")
+_STATS_PERIOD_S = 0.25  # engine statistics are refreshed at most this often while it runs
+_SPEED_EWMA = 0.3  # weight of the newest finished request in the decode-speed average
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class InProcessEngineClient:
+    """Runs an :class:`~engine.llm_engine.LLMEngine` in a background thread of this process.
+
+    ``max_waiting`` bounds the requests queued beyond those the engine runs at once; a request
+    over that bound raises :class:`EngineOverloaded`. Loading happens in the thread too, so a
+    server can answer ``/health`` ("loading") while the weights are read.
+    """
+
+    def __init__(self, model_path: str | Path, engine_factory: Callable[[], Any], served_name: str | None = None,
+                 max_waiting: int = 64) -> None:
+        self.model_path = str(model_path)
+        self.model = ModelInfo(served_name or Path(model_path).name, self.model_path, 0, 0, int(time.time()))
+        self.max_waiting = max_waiting
+        self.engine: Any = None
+        self.load_error: BaseException | None = None
+        self._factory = engine_factory
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self._stats: dict[str, Any] = {}
+        self._stats_time = 0.0
+        self._decode_tok_s = 0.0
+        self._loaded = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="hearth-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API (any thread / the event loop) -----------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self._loaded.is_set() and self.engine is not None
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the model is loaded; re-raise a load failure."""
+        if not self._loaded.wait(timeout):
+            raise TimeoutError("the model did not finish loading in time")
+        if self.load_error is not None:
+            raise self.load_error
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
+        """Submit a request and yield its chunks; leaving early (or being cancelled) aborts it."""
+        if not self.ready:
+            raise EngineNotReady("the model is still loading" if self.load_error is None
+                                 else f"the model failed to load: {self.load_error}")
+        running = self.engine.config.scheduler.max_num_seqs
+        with self._lock:
+            if self._in_flight >= running + self.max_waiting:
+                raise EngineOverloaded(f"{self._in_flight} requests are in flight; the queue holds "
+                                       f"{self.max_waiting} beyond the {running} running")
+            self._in_flight += 1
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request.request_id] = stream
+        self._commands.put(("add", request))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request.request_id, None)
+            with self._lock:
+                self._in_flight -= 1
+            if not finished:
+                self._commands.put(("abort", request.request_id))
+
+    def stats(self) -> dict[str, Any]:
+        """The latest engine statistics (published by the engine thread after each step), with the
+        requests in flight and a moving average of finished requests' decode speed."""
+        with self._lock:
+            return dict(self._stats, in_flight=self._in_flight, decode_tok_s=self._decode_tok_s)
+
+    def call(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread between two steps (a safe point: no layer is
+        running); the future holds its result. Used to push a new q table, probe bandwidths, etc."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self.ready:
+            future.set_exception(EngineNotReady("the model is not loaded"))
+        else:
+            self._commands.put(("call", (fn, future)))
+        return future
+
+    def close(self) -> None:
+        """Stop the engine thread (aborting what runs) and release the engine."""
+        self._stopping = True
+        self._commands.put(("stop", None))
+        self._thread.join(timeout=30)
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.engine = self._factory()
+            cfg = self.engine.model_config
+            self.model = ModelInfo(self.model.name, self.model_path, self.engine.max_model_len, cfg.vocab_size,
+                                   self.model.created)
+            self._publish_stats()
+        except BaseException as exc:  # noqa: BLE001 - reported through /health and every request
+            log.exception("loading %s failed", self.model_path)
+            self.load_error = exc
+            self._loaded.set()
+            return
+        self._loaded.set()
+        try:
+            self._loop()
+        finally:
+            self.engine.close()
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            block = not engine.has_unfinished()
+            try:
+                while True:
+                    cmd, arg = self._commands.get(block=block)
+                    block = False
+                    if cmd == "stop":
+                        return
+                    self._apply(cmd, arg)
+            except queue.Empty:
+                pass
+            if engine.has_unfinished():
+                self._step()
+
+    def _apply(self, cmd: str, arg: Any) -> None:
+        if cmd == "call":
+            fn, future = arg
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+            self._publish_stats()
+            return
+        if cmd == "abort":
+            self.engine.abort(arg)
+            self._publish_stats()
+            return
+        request: GenerateRequest = arg
+        if request.request_id not in self._streams:
+            return  # the client left before the engine saw the request
+        try:
+            self.engine.add_request(request.prompt_ids, request.params, request.request_id)
+        except ValueError as exc:
+            self._deliver(request.request_id, exc)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - fail the running requests, keep serving
+            log.exception("engine step failed")
+            for rid in list(self._streams):
+                self.engine.abort(rid)
+                self._deliver(rid, RuntimeError(f"the engine failed: {exc}"))
+            return
+        for out in outputs:
+            chunk = out.chunk
+            self._deliver(out.request_id, chunk)
+            speed = chunk.timings.get("predicted_per_second", 0.0)
+            if speed > 0:
+                self._decode_tok_s = speed if not self._decode_tok_s else (
+                    _SPEED_EWMA * speed + (1 - _SPEED_EWMA) * self._decode_tok_s)
+        now = time.monotonic()
+        if now - self._stats_time > _STATS_PERIOD_S or any(out.finished for out in outputs):
+            self._publish_stats()
+            self._stats_time = now
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            self.engine.abort(request_id)  # nobody is listening any more
+            return
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _publish_stats(self) -> None:
+        stats = self.engine.stats()
+        if "experts" in stats:  # read here, in the engine's thread, not when Prometheus scrapes
+            stats["experts"]["qtable"] = self.engine.experts.qtable()
+        with self._lock:
+            self._stats = stats

@@ -1,0 +1,94 @@
+"""The gRPC service (``proto/hearth.proto``) over the same engine client as the HTTP API."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import grpc
+
+from hearth.proto import hearth_pb2, hearth_pb2_grpc
+from hearth.proto.contracts import GenerateRequest
+from hearth.serving.errors import APIError, key_matches
+from hearth.serving.generation import stream_reply
+from hearth.serving.session import session_key
+
+_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+          404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+          503: grpc.StatusCode.UNAVAILABLE, 500: grpc.StatusCode.INTERNAL}
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty")
+
+
+class HearthService(hearth_pb2_grpc.HearthServicer):
+    """Generate / ListModels / Health, sharing the HTTP server's state (client, tokenizer, metrics)."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+
+    async def Generate(self, request: hearth_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        try:
+            self._authorize(context)
+            gen = self._request(request, context)
+            async for _, chunk in stream_reply(self.state, gen, None, "openai", "grpc"):
+                reply = hearth_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text)
+                if chunk.finished:
+                    reply.finish_reason = "stop" if chunk.finish_reason == "abort" else chunk.finish_reason
+                    if isinstance(chunk.stop_reason, str):
+                        reply.stop_sequence = chunk.stop_reason
+                    m = chunk.metrics
+                    reply.usage.CopyFrom(hearth_pb2.Usage(prompt_tokens=m.num_prompt_tokens,
+                                                          completion_tokens=m.num_output_tokens,
+                                                          cached_tokens=m.num_cached_tokens))
+                    for key, value in chunk.timings.items():
+                        reply.timings[key] = float(value)
+                yield reply
+        except APIError as exc:
+            await context.abort(_CODES.get(exc.status, grpc.StatusCode.UNKNOWN), exc.message)
+
+    async def ListModels(self, request, context):  # noqa: N802
+        try:
+            self._authorize(context)
+        except APIError as exc:
+            await context.abort(_CODES[exc.status], exc.message)
+        model = self.state.client.model
+        return hearth_pb2.ListModelsResponse(models=[
+            hearth_pb2.ModelCard(id=name, max_model_len=model.max_model_len, created=model.created)
+            for name in self.state.model_names])
+
+    async def Health(self, request, context):  # noqa: N802
+        client = self.state.client
+        error = getattr(client, "load_error", None)
+        status = hearth_pb2.HealthResponse.READY if client.ready else (
+            hearth_pb2.HealthResponse.FAILED if error is not None else hearth_pb2.HealthResponse.LOADING)
+        return hearth_pb2.HealthResponse(status=status, model=self.state.model_name, error=str(error or ""))
+
+    def _request(self, request: hearth_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerateRequest:
+        state = self.state
+        state.check_model(request.model)
+        frontend = state.frontend
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise APIError(400, "prompt: give text or token_ids", "prompt")
+        ids = frontend.prompt_ids(request.text if kind == "text" else list(request.token_ids.ids), "prompt")
+        s = request.sampling
+        max_tokens = frontend.max_tokens(s.max_tokens if s.HasField("max_tokens") else 16, len(ids), "max_tokens")
+        fields = {name: getattr(s, name) if s.HasField(name) else None for name in _SAMPLING_FIELDS}
+        params = frontend.sampling(max_tokens, list(s.stop), ignore_eos=s.ignore_eos or None, **fields)
+        params.stop_token_ids = list(s.stop_token_ids)
+        if s.HasField("skip_special_tokens"):
+            params.skip_special_tokens = s.skip_special_tokens
+        header = dict(context.invocation_metadata() or ()).get("x-session-id")
+        return GenerateRequest(f"grpc-{uuid.uuid4().hex}", ids, params, session_key(header, prompt_ids=ids))
+
+    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        key = self.state.api_key
+        if not key:
+            return
+        meta = dict(context.invocation_metadata() or ())
+        if not key_matches(meta.get("authorization", ""), meta.get("x-api-key"), key):
+            raise APIError(401, "invalid or missing API key (metadata 'authorization: Bearer KEY' or 'x-api-key')")
+
+
+def add_service(server: grpc.aio.Server, state: Any) -> None:
+    hearth_pb2_grpc.add_HearthServicer_to_server(HearthService(state), server)

@@ -1,0 +1,41 @@
+"""Session keys: what identifies a conversation across requests, so that a router (the cluster's)
+keeps it on the replica whose prefix cache holds it. Derived here, in the API layer, from what each
+protocol sends; the router only compares them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+PREFIX_KEY_TOKENS = 256  # raw prompts: the session is identified by this many leading tokens
+CLIENT_KEY = "id:"  # session keys the client gave start with this
+
+
+def conversation_key(messages: list[dict[str, Any]]) -> str:
+    """A session key for a chat: the messages up to and including the first user message (the
+    system prompt and the opening question identify a conversation; later turns only append)."""
+    head: list[dict[str, Any]] = []
+    for m in messages:
+        head.append({"role": m.get("role"), "content": m.get("content")})
+        if m.get("role") == "user":
+            break
+    return "conv:" + hashlib.blake2b(json.dumps(head, sort_keys=True, default=str).encode(),
+                                     digest_size=12).hexdigest()
+
+
+def prefix_key(prompt_ids: list[int]) -> str:
+    """A session key for a raw prompt: a hash of its leading tokens."""
+    head = prompt_ids[:PREFIX_KEY_TOKENS]
+    return "prefix:" + hashlib.blake2b(json.dumps(head).encode(), digest_size=12).hexdigest()
+
+
+def session_key(header: str | None, messages: list[dict[str, Any]] | None = None,
+                prompt_ids: list[int] | None = None) -> str:
+    """The routing key of a request: the client's ``x-session-id`` when it sends one, else the
+    conversation's opening (chat), else the prompt's leading tokens."""
+    if header and header.strip():
+        return CLIENT_KEY + header.strip()[:256]
+    if messages:
+        return conversation_key(messages)
+    return prefix_key(prompt_ids or [])
