@@ -226,10 +226,11 @@ class ExecutorActor:
 
         engine = LLMEngine(self.model_path, self.spec.engine)
         self.attached_pool = engine.host_pool is not None and not engine.host_pool.owner
-        if self.spec.uses_cpu_worker and engine.experts is not None:
-            workers = engine.experts.cpu_workers
-            _handle(self.spec.actor_name("cpu")).serve.remote(self.spec.pool_name, workers.ring_name, os.getpid())
-            workers.wait_attached()
+        control = engine.expert_control
+        ring = control.attach_ring() if control is not None else None
+        if ring is not None:
+            _handle(self.spec.actor_name("cpu")).serve.remote(self.spec.pool_name, ring, os.getpid())
+            control.wait_attached()
         self.load_seconds = time.perf_counter() - self.started
         return engine
 
@@ -285,13 +286,12 @@ class ExecutorActor:
     def ring(self) -> tuple[str, str, int] | None:
         """(pool, ring, owner pid) for a restarted CPU-worker actor, or None."""
         engine = self.client.engine
-        if engine is None or engine.experts is None or not self.spec.uses_cpu_worker:
-            return None
-        return self.spec.pool_name, engine.experts.cpu_workers.ring_name, os.getpid()
+        ring = engine.expert_control.attach_ring() if engine is not None and engine.expert_control else None
+        return (self.spec.pool_name, ring, os.getpid()) if ring is not None else None
 
     async def set_bandwidths(self, b_p: float, b_h: float) -> list[int]:
         """Rebuild the q table for new bandwidths at the next step boundary; returns it."""
-        table = await asyncio.wrap_future(self.client.call(lambda e: e.experts.set_bandwidths(b_p, b_h)))
+        table = await asyncio.wrap_future(self.client.call(lambda e: e.expert_control.set_bandwidths(b_p, b_h)))
         self.bandwidth_updates += 1
         log.info("%s: new bandwidths B_P %.2f GB/s, B_H %.2f GB/s; q table %s", self.spec.replica_id, b_p / 1e9,
                  b_h / 1e9, table)
@@ -303,7 +303,7 @@ class ExecutorActor:
         def run(engine):
             if engine.has_unfinished():
                 return None
-            return engine.experts.probe(k=engine.model_config.top_k)
+            return engine.expert_control.probe(k=engine.model_config.top_k)
 
         return await asyncio.wrap_future(self.client.call(run))
 

@@ -16,6 +16,7 @@ from hearth.config import ConfigError, EngineConfig
 from hearth.engine.anchors import anchor_token_ids
 from hearth.engine.detokenizer import IncrementalDetokenizer
 from hearth.engine.experts.build import build_hierarchy
+from hearth.engine.experts.contract import ExpertControl
 from hearth.engine.experts.mechanism.host_pool import HostExpertPool
 from hearth.engine.ftw import load_checkpoint
 from hearth.engine.kernels import cpu_decode_ops
@@ -199,6 +200,11 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def expert_control(self) -> ExpertControl | None:
+        """The expert hierarchy's control interface (None without one): call between steps."""
+        return self.experts
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -210,8 +210,6 @@ class InProcessEngineClient:
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
     def _publish_stats(self) -> None:
-        stats = self.engine.stats()
-        if "experts" in stats:  # read here, in the engine's thread, not when Prometheus scrapes
-            stats["experts"]["qtable"] = self.engine.experts.qtable()
+        stats = self.engine.stats()  # read here, in the engine's thread, not when Prometheus scrapes
         with self._lock:
             self._stats = stats

@@ -13,8 +13,9 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from hearth.engine.experts.contract import FillPlan, StepContext
+from hearth.engine.experts.contract import CpuWorkers, ExpertDevice, FillPlan, StepContext
 from hearth.engine.experts.measure import _fit, _median_time, measure_host_path
+from hearth.engine.experts.mechanism.ring import ExternalCpuWorkers
 from hearth.engine.experts.mechanism.streamer import LayerStreamer
 from hearth.engine.experts.policy.cache import ExpertCacheTables
 from hearth.engine.experts.policy.qstar import PathCost, SplitCosts, build_qtable
@@ -45,7 +46,7 @@ class HierarchicalExpertBackend:
     expert cache and CPU workers, and the :class:`~hearth.engine.experts.contract.ExpertControl` the
     cluster drives."""
 
-    def __init__(self, pool: ExpertPool, act, device, tables: ExpertCacheTables, cpu_workers,
+    def __init__(self, pool: ExpertPool, act, device: ExpertDevice, tables: ExpertCacheTables, cpu_workers: CpuWorkers,
                  costs: SplitCosts | None = None, tuner: CreditTuner | None = None) -> None:
         self.pool = pool
         self.costs = costs  # the path costs behind the q table; None for a forced table
@@ -127,7 +128,8 @@ class HierarchicalExpertBackend:
         self.tables.set_qtable(build_qtable(self.costs, m_max, self.tables.device, self.credit))
 
     def stats(self) -> dict[str, float]:
-        """Counters of the cache (hits, misses, fills, CPU experts, evictions) and path timings."""
+        """Counters of the cache (hits, misses, fills, CPU experts, evictions), path timings, the
+        bandwidths and the q table."""
         out: dict[str, float] = dict(self.tables.read_stats())
         out.update(asdict(self.times))
         out["slots"] = self.tables.num_slots
@@ -139,6 +141,7 @@ class HierarchicalExpertBackend:
             out["fill_credit"] = self.credit
             out["credit_moves"] = self.tuner.moves if self.tuner is not None else 0
         out["expert_bytes"] = self.pool.expert_bytes
+        out["qtable"] = self.qtable()
         if self.streamer is not None:
             out.update(self.streamer.stats.summary())
             out["prefill_buffers"] = self.streamer.buffers
@@ -192,6 +195,17 @@ class HierarchicalExpertBackend:
     def qtable(self) -> list[int]:
         """The current q table: fills planned for ``m`` misses, m = 0..M."""
         return self.tables.qtable.tolist()
+
+    def attach_ring(self) -> str | None:
+        """The task ring an external CPU worker should serve; None when the CPU share runs here
+        (inline, a thread, or a worker process this backend started)."""
+        return self.cpu_workers.ring_name if isinstance(self.cpu_workers, ExternalCpuWorkers) else None
+
+    def wait_attached(self, timeout_s: float = 60.0) -> int:
+        """Block until an external worker serves the ring; its pid."""
+        if not isinstance(self.cpu_workers, ExternalCpuWorkers):
+            raise RuntimeError("the CPU experts of this engine run in-house: there is no ring to attach to")
+        return self.cpu_workers.wait_attached(timeout_s)
 
     def close(self) -> None:
         if self.streamer is not None:

@@ -11,6 +11,7 @@ import torch
 from hearth.config import ConfigError, ExpertConfig, parse_bytes
 from hearth.engine.config import ModelConfig
 from hearth.engine.experts.backend import HierarchicalExpertBackend
+from hearth.engine.experts.contract import CpuWorkers, ExpertDevice
 from hearth.engine.experts.measure import measure_host_path, measure_link_path, measure_pair_costs
 from hearth.engine.experts.mechanism.cpu_workers import CpuExpertWorkers
 from hearth.engine.experts.mechanism.device import CudaDevice, VirtualDevice
@@ -56,7 +57,7 @@ def _resolve_device(name: str) -> str:
     return name
 
 
-def build_device(kind: str, pool: ExpertPool, slots: int, virtual_link_gbps: float | None = None):
+def build_device(kind: str, pool: ExpertPool, slots: int, virtual_link_gbps: float | None = None) -> ExpertDevice:
     """A ``cuda`` or ``virtual`` device with ``slots`` expert slots."""
     if kind == "cuda":
         return CudaDevice(pool, slots)
@@ -64,7 +65,7 @@ def build_device(kind: str, pool: ExpertPool, slots: int, virtual_link_gbps: flo
 
 
 def build_cpu_workers(cfg: ModelConfig, pool: ExpertPool, hc: ExpertConfig, max_tokens: int, act,
-                      pool_name: str | None):
+                      pool_name: str | None) -> CpuWorkers:
     """The CPU expert workers ``hc.cpu_workers`` asks for."""
     cores = list(hc.cpu_cores) if hc.cpu_cores else None
     if hc.cpu_workers in ("inline", "thread"):

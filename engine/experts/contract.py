@@ -7,7 +7,7 @@
   probe, and attaching an external CPU worker.
 - Inside, the policy (q* table, tuning, cache control: ``policy/``) plans each layer call as a
   :class:`FillPlan`, and the mechanism (devices, CPU workers, ring, shared memory, host pool:
-  ``mechanism/``) carries it out through :class:`ExpertDevice` and :class:`CpuExpertWorkers`.
+  ``mechanism/``) carries it out through :class:`ExpertDevice` and :class:`CpuWorkers`.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class CpuTask(Protocol):
         ...
 
 
-class CpuExpertWorkers(Protocol):
+class CpuWorkers(Protocol):
     """Computes the CPU share of a layer call straight from the host pool, in this thread, a bound
     thread, a worker process or someone else's worker (through the shared-memory ring)."""
 
