@@ -35,7 +35,7 @@ def kernel(name: str, source: str, isa_flags: list[str]) -> Extension:
         depends=[str(p) for p in SOURCES],
         include_dirs=[str(KERNELS)],
         language="c++",
-        extra_compile_args=["-std=c++17", "-O3", "-fopenmp", "-fvisibility=hidden",
+        extra_compile_args=["-std=c++17", "-O3", "-g0", "-fopenmp", "-fvisibility=hidden",
                             f'-DHEARTH_SOURCE_HASH="{source_hash()}"', *isa_flags],
         extra_link_args=["-fopenmp"],
         optional=True,  # no compiler, or an unsupported one: install anyway, run the torch paths

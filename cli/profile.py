@@ -1,4 +1,5 @@
-"""``hearth profile``: measure B_P and B_H on this machine and print the q* table they give."""
+"""``hearth profile``: measure B_P and B_H on this machine and print the q* table they give (imported
+by the command when it runs, so its engine imports load nothing for other commands)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,14 @@ import sys
 
 import torch
 
+from hearth.engine.experts.build import build_device
+from hearth.engine.experts.measure import measure_host_path, measure_link_path, measure_stream_read
+from hearth.engine.experts.policy.qstar import SplitCosts, build_qtable, step_seconds
+from hearth.engine.ftw import load_checkpoint
+from hearth.engine.ops import activation
+
 
 def run_profile(args: argparse.Namespace) -> int:
-    from hearth.engine.experts.build import build_device
-    from hearth.engine.experts.measure import measure_host_path, measure_link_path, measure_stream_read
-    from hearth.engine.experts.policy.qstar import SplitCosts, build_qtable, step_seconds
-    from hearth.engine.ftw import load_checkpoint
-    from hearth.engine.ops import activation
-
     loaded = load_checkpoint(args.model, None if args.dtype == "auto" else args.dtype, show_progress=not args.json)
     cfg, pool = loaded.config, loaded.pool
     host = measure_host_path(pool, activation(cfg.hidden_act), cfg.top_k, args.repeats)

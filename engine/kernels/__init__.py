@@ -3,10 +3,10 @@
 The extension modules (``_native_base`` on every machine, ``_native_avx2`` for AVX2 + FMA + F16C) are
 plain C++ that takes tensors as data pointers and sizes, so they build without torch's headers and
 survive torch upgrades; see ``setup.py``. ``_native_avx2`` is imported only on a CPU that has those
-instructions. :func:`cpu_decode_ops` returns the kernels
-this machine can run, or None where they are unavailable (not built, another architecture, a CPU
-without AVX2, ``HEARTH_CPU_KERNELS=0``); callers then take the torch paths, which give the same
-results up to fp32 rounding order. Nothing is compiled at run time.
+instructions. :func:`cpu_decode_ops` returns the kernels this machine can run, or None where they
+are unavailable (not built, another architecture, a CPU without AVX2, ``HEARTH_CPU_KERNELS=0``);
+callers then take the torch paths, which give the same results up to fp32 rounding order. Nothing
+is compiled at run time.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class NativeKernels:
             x = x.contiguous()
         m, (n, k) = x.shape[0], w.shape
         out = x.new_empty((m, n))
-        self._decode.linear_decode(_DTYPE_CODES[w.dtype], x.data_ptr(), m, k, w.data_ptr(), n,
+        self._decode.linear_decode(_code(w.dtype), x.data_ptr(), m, k, w.data_ptr(), n,
                                    None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
         return out
 
@@ -85,9 +85,9 @@ class NativeKernels:
         if not weights.is_contiguous():
             weights = weights.contiguous()
         out = x.new_empty((1, hidden), dtype=torch.float32 if fp32_out else x.dtype)
-        self._decode.experts_decode(_DTYPE_CODES[x.dtype], x.data_ptr(), hidden, gate_up.data_ptr(), down.data_ptr(),
+        self._decode.experts_decode(_code(x.dtype), x.data_ptr(), hidden, gate_up.data_ptr(), down.data_ptr(),
                                     down.shape[2], gate_up.shape[0], ids, weights.data_ptr(),
-                                    _DTYPE_CODES[weights.dtype], out.data_ptr(), int(fp32_out), torch.get_num_threads())
+                                    _code(weights.dtype), out.data_ptr(), int(fp32_out), torch.get_num_threads())
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -98,7 +98,7 @@ class NativeKernels:
             x = x.contiguous()
         out = torch.empty_like(x)
         d = x.shape[-1]
-        self._decode.rms_norm(_DTYPE_CODES[x.dtype], x.data_ptr(), x.numel() // d, d, weight.data_ptr(), eps,
+        self._decode.rms_norm(_code(x.dtype), x.data_ptr(), x.numel() // d, d, weight.data_ptr(), eps,
                               out.data_ptr(), torch.get_num_threads())
         return out
 
@@ -127,10 +127,17 @@ class NativeKernels:
         src = torch.empty(num_candidates, dtype=torch.int64)
         dst = torch.empty(num_candidates, dtype=torch.int64)
         q = self._base.cache_step(ids.data_ptr(), ids.numel(), slot_of.data_ptr(), expert_of.data_ptr(),
-                                         expert_of.numel() - 1, last_used.data_ptr(), clock.data_ptr(),
-                                         qtable.data_ptr(), qtable.numel(), stats.data_ptr(), num_candidates,
-                                         pair_slot.data_ptr(), src.data_ptr(), dst.data_ptr())
+                                  expert_of.numel() - 1, last_used.data_ptr(), clock.data_ptr(), qtable.data_ptr(),
+                                  qtable.numel(), stats.data_ptr(), num_candidates, pair_slot.data_ptr(),
+                                  src.data_ptr(), dst.data_ptr())
         return pair_slot, src, dst, torch.tensor(q)
+
+
+def _code(dtype: torch.dtype) -> int:
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        raise ValueError(f"native kernels take float32, bfloat16 or float16, not {dtype}")
+    return code
 
 
 @functools.cache
@@ -139,7 +146,11 @@ def cpu_decode_ops() -> NativeKernels | None:
     surprise: a build that is missing or older than the sources beside it)."""
     if os.environ.get("HEARTH_CPU_KERNELS", "1") == "0":
         return None
-    base = _module("_native_base")
+    try:
+        base = _module("_native_base")
+    except ImportError as exc:  # built, but does not load here (another machine's build, a missing runtime)
+        log.warning("hearth: the native CPU kernels do not load (%s); using PyTorch kernels", exc)
+        return None
     if base is None:
         log.warning("hearth: native CPU kernels are not built (no C++ compiler at install?); using PyTorch "
                     "kernels. Reinstall with a compiler (e.g. `pip install -e .`) for faster decoding.")
@@ -152,7 +163,11 @@ def cpu_decode_ops() -> NativeKernels | None:
     features = base.cpu_features()
     if not features & FEATURE_AVX2:
         return None  # not an AVX2 machine: the torch paths are the right ones, nothing to warn about
-    decode = _module("_native_avx2")
+    try:
+        decode = _module("_native_avx2")
+    except ImportError as exc:
+        log.warning("hearth: the AVX2 decode kernels do not load (%s); using PyTorch kernels", exc)
+        return None
     if decode is None:
         log.warning("hearth: the AVX2 decode kernels are not built; using PyTorch kernels")
         return None
