@@ -9,7 +9,7 @@ install still succeeds and the engine runs its torch paths (with one warning).
 
 from __future__ import annotations
 
-import hashlib
+import importlib.util
 import platform
 from pathlib import Path
 
@@ -17,15 +17,13 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 KERNELS = Path("engine") / "kernels"
-SOURCES = sorted(KERNELS.glob("*.cpp")) + sorted(KERNELS.glob("*.h"))
-
-
-def source_hash() -> str:
-    """What the runtime compares against the sources beside it (a stale editable build)."""
-    digest = hashlib.blake2b(digest_size=8)
-    for path in SOURCES:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()
+# The fingerprint the runtime compares against the sources beside it (a stale editable build): one
+# definition, loaded by path because nothing of the package is importable yet.
+_spec = importlib.util.spec_from_file_location("hearth_kernel_sources", KERNELS / "sources.py")
+_sources = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_sources)
+SOURCES = _sources.kernel_sources(KERNELS)
+SOURCE_HASH = _sources.source_hash(KERNELS)
 
 
 def kernel(name: str, source: str, isa_flags: list[str]) -> Extension:
@@ -36,7 +34,7 @@ def kernel(name: str, source: str, isa_flags: list[str]) -> Extension:
         include_dirs=[str(KERNELS)],
         language="c++",
         extra_compile_args=["-std=c++17", "-O3", "-g0", "-fopenmp", "-fvisibility=hidden",
-                            f'-DHEARTH_SOURCE_HASH="{source_hash()}"', *isa_flags],
+                            f'-DHEARTH_SOURCE_HASH="{SOURCE_HASH}"', *isa_flags],
         extra_link_args=["-fopenmp"],
         optional=True,  # no compiler, or an unsupported one: install anyway, run the torch paths
     )

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from hearth.cli.flags import add_engine_flags, add_serving_flags, engine_options
+from hearth.cli.flags import add_engine_flags, add_serving_flags, engine_options, serving_config
 from hearth.config import cache_dir
 
 _STATE_FILE = "cluster.json"  # records a head node that `hearth up` started itself (stopped by `down`)
@@ -75,13 +74,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     if not model.is_dir():
         raise FileNotFoundError(f"{model}: no such checkpoint directory")
     name = args.name or (DEMO_NAME if args.model is None else model.name)
-    api_key = args.api_key or os.environ.get("HEARTH_API_KEY") or None
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
-        print("hearth: warning: the router listens beyond this machine without --api-key", file=sys.stderr)
+    serving = serving_config(args, served_model_name=[name])
     _connect(args.address, start_if_missing=True)
-    options = DeployOptions(str(model.resolve()), name, args.host, args.port, args.grpc_port or None, api_key,
-                            args.replicas, args.require, engine_options(args), max_waiting=args.max_queue,
-                            tool_parser=args.tool_parser)
+    options = DeployOptions(str(model.resolve()), name, serving.host, serving.port, serving.grpc_port,
+                            serving.api_key, args.replicas, args.require, engine_options(args),
+                            max_waiting=serving.max_waiting, tool_parser=serving.tool_parser)
     desc = deploy(options, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     base = desc["url"]
     print(f"hearth: '{name}' is up: {len(desc['replicas'])} replica(s)\n"

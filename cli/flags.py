@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 from typing import Any
 
 from hearth.config import EngineConfig, ServingConfig, leaves, option_name, type_parts
@@ -27,28 +29,21 @@ def _add(group: argparse._ArgumentGroup, f: dataclasses.Field, hint: Any, overri
     meta = f.metadata
     choices, kinds, _ = type_parts(hint)
     kwargs: dict[str, Any] = {"dest": option_name(f)}
-    shown = f.default
     if bool in kinds:
         kwargs["action"] = argparse.BooleanOptionalAction
     elif tuple in kinds:
         kwargs.update(action="append", metavar=meta.get("metavar"))
-        shown = None
+    elif choices or meta.get("choices"):
+        kwargs["choices"] = meta.get("choices") or [c for c in choices if c is not None]
     else:
-        kind = next((k for k in kinds if k in (int, float)), str)
-        kwargs.update(type=meta.get("parse") or kind, metavar=meta.get("metavar"))
-        if meta.get("parse") is not None:
-            kwargs["type"] = str  # parsed (and checked) when the config is built
-        if choices or meta.get("choices"):
-            kwargs["choices"] = meta.get("choices") or [c for c in choices if c is not None]
-            kwargs.pop("metavar")
-    if overrides_only:
-        kwargs["default"] = argparse.SUPPRESS
-        text = meta["help"]
-    else:
-        kwargs["default"] = None if tuple in kinds else f.default
-        text = meta["help"] if shown is None or isinstance(shown, bool) and shown is False else \
-            f"{meta['help']} (default {_show(shown)})"
-    group.add_argument(_flag(f), help=text, **kwargs)
+        # Strings that the config parses (sizes such as 2GiB) stay strings here; it checks them.
+        number = next((k for k in kinds if k in (int, float)), None)
+        kwargs.update(type=str if meta.get("parse") or number is None else number, metavar=meta.get("metavar"))
+    default = None if tuple in kinds else f.default
+    kwargs["default"] = argparse.SUPPRESS if overrides_only else default
+    shown = not overrides_only and default is not None and default is not False
+    group.add_argument(_flag(f), help=f"{meta['help']} (default {_show(default)})" if shown else meta["help"],
+                       **kwargs)
 
 
 def _show(value: Any) -> str:
@@ -101,7 +96,11 @@ def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
 
 
 def serving_config(args: argparse.Namespace, **extra: Any) -> ServingConfig:
-    """The validated :class:`ServingConfig` of the parsed flags (plus ``extra`` settings)."""
+    """The validated :class:`ServingConfig` of the parsed flags (plus ``extra`` settings); the key
+    defaults to ``$HEARTH_API_KEY``. Warns when it listens beyond this machine without a key."""
     names = {option_name(f) for f in dataclasses.fields(ServingConfig)}
     given = {k: v for k, v in vars(args).items() if k in names and v is not None}
-    return ServingConfig.from_options(**{**given, **extra})
+    serving = ServingConfig.from_options(**{"api_key": os.environ.get("HEARTH_API_KEY") or None, **given, **extra})
+    if serving.host not in ("127.0.0.1", "localhost", "::1") and not serving.api_key:
+        print(f"hearth: warning: listening on {serving.host}, beyond this machine, without --api-key", file=sys.stderr)
+    return serving

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import sys
 import threading
@@ -22,13 +21,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if not model.is_dir():
         raise FileNotFoundError(f"{model}: no such checkpoint directory")
     names = args.served_model_name or [DEMO_NAME if args.model is None else model.name]
-    serving = serving_config(args, served_model_name=names,
-                             api_key=args.api_key or os.environ.get("HEARTH_API_KEY") or None)
+    serving = serving_config(args, served_model_name=names)
     engine = engine_config(args)
     configure_logging(serving.log_format)
     state = build_state(model, engine, serving, show_progress=True)
-    if serving.host not in ("127.0.0.1", "localhost", "::1") and not serving.api_key:
-        print("hearth: warning: listening beyond this machine without --api-key", file=sys.stderr)
     started = threading.Event()
     threading.Thread(target=_announce, args=(state, serving, model, started), daemon=True).start()
     try:

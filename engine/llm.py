@@ -25,7 +25,7 @@ class LLM:
                  **options: Any) -> None:
         """``config`` and/or any engine option by name (``LLM(path, prefix_caching=True)``; see
         :class:`hearth.config.EngineConfig`)."""
-        config = (config or EngineConfig()).replace(**options) if options else config
+        config = config.replace(**options) if config is not None else EngineConfig(**options)
         self.engine = LLMEngine(model, config, show_progress=show_progress)
 
     def close(self) -> None:

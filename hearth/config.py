@@ -35,7 +35,6 @@ from typing import Any, Literal
 GIB = 1 << 30
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "half")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_CACHE_SPEC = re.compile(r"(\d+(?:\.\d+)?)|(\d+)slots?|(\d+(?:\.\d+)?)([kmgt]i?b|b)")
 
 
 class ConfigError(ValueError):
@@ -50,6 +49,23 @@ def parse_bytes(text: str | int) -> int:
     if m is None:
         raise ConfigError(f"cannot read a size from '{text}' (e.g. 4GiB, 512MB)")
     return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def parse_cache_size(spec: str | float) -> tuple[Literal["fraction", "slots", "bytes"], float]:
+    """An expert-cache size: a fraction of all experts (``0.1``), slots (``8slots``) or bytes with a
+    unit (``2GiB``), as (kind, amount)."""
+    text = str(spec).strip().lower().replace(" ", "")
+    if (m := re.fullmatch(r"(\d+)slots?", text)) is not None:
+        return "slots", int(m.group(1))
+    if re.fullmatch(r"\d+(?:\.\d+)?", text) is not None:
+        if float(text) > 1:
+            raise ConfigError(f"expert_cache '{spec}': a bare number is a fraction of all experts (0..1); "
+                              "give bytes with a unit, e.g. 2GiB")
+        return "fraction", float(text)
+    if re.fullmatch(r"\d+(?:\.\d+)?[kmgt]i?b|\d+b", text) is None:
+        raise ConfigError(f"expert_cache: cannot read '{spec}' (use a fraction like 0.1, bytes like 2GiB, or slots "
+                          "like 8slots)")
+    return "bytes", parse_bytes(text)
 
 
 def cache_dir() -> Path:
@@ -250,15 +266,7 @@ class ExpertConfig(Section):
 
     def validate(self) -> None:
         if self.cache is not None:
-            text = str(self.cache).strip().lower().replace(" ", "")
-            object.__setattr__(self, "cache", text)
-            match = _CACHE_SPEC.fullmatch(text)
-            if match is None:
-                raise ConfigError(f"expert_cache: cannot read '{self.cache}' (use a fraction like 0.1, bytes like "
-                                  "2GiB, or slots like 8slots)")
-            if match.group(1) is not None and float(text) > 1:
-                raise ConfigError(f"expert_cache '{self.cache}': a bare number is a fraction of all experts (0..1); "
-                                  "give bytes with a unit, e.g. 2GiB")
+            parse_cache_size(self.cache)  # refused now, not when the engine sizes the cache
         if self.cpu_workers in ("process", "external") and not self.host_pool:
             raise ConfigError("cpu_experts: CPU expert workers in another process need the expert pool in shared "
                               "memory (give it a name: host_pool_name / --host-pool)")
@@ -342,9 +350,6 @@ class ServingConfig(Section):
     def validate(self) -> None:
         if self.grpc_port == 0:
             object.__setattr__(self, "grpc_port", None)
-        if isinstance(self.model_names, (list, str)):
-            names = (self.model_names,) if isinstance(self.model_names, str) else tuple(self.model_names)
-            object.__setattr__(self, "model_names", names)
 
 
 # -- walking the tree ---------------------------------------------------------------------------

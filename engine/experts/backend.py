@@ -1,8 +1,8 @@
 """The expert backend of the hierarchy: hits and fills on the device, the CPU set on CPU workers.
 
-Per MoE layer call (docs/design.md, a decode layer call): the cache-control step classifies the routed ids and plans
-fills by ``qtable``; the CPU workers start on the pairs left to them while the device fills its
-slots and computes the rest; the two fp32 partial sums are added. Results equal the plain backend
+Per MoE layer call (docs/design.md, a decode layer call): the cache-control step classifies the
+routed ids and plans fills by ``qtable``; the CPU workers start on the pairs left to them while the
+device fills its slots and computes the rest; the two fp32 partial sums are added. Results equal the plain backend
 up to fp32 summation order at every cache size and split.
 """
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import logging
-import re
 from functools import partial
 
 import torch
 
-from hearth.config import ConfigError, ExpertConfig, parse_bytes
+from hearth.config import ConfigError, ExpertConfig, parse_cache_size
 from hearth.engine.config import ModelConfig
 from hearth.engine.experts.backend import HierarchicalExpertBackend
 from hearth.engine.experts.contract import CpuWorkers, ExpertDevice
@@ -27,31 +26,23 @@ from hearth.engine.ops import activation
 log = logging.getLogger(__name__)
 
 
-def parse_cache_size(spec: str | float | None, pool: ExpertPool, default_bytes: int) -> int:
-    """Number of cache slots for ``spec`` (fraction, bytes with a unit, or ``Nslots``)."""
+def cache_slots(spec: str | None, pool: ExpertPool, default_bytes: int) -> int:
+    """Number of cache slots for an ``expert_cache`` setting (see :func:`hearth.config.parse_cache_size`)."""
     total = pool.gate_up.shape[0]
     if spec is None:
         return min(total, default_bytes // pool.expert_bytes)
-    text = str(spec).strip().lower().replace(" ", "")
-    if (m := re.fullmatch(r"(\d+)slots?", text)) is not None:
-        return min(int(m.group(1)), total)
-    if re.fullmatch(r"\d+(?:\.\d+)?", text) is None:  # with a unit: bytes
-        try:
-            return min(total, parse_bytes(text) // pool.expert_bytes)
-        except ConfigError:
-            raise ConfigError(f"cannot read expert cache size '{spec}' (use a fraction like 0.1, bytes like 2GiB, "
-                              "or slots like 8slots)") from None
-    if float(text) > 1:
-        raise ConfigError(f"expert cache size '{spec}': a bare number is a fraction of all experts (0..1); "
-                          "give bytes with a unit, e.g. 2GiB")
-    return int(float(text) * total + 1e-9)
+    kind, amount = parse_cache_size(spec)
+    if kind == "slots":
+        return min(int(amount), total)
+    if kind == "bytes":
+        return min(total, int(amount) // pool.expert_bytes)
+    return int(amount * total + 1e-9)
 
 
 def _resolve_device(name: str) -> str:
+    """The device an (already validated) ``expert_device`` setting means on this machine."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "none"
-    if name not in ("cuda", "virtual", "none"):
-        raise ConfigError(f"unknown expert device '{name}' (auto, cuda, virtual or none)")
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--expert-device cuda: no CUDA device is available (use --virtual-device on this machine)")
     return name
@@ -92,7 +83,7 @@ def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: ExpertConfig, max_to
     free = torch.cuda.mem_get_info()[0] if kind == "cuda" else 0
     # Default size: 80 % of free GPU memory; on the virtual device a quarter of the pool.
     default_bytes = int(free * 0.8) if kind == "cuda" else pool.nbytes // 4
-    slots = parse_cache_size(hc.cache, pool, default_bytes)
+    slots = cache_slots(hc.cache, pool, default_bytes)
     device = build_device(kind, pool, slots, hc.virtual_link_gbps)
     workers = build_cpu_workers(cfg, pool, hc, max_tokens, act, pool_name)
     m_max = cfg.num_experts

@@ -12,7 +12,6 @@ is compiled at run time.
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib
 import logging
 import os
@@ -20,6 +19,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from hearth.engine.kernels.sources import source_hash
 
 log = logging.getLogger(__name__)
 FEATURE_AVX2 = 1 << 0
@@ -36,17 +37,6 @@ def _module(name: str) -> ModuleType | None:
         return importlib.import_module(f"{__name__}.{name}")
     except ModuleNotFoundError:
         return None
-
-
-def _source_hash() -> str | None:
-    """The hash setup.py embeds, of the kernel sources beside this file (None in a wheel without them)."""
-    sources = sorted(_HERE.glob("*.cpp")) + sorted(_HERE.glob("*.h"))
-    if not sources:
-        return None
-    digest = hashlib.blake2b(digest_size=8)
-    for path in sources:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()
 
 
 class NativeKernels:
@@ -155,7 +145,7 @@ def cpu_decode_ops() -> NativeKernels | None:
         log.warning("hearth: native CPU kernels are not built (no C++ compiler at install?); using PyTorch "
                     "kernels. Reinstall with a compiler (e.g. `pip install -e .`) for faster decoding.")
         return None
-    present = _source_hash()
+    present = source_hash(_HERE)
     if present is not None and base.source_hash() != present:
         log.warning("hearth: the native CPU kernels were built from other sources than these; using PyTorch "
                     "kernels until they are rebuilt (`pip install -e .`, or `make` in a checkout)")
