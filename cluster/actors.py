@@ -329,8 +329,9 @@ class MonitorActor:
         threading.Thread(target=self._run, daemon=True, name="hearth-monitor").start()
 
     def _run(self) -> None:
-        idle_since = time.monotonic()
-        last_calls = None
+        # When each path last did work: a path the table stopped using (all CPU after one slow
+        # reading of the link, say) is never measured again unless it is probed.
+        moved_at, last_calls = [time.monotonic()] * 2, None
         while not self._stop.wait(self.spec.monitor_interval_s):
             try:
                 executor = _handle(self.spec.actor_name("executor"))
@@ -345,13 +346,14 @@ class MonitorActor:
                 self._executor_pid = stats.get("pid")
             self.qtable = experts.get("qtable", self.qtable)
             change = self.tracker.observe(experts)
-            calls = (experts["fill_calls"], experts["cpu_calls"])
-            if calls != last_calls:
-                idle_since, last_calls = time.monotonic(), calls
-            elif time.monotonic() - idle_since > self.spec.probe_idle_s:
-                idle_since = time.monotonic()
-                probed = self._call(executor.probe.remote())
+            calls, now = (experts["fill_calls"], experts["cpu_calls"]), time.monotonic()
+            moved_at = [now if last_calls is None or c != last else at
+                        for c, last, at in zip(calls, last_calls or calls, moved_at, strict=True)]
+            last_calls = calls
+            if now - min(moved_at) > self.spec.probe_idle_s:  # a path (or both) unused for a while
+                probed = self._call(executor.probe.remote())  # None while requests run: retried next time
                 if probed:
+                    moved_at = [now] * 2
                     change = self.tracker.add_probe(*probed) or change
             if change is not None:
                 table = self._call(executor.set_bandwidths.remote(change.b_p, change.b_h))

@@ -84,10 +84,15 @@ def _run(engine: LLMEngine, prompts, steps: int, on_step=None) -> list[list[int]
 
 
 def test_halving_the_virtual_link_changes_the_qtable_with_identical_tokens(checkpoint) -> None:
-    """On the virtual device, with the link at a quarter of the probed B_H (the table splits),
-    halve the link mid-run: within a bounded number of steps the monitor's B_P must follow and the
-    pushed table must be the one for the new estimates, with fewer fills than the same estimates
-    with the old link speed would give; the greedy tokens must equal the plain engine's."""
+    """On the virtual device, with the link at a quarter of B_H (the table splits), halve the link
+    mid-run: within a bounded number of steps the monitor's B_P must follow and the pushed table must
+    be the one for the new estimates, with fewer fills than the same estimates with the old link speed
+    would give; the greedy tokens must equal the plain engine's.
+
+    The link is slow enough (16 ms per expert) that the virtual link's wait, not the memcpy, sets
+    each fill's time, so the measured B_P does not depend on how busy the machine is. B_H is held
+    at its configured value (the host path's tracking is tested above with fed counters): measured
+    on a loaded 2-core machine it swings by 10x and would drive the table to all-fill or no-fill."""
     path, _ = checkpoint("qwen3_moe", hidden_size=256, moe_intermediate_size=512, num_experts=8,
                          num_experts_per_tok=2, num_hidden_layers=2)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14], [20, 21]]
@@ -96,9 +101,7 @@ def test_halving_the_virtual_link_changes_the_qtable_with_identical_tokens(check
     expected = _run(plain, prompts, steps)
     plain.close()
 
-    probe_engine = _engine(path, expert_device="virtual", expert_cache="4slots", q_mode="all")
-    _, b_h = probe_engine.experts.probe(k=2, repeats=5)
-    probe_engine.close()
+    b_h = 0.4 * GB
     link = 0.25 * b_h
     # The untuned table: this test follows the bandwidths alone (the credit tuner is tested apart).
     engine = _engine(path, expert_device="virtual", expert_cache="4slots", virtual_link_gbps=link / GB,
@@ -113,7 +116,7 @@ def test_halving_the_virtual_link_changes_the_qtable_with_identical_tokens(check
         if step == halve_at:
             measured_before.append(tracker.estimate()[0])  # what the monitor saw at the old speed
             backend.device.link_bytes_per_s = link / 2
-        change = tracker.observe(backend.stats())
+        change = tracker.observe({**backend.stats(), "cpu_calls": 0})  # no host samples: B_H holds
         if change is not None:
             pushed.append((step, backend.set_bandwidths(change.b_p, change.b_h), change.b_p, change.b_h))
 
