@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import signal
 import sys
 import threading
@@ -70,3 +71,23 @@ def _announce(state, options: ServingConfig, model: Path, started: threading.Eve
         print(f"hearth: error: loading failed: {exc}", file=sys.stderr, flush=True)
     else:
         print(f"hearth: model ready in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+        print(client_settings(base, name, state.client.model.max_model_len), file=sys.stderr, flush=True)
+
+
+def output_cap(context: int) -> int:
+    """Output tokens an agent should ask for: a quarter of the context, at most 32000 (Claude Code's
+    default), so a long conversation still leaves room for its prompt."""
+    return max(1, min(32000, context // 4))
+
+
+def client_settings(base: str, name: str, context: int) -> str:
+    """The agent settings that fit the served context (printed once the model is ready)."""
+    cap = output_cap(context)
+    opencode = {"provider": {"hearth": {"npm": "@ai-sdk/openai-compatible", "options": {"baseURL": f"{base}/v1"},
+                                        "models": {name: {"limit": {"context": context, "output": cap}}}}}}
+    return "\n".join([
+        f"hearth: context {context} tokens; settings for agents that fit it:",
+        f"  Claude Code    CLAUDE_CODE_MAX_OUTPUT_TOKENS={cap} (longer prompts get 'prompt is too long', "
+        "and Claude Code compacts)",
+        f"  OpenCode       opencode.json: {json.dumps(opencode)}",
+    ])

@@ -24,12 +24,13 @@ from hearth.engine.kv_cache import BlockAllocator, PagedKVCache
 from hearth.engine.prefix_cache import RadixCache
 from hearth.engine.request import Request
 from hearth.engine.runner import ModelRunner
-from hearth.engine.sampling import sample_token
+from hearth.engine.sampling import sample_token, token_logprob
 from hearth.engine.scheduler import RecurrentConfig, ScheduledStep, Scheduler
 from hearth.engine.state_checkpoints import CheckpointStore, checkpoint_positions
 from hearth.engine.state_pool import RecurrentStatePool
+from hearth.engine.structured import Grammars
 from hearth.engine.tokenizer import load_tokenizer
-from hearth.proto.contracts import GenerationChunk, RequestMetrics, RequestOutput, SamplingParams
+from hearth.proto.contracts import GenerationChunk, RequestMetrics, RequestOutput, SamplingParams, TokenLogprob
 
 # (prompt ids, output ids so far, fp32 logits [V]) -> logits: applied before penalties and sampling.
 LogitsProcessor = Callable[[list[int], list[int], torch.Tensor], torch.Tensor]
@@ -66,7 +67,7 @@ class LLMEngine:
         self.pool = loaded.pool
         self.tokenizer = load_tokenizer(model_path)
         cfg = self.model_config
-        self.max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 32768)
+        self.max_model_len = config.context_length(cfg.max_position_embeddings)
         bs = config.kv_cache.block_size
         num_blocks = -(-self._kv_tokens() // bs)
         kv = PagedKVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
@@ -96,6 +97,8 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
+        self.grammars = Grammars(self.tokenizer, cfg.vocab_size,
+                                 self.tokenizer.eos_token_id if self.tokenizer is not None else None)
 
     def _recurrent_config(self, states: RecurrentStatePool | None) -> RecurrentConfig | None:
         if states is None:
@@ -184,6 +187,8 @@ class LLMEngine:
         req = Request(request_id, ids, params, arrival=now)
         if params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed)
+        if params.grammar is not None:
+            req.matcher = self.grammars.matcher(params.grammar)
         self.scheduler.add(req)
         self._requests[request_id] = req
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.tokenizer else None
@@ -269,12 +274,18 @@ class LLMEngine:
             row_logits = logits[row]
             for processor in self.logits_processors:
                 row_logits = processor(req.prompt_ids, req.output_ids, row_logits)
+            if req.matcher is not None:
+                row_logits = req.matcher.mask(row_logits)
             token = sample_token(row_logits, req.params, req.prompt_ids, req.output_ids, req.generator)
             req.output_ids.append(token)
-            outputs.append(self._after_token(req, token))
+            if req.matcher is not None:
+                req.grammar_done = req.matcher.advance(token, self.eos_token_ids | frozenset(req.params.stop_token_ids))
+            logprob = token_logprob(logits[row], token, req.params.logprobs) if req.params.logprobs is not None \
+                else None
+            outputs.append(self._after_token(req, token, logprob))
         return outputs
 
-    def _after_token(self, req: Request, token: int) -> RequestOutput:
+    def _after_token(self, req: Request, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
         state = self._text[req.request_id]
         now = time.time()
         if state.metrics.first_token is None:
@@ -298,7 +309,7 @@ class LLMEngine:
         delta, state.emitted = state.text[state.emitted : visible], visible
         state.metrics.num_output_tokens = len(req.output_ids)
         chunk = GenerationChunk(req.request_id, [token], delta, reason is not None, reason, stop_reason,
-                                replace(state.metrics))
+                                replace(state.metrics), None if logprob is None else [logprob])
         out = RequestOutput(req.prompt_ids, list(req.output_ids), state.text[:visible], chunk)
         if reason is not None:
             self._requests.pop(req.request_id, None)
@@ -307,7 +318,7 @@ class LLMEngine:
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids) or req.grammar_done:
             return "stop"
         if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
@@ -327,6 +338,8 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "kv_blocks_free": self.scheduler.allocator.num_free,
             "kv_blocks_total": self.scheduler.allocator.num_blocks,
+            # Blocks of finished requests kept for prefix reuse: evicted when space is needed.
+            "kv_blocks_cached": self.scheduler.prefix.evictable_blocks() if self.scheduler.prefix is not None else 0,
         }
         if self.scheduler.checkpoints is not None:
             out.update(self.scheduler.checkpoints.stats())

@@ -45,6 +45,8 @@ class Request:
     state_ready: bool = False
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    matcher: object | None = None  # constrained decoding: the request's place in its grammar
+    grammar_done: bool = False
 
     @property
     def tokens(self) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hearth.proto.contracts import SamplingParams
+from hearth.proto.contracts import SamplingParams, TokenLogprob
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
@@ -54,3 +54,14 @@ def sample_token(
         return int(torch.argmax(logits))
     probs = torch.softmax(filter_logits(logits, params), dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """``token``'s log-probability under the model's own distribution (the raw logits [V], before
+    penalties, temperature and filtering, as OpenAI reports them) and the ``top`` likeliest tokens."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if top:
+        values, ids = torch.topk(logp, min(top, logp.numel()))
+        alternatives = tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token, float(logp[token]), alternatives)

@@ -206,6 +206,9 @@ class SchedulerConfig(Section):
         return self.max_num_batched_tokens or max(self.prefill_chunk, 2048)
 
 
+DEFAULT_CONTEXT_CAP = 32768  # without --max-model-len: the model's context, at most this
+
+
 @dataclass(frozen=True)
 class KVCacheConfig(Section):
     """The paged KV cache and the prefix tree over it."""
@@ -216,7 +219,7 @@ class KVCacheConfig(Section):
                                     cli=False)
     num_bytes: int = option(2 * GIB, "memory for the KV cache when its size in tokens is not given",
                             name="kv_cache_bytes", parse=parse_bytes, minimum=1, metavar="BYTES")
-    prefix_caching: bool = option(False, "reuse the KV blocks of cached prompt prefixes across requests (radix tree)")
+    prefix_caching: bool = option(True, "reuse the KV blocks of cached prompt prefixes across requests (radix tree)")
 
 
 @dataclass(frozen=True)
@@ -321,6 +324,10 @@ class EngineConfig(Section):
         if interval % block:
             raise ConfigError(f"checkpoint_interval must be a positive multiple of the block size ({block}), "
                               f"got {interval}")
+
+    def context_length(self, max_position_embeddings: int) -> int:
+        """The context served for a model trained to ``max_position_embeddings`` positions."""
+        return self.max_model_len or min(max_position_embeddings, DEFAULT_CONTEXT_CAP)
 
     def replace(self, **options: Any) -> EngineConfig:
         """A copy with some options changed (by option name or section)."""

@@ -8,6 +8,7 @@ them on the wire; ``tests/test_contracts.py`` keeps the two in step.
 - :class:`GenerateRequest`  prompt token ids + sampling parameters, as an engine client receives them
 - :class:`RequestMetrics`   timings and token counts of one request (proto ``Usage`` and ``timings``)
 - :class:`GenerationChunk`  what one engine step added to one request (proto ``GenerateResponse``)
+- :class:`TokenLogprob`     one generated token's log-probability and alternatives (proto ``TokenLogprob``)
 - :class:`RequestOutput`    the in-process view: a chunk plus everything generated so far
 - :class:`ModelInfo`        what the API layer knows of the served model (proto ``ModelCard``)
 - :class:`EngineClient`     how the API layer talks to an engine, in-process or remote
@@ -28,6 +29,9 @@ class EngineNotReady(Exception):
     """The model is still loading (or failed to load)."""
 
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop. ``temperature == 0`` means greedy."""
@@ -45,6 +49,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest
+    grammar: str | None = None  # constrained decoding: an llguidance grammar (JSON text) the output must match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +65,8 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+             f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -112,6 +120,16 @@ class RequestMetrics:
         }
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log-probability under the model (before penalties, temperature and
+    filtering), and the likeliest alternatives as (token id, log-probability), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class GenerationChunk:
     """What one engine step added to one request: the new tokens and text, and how it stands
@@ -124,6 +142,7 @@ class GenerationChunk:
     finish_reason: str | None = None  # stop | length | abort
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it, if any
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
     @property
     def timings(self) -> dict[str, float | int]:
@@ -137,9 +156,10 @@ class GenerationChunk:
         if len(chunks) == 1:
             return chunks[0]
         last = chunks[-1]
+        logprobs = None if last.logprobs is None else [lp for c in chunks for lp in c.logprobs or ()]
         return GenerationChunk(last.request_id, [t for c in chunks for t in c.token_ids],
                                "".join(c.text for c in chunks), last.finished, last.finish_reason, last.stop_reason,
-                               last.metrics)
+                               last.metrics, logprobs)
 
 
 @dataclass

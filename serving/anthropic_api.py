@@ -13,11 +13,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from hearth.proto.contracts import GenerateRequest
 from hearth.serving.anthropic_schema import CountTokensRequest, Message, MessagesRequest
 from hearth.serving.errors import APIError, check_json_schema, parse_body
-from hearth.serving.frontend import RenderedPrompt, ToolMode, tool_json
+from hearth.serving.frontend import OMITTED, RenderedPrompt, ToolMode, tool_json
 from hearth.serving.generation import Reply, collect, stream_reply
 from hearth.serving.parsers import Event
 from hearth.serving.session import session_key
-from hearth.serving.transport import primed, run_unless_disconnected, sse
+from hearth.serving.transport import clamp_headers, primed, run_unless_disconnected, sse
 
 router = APIRouter()
 
@@ -27,7 +27,7 @@ async def count_tokens(request: Request) -> dict[str, int]:
     state = request.app.state.hearth
     body = parse_body(CountTokensRequest, await request.body())
     state.check_model(body.model)
-    return {"input_tokens": len(_render(state, body).ids)}
+    return {"input_tokens": len(_render(state, body, check_length=False).ids)}  # counted even when too long
 
 
 @router.post("/v1/messages")
@@ -37,24 +37,25 @@ async def messages(request: Request):
     state.check_model(body.model)
     prompt = _render(state, body)
     frontend = state.frontend
-    max_tokens = frontend.max_tokens(body.max_tokens, len(prompt.ids), "max_tokens")
+    message_id = f"msg_{uuid.uuid4().hex[:24]}"
+    max_tokens = frontend.max_tokens(body.max_tokens, len(prompt.ids), "max_tokens", message_id)
     params = frontend.sampling(max_tokens, body.stop_sequences, temperature=body.temperature, top_p=body.top_p,
                                top_k=body.top_k)
     opening = [{"role": "system", "content": body.model_dump(mode="json").get("system")}] if body.system else []
     opening += [m.model_dump(mode="json") for m in body.messages]
-    gen = GenerateRequest(f"msg_{uuid.uuid4().hex[:24]}", prompt.ids, params,
-                          session_key(request.headers.get("x-session-id"), opening))
+    gen = GenerateRequest(message_id, prompt.ids, params, session_key(request.headers.get("x-session-id"), opening))
     stream = stream_reply(state, gen, frontend.parser(prompt), "anthropic", "messages")
+    headers = clamp_headers(body.max_tokens, max_tokens)
     if body.stream:
         stream = await primed(request, stream)
         return StreamingResponse(_events(state, gen.request_id, len(prompt.ids), stream),
-                                 media_type="text/event-stream")
+                                 media_type="text/event-stream", headers=headers)
     reply = await run_unless_disconnected(request, collect(stream))
-    return JSONResponse(_message_response(state, gen.request_id, reply))
+    return JSONResponse(_message_response(state, gen.request_id, reply), headers=headers)
 
 
 # -- request conversion -------------------------------------------------------------------------
-def _render(state: Any, body: CountTokensRequest) -> RenderedPrompt:
+def _render(state: Any, body: CountTokensRequest, check_length: bool = True) -> RenderedPrompt:
     messages: list[dict[str, Any]] = []
     if body.system:
         system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
@@ -71,7 +72,7 @@ def _render(state: Any, body: CountTokensRequest) -> RenderedPrompt:
     kwargs = None
     if body.thinking is not None:
         kwargs = {"enable_thinking": body.thinking.type != "disabled"}
-    return state.frontend.render_chat(messages, tools, mode, kwargs)
+    return state.frontend.render_chat(messages, tools, mode, kwargs, check_length)
 
 
 def _tool_mode(body: CountTokensRequest, tools: list[dict[str, Any]] | None) -> ToolMode:
@@ -94,6 +95,9 @@ def _convert(m: Message, i: int) -> list[dict[str, Any]]:
     """One Anthropic message as chat-template messages (tool results become ``tool`` messages)."""
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
+    if m.role == "system":
+        return [{"role": "system", "content": "".join(_block_text(b, f"messages.{i}.content.{j}")
+                                                      for j, b in enumerate(m.content))}]
     out: list[dict[str, Any]] = []
     text: list[str] = []
     reasoning: list[str] = []
@@ -118,10 +122,10 @@ def _convert(m: Message, i: int) -> list[dict[str, Any]]:
                 out.append({"role": "user", "content": "".join(text)})
                 text = []
             content = block.content if isinstance(block.content, str) or block.content is None else \
-                "".join(b.text for b in block.content)
+                "".join(_block_text(b, where) for b in block.content)
             out.append({"role": "tool", "content": content or "", "tool_call_id": block.tool_use_id})
         else:
-            raise APIError(400, f"{where}: {block.type} blocks are not supported by this server", where)
+            text.append(_block_text(block, where))
     if m.role == "assistant":
         msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
         if reasoning:
@@ -132,6 +136,15 @@ def _convert(m: Message, i: int) -> list[dict[str, Any]]:
     if text or not out:
         out.append({"role": "user", "content": "".join(text)})
     return out
+
+
+def _block_text(block: Any, where: str) -> str:
+    """The text a content block contributes: its own, or a placeholder for an image or document."""
+    if block.type == "text":
+        return block.text
+    if block.type in OMITTED:
+        return OMITTED[block.type]
+    raise APIError(400, f"{where}: {block.type} blocks are not supported by this server", f"{where}.type")
 
 
 # -- responses ----------------------------------------------------------------------------------
@@ -148,7 +161,8 @@ def _signature(thinking: str) -> str:
 
 
 def _usage(reply: Reply) -> dict[str, Any]:
-    return {"input_tokens": reply.prompt_tokens, "output_tokens": reply.completion_tokens,
+    # Anthropic counts cache reads apart: input_tokens are the prompt tokens computed afresh.
+    return {"input_tokens": reply.prompt_tokens - reply.cached_tokens, "output_tokens": reply.completion_tokens,
             "cache_read_input_tokens": reply.cached_tokens, "cache_creation_input_tokens": 0}
 
 
@@ -219,16 +233,18 @@ class _BlockWriter:
 
 
 async def _events(state: Any, message_id: str, prompt_tokens: int, stream: AsyncIterator):
+    first = await anext(stream)  # primed: already here, and it knows how much of the prompt was cached
+    cached = first[1].metrics.num_cached_tokens
     yield sse({"type": "message_start", "message": {
         "id": message_id, "type": "message", "role": "assistant", "model": state.model_name, "content": [],
         "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0,
+        "usage": {"input_tokens": prompt_tokens - cached, "output_tokens": 0, "cache_read_input_tokens": cached,
                   "cache_creation_input_tokens": 0}}}, "message_start")
     yield sse({"type": "ping"}, "ping")
     writer = _BlockWriter()
     reply = Reply()
     try:
-        async for events, chunk in stream:
+        async for events, chunk in _prepend(first, stream):
             for event in events:
                 for line in writer.write(event):
                     yield line
@@ -241,7 +257,13 @@ async def _events(state: Any, message_id: str, prompt_tokens: int, stream: Async
         yield line
     stop_reason, stop_sequence = _stop(reply, writer.had_tool)
     yield sse({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-               "usage": {"output_tokens": reply.completion_tokens}, "timings": reply.timings}, "message_delta")
+               "usage": _usage(reply), "timings": reply.timings}, "message_delta")
     yield sse({"type": "message_stop"}, "message_stop")
 
 
+
+
+async def _prepend(first: Any, rest: AsyncIterator) -> AsyncIterator:
+    yield first
+    async for item in rest:
+        yield item

@@ -33,22 +33,29 @@ class ToolUseBlock(_Body):
     input: dict[str, Any]
 
 
+class MediaBlock(_Body):
+    """An image or document: this server takes text only, so it becomes a placeholder."""
+
+    type: Literal["image", "document"]
+
+
 class ToolResultBlock(_Body):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock] | None = None
+    content: str | list[TextBlock | MediaBlock] | None = None
     is_error: bool | None = None
 
 
 class UnsupportedBlock(_Body):
-    type: Literal["image", "document", "search_result", "server_tool_use", "web_search_tool_result"]
+    type: Literal["search_result", "server_tool_use", "web_search_tool_result"]
 
 
-Block = TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock | UnsupportedBlock
+Block = (TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock | MediaBlock
+         | UnsupportedBlock)
 
 
 class Message(_Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: Claude Code's mid-conversation notes
     content: str | list[Block]
 
 

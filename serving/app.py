@@ -74,6 +74,15 @@ def error_response(path: str, error: APIError) -> JSONResponse:
     return JSONResponse(body, status_code=error.status, headers=headers)
 
 
+def rejected(request: Request, error: APIError) -> JSONResponse:
+    """The error response, logged with its reason so that an operator sees why a client failed."""
+    level = logging.WARNING if error.status >= 500 else logging.INFO
+    log.log(level, "rejected: %s", error.message, extra={"fields": {
+        "method": request.method, "path": request.url.path, "status": error.status, "param": error.param,
+        "code": error.code, "message": error.message}})
+    return error_response(request.url.path, error)
+
+
 def create_app(state: ServerState) -> FastAPI:
     """The ASGI app over ``state``'s engine client."""
     app = FastAPI(title="hearth", description="OpenAI- and Anthropic-compatible API of a hearth engine",
@@ -85,12 +94,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
-        return error_response(request.url.path, exc)
+        return rejected(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return error_response(request.url.path, APIError(exc.status_code, f"{request.method} {request.url.path}: "
-                                                                          f"{exc.detail}"))
+        return rejected(request, APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):

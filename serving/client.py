@@ -41,13 +41,14 @@ class InProcessEngineClient:
     """
 
     def __init__(self, model_path: str | Path, engine_factory: Callable[[], Any], served_name: str | None = None,
-                 max_waiting: int = 64) -> None:
+                 max_waiting: int = 64, describe: Callable[[], tuple[int, int]] | None = None) -> None:
         self.model_path = str(model_path)
         self.model = ModelInfo(served_name or Path(model_path).name, self.model_path, 0, 0, int(time.time()))
         self.max_waiting = max_waiting
         self.engine: Any = None
         self.load_error: BaseException | None = None
         self._factory = engine_factory
+        self._describe = describe  # (context length, vocab size) from the config, before the weights load
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._in_flight = 0
@@ -128,6 +129,8 @@ class InProcessEngineClient:
     # -- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self._describe is not None:
+                self.model = ModelInfo(self.model.name, self.model_path, *self._describe(), self.model.created)
             self.engine = self._factory()
             cfg = self.engine.model_config
             self.model = ModelInfo(self.model.name, self.model_path, self.engine.max_model_len, cfg.vocab_size,

@@ -21,19 +21,34 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
 class APIError(Exception):
     """An error answered to the client: HTTP status, a message naming the field, the field."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 anthropic_message: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.code = code  # OpenAI's machine-readable code (``context_length_exceeded``), if any
+        self.anthropic_message = anthropic_message or message  # where Anthropic clients expect other words
 
     def openai_body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": OPENAI_TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": None}}
+                          "param": self.param, "code": self.code}}
 
     def anthropic_body(self) -> dict[str, Any]:
         return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.status, "invalid_request_error"),
-                                           "message": self.message}}
+                                           "message": self.anthropic_message}}
+
+
+def context_overflow(prompt_tokens: int, context: int, field: str) -> APIError:
+    """A prompt that leaves no room in the context, in the words clients act on: OpenAI SDK users
+    and agents match ``code: context_length_exceeded``; Claude Code matches ``prompt is too long:
+    N tokens > M maximum`` and then compacts the conversation."""
+    what = "messages" if field == "messages" else "prompt"
+    return APIError(
+        400, f"This model's maximum context length is {context} tokens. However, your {what} resulted in "
+             f"{prompt_tokens} tokens. Please reduce the length of the {what}.", field,
+        code="context_length_exceeded",
+        anthropic_message=f"prompt is too long: {prompt_tokens} tokens > {context - 1} maximum")
 
 
 def key_matches(authorization: str, x_api_key: str | None, key: str) -> bool:

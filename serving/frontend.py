@@ -9,12 +9,21 @@ only ever see token ids.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from hearth.engine.sampling import SamplingParams
-from hearth.serving.errors import APIError
+from hearth.serving.errors import APIError, context_overflow
 from hearth.serving.parsers import THINK_CLOSE, THINK_OPEN, OutputParser, choose_tool_parser
+
+log = logging.getLogger("hearth.serving")
+# Text that stands in for input this server cannot take, so a resent history never fails a turn.
+OMITTED = {"image": "[image omitted: this model has no vision input]",
+           "audio": "[audio omitted: this model has no audio input]",
+           "document": "[document omitted: this server takes text only]",
+           "file": "[file omitted: this server takes text only]"}
+_PROBE = "hearth-system-probe-5e1f"
 
 
 @dataclass(frozen=True)
@@ -51,16 +60,34 @@ class ModelFrontend:
                                               tool_parser)
         vocab = tokenizer.get_vocab()
         self.reasoning = THINK_OPEN in vocab and THINK_CLOSE in vocab
+        self.mid_system = self.has_chat_template and self._template_renders_mid_system()
+
+    def _template_renders_mid_system(self) -> bool:
+        """Whether the chat template renders a system message after the first turn (Qwen's do);
+        many templates drop it or raise instead."""
+        probe = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                 {"role": "system", "content": _PROBE}, {"role": "user", "content": "c"}]
+        try:
+            text = self.tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template that refuses them does not support them
+            return False
+        return _PROBE in text
 
     # -- prompts --------------------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        """One token's text as it would be printed (what log-probability entries show)."""
+        return self.tokenizer.decode([token_id])
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, tool_mode: ToolMode,
-                    template_kwargs: dict[str, Any] | None = None) -> RenderedPrompt:
-        """Render with the checkpoint's template; forced tool use starts the reply with the call tag."""
+                    template_kwargs: dict[str, Any] | None = None, check_length: bool = True) -> RenderedPrompt:
+        """Render with the checkpoint's template; forced tool use starts the reply with the call tag.
+        System messages may stand anywhere (see :func:`place_system_messages`)."""
         if not self.has_chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions with a raw prompt", "messages")
+        messages = place_system_messages(messages, self.mid_system)
         use_tools = bool(tools) and tool_mode.mode != "none"
         try:
             text = self.tokenizer.apply_chat_template(
@@ -71,7 +98,8 @@ class ModelFrontend:
             raise APIError(400, f"messages: the chat template rejected the conversation ({exc})", "messages") from None
         prefix = self._forced_prefix(tool_mode) if use_tools else ""
         ids = self.encode(text + prefix)
-        self.check_prompt_length(len(ids), "messages")
+        if check_length:
+            self.check_prompt_length(len(ids), "messages")
         return RenderedPrompt(ids, text + prefix, prefix, use_tools and self.tool_parser != "none")
 
     def _forced_prefix(self, tool_mode: ToolMode) -> str:
@@ -100,8 +128,7 @@ class ModelFrontend:
         if n == 0:
             raise APIError(400, f"{field}: the prompt is empty", field)
         if n >= self.max_model_len:
-            raise APIError(400, f"{field}: the prompt has {n} tokens but the model's context is "
-                                f"{self.max_model_len} tokens", field)
+            raise context_overflow(n, self.max_model_len, field)
 
     def parser(self, prompt: RenderedPrompt) -> OutputParser:
         """A fresh output parser for one reply (fed the forced prefix first)."""
@@ -112,14 +139,16 @@ class ModelFrontend:
         return parser
 
     # -- sampling -------------------------------------------------------------------------------
-    def max_tokens(self, requested: int | None, prompt_len: int, field: str) -> int:
-        """Tokens to generate: what was asked (at most the context), else the rest of the context."""
+    def max_tokens(self, requested: int | None, prompt_len: int, field: str, request_id: str = "") -> int:
+        """Tokens to generate: what was asked, else the rest of the context. A request for more than
+        fits is clamped to what fits (agents ask for 32000 whatever the model), and logged."""
         room = self.max_model_len - prompt_len
         if requested is None:
             return room
-        if requested > self.max_model_len:
-            raise APIError(400, f"{field}: {requested} is more than the model's context of {self.max_model_len} "
-                                "tokens", field)
+        if requested > room:
+            log.info("clamped %s", field, extra={"fields": {
+                "id": request_id, "field": field, "requested": requested, "used": room,
+                "prompt_tokens": prompt_len, "context": self.max_model_len}})
         return min(requested, room)
 
     @staticmethod
@@ -160,3 +189,42 @@ def parse_arguments(arguments: str | dict[str, Any], field: str) -> dict[str, An
     if not isinstance(value, dict):
         raise APIError(400, f"{field}: arguments must be a JSON object", field)
     return value
+
+
+def place_system_messages(messages: list[dict[str, Any]], mid_system: bool) -> list[dict[str, Any]]:
+    """System messages anywhere in a conversation, made renderable without losing one.
+
+    The leading ones become one system turn. A later one stays where it is when the template
+    renders such messages (``mid_system``); otherwise it becomes a marked note in the user turn it
+    introduces (the next user message before any assistant reply), else at the end of the turn it
+    follows, else a user turn of its own."""
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] == "system":
+        lead += 1
+    out: list[dict[str, Any]] = []
+    if lead:
+        out.append({"role": "system", "content": "\n\n".join(m["content"] or "" for m in messages[:lead])})
+    pending: list[str] = []  # notes waiting for the user turn they introduce
+    for m in messages[lead:]:
+        if m["role"] == "system" and not mid_system:
+            pending.append(f"<system_note>\n{m['content'] or ''}\n</system_note>")
+            continue
+        if pending and m["role"] == "user":
+            m = {**m, "content": "\n\n".join(pending + [m["content"] or ""])}
+            pending = []
+        elif pending and m["role"] == "assistant":
+            _attach_notes(out, pending)
+            pending = []
+        out.append(m)
+    if pending:
+        _attach_notes(out, pending)
+    return out
+
+
+def _attach_notes(out: list[dict[str, Any]], notes: list[str]) -> None:
+    """Notes with no user turn after them: appended to the user or tool turn they follow, or a user turn."""
+    last = out[-1] if out else None
+    if last is not None and last["role"] in ("user", "tool"):
+        out[-1] = {**last, "content": "\n\n".join([last["content"] or ""] + notes)}
+    else:
+        out.append({"role": "user", "content": "\n\n".join(notes)})

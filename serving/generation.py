@@ -3,13 +3,15 @@ parser, record latency metrics, and accumulate the final result."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from hearth.proto.contracts import EngineNotReady, EngineOverloaded, GenerateRequest, GenerationChunk
+from hearth.proto.contracts import EngineNotReady, EngineOverloaded, GenerateRequest, GenerationChunk, TokenLogprob
 from hearth.serving.errors import APIError, overloaded
 from hearth.serving.parsers import Event, NoToolParser, OutputParser, ToolCall
 
@@ -30,6 +32,7 @@ class Reply:
     completion_tokens: int = 0
     cached_tokens: int = 0
     timings: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, events: list[Event], chunk: GenerationChunk) -> None:
         for e in events:
@@ -40,6 +43,7 @@ class Reply:
             elif e.tool_call is not None:
                 self.tool_calls.append(e.tool_call)
         self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs or ()
         if chunk.finished:
             self.finish_reason, self.stop_reason = chunk.finish_reason, chunk.stop_reason
             m = chunk.metrics
@@ -105,3 +109,66 @@ async def collect(stream: AsyncIterator[tuple[list[Event], GenerationChunk]]) ->
     async for events, chunk in stream:
         reply.add(events, chunk)
     return reply
+
+
+def samples(request: GenerateRequest, n: int) -> list[GenerateRequest]:
+    """``n`` samples of one request: ids ``ID-i`` and, with a seed, seeds ``seed + i`` (each
+    sample reproducible, no two alike)."""
+    if n == 1:
+        return [request]
+    seed = request.params.seed
+    return [replace(request, request_id=f"{request.request_id}-{i}",
+                    params=replace(request.params, seed=None if seed is None else (seed + i) % 2**64))
+            for i in range(n)]
+
+
+async def fan_out(app_state: Any, requests: list[GenerateRequest], parsers: list[OutputParser | None], protocol: str,
+                  endpoint: str) -> AsyncIterator[tuple[int, list[Event], GenerationChunk]]:
+    """Run the samples of one request as one stream of (sample index, events, chunk).
+
+    The first sample starts alone. Once its first token is out, its prompt's KV blocks are in
+    the prefix cache, and the others start then and reuse them: the prompt is computed once (only
+    its last, partial block again per sample)."""
+    streams = [stream_reply(app_state, r, p, protocol, endpoint) for r, p in zip(requests, parsers, strict=True)]
+    first = await anext(streams[0])
+    yield (0, *first)
+    if len(streams) == 1:
+        async for events, chunk in streams[0]:
+            yield 0, events, chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                await queue.put((index, item))
+            await queue.put((index, None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            await queue.put((index, exc))
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(tasks)
+        while live:
+            index, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield (index, *item)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+
+async def collect_samples(stream: AsyncIterator[tuple[int, list[Event], GenerationChunk]], n: int) -> list[Reply]:
+    replies = [Reply() for _ in range(n)]
+    async for index, events, chunk in stream:
+        replies[index].add(events, chunk)
+    return replies

@@ -17,7 +17,7 @@ _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTI
           404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
           503: grpc.StatusCode.UNAVAILABLE, 500: grpc.StatusCode.INTERNAL}
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty")
+                    "repetition_penalty", "logprobs", "grammar")
 
 
 class HearthService(hearth_pb2_grpc.HearthServicer):
@@ -32,6 +32,10 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
             gen = self._request(request, context)
             async for _, chunk in stream_reply(self.state, gen, None, "openai", "grpc"):
                 reply = hearth_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text)
+                for lp in chunk.logprobs or ():
+                    reply.logprobs.append(hearth_pb2.TokenLogprob(
+                        token_id=lp.token_id, logprob=lp.logprob,
+                        top=[hearth_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
                 if chunk.finished:
                     reply.finish_reason = "stop" if chunk.finish_reason == "abort" else chunk.finish_reason
                     if isinstance(chunk.stop_reason, str):

@@ -54,7 +54,11 @@ class _EngineCollector:
         yield _gauge("hearth_running_requests", "Requests the engine is running", stats.get("running", 0))
         yield _gauge("hearth_in_flight_requests", "Requests accepted and not finished", stats.get("in_flight", 0))
         free, total = stats.get("kv_blocks_free", 0), stats.get("kv_blocks_total", 0)
-        yield _gauge("hearth_kv_cache_usage_ratio", "Share of KV blocks in use", (1 - free / total) if total else 0)
+        cached = stats.get("kv_blocks_cached", 0)  # kept for prefix reuse, evicted on demand: not in use
+        yield _gauge("hearth_kv_cache_usage_ratio", "Share of KV blocks held by running requests",
+                     (1 - (free + cached) / total) if total else 0)
+        yield _gauge("hearth_kv_cache_cached_ratio", "Share of KV blocks kept for prefix reuse",
+                     cached / total if total else 0)
         if "replicas" in stats:
             yield from _replica_metrics(stats["replicas"])
         experts = stats.get("experts")

@@ -80,14 +80,13 @@ class SamplingFields(_Body):
     min_p: float | None = Field(default=None, ge=0, le=1)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=16)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: bool | None = None
     user: str | None = None
 
 
@@ -99,6 +98,8 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
 
 class CompletionRequest(SamplingFields):
@@ -106,3 +107,4 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     return_token_ids: bool = False  # extension: the generated token ids in choices[0].token_ids
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # legacy: alternatives per token

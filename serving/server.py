@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import sys
@@ -32,8 +33,17 @@ def build_state(model: str | Path, engine: EngineConfig, serving: ServingConfig,
         return LLMEngine(model, engine, show_progress=show_progress, logits_processors=logits_processors)
 
     names = list(serving.model_names) or [Path(model).name]
-    client = InProcessEngineClient(model, factory, names[0], serving.max_waiting)
+    client = InProcessEngineClient(model, factory, names[0], serving.max_waiting,
+                                   functools.partial(describe_model, model, engine))
     return ServerState(client, names, serving.api_key, serving.tool_parser)
+
+
+def describe_model(model: str | Path, engine: EngineConfig) -> tuple[int, int]:
+    """(context length, vocabulary size) from the checkpoint's config alone, before the weights load."""
+    from hearth.engine.loader import load_config
+
+    _, cfg = load_config(model)
+    return engine.context_length(cfg.max_position_embeddings), cfg.vocab_size
 
 
 class _Uvicorn(uvicorn.Server):

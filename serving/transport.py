@@ -13,6 +13,13 @@ T = TypeVar("T")
 _DISCONNECT_POLL_S = 0.25
 
 
+def clamp_headers(requested: int | None, used: int) -> dict[str, str] | None:
+    """Response headers saying that ``max_tokens`` was lowered to what fits the context."""
+    if requested is None or requested <= used:
+        return None
+    return {"x-hearth-max-tokens": str(used), "x-hearth-max-tokens-requested": str(requested)}
+
+
 def sse(data: Any, event: str | None = None) -> str:
     """One server-sent event (``event:`` line only when named, as Anthropic streams use)."""
     head = f"event: {event}\n" if event else ""

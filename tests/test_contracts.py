@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from hearth.proto import hearth_pb2
-from hearth.proto.contracts import GenerationChunk, ModelInfo, RequestMetrics, SamplingParams
+from hearth.proto.contracts import GenerationChunk, ModelInfo, RequestMetrics, SamplingParams, TokenLogprob
 
 # dataclass -> (proto message, {field: proto field, or None when it does not travel})
 MIRRORS = {
@@ -25,6 +25,7 @@ MIRRORS = {
         # The times arrive as the llama.cpp-style speeds of GenerateResponse.timings.
         "arrival": None, "first_scheduled": None, "first_token": None, "finished": None,
     }),
+    TokenLogprob: (hearth_pb2.TokenLogprob, {}),
     ModelInfo: (hearth_pb2.ModelCard, {"name": "id", "path": None, "vocab_size": None}),
 }
 EXTRA_WIRE_FIELDS = {hearth_pb2.GenerateResponse: {"timings"}}  # derived from a dataclass's method

@@ -52,7 +52,7 @@ def _workload(seed: int) -> list[list[list[int]]]:
 def test_prefix_reuse_equals_fresh_computation(checkpoint):
     path, _ = checkpoint("qwen3_moe")
     batches = _workload(0)
-    fresh = LLMEngine(path, EngineConfig())
+    fresh = LLMEngine(path, EngineConfig(prefix_caching=False))
     expected = [r for batch in batches for r in _run(fresh, [[p] for p in batch], 4)]
     # A small KV cache (384 tokens = 24 blocks) so the tree must evict while requests pin blocks.
     cached = LLMEngine(path, EngineConfig(prefix_caching=True, kv_cache_tokens=384, block_size=16,

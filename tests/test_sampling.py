@@ -72,3 +72,37 @@ def test_seeded_sampling_repeats_and_follows_distribution():
 def test_invalid_params_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_logprobs_are_the_log_softmax_of_the_engines_logits_and_match_transformers(checkpoint):
+    """Each token's reported log-probability (and its top alternatives) equals the log-softmax of
+    the logits the engine sampled from (<= 1e-5 in fp32), before temperature and penalties; and the
+    greedy path's values match transformers' logits (fp32, <= 1e-4)."""
+    from hearth.engine.llm import LLM
+    from tests.helpers import hf_greedy, record_logits, reference
+
+    path, _ = checkpoint("qwen3_moe")
+    llm = LLM(path)
+    recorded = record_logits(llm)
+    engine = llm.engine
+    for params in (SamplingParams(temperature=0.9, seed=3, max_tokens=6, logprobs=4, presence_penalty=1.0),
+                   SamplingParams(temperature=0, max_tokens=6, logprobs=0)):
+        rid = engine.add_request([5, 9, 13, 2], params)
+        chunks = []
+        while engine.has_unfinished():
+            chunks += [o.chunk for o in engine.step()]
+        rows = recorded.pop(rid)
+        got = [lp for c in chunks for lp in c.logprobs]
+        assert [lp.token_id for lp in got] == [t for c in chunks for t in c.token_ids]
+        for lp, row in zip(got, rows, strict=True):
+            expected = torch.log_softmax(row.float(), -1)
+            assert abs(lp.logprob - float(expected[lp.token_id])) <= 1e-5
+            assert len(lp.top) == params.logprobs
+            if lp.top:
+                values, ids = torch.topk(expected, params.logprobs)
+                assert [t for t, _ in lp.top] == ids.tolist()
+                assert max(abs(v - e) for (_, v), e in zip(lp.top, values.tolist(), strict=True)) <= 1e-5
+    tokens, ref_logits = hf_greedy(reference(path), [5, 9, 13, 2], 6)
+    assert [lp.token_id for lp in got] == tokens
+    ref = [float(torch.log_softmax(row.float(), -1)[t]) for row, t in zip(ref_logits, tokens, strict=True)]
+    assert max(abs(a.logprob - b) for a, b in zip(got, ref, strict=True)) <= 1e-4

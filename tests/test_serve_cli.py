@@ -42,6 +42,9 @@ def test_serve_demo_model_end_to_end(tmp_path):
     assert f"ANTHROPIC_BASE_URL=http://127.0.0.1:{port}" in err and "trained on Python" in err
     assert "engine/assets/hearth-demo" in err
     assert "path=/v1/chat/completions status=200" in err  # structured request log
+    # The agent settings that fit the demo's 4096-token context.
+    assert "hearth: context 4096 tokens" in err and "CLAUDE_CODE_MAX_OUTPUT_TOKENS=1024" in err
+    assert '"limit": {"context": 4096, "output": 1024}' in err
 
 
 def test_serve_missing_model_is_a_clear_error(tmp_path):

@@ -132,8 +132,8 @@ def test_async_concurrent_streams(server):
 BAD = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "messages.0.content.0"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "search_result"}]}]}, "messages.0.content.0"),
     ({"temperature": 1.5}, "temperature"),
     ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "tools.0.input_schema"),
     ({"tools": [{"name": "f"}]}, "tools.0.input_schema"),
@@ -154,5 +154,5 @@ def test_bad_requests_in_anthropic_shape(server, patch, field):
 def test_sdk_errors(client):
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="claude-nope", max_tokens=4, messages=user("x"))
-    with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
-        client.messages.create(model="tiny", max_tokens=5000, messages=user("x"))
+    with pytest.raises(anthropic.BadRequestError, match="temperature"):
+        client.messages.create(model="tiny", max_tokens=4, messages=user("x"), extra_body={"temperature": 3})

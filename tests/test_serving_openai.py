@@ -182,13 +182,12 @@ BAD_REQUESTS = [
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ({"max_tokens": -1}, "max_tokens"),
-    ({"max_tokens": 10**9}, "max_tokens"),
     ({"max_tokens": "10"}, "max_tokens"),
     ({"temperature": -0.5}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"min_p": 2}, "min_p"),
     ({"presence_penalty": 9}, "presence_penalty"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
     ({"stop": [""]}, "stop"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 12}}}]},
@@ -196,8 +195,6 @@ BAD_REQUESTS = [
     ({"tool_choice": {"type": "function", "function": {"name": "missing"}}, "tools": [WEATHER_TOOL]}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "x " * 3000}]}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages.0.content.0.type"),
 ]
 
 

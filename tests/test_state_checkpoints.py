@@ -126,7 +126,7 @@ def _agent_prompts(path) -> list[list[int]]:
 def test_restored_state_equals_fresh_prefill_one_at_a_time(checkpoint, family):
     path, _ = checkpoint(family, chat_format="agent", **HYBRID)
     prompts = _agent_prompts(path)
-    expected = _run(LLMEngine(path, EngineConfig()), [[p] for p in prompts])
+    expected = _run(LLMEngine(path, EngineConfig(prefix_caching=False)), [[p] for p in prompts])
     for policy in ("periodic", "anchors"):
         cached = LLMEngine(path, EngineConfig(prefix_caching=True, checkpoints=policy, checkpoint_interval=32,
                                               prefill_chunk=128))
@@ -145,7 +145,7 @@ def test_restored_state_equals_fresh_prefill_concurrently(checkpoint, family):
     prompts = _agent_prompts(path)
     first, rest = prompts[:2], prompts[2:]
     batches = [first, rest[:3], rest[3:]]
-    expected = _run(LLMEngine(path, EngineConfig()), [[p] for batch in batches for p in batch])
+    expected = _run(LLMEngine(path, EngineConfig(prefix_caching=False)), [[p] for batch in batches for p in batch])
     cached = LLMEngine(path, EngineConfig(prefix_caching=True, checkpoints="anchors", checkpoint_interval=32,
                                           prefill_chunk=64, max_num_batched_tokens=160))
     got = _run(cached, batches)
@@ -159,7 +159,7 @@ def test_randomized_edits_under_eviction_never_restore_a_stale_state(checkpoint,
     checkpoint budget small enough that both evict, against fresh computation."""
     path, _ = checkpoint(family, **HYBRID)
     batches = _workload(1)
-    expected = _run(LLMEngine(path, EngineConfig()), [[p] for batch in batches for p in batch], 4)
+    expected = _run(LLMEngine(path, EngineConfig(prefix_caching=False)), [[p] for batch in batches for p in batch], 4)
     engine = LLMEngine(path, EngineConfig(prefix_caching=True, checkpoints="periodic", checkpoint_interval=16,
                                           kv_cache_tokens=384, prefill_chunk=32,
                                           checkpoint_bytes=6 * RecurrentStatePool.bytes_per_sequence(
@@ -192,7 +192,7 @@ def test_checkpoint_memory_stays_within_budget_over_a_long_session(checkpoint):
 
     store.add = watched_add
     got = _run(engine, [[p] for p in prompts], 2)
-    expected = _run(LLMEngine(path, EngineConfig()), [[p] for p in prompts], 2)
+    expected = _run(LLMEngine(path, EngineConfig(prefix_caching=False)), [[p] for p in prompts], 2)
     _assert_same(got, expected)
     assert max(peak) == 4 * per and store.evictions > 0
     assert sum(c > 0 for _, _, c in got[1:]) >= len(prompts) // 2
@@ -200,7 +200,7 @@ def test_checkpoint_memory_stays_within_budget_over_a_long_session(checkpoint):
 
 def test_hybrid_without_prefix_caching_recomputes_and_reports_no_checkpoints(checkpoint):
     path, _ = checkpoint("qwen3_next", **HYBRID)
-    engine = LLMEngine(path, EngineConfig())
+    engine = LLMEngine(path, EngineConfig(prefix_caching=False))
     prompt = [random.Random(0).randrange(3, 380) for _ in range(100)]
     got = _run(engine, [[prompt], [prompt]])
     assert [c for _, _, c in got] == [0, 0]

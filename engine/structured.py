@@ -1,0 +1,106 @@
+"""Constrained decoding: a request's grammar masks the logits of every step, so the output can only
+be text the grammar accepts (a JSON schema, a forced tool call).
+
+The grammars are llguidance's (JSON schemas and Lark-style grammars, compiled lazily per request;
+a mask costs ~0.1 ms per token on this tokenizer size). The tokenizer view is built once per
+engine, on the first constrained request, because building it walks the whole vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger("hearth.engine")
+
+
+class GrammarError(ValueError):
+    """The grammar does not compile (a bad schema): the request is refused."""
+
+
+class Grammars:
+    """One engine's llguidance tokenizer and the matchers of its constrained requests."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
+        self._hf = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self._tokenizer = None
+
+    def _ll_tokenizer(self):
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
+                                                           eos_token=self.eos_token_id)
+        return self._tokenizer
+
+    def matcher(self, grammar: str) -> Matcher:
+        """A fresh matcher for one request; a grammar that does not compile is a GrammarError."""
+        import llguidance
+
+        tokenizer = self._ll_tokenizer()
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+        if is_error:
+            raise GrammarError(f"the output grammar is invalid: {'; '.join(messages)}")
+        return Matcher(llguidance.LLMatcher(tokenizer, grammar, log_level=1), self.vocab_size)
+
+
+class Matcher:
+    """Where one request stands in its grammar."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        import llguidance.torch
+
+        self._ll = matcher
+        self._torch = llguidance.torch
+        self._mask = llguidance.torch.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` [V] with every token the grammar forbids next at -inf."""
+        self._torch.fill_next_token_bitmask(self._ll, self._mask, 0)
+        logits = logits.clone()
+        self._torch.apply_token_bitmask_inplace(logits, self._mask[0])
+        return logits
+
+    def advance(self, token: int, stop_tokens: frozenset[int]) -> bool:
+        """Take the sampled token; True when generation should stop: the grammar is complete, or
+        the reply ended (an end-of-turn token) where the grammar may end."""
+        if token in stop_tokens and self._ll.is_accepting():
+            return True
+        if not self._ll.consume_token(token):  # cannot happen under the mask; never loop on it
+            log.warning("constrained decoding: token %d was refused (%s); ending the reply", token,
+                        self._ll.get_error())
+            return True
+        # The grammars built here end with a closing brace or tag: nothing may follow the first
+        # state where the output is complete, so the reply ends there.
+        return self._ll.is_stopped() or self._ll.is_accepting()
+
+
+def json_schema_grammar(schema: dict[str, Any]) -> str:
+    """The grammar of compact JSON matching ``schema`` (``{"type": "object"}`` for any object).
+    Compact, because flexible whitespace lets a small model pad until it runs out of tokens."""
+    import llguidance
+
+    return llguidance.grammar_from("json_schema", json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}}))
+
+
+def hermes_call_grammar(tools: list[dict[str, Any]], name: str | None) -> str:
+    """The rest of a Hermes-style call after ``<tool_call>\\n``: ``{"name": N, "arguments": {...}}``
+    for one of ``tools`` (or the named one), its arguments matching the tool's schema, then the
+    closing tag. Generation stops there."""
+    import llguidance
+
+    chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+    alternatives = []
+    for i, fn in enumerate(chosen):
+        head = json.dumps('{"name": ' + json.dumps(fn["name"]) + ', "arguments": ')
+        schema = {**(fn.get("parameters") or {"type": "object"}), "x-guidance": {"whitespace_flexible": False}}
+        alternatives.append((f"call_{i}: {head} args_{i} " + json.dumps("}\n</tool_call>"),
+                             f"args_{i}: %json " + json.dumps(schema)))
+    lark = "start: " + " | ".join(f"call_{i}" for i in range(len(chosen))) + "\n"
+    lark += "\n".join(rule for pair in alternatives for rule in pair) + "\n"
+    return llguidance.grammar_from("lark", lark)
