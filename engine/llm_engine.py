@@ -97,8 +97,8 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
-        self.grammars = Grammars(self.tokenizer, cfg.vocab_size,
-                                 self.tokenizer.eos_token_id if self.tokenizer is not None else None)
+        tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, tokenizer_eos, self.eos_token_ids)
 
     def _recurrent_config(self, states: RecurrentStatePool | None) -> RecurrentConfig | None:
         if states is None:
@@ -188,7 +188,7 @@ class LLMEngine:
         if params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed)
         if params.grammar is not None:
-            req.matcher = self.grammars.matcher(params.grammar)
+            req.matcher = self.grammars.matcher(params.grammar, params.stop_token_ids)
         self.scheduler.add(req)
         self._requests[request_id] = req
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.tokenizer else None
@@ -279,7 +279,7 @@ class LLMEngine:
             token = sample_token(row_logits, req.params, req.prompt_ids, req.output_ids, req.generator)
             req.output_ids.append(token)
             if req.matcher is not None:
-                req.grammar_done = req.matcher.advance(token, self.eos_token_ids | frozenset(req.params.stop_token_ids))
+                req.grammar_done = req.matcher.advance(token)
             logprob = token_logprob(logits[row], token, req.params.logprobs) if req.params.logprobs is not None \
                 else None
             outputs.append(self._after_token(req, token, logprob))

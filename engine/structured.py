@@ -24,10 +24,12 @@ class GrammarError(ValueError):
 class Grammars:
     """One engine's llguidance tokenizer and the matchers of its constrained requests."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int | None,
+                 stop_token_ids: frozenset[int] = frozenset()) -> None:
         self._hf = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
+        self.stop_token_ids = stop_token_ids  # the engine's end-of-reply tokens
         self._tokenizer = None
 
     def _ll_tokenizer(self):
@@ -38,24 +40,27 @@ class Grammars:
                                                            eos_token=self.eos_token_id)
         return self._tokenizer
 
-    def matcher(self, grammar: str) -> Matcher:
-        """A fresh matcher for one request; a grammar that does not compile is a GrammarError."""
+    def matcher(self, grammar: str, stop_token_ids: list[int] = ()) -> Matcher:
+        """A fresh matcher for one request (``stop_token_ids``: its own stop tokens besides the
+        engine's); a grammar that does not compile is a GrammarError."""
         import llguidance
 
         tokenizer = self._ll_tokenizer()
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
         if is_error:
             raise GrammarError(f"the output grammar is invalid: {'; '.join(messages)}")
-        return Matcher(llguidance.LLMatcher(tokenizer, grammar, log_level=1), self.vocab_size)
+        return Matcher(llguidance.LLMatcher(tokenizer, grammar, log_level=1), self.vocab_size,
+                       self.stop_token_ids | frozenset(stop_token_ids))
 
 
 class Matcher:
     """Where one request stands in its grammar."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
         import llguidance.torch
 
         self._ll = matcher
+        self._stop_token_ids = stop_token_ids
         self._torch = llguidance.torch
         self._mask = llguidance.torch.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
 
@@ -66,10 +71,10 @@ class Matcher:
         self._torch.apply_token_bitmask_inplace(logits, self._mask[0])
         return logits
 
-    def advance(self, token: int, stop_tokens: frozenset[int]) -> bool:
+    def advance(self, token: int) -> bool:
         """Take the sampled token; True when generation should stop: the grammar is complete, or
         the reply ended (an end-of-turn token) where the grammar may end."""
-        if token in stop_tokens and self._ll.is_accepting():
+        if token in self._stop_token_ids and self._ll.is_accepting():
             return True
         if not self._ll.consume_token(token):  # cannot happen under the mask; never loop on it
             log.warning("constrained decoding: token %d was refused (%s); ending the reply", token,

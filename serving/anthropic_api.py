@@ -17,7 +17,7 @@ from hearth.serving.frontend import OMITTED, RenderedPrompt, ToolMode, tool_json
 from hearth.serving.generation import Reply, collect, stream_reply
 from hearth.serving.parsers import Event
 from hearth.serving.session import session_key
-from hearth.serving.transport import clamp_headers, primed, run_unless_disconnected, sse
+from hearth.serving.transport import clamp_headers, prepend, primed, run_unless_disconnected, sse
 
 router = APIRouter()
 
@@ -160,10 +160,14 @@ def _signature(thinking: str) -> str:
     return "hearth-" + hashlib.sha256(thinking.encode()).hexdigest()[:32]
 
 
-def _usage(reply: Reply) -> dict[str, Any]:
+def _usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, Any]:
     # Anthropic counts cache reads apart: input_tokens are the prompt tokens computed afresh.
-    return {"input_tokens": reply.prompt_tokens - reply.cached_tokens, "output_tokens": reply.completion_tokens,
-            "cache_read_input_tokens": reply.cached_tokens, "cache_creation_input_tokens": 0}
+    return {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": output_tokens,
+            "cache_read_input_tokens": cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def _reply_usage(reply: Reply) -> dict[str, Any]:
+    return _usage(reply.prompt_tokens, reply.cached_tokens, reply.completion_tokens)
 
 
 def _message_response(state: Any, message_id: str, reply: Reply) -> dict[str, Any]:
@@ -178,7 +182,7 @@ def _message_response(state: Any, message_id: str, reply: Reply) -> dict[str, An
     stop_reason, stop_sequence = _stop(reply, bool(reply.tool_calls))
     return {"id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
             "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-            "usage": _usage(reply), "timings": reply.timings}
+            "usage": _reply_usage(reply), "timings": reply.timings}
 
 
 class _BlockWriter:
@@ -238,13 +242,12 @@ async def _events(state: Any, message_id: str, prompt_tokens: int, stream: Async
     yield sse({"type": "message_start", "message": {
         "id": message_id, "type": "message", "role": "assistant", "model": state.model_name, "content": [],
         "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": prompt_tokens - cached, "output_tokens": 0, "cache_read_input_tokens": cached,
-                  "cache_creation_input_tokens": 0}}}, "message_start")
+        "usage": _usage(prompt_tokens, cached, 0)}}, "message_start")
     yield sse({"type": "ping"}, "ping")
     writer = _BlockWriter()
     reply = Reply()
     try:
-        async for events, chunk in _prepend(first, stream):
+        async for events, chunk in prepend(first, stream):
             for event in events:
                 for line in writer.write(event):
                     yield line
@@ -257,13 +260,8 @@ async def _events(state: Any, message_id: str, prompt_tokens: int, stream: Async
         yield line
     stop_reason, stop_sequence = _stop(reply, writer.had_tool)
     yield sse({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-               "usage": _usage(reply), "timings": reply.timings}, "message_delta")
+               "usage": _reply_usage(reply), "timings": reply.timings}, "message_delta")
     yield sse({"type": "message_stop"}, "message_stop")
 
 
 
-
-async def _prepend(first: Any, rest: AsyncIterator) -> AsyncIterator:
-    yield first
-    async for item in rest:
-        yield item

@@ -80,13 +80,19 @@ def chat_response(model: str, request_id: str, replies: list[Reply], logprobs: L
             "choices": choices, "usage": usage(replies), "timings": replies[0].timings}
 
 
+def _stream_end(head: dict[str, Any], replies: list[Reply], include_usage: bool) -> str:
+    """What closes a stream: the usage chunk (when asked for), then ``[DONE]``."""
+    usage_chunk = sse({**head, "choices": [], "usage": usage(replies)}) if include_usage else ""
+    return usage_chunk + "data: [DONE]\n\n"
+
+
 async def chat_events(model: str, request_id: str, stream: AsyncIterator, n: int, include_usage: bool,
                       logprobs: LogprobFormat | None):
-    created = int(time.time())
+    head = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None = None, lp: Any = None, **extra: Any) -> str:
-        return sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}], **extra})
+        return sse({**head, "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}],
+                    **extra})
 
     for index in range(n):
         yield chunk(index, {"role": "assistant", "content": ""})
@@ -112,10 +118,7 @@ async def chat_events(model: str, request_id: str, stream: AsyncIterator, n: int
     except APIError as exc:  # after the response started: one error event ends the stream
         yield sse(exc.openai_body())
         return
-    if include_usage:
-        yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "choices": [], "usage": usage(replies)})
-    yield "data: [DONE]\n\n"
+    yield _stream_end(head, replies, include_usage)
 
 
 def completion_response(model: str, request_id: str, replies: list[Reply], logprobs: LogprobFormat | None,
@@ -134,7 +137,7 @@ def completion_response(model: str, request_id: str, replies: list[Reply], logpr
 
 async def completion_events(model: str, request_id: str, stream: AsyncIterator, n: int, include_usage: bool,
                             token_ids: bool, logprobs: LogprobFormat | None):
-    created = int(time.time())
+    head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
     replies, offsets = [Reply() for _ in range(n)], [0] * n
     try:
         async for index, events, gen_chunk in stream:
@@ -151,12 +154,8 @@ async def completion_events(model: str, request_id: str, stream: AsyncIterator, 
             if finish:
                 replies[index].add([], gen_chunk)
                 extra = {"timings": replies[index].timings}
-            yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                       "choices": [choice], **extra})
+            yield sse({**head, "choices": [choice], **extra})
     except APIError as exc:
         yield sse(exc.openai_body())
         return
-    if include_usage:
-        yield sse({"id": request_id, "object": "text_completion", "created": created, "model": model,
-                   "choices": [], "usage": usage(replies)})
-    yield "data: [DONE]\n\n"
+    yield _stream_end(head, replies, include_usage)

@@ -47,10 +47,11 @@ async def primed(request: Request, stream: AsyncIterator[T]) -> AsyncIterator[T]
     """Start ``stream`` before the response does, so admission errors (queue full, bad prompt)
     still become a proper status code; then yield everything, the first item included."""
     first = await run_unless_disconnected(request, anext(stream))
+    return prepend(first, stream)
 
-    async def chain() -> AsyncIterator[T]:
-        yield first
-        async for item in stream:
-            yield item
 
-    return chain()
+async def prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    """``first``, then everything ``rest`` yields."""
+    yield first
+    async for item in rest:
+        yield item

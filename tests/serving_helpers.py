@@ -56,6 +56,20 @@ class ScriptedReplies:
         return forced
 
 
+def metrics(server) -> dict[str, float]:
+    """The server's /metrics samples by ``name{label=value,...}``."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return out
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
     """Poll ``predicate`` until it holds or ``timeout`` seconds pass."""
     deadline = time.monotonic() + timeout

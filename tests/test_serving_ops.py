@@ -14,26 +14,15 @@ import grpc
 import openai
 import pytest
 import requests
-from prometheus_client.parser import text_string_to_metric_families
 
 from hearth.config import ServingConfig
 from hearth.proto import hearth_pb2, hearth_pb2_grpc
 from hearth.serving.app import ServerState
 from hearth.serving.client import InProcessEngineClient
 from hearth.serving.server import BackgroundServer, free_port
-from tests.serving_helpers import running_server, wait_until
+from tests.serving_helpers import metrics, running_server, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def metrics(server) -> dict[str, float]:
-    text = requests.get(server.url + "/metrics", timeout=30).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            out[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
-    return out
 
 
 def chat(server, text: str, **extra) -> requests.Response:

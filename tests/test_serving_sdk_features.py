@@ -8,7 +8,7 @@ import openai
 import pytest
 import requests
 
-from tests.test_serving_ops import metrics
+from tests.serving_helpers import metrics
 
 
 @pytest.fixture(scope="module")
