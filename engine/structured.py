@@ -1,5 +1,5 @@
 """Constrained decoding: a request's grammar masks the logits of every step, so the output can only
-be text the grammar accepts (a JSON schema, a forced tool call).
+be text the grammar accepts (a JSON schema, a forced tool call; serving builds those grammars).
 
 The grammars are llguidance's (JSON schemas and Lark-style grammars, compiled lazily per request;
 a mask costs ~0.1 ms per token on this tokenizer size). The tokenizer view is built once per
@@ -67,9 +67,12 @@ class Matcher:
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` [V] with every token the grammar forbids next at -inf."""
         self._torch.fill_next_token_bitmask(self._ll, self._mask, 0)
-        logits = logits.clone()
-        self._torch.apply_token_bitmask_inplace(logits, self._mask[0])
-        return logits
+        masked = logits.clone()
+        self._torch.apply_token_bitmask_inplace(masked, self._mask[0])
+        if torch.isinf(masked).all():  # a logits processor forbade every token the grammar allows:
+            masked = torch.zeros_like(logits)  # the grammar wins, sampling among what it allows
+            self._torch.apply_token_bitmask_inplace(masked, self._mask[0])
+        return masked
 
     def advance(self, token: int) -> bool:
         """Take the sampled token; True when generation should stop: the grammar is complete, or
@@ -86,26 +89,9 @@ class Matcher:
 
 
 def json_schema_grammar(schema: dict[str, Any]) -> str:
-    """The grammar of compact JSON matching ``schema`` (``{"type": "object"}`` for any object).
-    Compact, because flexible whitespace lets a small model pad until it runs out of tokens."""
+    """The grammar of JSON matching ``schema`` (``{"type": "object"}`` for any object), laid out
+    as json.dumps writes it: flexible whitespace lets a small model pad until it runs out of tokens."""
     import llguidance
 
-    return llguidance.grammar_from("json_schema", json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}}))
-
-
-def hermes_call_grammar(tools: list[dict[str, Any]], name: str | None) -> str:
-    """The rest of a Hermes-style call after ``<tool_call>\\n``: ``{"name": N, "arguments": {...}}``
-    for one of ``tools`` (or the named one), its arguments matching the tool's schema, then the
-    closing tag. Generation stops there."""
-    import llguidance
-
-    chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
-    alternatives = []
-    for i, fn in enumerate(chosen):
-        head = json.dumps('{"name": ' + json.dumps(fn["name"]) + ', "arguments": ')
-        schema = {**(fn.get("parameters") or {"type": "object"}), "x-guidance": {"whitespace_flexible": False}}
-        alternatives.append((f"call_{i}: {head} args_{i} " + json.dumps("}\n</tool_call>"),
-                             f"args_{i}: %json " + json.dumps(schema)))
-    lark = "start: " + " | ".join(f"call_{i}" for i in range(len(chosen))) + "\n"
-    lark += "\n".join(rule for pair in alternatives for rule in pair) + "\n"
-    return llguidance.grammar_from("lark", lark)
+    style = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    return llguidance.grammar_from("json_schema", json.dumps({**schema, "x-guidance": style}))

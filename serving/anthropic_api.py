@@ -40,7 +40,7 @@ async def messages(request: Request):
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     max_tokens = frontend.max_tokens(body.max_tokens, len(prompt.ids), "max_tokens", message_id)
     params = frontend.sampling(max_tokens, body.stop_sequences, temperature=body.temperature, top_p=body.top_p,
-                               top_k=body.top_k)
+                               top_k=body.top_k, grammar=prompt.grammar)
     opening = [{"role": "system", "content": body.model_dump(mode="json").get("system")}] if body.system else []
     opening += [m.model_dump(mode="json") for m in body.messages]
     gen = GenerateRequest(message_id, prompt.ids, params, session_key(request.headers.get("x-session-id"), opening))

@@ -98,7 +98,7 @@ def parse_body(model: type[M], raw: bytes) -> M:
 
 
 def check_json_schema(schema: Any, where: str) -> None:
-    """A tool's parameter schema must be a valid JSON Schema object."""
+    """A schema (tool parameters, a reply's format) must be a valid JSON Schema of an object."""
     from jsonschema.exceptions import SchemaError
     from jsonschema.validators import validator_for
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hearth.engine.sampling import SamplingParams
+from hearth.serving.constraints import GrammarBuilder, check_grammar
 from hearth.serving.errors import APIError, context_overflow
 from hearth.serving.parsers import THINK_CLOSE, THINK_OPEN, OutputParser, choose_tool_parser
 
@@ -34,6 +35,7 @@ class RenderedPrompt:
     text: str
     assistant_prefix: str = ""
     tools_enabled: bool = False
+    grammar: str | None = None  # what the reply must match (a schema, a forced tool call)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class ModelFrontend:
         vocab = tokenizer.get_vocab()
         self.reasoning = THINK_OPEN in vocab and THINK_CLOSE in vocab
         self.mid_system = self.has_chat_template and self._template_renders_mid_system()
+        self.grammars = GrammarBuilder(tokenizer)
 
     def _template_renders_mid_system(self) -> bool:
         """Whether the chat template renders a system message after the first turn (Qwen's do);
@@ -82,8 +85,10 @@ class ModelFrontend:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, tool_mode: ToolMode,
-                    template_kwargs: dict[str, Any] | None = None, check_length: bool = True) -> RenderedPrompt:
-        """Render with the checkpoint's template; forced tool use starts the reply with the call tag.
+                    template_kwargs: dict[str, Any] | None = None, check_length: bool = True,
+                    json_schema: dict[str, Any] | None = None, schema_field: str = "response_format") -> RenderedPrompt:
+        """Render with the checkpoint's template. Forced tool use starts the reply with the call tag
+        and constrains the rest to a call; ``json_schema`` constrains the reply to matching JSON.
         System messages may stand anywhere (see :func:`place_system_messages`)."""
         if not self.has_chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions with a raw prompt", "messages")
@@ -96,22 +101,22 @@ class ModelFrontend:
             )
         except Exception as exc:  # noqa: BLE001 - template errors (raise_exception, bad roles) are client errors
             raise APIError(400, f"messages: the chat template rejected the conversation ({exc})", "messages") from None
-        prefix = self._forced_prefix(tool_mode) if use_tools else ""
+        thinking = THINK_CLOSE if self.reasoning and text.rstrip().endswith(THINK_OPEN) else None
+        prefix, grammar = "", None
+        if use_tools and tool_mode.mode in ("required", "named"):
+            if self.tool_parser not in ("hermes", "qwen3_coder"):
+                raise APIError(400, "tool_choice: forcing a tool call is not supported for this model", "tool_choice")
+            # The call tag is put in the prompt unless the reply first closes a think block.
+            prefix = "" if thinking else "<tool_call>\n"
+            grammar = self.grammars.tool_call(self.tool_parser, tools, tool_mode.name, thinking, bool(thinking))
+            check_grammar(grammar, "tools")
+        elif json_schema is not None:
+            grammar = self.grammars.json(json_schema, thinking)
+            check_grammar(grammar, schema_field)
         ids = self.encode(text + prefix)
         if check_length:
             self.check_prompt_length(len(ids), "messages")
-        return RenderedPrompt(ids, text + prefix, prefix, use_tools and self.tool_parser != "none")
-
-    def _forced_prefix(self, tool_mode: ToolMode) -> str:
-        if tool_mode.mode not in ("required", "named"):
-            return ""
-        if self.tool_parser not in ("hermes", "qwen3_coder"):
-            raise APIError(400, "tool_choice: forcing a tool call is not supported for this model", "tool_choice")
-        if tool_mode.mode == "required":
-            return "<tool_call>\n"
-        if self.tool_parser == "qwen3_coder":
-            return f"<tool_call>\n<function={tool_mode.name}>\n"
-        return '<tool_call>\n{"name": ' + json.dumps(tool_mode.name) + ', "arguments": '
+        return RenderedPrompt(ids, text + prefix, prefix, use_tools and self.tool_parser != "none", grammar)
 
     def prompt_ids(self, prompt: str | list[int], field: str) -> list[int]:
         """A raw prompt's token ids (text is tokenized without special tokens), checked."""

@@ -20,7 +20,13 @@ from hearth.serving.openai_format import (
     completion_events,
     completion_response,
 )
-from hearth.serving.openai_schema import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from hearth.serving.openai_schema import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ResponseFormat,
+    SamplingFields,
+)
 from hearth.serving.session import session_key
 from hearth.serving.transport import clamp_headers, primed, run_unless_disconnected
 
@@ -59,18 +65,18 @@ async def _open(request: Request, model: type[B]) -> tuple[Any, B]:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     state, body = await _open(request, ChatCompletionRequest)
-    if body.response_format is not None and body.response_format.type != "text":
-        raise APIError(400, "response_format: only 'text' is supported", "response_format")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
     tools, mode = _tools(body)
     messages = [_message(m, i) for i, m in enumerate(body.messages)]
-    prompt = state.frontend.render_chat(messages, tools, mode, body.chat_template_kwargs)
+    prompt = state.frontend.render_chat(messages, tools, mode, body.chat_template_kwargs,
+                                        json_schema=_response_schema(body.response_format),
+                                        schema_field="response_format.json_schema.schema")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     requested = body.max_completion_tokens or body.max_tokens
     params = _sampling(state, body, prompt.ids, requested,
                        "max_completion_tokens" if body.max_completion_tokens else "max_tokens", request_id,
-                       logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                       logprobs=(body.top_logprobs or 0) if body.logprobs else None, grammar=prompt.grammar)
     session = session_key(request.headers.get("x-session-id"), messages)
     gens = samples(GenerateRequest(request_id, prompt.ids, params, session), body.n)
     stream = fan_out(state, gens, [state.frontend.parser(prompt) for _ in gens], "openai", "chat")
@@ -137,6 +143,20 @@ def _tools(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, To
     return tools, ToolMode("named", choice.function.name)
 
 
+def _response_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
+    """The JSON schema a reply must match: any object for ``json_object``; every ``json_schema``
+    is enforced, strict or not (a schema is what the client's parser will check)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    where = "response_format.json_schema"
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise APIError(400, f"{where}: json_schema.schema is required", where)
+    check_json_schema(fmt.json_schema.schema_, f"{where}.schema")
+    return fmt.json_schema.schema_
+
+
 def _message(m: ChatMessage, i: int) -> dict[str, Any]:
     out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _text(m, i)}
     if m.name is not None:
@@ -168,7 +188,8 @@ def _text(m: ChatMessage, i: int) -> str:
 
 
 def _sampling(state: Any, body: SamplingFields, prompt_ids: list[int], requested: int | None, field: str,
-              request_id: str, default_tokens: int | None = None, logprobs: int | None = None):
+              request_id: str, default_tokens: int | None = None, logprobs: int | None = None,
+              grammar: str | None = None):
     frontend = state.frontend
     max_tokens = frontend.max_tokens(requested if requested is not None else default_tokens, len(prompt_ids), field,
                                      request_id)
@@ -177,6 +198,7 @@ def _sampling(state: Any, body: SamplingFields, prompt_ids: list[int], requested
         max_tokens, stop, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
         seed=body.seed, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos or None, logprobs=logprobs,
+        grammar=grammar,
     )
 
 

@@ -22,7 +22,8 @@ SCRIPTS = {
     "THINK_TOOL": '<think>\nI need the weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": '
                   '{"city": "Oslo"}}\n</tool_call>',
     "BAD_CALL": '<tool_call>\n{"name": "get_weather", "arguments": {city: Paris}\n</tool_call>',
-    "NAMED_REST": '{"city": "Rome"}}\n</tool_call>',
+    "NAMED_REST": '{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+    "PROSE": "Just some prose, no call.",
     "STOPWORD": "alpha beta STOP gamma",
 }
 WEATHER_TOOL = {"type": "function", "function": {

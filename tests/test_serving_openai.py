@@ -193,7 +193,7 @@ BAD_REQUESTS = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 12}}}]},
      "tools.0.function.parameters"),
     ({"tool_choice": {"type": "function", "function": {"name": "missing"}}, "tools": [WEATHER_TOOL]}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     ({"messages": [{"role": "user", "content": "x " * 3000}]}, "messages"),
 ]
 
