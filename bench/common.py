@@ -8,7 +8,7 @@ from pathlib import Path
 
 def synthetic_prompt(vocab_size: int, length: int) -> list[int]:
     """A fixed, spread-out sequence of token ids (the same prompt in every benchmark)."""
-    return [(i * 7919) % min(vocab_size, 30000) + 1 for i in range(length)]
+    return [(i * 7919) % (min(vocab_size, 30000) - 1) + 1 for i in range(length)]  # ids in [1, vocab)
 
 
 def emit(result: dict, path: Path | None) -> None:

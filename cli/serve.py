@@ -71,6 +71,9 @@ def _announce(state, options: ServingConfig, model: Path, started: threading.Eve
         print(f"hearth: error: loading failed: {exc}", file=sys.stderr, flush=True)
     else:
         print(f"hearth: model ready in {time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+        memory = getattr(getattr(state.client, "engine", None), "memory", None)
+        if memory is not None:
+            print(f"hearth: {memory.describe()}", file=sys.stderr, flush=True)
         print(client_settings(base, name, state.client.model.max_model_len), file=sys.stderr, flush=True)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -21,6 +22,7 @@ from hearth.engine.experts.mechanism.host_pool import HostExpertPool
 from hearth.engine.ftw import load_checkpoint
 from hearth.engine.kernels import cpu_decode_ops
 from hearth.engine.kv_cache import BlockAllocator, PagedKVCache
+from hearth.engine.memory import MemoryPlan, available_memory, tensor_bytes
 from hearth.engine.prefix_cache import RadixCache
 from hearth.engine.request import Request
 from hearth.engine.runner import ModelRunner
@@ -31,6 +33,8 @@ from hearth.engine.state_pool import RecurrentStatePool
 from hearth.engine.structured import Grammars
 from hearth.engine.tokenizer import load_tokenizer
 from hearth.proto.contracts import GenerationChunk, RequestMetrics, RequestOutput, SamplingParams, TokenLogprob
+
+log = logging.getLogger("hearth.engine")
 
 # (prompt ids, output ids so far, fp32 logits [V]) -> logits: applied before penalties and sampling.
 LogitsProcessor = Callable[[list[int], list[int], torch.Tensor], torch.Tensor]
@@ -57,6 +61,7 @@ class LLMEngine:
         cpu_decode_ops()  # load the native kernels (or warn that they are missing) at start, not mid-request
         self.host_pool: HostExpertPool | None = self._attach_filled_pool()
         dtype = None if config.dtype == "auto" else config.dtype
+        available = available_memory()
         loaded = load_checkpoint(
             model_path, dtype, self._pool_factory(), config.verify_checksums, show_progress,
             filled_pool=self.host_pool.tensors if self.host_pool is not None else None,
@@ -99,6 +104,22 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.grammars = Grammars(self.tokenizer, cfg.vocab_size, tokenizer_eos, self.eos_token_ids)
+        self.memory = self._memory_plan(loaded.model, kv, states, available)
+
+    def _memory_plan(self, model: torch.nn.Module, kv: PagedKVCache, states: RecurrentStatePool | None,
+                     available: int | None) -> MemoryPlan:
+        """What this engine holds in host memory; logged, with a warning when it exceeds what was free."""
+        pool = [t for t in vars(self.pool).values() if isinstance(t, torch.Tensor)]
+        store = self.scheduler.checkpoints
+        plan = MemoryPlan(
+            weights=tensor_bytes([*model.parameters(), *model.buffers(), *pool]),
+            kv_cache=tensor_bytes(kv.keys + kv.values), kv_tokens=self.scheduler.allocator.num_blocks * kv.block_size,
+            recurrent_states=states.nbytes * states.num_slots if states is not None else 0,
+            checkpoints=store.budget_bytes if store is not None else 0, available=available)
+        log.info(plan.describe(), extra={"fields": plan.as_dict()})
+        if plan.warning():
+            log.warning(plan.warning())
+        return plan
 
     def _recurrent_config(self, states: RecurrentStatePool | None) -> RecurrentConfig | None:
         if states is None:

@@ -1,0 +1,86 @@
+"""Where an engine's host memory goes: weights, the KV cache (cached prefixes live inside it),
+recurrent states and the budget of their checkpoints, against what the machine has free.
+
+The engine logs the plan when it starts and warns when it does not fit: with prefix caching on by
+default, a KV cache sized past the free memory would be filled by cached prompts and swap, or be
+killed, long after start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("hearth.engine")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes each part of an engine holds (``checkpoints``: the most it may hold)."""
+
+    weights: int
+    kv_cache: int
+    kv_tokens: int
+    recurrent_states: int = 0
+    checkpoints: int = 0
+    available: int | None = None  # free host memory before loading, when the OS says
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.recurrent_states + self.checkpoints
+
+    def describe(self) -> str:
+        parts = [f"weights {_human(self.weights)}",
+                 f"KV cache {_human(self.kv_cache)} ({self.kv_tokens} tokens; cached prefixes live inside it)"]
+        if self.recurrent_states:
+            parts.append(f"recurrent states {_human(self.recurrent_states)}")
+        if self.checkpoints:
+            parts.append(f"state checkpoints up to {_human(self.checkpoints)}")
+        free = f" of {_human(self.available)} free" if self.available is not None else ""
+        return f"memory: {_human(self.total)}{free}: " + ", ".join(parts)
+
+    def warning(self) -> str | None:
+        """Why the plan may not fit the machine, or None."""
+        if self.available is None or self.total <= self.available:
+            return None
+        return (f"the engine may use {_human(self.total)} but {_human(self.available)} was free when it started; "
+                "lower --kv-cache-bytes or --checkpoint-budget (or --max-model-len / --max-num-seqs)")
+
+    def as_dict(self) -> dict[str, int | None]:
+        return {"weights": self.weights, "kv_cache": self.kv_cache, "kv_tokens": self.kv_tokens,
+                "recurrent_states": self.recurrent_states, "checkpoints": self.checkpoints,
+                "total": self.total, "available": self.available}
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages behind ``tensors``, each storage once (views share theirs)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t.device.type != "cpu" or t.numel() == 0:
+            continue
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable in bytes (Linux), else None."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
