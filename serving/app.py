@@ -12,10 +12,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hearth.serving import anthropic_api, openai_api
+from hearth.serving import anthropic_api, openai_api, responses_api
 from hearth.serving.errors import APIError, key_matches
 from hearth.serving.frontend import ModelFrontend
 from hearth.serving.metrics import ServerMetrics
+from hearth.serving.responses_format import ResponseStore
 
 log = logging.getLogger("hearth.serving")
 _OPEN_PATHS = {"/health", "/"}
@@ -31,6 +32,7 @@ class ServerState:
         self.api_key = api_key
         self.tool_parser = tool_parser
         self.metrics = ServerMetrics(client)
+        self.responses = ResponseStore()  # stored /v1/responses results, for previous_response_id
         self._frontend: ModelFrontend | None = None
 
     @property
@@ -90,6 +92,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.hearth = state
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
+    app.include_router(responses_api.router)
     app.add_middleware(AuthAndAccessLog, state=state)
 
     @app.exception_handler(APIError)

@@ -90,7 +90,9 @@ def parse_body(model: type[M], raw: bytes) -> M:
     try:
         return model.model_validate(data, strict=True)
     except ValidationError as exc:
-        errors = exc.errors(include_url=False)
+        # The deepest location first: of a union (text or a list of items) the member that got
+        # furthest names the real problem, not "input: should be a valid string".
+        errors = sorted(exc.errors(include_url=False), key=lambda e: -len(field_name(e["loc"]).split(".")))
         name = field_name(errors[0]["loc"])
         same = [e["msg"] for e in errors if field_name(e["loc"]) == name]
         detail = same[0] if len(same) == 1 else "invalid value (" + "; or ".join(dict.fromkeys(same)) + ")"

@@ -70,7 +70,7 @@ async def chat_completions(request: Request):
     tools, mode = _tools(body)
     messages = [_message(m, i) for i, m in enumerate(body.messages)]
     prompt = state.frontend.render_chat(messages, tools, mode, body.chat_template_kwargs,
-                                        json_schema=_response_schema(body.response_format),
+                                        json_schema=response_schema(body.response_format),
                                         schema_field="response_format.json_schema.schema")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     requested = body.max_completion_tokens or body.max_tokens
@@ -143,7 +143,7 @@ def _tools(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, To
     return tools, ToolMode("named", choice.function.name)
 
 
-def _response_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
+def response_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
     """The JSON schema a reply must match: any object for ``json_object``; every ``json_schema``
     is enforced, strict or not (a schema is what the client's parser will check)."""
     if fmt is None or fmt.type == "text":

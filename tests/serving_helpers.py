@@ -36,7 +36,8 @@ TIME_TOOL = {"type": "function", "function": {
 
 
 class ScriptedReplies:
-    """Forces the tokens of ``SCRIPTS[KEY]`` (then EOS) when the prompt contains ``SCRIPT:KEY``."""
+    """Forces the tokens of ``SCRIPTS[KEY]`` (then EOS) when the prompt contains ``SCRIPT:KEY`` (the
+    last one, when a conversation holds several)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -47,8 +48,8 @@ class ScriptedReplies:
     def __call__(self, prompt: list[int], output: list[int], logits: torch.Tensor) -> torch.Tensor:
         key = tuple(prompt)
         if key not in self._by_prompt:
-            match = re.search(r"SCRIPT:([A-Z_]+)", self.tokenizer.decode(prompt))
-            self._by_prompt[key] = self.scripts.get(match.group(1)) if match else None
+            found = re.findall(r"SCRIPT:([A-Z_]+)", self.tokenizer.decode(prompt))
+            self._by_prompt[key] = self.scripts.get(found[-1]) if found else None
         script = self._by_prompt[key]
         if script is None or len(output) >= len(script):
             return logits

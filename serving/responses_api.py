@@ -1,0 +1,223 @@
+"""The OpenAI Responses endpoint, ``/v1/responses`` (what Codex-style clients use): create,
+stream, function tools, reasoning items, structured output, and ``previous_response_id`` over a
+bounded in-memory store; ``GET`` / ``DELETE /v1/responses/{id}`` on stored responses.
+
+Input items become chat-template messages (a run of ``function_call`` items one assistant turn
+with its tool calls, ``function_call_output`` a tool message, a ``reasoning`` item the next
+assistant turn's reasoning) and go through the same frontend, engine and parsers as chat."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from hearth.proto.contracts import GenerateRequest
+from hearth.serving.errors import APIError, check_json_schema, parse_body
+from hearth.serving.frontend import OMITTED, ToolMode, parse_arguments, tool_json
+from hearth.serving.generation import Reply, collect, stream_reply
+from hearth.serving.openai_api import response_schema
+from hearth.serving.openai_schema import ResponseFormat
+from hearth.serving.responses_format import (
+    EventWriter,
+    ResponseHead,
+    as_messages,
+    message_item,
+    new_id,
+    output_items,
+    status_of,
+    usage,
+)
+from hearth.serving.responses_schema import FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest
+from hearth.serving.session import session_key
+from hearth.serving.transport import clamp_headers, primed, run_unless_disconnected
+
+router = APIRouter()
+_MEDIA = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request):
+    state = request.app.state.hearth
+    body = parse_body(ResponsesRequest, await request.body())
+    state.check_model(body.model)
+    history = _history(state, body.previous_response_id)
+    conversation = history + _input_messages(body)
+    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
+    tools, mode = _tools(body)
+    fmt = body.text.format if body.text is not None else None
+    schema = response_schema(ResponseFormat(type=fmt.type, json_schema=fmt.as_json_schema())) if fmt else None
+    kwargs = {"enable_thinking": False} if body.reasoning and body.reasoning.effort in ("none", "minimal") else None
+    frontend = state.frontend
+    prompt = frontend.render_chat(messages, tools, mode, kwargs, json_schema=schema,
+                                  schema_field="text.format.schema")
+    head = ResponseHead(new_id("resp"), state.model_name, _echo(body))
+    max_tokens = frontend.max_tokens(body.max_output_tokens, len(prompt.ids), "max_output_tokens", head.id)
+    params = frontend.sampling(max_tokens, None, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                               grammar=prompt.grammar)
+    gen = GenerateRequest(f"resp-{uuid.uuid4().hex}", prompt.ids, params,
+                          session_key(request.headers.get("x-session-id"), conversation))
+    stream = stream_reply(state, gen, frontend.parser(prompt), "openai", "responses")
+    headers = clamp_headers(body.max_output_tokens, max_tokens)
+    if body.stream:
+        stream = await primed(request, stream)
+        return StreamingResponse(_events(state, head, body.store, conversation, stream),
+                                 media_type="text/event-stream", headers=headers)
+    reply = await run_unless_disconnected(request, collect(stream))
+    return JSONResponse(_finish(state, head, reply, output_items(reply), body.store, conversation), headers=headers)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(request: Request, response_id: str) -> dict[str, Any]:
+    state = request.app.state.hearth
+    found = state.responses.get(response_id)
+    if found is None:
+        raise _not_found(state, response_id, "response_id")
+    return found[0]
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
+    state = request.app.state.hearth
+    if not state.responses.delete(response_id):
+        raise _not_found(state, response_id, "response_id")
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def _not_found(state: Any, response_id: str, field: str) -> APIError:
+    return APIError(404, f"{field}: no stored response with id '{response_id}' (responses are kept in memory only: "
+                         f"the newest {state.responses.capacity} with store: true)", field, code="response_not_found")
+
+
+# -- request conversion -------------------------------------------------------------------------
+def _history(state: Any, previous: str | None) -> list[dict[str, Any]]:
+    if previous is None:
+        return []
+    found = state.responses.get(previous)
+    if found is None:
+        raise _not_found(state, previous, "previous_response_id")
+    return list(found[1])
+
+
+def _input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    if isinstance(body.input, str):
+        return [{"role": "user", "content": body.input}]
+    out: list[dict[str, Any]] = []
+    reasoning: str | None = None  # a reasoning item, waiting for the assistant turn it belongs to
+    for i, item in enumerate(body.input):
+        where = f"input.{i}"
+        if isinstance(item, MessageItem):
+            role = "system" if item.role == "developer" else item.role
+            message = {"role": role, "content": _text(item.content)}
+            if role == "assistant" and reasoning is not None:
+                message["reasoning_content"], reasoning = reasoning, None
+            out.append(message)
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function", "function": {
+                "name": item.name, "arguments": parse_arguments(item.arguments, f"{where}.arguments")}}
+            last = out[-1] if out else None
+            if last is None or last["role"] != "assistant":  # calls after a reply's text join its turn
+                last = {"role": "assistant", "content": ""}
+                out.append(last)
+            if reasoning is not None:
+                last["reasoning_content"], reasoning = reasoning, None
+            last.setdefault("tool_calls", []).append(call)
+        elif isinstance(item, FunctionCallOutputItem):
+            output = item.output if isinstance(item.output, str) else _text(item.output)
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+        else:
+            texts = [p.text for p in (item.content or item.summary)]
+            reasoning = "\n".join(texts)
+    return out
+
+
+def _text(content: str | list) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.type == "refusal":
+            parts.append(part.refusal)
+        elif part.type in _MEDIA:
+            parts.append(OMITTED[_MEDIA[part.type]])
+        else:
+            parts.append(part.text)
+    return "".join(parts)
+
+
+def _tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, ToolMode]:
+    tools = None
+    if body.tools:
+        tools = []
+        for i, tool in enumerate(body.tools):
+            if tool.parameters is not None:
+                check_json_schema(tool.parameters, f"tools.{i}.parameters")
+            tools.append(tool_json(tool.name, tool.description, tool.parameters))
+    choice = body.tool_choice
+    if choice is None:
+        return tools, ToolMode("auto")
+    if isinstance(choice, str):
+        if choice != "none" and not tools:
+            raise APIError(400, f"tool_choice: '{choice}' needs tools", "tool_choice")
+        return tools, ToolMode(choice)
+    if choice.name not in [t["function"]["name"] for t in tools or []]:
+        raise APIError(400, f"tool_choice: no tool named '{choice.name}'", "tool_choice")
+    return tools, ToolMode("named", choice.name)
+
+
+def _echo(body: ResponsesRequest) -> dict[str, Any]:
+    """The request fields every response object repeats."""
+    fields = body.model_dump(mode="json", by_alias=True, include={
+        "instructions", "max_output_tokens", "previous_response_id", "temperature", "top_p", "tools", "tool_choice",
+        "metadata", "store", "parallel_tool_calls", "reasoning", "text", "user"})
+    fields["tool_choice"] = fields.get("tool_choice") or "auto"
+    fields["tools"] = fields.get("tools") or []
+    fields["parallel_tool_calls"] = bool(fields.get("parallel_tool_calls", True))
+    fields["text"] = fields.get("text") or {"format": {"type": "text"}}
+    fields["metadata"] = fields.get("metadata") or {}
+    fields["truncation"] = "disabled"
+    return fields
+
+
+# -- responses ----------------------------------------------------------------------------------
+def _finish(state: Any, head: ResponseHead, reply: Reply, items: list[dict[str, Any]], store: bool,
+            conversation: list[dict[str, Any]]) -> dict[str, Any]:
+    status, incomplete = status_of(reply)
+    reasoning_tokens = len(state.frontend.encode(reply.reasoning)) if reply.reasoning else 0
+    body = head.body(status, items, usage(reply, reasoning_tokens), incomplete)
+    if store:
+        state.responses.put(body, conversation + as_messages(items))
+    return body
+
+
+async def _events(state: Any, head: ResponseHead, store: bool, conversation: list[dict[str, Any]],
+                  stream: AsyncIterator) -> AsyncIterator[str]:
+    writer = EventWriter()
+    start = head.body("in_progress", [])
+    yield writer.emit("response.created", response=start)
+    yield writer.emit("response.in_progress", response=start)
+    reply = Reply()
+    try:
+        async for events, chunk in stream:
+            for event in events:
+                for line in writer.write(event):
+                    yield line
+            reply.add([], chunk)
+    except APIError as exc:
+        yield writer.emit("error", code=exc.code or "server_error", message=exc.message, param=exc.param)
+        return
+    for line in writer.close():
+        yield line
+    if not writer.items:  # an empty reply is still one (empty) message
+        item = message_item(new_id("msg"), "")
+        yield writer.emit("response.output_item.added", output_index=0, item={**item, "status": "in_progress"})
+        writer.items.append(item)
+        yield writer.emit("response.output_item.done", output_index=0, item=item)
+    reply.reasoning = "".join(i["content"][0]["text"] for i in writer.items if i["type"] == "reasoning")
+    body = _finish(state, head, reply, writer.items, store, conversation)
+    yield writer.emit("response.completed" if body["status"] == "completed" else "response.incomplete",
+                      response=body)
+

@@ -1,0 +1,205 @@
+"""Responses API bodies and stream events, built from parsed replies: output items (reasoning,
+message, function_call), usage, and the event sequence of a streamed response."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from hearth.serving.generation import Reply
+from hearth.serving.parsers import Event, ToolCall
+from hearth.serving.transport import sse
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+@dataclass
+class ResponseHead:
+    """What a response object says about its request (echoed back in every shape of it)."""
+
+    id: str
+    model: str
+    request: dict[str, Any]  # the request fields a response echoes (instructions, tools, ...)
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+             incomplete: str | None = None) -> dict[str, Any]:
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "model": self.model, "output": output, "usage": usage, "error": None,
+                "incomplete_details": {"reason": incomplete} if incomplete else None, **self.request}
+
+
+def status_of(reply: Reply) -> tuple[str, str | None]:
+    return ("incomplete", "max_output_tokens") if reply.finish_reason == "length" else ("completed", None)
+
+
+def usage(reply: Reply, reasoning_tokens: int) -> dict[str, Any]:
+    return {"input_tokens": reply.prompt_tokens, "input_tokens_details": {"cached_tokens": reply.cached_tokens},
+            "output_tokens": reply.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": reply.prompt_tokens + reply.completion_tokens}
+
+
+def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    done = status == "completed"
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if done else []
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
+
+
+def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
+            "arguments": call.arguments if status == "completed" else "", "status": status}
+
+
+def output_items(reply: Reply) -> list[dict[str, Any]]:
+    """A finished reply as output items: its reasoning, its text, then one item per tool call."""
+    items = []
+    if reply.reasoning:
+        items.append(reasoning_item(new_id("rs"), reply.reasoning))
+    if reply.content or not reply.tool_calls:
+        items.append(message_item(new_id("msg"), reply.content))
+    items += [call_item(new_id("fc"), call) for call in reply.tool_calls]
+    return items
+
+
+def as_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Output items as the chat-template messages a later turn renders (one assistant message)."""
+    message: dict[str, Any] = {"role": "assistant", "content": ""}
+    for item in items:
+        if item["type"] == "reasoning":
+            message["reasoning_content"] = item["content"][0]["text"]
+        elif item["type"] == "message":
+            message["content"] += item["content"][0]["text"] if item["content"] else ""
+        else:
+            message.setdefault("tool_calls", []).append(
+                {"id": item["call_id"], "type": "function",
+                 "function": {"name": item["name"], "arguments": _arguments(item["arguments"])}})
+    return [message]
+
+
+def _arguments(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class ResponseStore:
+    """Stored responses, for ``previous_response_id`` and retrieval: the newest ``capacity`` kept,
+    in memory only (a restart forgets them)."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+
+    def put(self, body: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        """``conversation``: the chat messages up to and including this response's output."""
+        self._items[body["id"]] = (body, conversation)
+        self._items.move_to_end(body["id"])
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        found = self._items.get(response_id)
+        if found is not None:
+            self._items.move_to_end(response_id)
+        return found
+
+    def delete(self, response_id: str) -> bool:
+        return self._items.pop(response_id, None) is not None
+
+
+class EventWriter:
+    """Parsed events as the Responses stream writes them: each output item opened with
+    ``output_item.added``, filled by deltas, closed with ``output_item.done``; every event numbered."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+        self.items: list[dict[str, Any]] = []  # finished items, in output order
+        self._kind: str | None = None
+        self._id = ""
+        self._text = ""
+
+    def emit(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return sse(data, kind)
+
+    def write(self, event: Event) -> list[str]:
+        out: list[str] = []
+        if event.kind == "tool_call" or event.kind != self._kind:
+            out += self.close()
+            out += self._open(event)
+        index = len(self.items)
+        if event.kind == "reasoning":
+            self._text += event.text
+            out.append(self.emit("response.reasoning_text.delta", item_id=self._id, output_index=index,
+                                 content_index=0, delta=event.text))
+        elif event.kind == "content":
+            self._text += event.text
+            out.append(self.emit("response.output_text.delta", item_id=self._id, output_index=index,
+                                 content_index=0, delta=event.text, logprobs=[]))
+        else:
+            call = event.tool_call
+            out.append(self.emit("response.function_call_arguments.delta", item_id=self._id, output_index=index,
+                                 delta=call.arguments))
+            out.append(self.emit("response.function_call_arguments.done", item_id=self._id, output_index=index,
+                                 name=call.name, arguments=call.arguments))
+            out += self._finish(call_item(self._id, call))
+        return out
+
+    def _open(self, event: Event) -> list[str]:
+        index = len(self.items)
+        self._kind, self._text = event.kind, ""
+        if event.kind == "reasoning":
+            self._id = new_id("rs")
+            item = {"type": "reasoning", "id": self._id, "summary": [], "content": [], "status": "in_progress"}
+            part = {"type": "reasoning_text", "text": ""}
+        elif event.kind == "content":
+            self._id = new_id("msg")
+            item, part = message_item(self._id, "", "in_progress"), {"type": "output_text", "text": "",
+                                                                     "annotations": [], "logprobs": []}
+        else:
+            self._id = new_id("fc")
+            return [self.emit("response.output_item.added", output_index=index,
+                              item=call_item(self._id, event.tool_call, "in_progress"))]
+        return [self.emit("response.output_item.added", output_index=index, item=item),
+                self.emit("response.content_part.added", item_id=self._id, output_index=index, content_index=0,
+                          part=part)]
+
+    def close(self) -> list[str]:
+        """Finish the open text or reasoning item (a call is finished as soon as it is written)."""
+        kind, self._kind = self._kind, None
+        index = len(self.items)
+        if kind == "reasoning":
+            return [self.emit("response.reasoning_text.done", item_id=self._id, output_index=index, content_index=0,
+                              text=self._text),
+                    self.emit("response.content_part.done", item_id=self._id, output_index=index, content_index=0,
+                              part={"type": "reasoning_text", "text": self._text}),
+                    *self._finish(reasoning_item(self._id, self._text))]
+        if kind == "content":
+            item = message_item(self._id, self._text)
+            return [self.emit("response.output_text.done", item_id=self._id, output_index=index, content_index=0,
+                              text=self._text, logprobs=[]),
+                    self.emit("response.content_part.done", item_id=self._id, output_index=index, content_index=0,
+                              part=item["content"][0]),
+                    *self._finish(item)]
+        return []
+
+    def _finish(self, item: dict[str, Any]) -> list[str]:
+        self._kind = None
+        self.items.append(item)
+        return [self.emit("response.output_item.done", output_index=len(self.items) - 1, item=item)]
