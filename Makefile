@@ -13,7 +13,7 @@ TORCH_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
 endif
 endif
 
-.PHONY: venv test test-cluster lint fmt serve proto clean
+.PHONY: venv test test-cluster test-clients lint fmt serve proto clean
 
 # The native kernels build at install: edits to them reinstall (editable install, built in place).
 $(VENV)/.installed: pyproject.toml constraints.txt setup.py $(wildcard engine/kernels/*.cpp engine/kernels/*.h)
@@ -32,6 +32,10 @@ test: venv
 # The multi-node tests: a two-node Ray cluster on 127.0.0.2, the deploy scripts, jobs (a few minutes).
 test-cluster: venv
 	$(PY) -m pytest -q -m multinode $(PYTEST_ARGS)
+
+# The real agents against hearth serve: Claude Code and OpenCode from npm (needs node; minutes).
+test-clients: venv
+	$(PY) -m pytest -q -m clients -s $(PYTEST_ARGS)
 
 # Serve the demo model (or MODEL=DIR) on http://127.0.0.1:8000 (OpenAI /v1, Anthropic) and gRPC :50051.
 serve: venv

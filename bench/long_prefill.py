@@ -7,8 +7,9 @@ For each prompt length it times, on one engine with prefix caching on:
 - ``warm``: the same prompt again with ``--append`` new tokens at its end, as an agent's next
   turn sends it: the time to the first token when the prefix cache holds the rest.
 
-Attention runs through torch's CPU flash kernel (chunked, online softmax; no [T, T] scores),
-which ``tests/test_attention_kernel.py`` holds the engine to.
+Attention runs through torch's CPU flash kernel (tiled keys, online softmax; no [T, T] scores):
+a later chunk as its cached prefix plus its causal diagonal block, merged by log-sum-exp
+(``engine/layers/attention.py``). ``tests/test_attention_kernel.py`` holds the engine to it.
 
     python bench/long_prefill.py --model DIR [--lengths 512 16384 32000] [--runs 1]
     python bench/long_prefill.py --demo-32k /tmp/demo-32k        # the demo's weights, 32k context
@@ -86,6 +87,7 @@ def main() -> None:
         options.update(prefill_chunk=args.chunk)
     llm = LLM(model, **options)
     vocab = llm.engine.model_config.vocab_size
+    ttft(llm, synthetic_prompt(vocab, 600, 999))  # warm-up: first-touch page faults, kernel set-up
     rows, salt = [], 0
     for length in args.lengths:
         cold, warm = [], []

@@ -38,3 +38,20 @@ def test_the_check_sees_the_math_kernel_when_it_runs(checkpoint) -> None:
     llm = LLM(path, prefill_chunk=16, max_num_batched_tokens=16, max_model_len=256)
     with sdpa_kernel(SDPBackend.MATH):
         assert MATH in _attention_ops(llm, list(range(3, 40)))
+
+
+@pytest.mark.parametrize("heads, kv_heads, q_len, context", [(4, 2, 16, 70), (8, 2, 37, 300), (4, 4, 1, 9)])
+def test_prefix_then_causal_equals_one_masked_call(heads, kv_heads, q_len, context) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from hearth.engine.layers.attention import prefix_then_causal
+
+    gen = torch.Generator().manual_seed(heads * context)
+    q = torch.randn(heads, q_len, 32, generator=gen)
+    k, v = (torch.randn(context, kv_heads, 32, generator=gen) for _ in range(2))
+    mask = torch.ones(q_len, context, dtype=torch.bool).tril(context - q_len)
+    ref = F.scaled_dot_product_attention(q[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+                                         enable_gqa=True, scale=32**-0.5)[0]
+    got = prefix_then_causal(q, k, v, 32**-0.5)
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
