@@ -1,4 +1,5 @@
-"""OpenAI-compatible endpoints: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``."""
+"""OpenAI-compatible endpoints: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` (and a
+clear 404 on ``/v1/embeddings``)."""
 
 from __future__ import annotations
 
@@ -119,6 +120,14 @@ async def completions(request: Request):
     replies = await run_unless_disconnected(request, collect_samples(stream, body.n))
     return JSONResponse(completion_response(state.model_name, request_id, replies, logprobs, body.return_token_ids),
                         headers=headers)
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request):
+    """Not served: a clear answer for clients that probe for it (LangChain, RAG tools)."""
+    raise APIError(404, "embeddings are not served: hearth serves generative models through chat, completions and "
+                        "responses; use a dedicated embedding server for /v1/embeddings", "model",
+                   code="model_not_found")
 
 
 # -- request conversion -------------------------------------------------------------------------

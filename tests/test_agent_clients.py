@@ -54,8 +54,9 @@ def server(tmp_path_factory):
 
 
 def _env(home: Path, **extra: str) -> dict[str, str]:
+    # PWD too: OpenCode takes its project folder from it, not from the working directory.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "OPENAI_", "CLAUDE_"))}
-    env.update(HOME=str(home), DISABLE_AUTOUPDATER="1", DISABLE_TELEMETRY="1",
+    env.update(HOME=str(home), PWD=str(home), DISABLE_AUTOUPDATER="1", DISABLE_TELEMETRY="1",
                CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", **extra)
     return env
 

@@ -85,3 +85,9 @@ def test_n_on_completions_and_limits(server, client) -> None:
         "model": "tiny", "messages": _prompt(2), "top_logprobs": 2})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_logprobs"
     assert math.isfinite(r.usage.total_tokens)
+
+
+def test_embeddings_get_a_clear_not_found(client) -> None:
+    with pytest.raises(openai.NotFoundError, match="embeddings are not served") as err:
+        client.embeddings.create(model="tiny", input="hello")
+    assert err.value.body["code"] == "model_not_found"
