@@ -87,14 +87,20 @@ def parse_body(model: type[M], raw: bytes) -> M:
     except UnicodeEncodeError:  # "\ud800" escapes decode to lone surrogates no tokenizer accepts
         raise APIError(400, "the request body contains an unpaired UTF-16 surrogate escape (invalid Unicode)") \
             from None
+    return validate_as(model, data)
+
+
+def validate_as(model: type[M], data: Any, where: str = "") -> M:
+    """``data`` validated strictly as ``model``; errors name the field (under ``where``)."""
     try:
         return model.model_validate(data, strict=True)
     except ValidationError as exc:
         # The deepest location first: of a union (text or a list of items) the member that got
         # furthest names the real problem, not "input: should be a valid string".
         errors = sorted(exc.errors(include_url=False), key=lambda e: -len(field_name(e["loc"]).split(".")))
-        name = field_name(errors[0]["loc"])
-        same = [e["msg"] for e in errors if field_name(e["loc"]) == name]
+        inner = field_name(errors[0]["loc"])
+        name = f"{where}.{inner}" if where and inner != "body" else (where or inner)
+        same = [e["msg"] for e in errors if field_name(e["loc"]) == inner]
         detail = same[0] if len(same) == 1 else "invalid value (" + "; or ".join(dict.fromkeys(same)) + ")"
         raise APIError(400, f"{name}: {detail}", name) from None
 

@@ -8,6 +8,7 @@ assistant turn's reasoning) and go through the same frontend, engine and parsers
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,7 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from hearth.proto.contracts import GenerateRequest
-from hearth.serving.errors import APIError, check_json_schema, parse_body
+from hearth.serving.errors import APIError, check_json_schema, parse_body, validate_as
 from hearth.serving.frontend import OMITTED, ToolMode, parse_arguments, tool_json
 from hearth.serving.generation import Reply, collect, stream_reply
 from hearth.serving.openai_api import response_schema
@@ -31,11 +32,18 @@ from hearth.serving.responses_format import (
     status_of,
     usage,
 )
-from hearth.serving.responses_schema import FunctionCallItem, FunctionCallOutputItem, MessageItem, ResponsesRequest
+from hearth.serving.responses_schema import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionTool,
+    MessageItem,
+    ResponsesRequest,
+)
 from hearth.serving.session import session_key
 from hearth.serving.transport import clamp_headers, primed, run_unless_disconnected
 
 router = APIRouter()
+log = logging.getLogger("hearth.serving")
 _MEDIA = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
 
 
@@ -148,14 +156,35 @@ def _text(content: str | list) -> str:
     return "".join(parts)
 
 
+def _function_tools(raw: list[dict[str, Any]], where: str) -> list[FunctionTool]:
+    """The function tools of a request: ``namespace`` tools are flattened into theirs. Hosted
+    tools (``web_search``, ``file_search``, ``code_interpreter``, ...) and ``custom`` tools run
+    on OpenAI's side or need a free-form format; Codex sends some by default, so they are left out
+    (and logged) rather than refused."""
+    out: list[FunctionTool] = []
+    for i, tool in enumerate(raw):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            out.append(validate_as(FunctionTool, tool, f"{where}.{i}"))
+        elif kind == "namespace" and isinstance(tool.get("tools"), list):
+            out += _function_tools(tool["tools"], f"{where}.{i}.tools")
+        elif isinstance(kind, str):
+            log.info("responses: tool of type '%s' left out (not run by this server)", kind,
+                     extra={"fields": {"field": f"{where}.{i}", "type": kind}})
+        else:
+            raise APIError(400, f"{where}.{i}.type: a tool needs a type", f"{where}.{i}.type")
+    return out
+
+
 def _tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, ToolMode]:
     tools = None
     if body.tools:
         tools = []
-        for i, tool in enumerate(body.tools):
+        for tool in _function_tools(body.tools, "tools"):
             if tool.parameters is not None:
-                check_json_schema(tool.parameters, f"tools.{i}.parameters")
+                check_json_schema(tool.parameters, f"tools.{tool.name}.parameters")
             tools.append(tool_json(tool.name, tool.description, tool.parameters))
+        tools = tools or None
     choice = body.tool_choice
     if choice is None:
         return tools, ToolMode("auto")

@@ -108,7 +108,7 @@ class ResponsesRequest(_Body):
     input: str | list[InputItem]
     instructions: str | None = None
     previous_response_id: str | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[dict[str, Any]] | None = None  # function and namespace tools are read; see responses_api
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextOptions | None = None

@@ -1,6 +1,7 @@
 """The real coding agents against ``hearth serve``: Claude Code (headless ``-p``, json and
-stream-json output) and OpenCode (``opencode run``), installed from npm, with no proxy and no
-special flags, on a tiny checkpoint with a 32k context (the demo's weights).
+stream-json output), OpenCode (``opencode run``) and Codex (``codex exec``, over the Responses
+API), installed from npm, with no proxy and no special flags, on a tiny checkpoint with a 32k
+context (the demo's weights).
 
 Opt-in (``-m clients`` / ``make test-clients``): it needs node and the npm registry, and takes
 minutes (Claude Code's first prompt is tens of thousands of tokens). It skips without node.
@@ -19,7 +20,7 @@ import pytest
 from tests.serving_helpers import metrics, running_server
 
 pytestmark = pytest.mark.clients
-PACKAGES = ["@anthropic-ai/claude-code", "opencode-ai"]
+PACKAGES = ["@anthropic-ai/claude-code", "opencode-ai", "@openai/codex"]
 CONTEXT = 32768
 RUN_S = 600  # one agent invocation, a cold 28k-token prompt included
 
@@ -30,7 +31,7 @@ def agents(tmp_path_factory) -> Path:
     if shutil.which("node") is None or shutil.which("npm") is None:
         pytest.skip("node and npm are needed for the agent-client tests")
     where = Path(os.environ.get("HEARTH_AGENTS_DIR") or tmp_path_factory.mktemp("agents"))
-    bins = [where / "node_modules" / ".bin" / name for name in ("claude", "opencode")]
+    bins = [where / "node_modules" / ".bin" / name for name in ("claude", "opencode", "codex")]
     if not all(b.exists() for b in bins):
         done = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(where), *PACKAGES],
                               capture_output=True, text=True, timeout=600)
@@ -56,8 +57,8 @@ def server(tmp_path_factory):
 def _env(home: Path, **extra: str) -> dict[str, str]:
     # PWD too: OpenCode takes its project folder from it, not from the working directory.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "OPENAI_", "CLAUDE_"))}
-    env.update(HOME=str(home), PWD=str(home), DISABLE_AUTOUPDATER="1", DISABLE_TELEMETRY="1",
-               CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1", **extra)
+    env.update({"HOME": str(home), "PWD": str(home), "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1",
+                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", **extra})
     return env
 
 
@@ -100,5 +101,20 @@ def test_opencode_run(agents, server, tmp_path) -> None:
     done = subprocess.run([str(agents / "opencode"), "run", "-m", "hearth/tiny", "Write a haiku about Python."],
                           capture_output=True, text=True, timeout=RUN_S, env=_env(tmp_path), cwd=tmp_path)
     print(f"\nopencode run: rc {done.returncode}, {len(done.stdout)} characters printed")
+    assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
+    assert done.stdout.strip()
+
+
+def test_codex_exec_over_the_responses_api(agents, server, tmp_path) -> None:
+    (tmp_path / ".codex").mkdir()
+    (tmp_path / ".codex" / "config.toml").write_text(
+        'model = "tiny"\nmodel_provider = "hearth"\n\n[model_providers.hearth]\nname = "hearth"\n'
+        f'base_url = "{server.url}/v1"\nwire_api = "responses"\n')
+    work = tmp_path / "work"
+    work.mkdir()
+    done = subprocess.run([str(agents / "codex"), "exec", "--skip-git-repo-check", "Write a haiku about Python."],
+                          capture_output=True, text=True, timeout=RUN_S, env=_env(tmp_path, PWD=str(work)), cwd=work,
+                          stdin=subprocess.DEVNULL)
+    print(f"\ncodex exec: rc {done.returncode}, {len(done.stdout)} characters printed")
     assert done.returncode == 0, done.stderr[-2000:] + done.stdout[-2000:]
     assert done.stdout.strip()

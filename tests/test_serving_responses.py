@@ -120,8 +120,17 @@ def test_store_retrieve_delete_and_unknown_ids(client) -> None:
         client.responses.create(model="tiny", input="x", previous_response_id=r.id)
     with pytest.raises(openai.BadRequestError, match="input.0.call_id"):
         client.responses.create(model="tiny", input=[{"type": "function_call_output", "output": "x"}])
-    with pytest.raises(openai.BadRequestError, match="tools.0.type"):
-        client.responses.create(model="tiny", input="x", tools=[{"type": "web_search"}])
+    with pytest.raises(openai.BadRequestError, match="tools.1.tools.0.name"):
+        client.responses.create(model="tiny", input="x", tools=[TOOL, {"type": "namespace", "tools": [
+            {"type": "function", "parameters": {"type": "object"}}]}])
+
+
+def test_codex_tool_kinds_namespaces_flattened_hosted_tools_left_out(client) -> None:
+    # What Codex sends: function tools, a namespace of more, and hosted tools this server cannot run.
+    tools = [{"type": "namespace", "name": "agents", "description": "sub-agents", "tools": [TOOL]},
+             {"type": "web_search", "external_web_access": False}, {"type": "custom", "name": "apply_patch"}]
+    r = client.responses.create(model="tiny", input="SCRIPT:WEATHER", tools=tools, max_output_tokens=80)
+    assert [item.name for item in r.output if item.type == "function_call"] == ["get_weather"]
 
 
 def test_the_store_is_bounded() -> None:
