@@ -14,6 +14,7 @@ a later chunk as its cached prefix plus its causal diagonal block, merged by log
     python bench/long_prefill.py --model DIR [--lengths 512 16384 32000] [--runs 1]
     python bench/long_prefill.py --demo-32k /tmp/demo-32k        # the demo's weights, 32k context
     python bench/long_prefill.py --build-random /tmp/qwen3-1b    # the ~1B random model, 40k context
+    python bench/long_prefill.py --attention --lengths 4096 16384 32768   # the attention kernel alone
 """
 
 from __future__ import annotations
@@ -38,6 +39,33 @@ def ttft(llm: LLM, prompt: list[int]) -> tuple[float, int]:
     start = time.perf_counter()
     out = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))[0]
     return time.perf_counter() - start, out.metrics.num_cached_tokens
+
+
+def attention_table(contexts: list[int], runs: int, chunk: int = 512) -> list[dict]:
+    """One layer's attention for one prefill chunk at each context (the ~1B model's 16 query / 4
+    KV heads, bf16): one masked flash call against prefix + causal block, alternating, medians."""
+    import torch
+    import torch.nn.functional as F
+
+    from hearth.engine.layers.attention import prefix_then_causal
+
+    rows = []
+    for ctx in contexts:
+        q = torch.randn(16, chunk, 64, dtype=torch.bfloat16)
+        k, v = (torch.randn(ctx, 4, 64, dtype=torch.bfloat16) for _ in range(2))
+        mask = torch.ones(chunk, ctx, dtype=torch.bool).tril(ctx - chunk)
+        calls = {"masked": lambda q, k, v, m: F.scaled_dot_product_attention(
+                     q[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=m, enable_gqa=True),
+                 "split": lambda q, k, v, m: prefix_then_causal(q, k, v, 64**-0.5)}
+        times: dict[str, list[float]] = {"masked": [], "split": []}
+        for _ in range(runs + 1):  # the first round warms up
+            for name, fn in calls.items():
+                start = time.perf_counter()
+                fn(q, k, v, mask)
+                times[name].append(time.perf_counter() - start)
+        m, s = (statistics.median(times[n][1:]) * 1e3 for n in ("masked", "split"))
+        rows.append({"context": ctx, "masked_ms": round(m, 1), "split_ms": round(s, 1), "speedup": round(m / s, 2)})
+    return rows
 
 
 def demo_with_context(out: Path, context: int) -> Path:
@@ -72,7 +100,16 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: the engine's)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--attention", action="store_true",
+                    help="only time one layer's chunk attention, masked call against prefix + causal block")
     args = ap.parse_args()
+    if args.attention:
+        rows = attention_table(args.lengths, max(args.runs, 5))
+        print(f"{'context':>8} {'masked ms':>10} {'split ms':>9} {'speedup':>8}")
+        for r in rows:
+            print(f"{r['context']:>8} {r['masked_ms']:>10} {r['split_ms']:>9} {r['speedup']:>8}")
+        emit({"bench": "chunk_attention", "rows": rows}, args.json)
+        return
     context = max(args.lengths) + args.append + 8
     if args.demo_32k:
         model = demo_with_context(args.demo_32k, max(32768, context))
