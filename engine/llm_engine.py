@@ -59,9 +59,10 @@ class LLMEngine:
         if config.threads:
             torch.set_num_threads(config.threads)
         cpu_decode_ops()  # load the native kernels (or warn that they are missing) at start, not mid-request
-        self.host_pool: HostExpertPool | None = self._attach_filled_pool()
-        dtype = None if config.dtype == "auto" else config.dtype
         available = available_memory()
+        self.host_pool: HostExpertPool | None = self._attach_filled_pool()
+        attached = self.host_pool is not None  # a pool another process filled: already in memory
+        dtype = None if config.dtype == "auto" else config.dtype
         loaded = load_checkpoint(
             model_path, dtype, self._pool_factory(), config.verify_checksums, show_progress,
             filled_pool=self.host_pool.tensors if self.host_pool is not None else None,
@@ -104,15 +105,16 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.grammars = Grammars(self.tokenizer, cfg.vocab_size, tokenizer_eos, self.eos_token_ids)
-        self.memory = self._memory_plan(loaded.model, kv, states, available)
+        self.memory = self._memory_plan(loaded.model, kv, states, available, attached)
 
     def _memory_plan(self, model: torch.nn.Module, kv: PagedKVCache, states: RecurrentStatePool | None,
-                     available: int | None) -> MemoryPlan:
+                     available: int | None, pool_attached: bool) -> MemoryPlan:
         """What this engine holds in host memory; logged, with a warning when it exceeds what was free."""
         pool = [t for t in vars(self.pool).values() if isinstance(t, torch.Tensor)]
         store = self.scheduler.checkpoints
         plan = MemoryPlan(
             weights=tensor_bytes([*model.parameters(), *model.buffers(), *pool]),
+            resident=tensor_bytes(pool) if pool_attached else 0,
             kv_cache=tensor_bytes(kv.keys + kv.values), kv_tokens=self.scheduler.allocator.num_blocks * kv.block_size,
             recurrent_states=states.nbytes * states.num_slots if states is not None else 0,
             checkpoints=store.budget_bytes if store is not None else 0, available=available)
@@ -296,7 +298,7 @@ class LLMEngine:
             for processor in self.logits_processors:
                 row_logits = processor(req.prompt_ids, req.output_ids, row_logits)
             if req.matcher is not None:
-                row_logits = req.matcher.mask(row_logits)
+                row_logits = req.matcher.mask(row_logits, logits[row])
             token = sample_token(row_logits, req.params, req.prompt_ids, req.output_ids, req.generator)
             req.output_ids.append(token)
             if req.matcher is not None:

@@ -8,14 +8,11 @@ killed, long after start-up.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-log = logging.getLogger("hearth.engine")
 
 
 @dataclass(frozen=True)
@@ -28,13 +25,17 @@ class MemoryPlan:
     recurrent_states: int = 0
     checkpoints: int = 0
     available: int | None = None  # free host memory before loading, when the OS says
+    resident: int = 0  # of the weights, bytes already in memory at start (an attached shared pool)
 
     @property
     def total(self) -> int:
+        """Everything the engine may hold."""
         return self.weights + self.kv_cache + self.recurrent_states + self.checkpoints
 
     def describe(self) -> str:
-        parts = [f"weights {_human(self.weights)}",
+        """One line for the log and the serve banner."""
+        shared = f" ({_human(self.resident)} of it shared, already loaded)" if self.resident else ""
+        parts = [f"weights {_human(self.weights)}{shared}",
                  f"KV cache {_human(self.kv_cache)} ({self.kv_tokens} tokens; cached prefixes live inside it)"]
         if self.recurrent_states:
             parts.append(f"recurrent states {_human(self.recurrent_states)}")
@@ -45,15 +46,16 @@ class MemoryPlan:
 
     def warning(self) -> str | None:
         """Why the plan may not fit the machine, or None."""
-        if self.available is None or self.total <= self.available:
+        if self.available is None or self.total - self.resident <= self.available:
             return None
         return (f"the engine may use {_human(self.total)} but {_human(self.available)} was free when it started; "
                 "lower --kv-cache-bytes or --checkpoint-budget (or --max-model-len / --max-num-seqs)")
 
     def as_dict(self) -> dict[str, int | None]:
-        return {"weights": self.weights, "kv_cache": self.kv_cache, "kv_tokens": self.kv_tokens,
-                "recurrent_states": self.recurrent_states, "checkpoints": self.checkpoints,
-                "total": self.total, "available": self.available}
+        """The plan as log fields."""
+        return {"weights": self.weights, "resident": self.resident, "kv_cache": self.kv_cache,
+                "kv_tokens": self.kv_tokens, "recurrent_states": self.recurrent_states,
+                "checkpoints": self.checkpoints, "total": self.total, "available": self.available}
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -79,8 +81,9 @@ def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
 
 
 def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import json
 import logging
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
 log = logging.getLogger("hearth.engine")
+# JSON laid out as json.dumps and the templates' tojson write it (what models see in training):
+# free whitespace would let a small model pad until it runs out of tokens.
+JSON_STYLE = MappingProxyType({"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
 
 
 class GrammarError(ValueError):
@@ -61,17 +65,27 @@ class Matcher:
 
         self._ll = matcher
         self._stop_token_ids = stop_token_ids
+        self._stop_ids = torch.tensor(sorted(t for t in stop_token_ids if t < vocab_size), dtype=torch.long)
         self._torch = llguidance.torch
         self._mask = llguidance.torch.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` [V] with every token the grammar forbids next at -inf."""
+    def mask(self, logits: torch.Tensor, raw: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits`` [V] with every token the grammar forbids next at -inf. End-of-reply tokens are
+        forbidden too until the grammar may end (llguidance lets end-of-sequence close an open
+        free-text lexeme). If the processed logits allow nothing the grammar does (a logits
+        processor forbade it all), the model's own ``raw`` logits [V] are masked instead."""
         self._torch.fill_next_token_bitmask(self._ll, self._mask, 0)
-        masked = logits.clone()
-        self._torch.apply_token_bitmask_inplace(masked, self._mask[0])
-        if torch.isinf(masked).all():  # a logits processor forbade every token the grammar allows:
-            masked = torch.zeros_like(logits)  # the grammar wins, sampling among what it allows
+        for source in (logits, raw if raw is not None else torch.zeros_like(logits)):
+            masked = source.clone()
             self._torch.apply_token_bitmask_inplace(masked, self._mask[0])
+            if not self._ll.is_accepting():
+                masked[self._stop_ids] = float("-inf")
+            if not torch.isinf(masked).all():
+                return masked
+        # Nothing allowed at all (cannot happen for a grammar that compiled): end the reply rather
+        # than fail the engine step for every running request.
+        log.warning("constrained decoding: the grammar allows no token (%s); ending the reply", self._ll.get_error())
+        masked[self._stop_ids if len(self._stop_ids) else logits.argmax()] = 0.0
         return masked
 
     def advance(self, token: int) -> bool:
@@ -90,8 +104,7 @@ class Matcher:
 
 def json_schema_grammar(schema: dict[str, Any]) -> str:
     """The grammar of JSON matching ``schema`` (``{"type": "object"}`` for any object), laid out
-    as json.dumps writes it: flexible whitespace lets a small model pad until it runs out of tokens."""
+    as :data:`JSON_STYLE` says."""
     import llguidance
 
-    style = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    return llguidance.grammar_from("json_schema", json.dumps({**schema, "x-guidance": style}))
+    return llguidance.grammar_from("json_schema", json.dumps({**schema, "x-guidance": dict(JSON_STYLE)}))

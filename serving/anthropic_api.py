@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from hearth.proto.contracts import GenerateRequest
 from hearth.serving.anthropic_schema import CountTokensRequest, Message, MessagesRequest
 from hearth.serving.errors import APIError, check_json_schema, parse_body
-from hearth.serving.frontend import OMITTED, RenderedPrompt, ToolMode, tool_json
+from hearth.serving.frontend import OMITTED, RenderedPrompt, ToolMode, tool_json, tool_mode
 from hearth.serving.generation import Reply, collect, stream_reply
 from hearth.serving.parsers import Event
 from hearth.serving.session import session_key
@@ -77,18 +77,13 @@ def _render(state: Any, body: CountTokensRequest, check_length: bool = True) -> 
 
 def _tool_mode(body: CountTokensRequest, tools: list[dict[str, Any]] | None) -> ToolMode:
     choice = body.tool_choice
-    if choice is None or choice.type == "auto":
-        return ToolMode("auto")
-    if choice.type == "none":
-        return ToolMode("none")
+    if choice is None or choice.type in ("auto", "none"):
+        return ToolMode(choice.type if choice else "auto")
     if not tools:
         raise APIError(400, f"tool_choice: '{choice.type}' needs tools", "tool_choice")
     if choice.type == "any":
-        return ToolMode("required")
-    names = [t["function"]["name"] for t in tools]
-    if choice.name not in names:
-        raise APIError(400, f"tool_choice.name: no tool named '{choice.name}'", "tool_choice.name")
-    return ToolMode("named", choice.name)
+        return tool_mode("required", None, tools)
+    return tool_mode(None, choice.name, tools, "tool_choice.name")
 
 
 def _convert(m: Message, i: int) -> list[dict[str, Any]]:

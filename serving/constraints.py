@@ -11,11 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from hearth.engine.structured import JSON_STYLE
 from hearth.serving.errors import APIError
-
-# JSON laid out as json.dumps and the templates' tojson write it (what the model saw in training);
-# free whitespace would let a small model pad until max_tokens.
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarBuilder:
@@ -35,7 +32,7 @@ class GrammarBuilder:
     def json(self, schema: dict[str, Any], after_reasoning: str | None = None) -> str:
         """Compact JSON matching ``schema``; ``after_reasoning`` (the closing think tag) lets the
         reply reason freely first, for prompts that open a think block."""
-        rules = ["body: %json " + json.dumps({**schema, "x-guidance": JSON_STYLE})]
+        rules = ["body: %json " + json.dumps({**schema, "x-guidance": dict(JSON_STYLE)})]
         return _lark(self._start("body", after_reasoning), rules)
 
     def tool_call(self, parser: str, tools: list[dict[str, Any]], name: str | None,
@@ -43,6 +40,8 @@ class GrammarBuilder:
         """One call to ``name`` (or any of ``tools``) in the model's tool-call format, ending with
         the closing tag. The reply starts after ``<tool_call>\\n`` unless ``open_tag``."""
         chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
+        if not chosen:
+            raise ValueError(f"no tool to call (named {name!r})")  # an empty alternation would accept ""
         close = self.tag("</tool_call>")
         rules: list[str] = []
         for i, fn in enumerate(chosen):
@@ -52,7 +51,7 @@ class GrammarBuilder:
             else:
                 head = json.dumps('{"name": ' + json.dumps(fn["name"]) + ', "arguments": ')
                 rules.append(f"call_{i}: {head} args_{i} " + json.dumps("}\n") + f" {close}")
-                rules.append(f"args_{i}: %json " + json.dumps({**params, "x-guidance": JSON_STYLE}))
+                rules.append(f"args_{i}: %json " + json.dumps({**params, "x-guidance": dict(JSON_STYLE)}))
         rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(chosen))))
         body = "call"
         if open_tag:
@@ -71,27 +70,41 @@ def _xml_call_rules(i: int, name: str, params: dict[str, Any], close: str) -> li
     props: dict[str, Any] = params.get("properties") or {}
     required = [k for k in params.get("required") or [] if k in props]
     optional = [k for k in props if k not in required]
+    defs = {k: params[k] for k in ("$defs", "definitions") if k in params}  # what "$ref"s point into
     rules, items = [], []
     for j, key in enumerate(required + optional):
-        rule = f"p_{i}_{j}"
-        rules.append(f"{rule}: " + json.dumps(f"<parameter={key}>\n") + f" v_{i}_{j} " + json.dumps("\n</parameter>\n"))
-        rules.append(f"v_{i}_{j}: " + _xml_value(props[key]))
+        rule, value = f"p_{i}_{j}", f"v_{i}_{j}"
+        head = f"{rule}: " + json.dumps(f"<parameter={key}>\n") + f" {value}"
+        schema = {**defs, **props[key]}
+        if _is_plain_string(schema):
+            # Raw text, ended by the closing tag: a lazy lexeme (a greedy one would eat the newline
+            # before the tag; a value may hold "<" and newlines). Its length is not bounded: with a
+            # bounded regex, llguidance's mask offers only end-of-sequence once the bound is reached.
+            rules.append(head)
+            rules.append(f"{value}[stop={json.dumps(_PARAM_END)}]: /(.|\\n)*/")
+        else:
+            rules.append(f"{head} " + json.dumps(_PARAM_END))
+            rules.append(f"{value}: " + _xml_value(schema))
         items.append(rule if key in required else f"{rule}?")
-    head = json.dumps(f"<function={name}>\n")
+    call_head = json.dumps(f"<function={name}>\n")
     tail = json.dumps("</function>\n")
-    rules.insert(0, f"call_{i}: {head} {' '.join(items)} {tail} {close}")
+    rules.insert(0, f"call_{i}: {call_head} {' '.join(items)} {tail} {close}")
     return rules
 
 
+_PARAM_END = "\n</parameter>\n"
+
+
+def _is_plain_string(schema: dict[str, Any]) -> bool:
+    return schema.get("type") == "string" and "enum" not in schema and "pattern" not in schema
+
+
 def _xml_value(schema: dict[str, Any]) -> str:
-    """A parameter value as the XML format writes it: strings raw, anything else as JSON."""
+    """A non-text parameter value: one of a string enum as raw text, anything else as JSON."""
     enum = schema.get("enum")
     if enum and all(isinstance(v, str) for v in enum):
         return " | ".join(json.dumps(v) for v in enum)
-    if schema.get("type") == "string" and not enum:
-        low, high = schema.get("minLength", 0), schema.get("maxLength")
-        return f"/[^<]{{{low},{'' if high is None else high}}}/"
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE})
+    return "%json " + json.dumps({**schema, "x-guidance": dict(JSON_STYLE)})
 
 
 def _lark(start: str, rules: list[str]) -> str:

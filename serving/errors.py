@@ -63,9 +63,14 @@ def overloaded(protocol: str, detail: str) -> APIError:
     return APIError(529 if protocol == "anthropic" else 429, f"the server is overloaded, retry later ({detail})")
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list", "bytes"})
+
+
 def field_name(loc: tuple[Any, ...]) -> str:
-    """``messages.0.content`` from a pydantic error location (union-member tags dropped)."""
-    parts = [str(p) for p in loc if isinstance(p, int) or not any(c in str(p) for c in "[]-,")]
+    """``messages.0.content`` from a pydantic error location (union-member tags dropped: type and
+    model names, and tags with ``[]-,`` in them; body fields are snake_case)."""
+    parts = [str(p) for p in loc if isinstance(p, int) or not (
+        any(c in str(p) for c in "[]-,") or str(p) in _TYPE_TAGS or str(p)[:1].isupper())]
     return ".".join(parts) or "body"
 
 
@@ -95,9 +100,11 @@ def validate_as(model: type[M], data: Any, where: str = "") -> M:
     try:
         return model.model_validate(data, strict=True)
     except ValidationError as exc:
-        # The deepest location first: of a union (text or a list of items) the member that got
-        # furthest names the real problem, not "input: should be a valid string".
-        errors = sorted(exc.errors(include_url=False), key=lambda e: -len(field_name(e["loc"]).split(".")))
+        # The first field in error, and of its errors the deepest: of a union (text or a list of
+        # items) the member that got furthest names the real problem, not "should be a string".
+        errors = exc.errors(include_url=False)
+        top = errors[0]["loc"][:1]
+        errors = sorted((e for e in errors if e["loc"][:1] == top), key=lambda e: -len(field_name(e["loc"]).split(".")))
         inner = field_name(errors[0]["loc"])
         name = f"{where}.{inner}" if where and inner != "body" else (where or inner)
         same = [e["msg"] for e in errors if field_name(e["loc"]) == inner]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from hearth.engine.sampling import SamplingParams
@@ -36,6 +37,7 @@ class RenderedPrompt:
     assistant_prefix: str = ""
     tools_enabled: bool = False
     grammar: str | None = None  # what the reply must match (a schema, a forced tool call)
+    text_params: Mapping[str, frozenset[str]] = field(default_factory=dict)  # per tool: string parameters
 
 
 @dataclass(frozen=True)
@@ -84,39 +86,45 @@ class ModelFrontend:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, tool_mode: ToolMode,
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, mode: ToolMode,
                     template_kwargs: dict[str, Any] | None = None, check_length: bool = True,
-                    json_schema: dict[str, Any] | None = None, schema_field: str = "response_format") -> RenderedPrompt:
+                    json_schema: dict[str, Any] | None = None, schema_field: str = "response_format",
+                    messages_field: str = "messages") -> RenderedPrompt:
         """Render with the checkpoint's template. Forced tool use starts the reply with the call tag
         and constrains the rest to a call; ``json_schema`` constrains the reply to matching JSON.
         System messages may stand anywhere (see :func:`place_system_messages`)."""
         if not self.has_chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions with a raw prompt", "messages")
         messages = place_system_messages(messages, self.mid_system)
-        use_tools = bool(tools) and tool_mode.mode != "none"
+        use_tools = bool(tools) and mode.mode != "none"
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools if use_tools else None, tokenize=False, add_generation_prompt=True,
                 **(template_kwargs or {}),
             )
         except Exception as exc:  # noqa: BLE001 - template errors (raise_exception, bad roles) are client errors
-            raise APIError(400, f"messages: the chat template rejected the conversation ({exc})", "messages") from None
+            raise APIError(400, f"{messages_field}: the chat template rejected the conversation ({exc})",
+                           messages_field) from None
         thinking = THINK_CLOSE if self.reasoning and text.rstrip().endswith(THINK_OPEN) else None
         prefix, grammar = "", None
-        if use_tools and tool_mode.mode in ("required", "named"):
+        if use_tools and mode.mode in ("required", "named"):
             if self.tool_parser not in ("hermes", "qwen3_coder"):
                 raise APIError(400, "tool_choice: forcing a tool call is not supported for this model", "tool_choice")
             # The call tag is put in the prompt unless the reply first closes a think block.
             prefix = "" if thinking else "<tool_call>\n"
-            grammar = self.grammars.tool_call(self.tool_parser, tools, tool_mode.name, thinking, bool(thinking))
+            grammar = self.grammars.tool_call(self.tool_parser, tools, mode.name, thinking, bool(thinking))
             check_grammar(grammar, "tools")
         elif json_schema is not None:
             grammar = self.grammars.json(json_schema, thinking)
             check_grammar(grammar, schema_field)
         ids = self.encode(text + prefix)
         if check_length:
-            self.check_prompt_length(len(ids), "messages")
-        return RenderedPrompt(ids, text + prefix, prefix, use_tools and self.tool_parser != "none", grammar)
+            self.check_prompt_length(len(ids), messages_field)
+        text_params = {t["function"]["name"]: frozenset(
+            k for k, v in ((t["function"].get("parameters") or {}).get("properties") or {}).items()
+            if isinstance(v, dict) and v.get("type") == "string") for t in tools or []} if use_tools else {}
+        return RenderedPrompt(ids, text + prefix, prefix, use_tools and self.tool_parser != "none", grammar,
+                              text_params)
 
     def prompt_ids(self, prompt: str | list[int], field: str) -> list[int]:
         """A raw prompt's token ids (text is tokenized without special tokens), checked."""
@@ -138,7 +146,8 @@ class ModelFrontend:
     def parser(self, prompt: RenderedPrompt) -> OutputParser:
         """A fresh output parser for one reply (fed the forced prefix first)."""
         in_reasoning = self.reasoning and prompt.text.rstrip().endswith(THINK_OPEN)
-        parser = OutputParser(self.tool_parser, self.reasoning, in_reasoning, prompt.tools_enabled)
+        parser = OutputParser(self.tool_parser, self.reasoning, in_reasoning, prompt.tools_enabled,
+                              prompt.text_params)
         if prompt.assistant_prefix:
             parser.feed(prompt.assistant_prefix)
         return parser
@@ -172,6 +181,19 @@ class ModelFrontend:
             return SamplingParams(max_tokens=max_tokens, stop=stops, **values)
         except ValueError as exc:
             raise APIError(400, str(exc), str(exc).split()[0]) from None
+
+
+def tool_mode(choice: str | None, name: str | None, tools: list[dict[str, Any]] | None,
+              field: str = "tool_choice") -> ToolMode:
+    """A request's tool choice: ``choice`` one of none / auto / required (None: not given, auto),
+    or a function ``name`` that must be among ``tools``; a choice other than none needs tools."""
+    if name is not None:
+        if name not in [t["function"]["name"] for t in tools or []]:
+            raise APIError(400, f"{field}: no tool named '{name}'", field)
+        return ToolMode("named", name)
+    if choice is not None and choice != "none" and not tools:
+        raise APIError(400, f"{field}: '{choice}' needs tools", field)
+    return ToolMode(choice or "auto")
 
 
 def tool_json(name: str, description: str | None, parameters: dict[str, Any] | None) -> dict[str, Any]:

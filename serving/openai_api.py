@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from hearth.proto.contracts import GenerateRequest
 from hearth.serving.errors import APIError, check_json_schema, parse_body
-from hearth.serving.frontend import OMITTED, ToolMode, parse_arguments, tool_json
+from hearth.serving.frontend import OMITTED, ToolMode, parse_arguments, tool_json, tool_mode
 from hearth.serving.generation import collect_samples, fan_out, samples
 from hearth.serving.openai_format import (
     LogprobFormat,
@@ -140,28 +140,21 @@ def _tools(body: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, To
                 check_json_schema(tool.function.parameters, f"tools.{i}.function.parameters")
             tools.append(tool_json(tool.function.name, tool.function.description, tool.function.parameters))
     choice = body.tool_choice
-    if choice is None:
-        return tools, ToolMode("auto")
-    if isinstance(choice, str):
-        if choice != "none" and not tools:
-            raise APIError(400, f"tool_choice: '{choice}' needs tools", "tool_choice")
-        return tools, ToolMode(choice)
-    names = [t["function"]["name"] for t in tools or []]
-    if choice.function.name not in names:
-        raise APIError(400, f"tool_choice: no tool named '{choice.function.name}'", "tool_choice")
-    return tools, ToolMode("named", choice.function.name)
+    if isinstance(choice, str) or choice is None:
+        return tools, tool_mode(choice, None, tools)
+    return tools, tool_mode(None, choice.function.name, tools)
 
 
-def response_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
+def response_schema(fmt: ResponseFormat | None, where: str = "response_format.json_schema") -> dict[str, Any] | None:
     """The JSON schema a reply must match: any object for ``json_object``; every ``json_schema``
-    is enforced, strict or not (a schema is what the client's parser will check)."""
+    is enforced, strict or not (a schema is what the client's parser will check). ``where``
+    names the schema's parent in errors."""
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
         return {"type": "object"}
-    where = "response_format.json_schema"
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise APIError(400, f"{where}: json_schema.schema is required", where)
+        raise APIError(400, f"{where}.schema is required", f"{where}.schema")
     check_json_schema(fmt.json_schema.schema_, f"{where}.schema")
     return fmt.json_schema.schema_
 

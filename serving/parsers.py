@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,7 +126,8 @@ class HermesToolParser:
         """The call in one tag body, or None (then the body stays text); subclasses swap the format."""
         return parse_hermes_call(body)
 
-    def __init__(self) -> None:
+    def __init__(self, text_params: Mapping[str, frozenset[str]] | None = None) -> None:
+        self.text_params = text_params or {}  # per tool, the parameters whose schema says string
         self.buffer = ""
         self.in_call = False
         self.pending_ws = ""
@@ -214,37 +216,45 @@ class Qwen3CoderToolParser(HermesToolParser):
         </function>
         </tool_call>
 
-    A value that reads as JSON (a number, true, an object…) is taken as such, otherwise as text."""
+    A value that reads as JSON (a number, true, an object…) is taken as such, otherwise as text,
+    except that a parameter whose schema says string stays text ("42" is not 42)."""
 
-    @staticmethod
-    def parse_call(body: str) -> ToolCall | None:
-        return parse_xml_call(body)
+    def parse_call(self, body: str) -> ToolCall | None:
+        return parse_xml_call(body, self.text_params)
 
 
 _XML_FUNCTION = re.compile(r"^\s*<function=([^>\n]+)>(.*)</function>\s*$", re.DOTALL)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 
 
-def parse_xml_call(body: str) -> ToolCall | None:
-    """The tool call in one XML ``<tool_call>`` body, or None when it is not a valid call."""
+def parse_xml_call(body: str, text_params: Mapping[str, frozenset[str]] | None = None) -> ToolCall | None:
+    """The tool call in one XML ``<tool_call>`` body, or None when it is not a valid call
+    (``text_params``: per tool, the parameters kept as text whatever they look like)."""
     match = _XML_FUNCTION.match(body)
     if match is None or not match.group(1).strip():
         return None
-    inner = match.group(2)
+    name, inner = match.group(1).strip(), match.group(2)
+    as_text = (text_params or {}).get(name, frozenset())
     args: dict[str, Any] = {}
     for param in _XML_PARAMETER.finditer(inner):
-        value = param.group(2).removeprefix("\n").removesuffix("\n")
+        key, value = param.group(1).strip(), param.group(2).removeprefix("\n").removesuffix("\n")
+        if key in as_text:
+            args[key] = value
+            continue
         try:
-            args[param.group(1).strip()] = json.loads(value)
+            args[key] = json.loads(value)
         except json.JSONDecodeError:
-            args[param.group(1).strip()] = value
+            args[key] = value
     if _XML_PARAMETER.sub("", inner).strip():
         return None  # text outside the parameters: not a call
-    return ToolCall(new_tool_call_id(), match.group(1).strip(), json.dumps(args, ensure_ascii=False))
+    return ToolCall(new_tool_call_id(), name, json.dumps(args, ensure_ascii=False))
 
 
 class NoToolParser:
     """Everything is content."""
+
+    def __init__(self, text_params: Mapping[str, frozenset[str]] | None = None) -> None:
+        pass
 
     def feed(self, text: str) -> list[Event]:
         return [Event("content", text)] if text else []
@@ -282,9 +292,10 @@ class OutputParser:
     """Reasoning split first, then tool calls in the content; ``tools_enabled`` False leaves
     tool-call markup as text (``tool_choice: none`` or no tools given)."""
 
-    def __init__(self, tool_parser: str, reasoning: bool, in_reasoning: bool, tools_enabled: bool) -> None:
+    def __init__(self, tool_parser: str, reasoning: bool, in_reasoning: bool, tools_enabled: bool,
+                 text_params: Mapping[str, frozenset[str]] | None = None) -> None:
         self.reasoning = ReasoningSplitter(in_reasoning) if reasoning else None
-        self.tools = TOOL_PARSERS[tool_parser if tools_enabled else "none"]()
+        self.tools = TOOL_PARSERS[tool_parser if tools_enabled else "none"](text_params)
 
     def feed(self, text: str) -> list[Event]:
         return self._route(self.reasoning.feed(text) if self.reasoning else [Event("content", text)])

@@ -16,17 +16,17 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from hearth.proto.contracts import GenerateRequest
+from hearth.proto.contracts import GenerateRequest, GenerationChunk
 from hearth.serving.errors import APIError, check_json_schema, parse_body, validate_as
-from hearth.serving.frontend import OMITTED, ToolMode, parse_arguments, tool_json
+from hearth.serving.frontend import OMITTED, ToolMode, parse_arguments, tool_json, tool_mode
 from hearth.serving.generation import Reply, collect, stream_reply
 from hearth.serving.openai_api import response_schema
 from hearth.serving.openai_schema import ResponseFormat
+from hearth.serving.parsers import Event
 from hearth.serving.responses_format import (
     EventWriter,
     ResponseHead,
     as_messages,
-    message_item,
     new_id,
     output_items,
     status_of,
@@ -47,21 +47,23 @@ log = logging.getLogger("hearth.serving")
 _MEDIA = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
 
 
-@router.post("/v1/responses")
-async def create_response(request: Request):
+@router.post("/v1/responses", response_model=None)
+async def create_response(request: Request) -> JSONResponse | StreamingResponse:
+    """Create a response: JSON, or a stream of events with ``stream: true``."""
     state = request.app.state.hearth
     body = parse_body(ResponsesRequest, await request.body())
     state.check_model(body.model)
     history = _history(state, body.previous_response_id)
     conversation = history + _input_messages(body)
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
-    tools, mode = _tools(body)
+    tools, mode, namespaces = _tools(body)
     fmt = body.text.format if body.text is not None else None
-    schema = response_schema(ResponseFormat(type=fmt.type, json_schema=fmt.as_json_schema())) if fmt else None
+    schema = response_schema(ResponseFormat(type=fmt.type, json_schema=fmt.as_json_schema()),
+                             "text.format") if fmt else None
     kwargs = {"enable_thinking": False} if body.reasoning and body.reasoning.effort in ("none", "minimal") else None
     frontend = state.frontend
     prompt = frontend.render_chat(messages, tools, mode, kwargs, json_schema=schema,
-                                  schema_field="text.format.schema")
+                                  schema_field="text.format.schema", messages_field="input")
     head = ResponseHead(new_id("resp"), state.model_name, _echo(body))
     max_tokens = frontend.max_tokens(body.max_output_tokens, len(prompt.ids), "max_output_tokens", head.id)
     params = frontend.sampling(max_tokens, None, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
@@ -72,14 +74,16 @@ async def create_response(request: Request):
     headers = clamp_headers(body.max_output_tokens, max_tokens)
     if body.stream:
         stream = await primed(request, stream)
-        return StreamingResponse(_events(state, head, body.store, conversation, stream),
+        return StreamingResponse(_events(state, head, body.store, conversation, stream, namespaces),
                                  media_type="text/event-stream", headers=headers)
     reply = await run_unless_disconnected(request, collect(stream))
-    return JSONResponse(_finish(state, head, reply, output_items(reply), body.store, conversation), headers=headers)
+    return JSONResponse(_finish(state, head, reply, output_items(reply, namespaces), body.store, conversation),
+                        headers=headers)
 
 
 @router.get("/v1/responses/{response_id}")
 async def retrieve_response(request: Request, response_id: str) -> dict[str, Any]:
+    """A stored response, as it was returned."""
     state = request.app.state.hearth
     found = state.responses.get(response_id)
     if found is None:
@@ -89,6 +93,7 @@ async def retrieve_response(request: Request, response_id: str) -> dict[str, Any
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
+    """Forget a stored response (a later previous_response_id naming it is a 404)."""
     state = request.app.state.hearth
     if not state.responses.delete(response_id):
         raise _not_found(state, response_id, "response_id")
@@ -121,7 +126,8 @@ def _input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             role = "system" if item.role == "developer" else item.role
             message = {"role": role, "content": _text(item.content)}
             if role == "assistant" and reasoning is not None:
-                message["reasoning_content"], reasoning = reasoning, None
+                message["reasoning_content"] = reasoning
+            reasoning = None  # reasoning belongs to the assistant turn right after it, or none
             out.append(message)
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {
@@ -136,13 +142,14 @@ def _input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         elif isinstance(item, FunctionCallOutputItem):
             output = item.output if isinstance(item.output, str) else _text(item.output)
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
+            reasoning = None
         else:
             texts = [p.text for p in (item.content or item.summary)]
             reasoning = "\n".join(texts)
     return out
 
 
-def _text(content: str | list) -> str:
+def _text(content: str | list[Any]) -> str:
     if isinstance(content, str):
         return content
     parts = []
@@ -156,18 +163,20 @@ def _text(content: str | list) -> str:
     return "".join(parts)
 
 
-def _function_tools(raw: list[dict[str, Any]], where: str) -> list[FunctionTool]:
-    """The function tools of a request: ``namespace`` tools are flattened into theirs. Hosted
-    tools (``web_search``, ``file_search``, ``code_interpreter``, ...) and ``custom`` tools run
-    on OpenAI's side or need a free-form format; Codex sends some by default, so they are left out
+def _function_tools(raw: list[dict[str, Any]], where: str,
+                    namespace: str | None = None) -> list[tuple[FunctionTool, str | None]]:
+    """The function tools of a request, each with its namespace (``namespace`` tools are opened:
+    the model sees their functions, and a call names its namespace again). Hosted tools
+    (``web_search``, ``file_search``, ``code_interpreter``, ...) and ``custom`` tools run on
+    OpenAI's side or need a free-form format; Codex sends some by default, so they are left out
     (and logged) rather than refused."""
-    out: list[FunctionTool] = []
+    out: list[tuple[FunctionTool, str | None]] = []
     for i, tool in enumerate(raw):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind == "function":
-            out.append(validate_as(FunctionTool, tool, f"{where}.{i}"))
+            out.append((validate_as(FunctionTool, tool, f"{where}.{i}"), namespace))
         elif kind == "namespace" and isinstance(tool.get("tools"), list):
-            out += _function_tools(tool["tools"], f"{where}.{i}.tools")
+            out += _function_tools(tool["tools"], f"{where}.{i}.tools", tool.get("name"))
         elif isinstance(kind, str):
             log.info("responses: tool of type '%s' left out (not run by this server)", kind,
                      extra={"fields": {"field": f"{where}.{i}", "type": kind}})
@@ -176,25 +185,22 @@ def _function_tools(raw: list[dict[str, Any]], where: str) -> list[FunctionTool]
     return out
 
 
-def _tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, ToolMode]:
-    tools = None
-    if body.tools:
-        tools = []
-        for tool in _function_tools(body.tools, "tools"):
-            if tool.parameters is not None:
-                check_json_schema(tool.parameters, f"tools.{tool.name}.parameters")
-            tools.append(tool_json(tool.name, tool.description, tool.parameters))
-        tools = tools or None
+def _tools(body: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, ToolMode, dict[str, str]]:
+    """The tools in the chat-template format, the tool mode, and each namespaced tool's namespace."""
+    tools: list[dict[str, Any]] = []
+    namespaces: dict[str, str] = {}
+    for tool, namespace in _function_tools(body.tools or [], "tools"):
+        if any(t["function"]["name"] == tool.name for t in tools):
+            raise APIError(400, f"tools: two tools are named '{tool.name}'", "tools")
+        if tool.parameters is not None:
+            check_json_schema(tool.parameters, f"tools.{tool.name}.parameters")
+        tools.append(tool_json(tool.name, tool.description, tool.parameters))
+        if namespace:
+            namespaces[tool.name] = namespace
     choice = body.tool_choice
-    if choice is None:
-        return tools, ToolMode("auto")
-    if isinstance(choice, str):
-        if choice != "none" and not tools:
-            raise APIError(400, f"tool_choice: '{choice}' needs tools", "tool_choice")
-        return tools, ToolMode(choice)
-    if choice.name not in [t["function"]["name"] for t in tools or []]:
-        raise APIError(400, f"tool_choice: no tool named '{choice.name}'", "tool_choice")
-    return tools, ToolMode("named", choice.name)
+    if isinstance(choice, str) or choice is None:
+        return tools or None, tool_mode(choice, None, tools), namespaces
+    return tools or None, tool_mode(None, choice.name, tools), namespaces
 
 
 def _echo(body: ResponsesRequest) -> dict[str, Any]:
@@ -223,8 +229,9 @@ def _finish(state: Any, head: ResponseHead, reply: Reply, items: list[dict[str, 
 
 
 async def _events(state: Any, head: ResponseHead, store: bool, conversation: list[dict[str, Any]],
-                  stream: AsyncIterator) -> AsyncIterator[str]:
-    writer = EventWriter()
+                  stream: AsyncIterator[tuple[list[Event], GenerationChunk]],
+                  namespaces: dict[str, str]) -> AsyncIterator[str]:
+    writer = EventWriter(namespaces)
     start = head.body("in_progress", [])
     yield writer.emit("response.created", response=start)
     yield writer.emit("response.in_progress", response=start)
@@ -235,18 +242,17 @@ async def _events(state: Any, head: ResponseHead, store: bool, conversation: lis
                 for line in writer.write(event):
                     yield line
             reply.add([], chunk)
-    except APIError as exc:
-        yield writer.emit("error", code=exc.code or "server_error", message=exc.message, param=exc.param)
+    except APIError as exc:  # the engine lost this request: say so, then end the stream as failed
+        error = {"code": exc.code or "server_error", "message": exc.message}
+        yield writer.emit("error", param=exc.param, **error)
+        yield writer.emit("response.failed", response={**head.body("failed", writer.items), "error": error})
         return
     for line in writer.close():
         yield line
-    if not writer.items:  # an empty reply is still one (empty) message
-        item = message_item(new_id("msg"), "")
-        yield writer.emit("response.output_item.added", output_index=0, item={**item, "status": "in_progress"})
-        writer.items.append(item)
-        yield writer.emit("response.output_item.done", output_index=0, item=item)
+    if not any(i["type"] in ("message", "function_call") for i in writer.items):
+        for line in writer.empty_message():  # as the non-streamed output: a reply is at least a message
+            yield line
     reply.reasoning = "".join(i["content"][0]["text"] for i in writer.items if i["type"] == "reasoning")
     body = _finish(state, head, reply, writer.items, store, conversation)
     yield writer.emit("response.completed" if body["status"] == "completed" else "response.incomplete",
                       response=body)
-

@@ -3,6 +3,7 @@ message, function_call), usage, and the event sequence of a streamed response.""
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections import OrderedDict
@@ -15,6 +16,7 @@ from hearth.serving.transport import sse
 
 
 def new_id(prefix: str) -> str:
+    """An id in OpenAI's style: ``resp_…``, ``msg_…``, ``rs_…``, ``fc_…``."""
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
@@ -29,46 +31,58 @@ class ResponseHead:
 
     def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
              incomplete: str | None = None) -> dict[str, Any]:
+        """The response object in a given state (in_progress, completed, incomplete, failed)."""
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
                 "model": self.model, "output": output, "usage": usage, "error": None,
                 "incomplete_details": {"reason": incomplete} if incomplete else None, **self.request}
 
 
 def status_of(reply: Reply) -> tuple[str, str | None]:
+    """A finished reply's status and, when incomplete, why."""
     return ("incomplete", "max_output_tokens") if reply.finish_reason == "length" else ("completed", None)
 
 
 def usage(reply: Reply, reasoning_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": reply.prompt_tokens, "input_tokens_details": {"cached_tokens": reply.cached_tokens},
+    """Token usage; the prompt tokens computed afresh are the ones written to the prefix cache."""
+    written = reply.prompt_tokens - reply.cached_tokens
+    return {"input_tokens": reply.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": reply.cached_tokens, "cache_write_tokens": written},
             "output_tokens": reply.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": reply.prompt_tokens + reply.completion_tokens}
 
 
 def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    """A reasoning output item (the text as ``reasoning_text`` content; no summary is made)."""
     return {"type": "reasoning", "id": item_id, "summary": [],
             "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """An assistant message item: one output_text part once completed, none while in progress."""
     done = status == "completed"
     content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if done else []
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
 
 
-def call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
+def call_item(item_id: str, call: ToolCall, namespaces: dict[str, str], status: str = "completed") -> dict[str, Any]:
+    """A function_call item (with the namespace of a tool that came in one)."""
+    item = {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
             "arguments": call.arguments if status == "completed" else "", "status": status}
+    if call.name in namespaces:
+        item["namespace"] = namespaces[call.name]
+    return item
 
 
-def output_items(reply: Reply) -> list[dict[str, Any]]:
-    """A finished reply as output items: its reasoning, its text, then one item per tool call."""
+def output_items(reply: Reply, namespaces: dict[str, str]) -> list[dict[str, Any]]:
+    """A finished reply as output items: its reasoning, its text, then one item per tool call
+    (a reply with neither text nor calls still has its, empty, message)."""
     items = []
     if reply.reasoning:
         items.append(reasoning_item(new_id("rs"), reply.reasoning))
     if reply.content or not reply.tool_calls:
         items.append(message_item(new_id("msg"), reply.content))
-    items += [call_item(new_id("fc"), call) for call in reply.tool_calls]
+    items += [call_item(new_id("fc"), call, namespaces) for call in reply.tool_calls]
     return items
 
 
@@ -88,8 +102,7 @@ def as_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _arguments(text: str) -> dict[str, Any]:
-    import json
-
+    """A stored call's arguments as a dict (the parser only emits JSON objects; anything else is {})."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
@@ -113,12 +126,14 @@ class ResponseStore:
             self._items.popitem(last=False)
 
     def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        """The stored response and its conversation, or None (now the most recently used)."""
         found = self._items.get(response_id)
         if found is not None:
             self._items.move_to_end(response_id)
         return found
 
     def delete(self, response_id: str) -> bool:
+        """Forget a response; False when it was not stored."""
         return self._items.pop(response_id, None) is not None
 
 
@@ -126,7 +141,8 @@ class EventWriter:
     """Parsed events as the Responses stream writes them: each output item opened with
     ``output_item.added``, filled by deltas, closed with ``output_item.done``; every event numbered."""
 
-    def __init__(self) -> None:
+    def __init__(self, namespaces: dict[str, str]) -> None:
+        self.namespaces = namespaces
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # finished items, in output order
         self._kind: str | None = None
@@ -134,11 +150,13 @@ class EventWriter:
         self._text = ""
 
     def emit(self, kind: str, **fields: Any) -> str:
+        """One event of type ``kind``, numbered."""
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
         return sse(data, kind)
 
     def write(self, event: Event) -> list[str]:
+        """The events for one parsed piece of output (opening and closing items as kinds change)."""
         out: list[str] = []
         if event.kind == "tool_call" or event.kind != self._kind:
             out += self.close()
@@ -158,7 +176,7 @@ class EventWriter:
                                  delta=call.arguments))
             out.append(self.emit("response.function_call_arguments.done", item_id=self._id, output_index=index,
                                  name=call.name, arguments=call.arguments))
-            out += self._finish(call_item(self._id, call))
+            out += self._finish(call_item(self._id, call, self.namespaces))
         return out
 
     def _open(self, event: Event) -> list[str]:
@@ -175,7 +193,7 @@ class EventWriter:
         else:
             self._id = new_id("fc")
             return [self.emit("response.output_item.added", output_index=index,
-                              item=call_item(self._id, event.tool_call, "in_progress"))]
+                              item=call_item(self._id, event.tool_call, self.namespaces, "in_progress"))]
         return [self.emit("response.output_item.added", output_index=index, item=item),
                 self.emit("response.content_part.added", item_id=self._id, output_index=index, content_index=0,
                           part=part)]
@@ -198,6 +216,11 @@ class EventWriter:
                               part=item["content"][0]),
                     *self._finish(item)]
         return []
+
+    def empty_message(self) -> list[str]:
+        """An empty message item, for a reply with no text and no calls."""
+        self._open(Event("content", ""))
+        return self.close()
 
     def _finish(self, item: dict[str, Any]) -> list[str]:
         self._kind = None

@@ -30,7 +30,17 @@ class MediaPart(_Body):
     type: Literal["input_image", "input_file", "input_audio"]
 
 
-Part = Annotated[TextPart | RefusalPart | MediaPart, Field(discriminator="type")]
+def _part_type(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "part-refusal" if kind == "refusal" else "part-media" if kind in MEDIA_PARTS else "part-text"
+
+
+MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+Part = Annotated[
+    Annotated[TextPart, Tag("part-text")] | Annotated[RefusalPart, Tag("part-refusal")]
+    | Annotated[MediaPart, Tag("part-media")],
+    Discriminator(_part_type),  # tags with '-' stay out of error field names
+]
 
 
 class MessageItem(_Body):

@@ -40,3 +40,8 @@ def test_engine_counts_kv_cache_and_checkpoint_budget(checkpoint, caplog) -> Non
     assert any(r.getMessage().startswith("memory:") for r in caplog.records)
     default = LLM(path, kv_cache_bytes=4 << 20, max_num_seqs=2)
     assert default.engine.memory.checkpoints == 1 << 30  # the default budget, counted whether or not it fills
+
+
+def test_an_attached_shared_pool_is_not_counted_against_free_memory() -> None:
+    plan = MemoryPlan(weights=4 << 30, kv_cache=1 << 30, kv_tokens=1000, available=2 << 30, resident=3 << 30)
+    assert plan.warning() is None and "3.0 GiB of it shared" in plan.describe()

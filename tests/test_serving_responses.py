@@ -118,6 +118,8 @@ def test_store_retrieve_delete_and_unknown_ids(client) -> None:
     client.responses.delete(r.id)
     with pytest.raises(openai.NotFoundError, match="previous_response_id"):
         client.responses.create(model="tiny", input="x", previous_response_id=r.id)
+    with pytest.raises(openai.BadRequestError, match="text.format.schema is required"):
+        client.responses.create(model="tiny", input="x", text={"format": {"type": "json_schema", "name": "x"}})
     with pytest.raises(openai.BadRequestError, match="input.0.call_id"):
         client.responses.create(model="tiny", input=[{"type": "function_call_output", "output": "x"}])
     with pytest.raises(openai.BadRequestError, match="tools.1.tools.0.name"):
@@ -130,7 +132,18 @@ def test_codex_tool_kinds_namespaces_flattened_hosted_tools_left_out(client) -> 
     tools = [{"type": "namespace", "name": "agents", "description": "sub-agents", "tools": [TOOL]},
              {"type": "web_search", "external_web_access": False}, {"type": "custom", "name": "apply_patch"}]
     r = client.responses.create(model="tiny", input="SCRIPT:WEATHER", tools=tools, max_output_tokens=80)
-    assert [item.name for item in r.output if item.type == "function_call"] == ["get_weather"]
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert [(c.name, c.namespace) for c in calls] == [("get_weather", "agents")]
+    with pytest.raises(openai.BadRequestError, match="two tools are named 'get_weather'"):
+        client.responses.create(model="tiny", input="x", tools=[TOOL, *tools])
+
+
+def test_usage_reports_cache_reads_and_writes(client) -> None:
+    first = client.responses.create(model="tiny", input="SCRIPT:STOPWORD cache me " * 20, max_output_tokens=20)
+    again = client.responses.create(model="tiny", input="SCRIPT:STOPWORD cache me " * 20, max_output_tokens=20)
+    details = again.usage.input_tokens_details
+    assert first.usage.input_tokens_details.cache_write_tokens > 0
+    assert details.cached_tokens + details.cache_write_tokens == again.usage.input_tokens and details.cached_tokens
 
 
 def test_the_store_is_bounded() -> None:

@@ -43,6 +43,8 @@ def prefix_then_causal(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor, 
     32k on a 2-core CPU (``bench/long_prefill.py --attention``)."""
     heads, n, d = q.shape
     kv_heads = keys.shape[1]
+    if keys.shape[0] <= n:
+        raise ValueError("prefix_then_causal needs a cached prefix (context longer than the chunk)")
     groups = heads // kv_heads
     prefix_k = keys[:-n].transpose(0, 1)[None]  # [1, kv_heads, P, D]
     prefix_v = vals[:-n].transpose(0, 1)[None]
@@ -136,15 +138,15 @@ class Attention(nn.Module):
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             keys = gather_context(k_cache, seq, batch.block_size)  # [ctx, kv_heads, D]
             vals = gather_context(v_cache, seq, batch.block_size)
+            if self._splits(seq):  # a later prefill chunk: no [chunk, context] mask is built
+                out[rows] = prefix_then_causal(q[rows].transpose(0, 1).contiguous(), keys, vals,
+                                               self.scale).transpose(0, 1)
+                continue
             if (index, self.window) not in batch.masks:
                 batch.masks[index, self.window] = attention_mask(seq, self.window)
             mask = batch.masks[index, self.window]
             if seq.query_len == 1 and mask is None:
                 out[rows] = self._decode_one(q[rows], keys, vals)
-                continue
-            if mask is not None and _FLASH_WITH_LSE is not None and self._unwindowed(seq):
-                out[rows] = prefix_then_causal(q[rows].transpose(0, 1).contiguous(), keys, vals,
-                                               self.scale).transpose(0, 1)
                 continue
             o = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1)[None],  # [1, heads, q, D]
@@ -158,9 +160,11 @@ class Attention(nn.Module):
             out[rows] = o[0].transpose(0, 1)
         return self.project_out(out.reshape(t, self.num_heads * self.head_dim), extra)
 
-    def _unwindowed(self, seq: SequenceSlice) -> bool:
-        """A later chunk that sees its whole context (no window cuts into it)."""
-        return self.window is None or seq.context_len <= self.window
+    def _splits(self, seq: SequenceSlice) -> bool:
+        """Whether a chunk runs as cached prefix + causal block: several queries after a prefix,
+        all of it in view (no window cuts into it)."""
+        return (_FLASH_WITH_LSE is not None and 1 < seq.query_len < seq.context_len
+                and (self.window is None or seq.context_len <= self.window))
 
     def _decode_one(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
         """One query token: fold each KV head's query group into the query axis so the kernel
