@@ -46,3 +46,19 @@ def server(agent_checkpoint):
 
     with running_server(agent_checkpoint, {"max_model_len": 2048}) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def oclient(server):
+    """The official openai SDK on the module's server."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def aclient(server):
+    """The official anthropic SDK on the module's server."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)

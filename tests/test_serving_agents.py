@@ -18,16 +18,6 @@ from tests.serving_helpers import SCRIPTS, wait_until
 CONTEXT = 2048  # the shared server's max_model_len
 
 
-@pytest.fixture(scope="module")
-def oclient(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def aclient(server):
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
-
-
 def _long_text(tokens: int) -> str:
     return " ".join(f"w{i % 50}" for i in range(tokens))
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-import anthropic
 import jsonschema
 import openai
 import pytest
@@ -49,16 +48,6 @@ CITY_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather forecast for a city",
     "parameters": _obj({"city": S, "days": {"type": "integer", "minimum": 1, "maximum": 9}}, required=["city"])}}
 TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": _obj({"zone": S})}}
-
-
-@pytest.fixture(scope="module")
-def oclient(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def aclient(server):
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
 
 
 def _ask(what: str) -> list[dict]:
