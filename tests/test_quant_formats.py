@@ -1,0 +1,58 @@
+"""The torch decoders of the block formats equal the ``gguf`` package's reference dequantizer,
+on blocks the reference quantizer wrote and on random blocks (every bit pattern of the codes)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hearth.engine.quant.formats import FORMATS, dequantize
+
+gguf = pytest.importorskip("gguf")
+
+
+def _random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes with sane scale fields (fp16 scales in a small range, E8M0 near 127)."""
+    fmt = FORMATS[name]
+    blocks = rng.integers(0, 256, size=(rows * cols // fmt.block_elems, fmt.block_bytes), dtype=np.uint8)
+    scale = rng.uniform(-0.05, 0.05, size=(blocks.shape[0], 2)).astype(np.float16).view(np.uint8)
+    if name in ("q8_0", "q4_0"):
+        blocks[:, 0:2] = scale[:, 0:2]
+    elif name in ("q4_k", "q5_k"):
+        blocks[:, 0:4] = np.abs(scale.view(np.float16)).view(np.uint8)  # d and dmin
+    elif name == "q6_k":
+        blocks[:, 208:210] = scale[:, 0:2]
+    else:  # mxfp4
+        blocks[:, 0] = rng.integers(117, 137, size=blocks.shape[0])
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_decoder_equals_the_gguf_reference_on_random_blocks(name) -> None:
+    rng = np.random.default_rng(len(name))
+    data = _random_blocks(name, 6, 512, rng)
+    qtype = gguf.GGMLQuantizationType(FORMATS[name].ggml_type)
+    ref = gguf.quants.dequantize(data, qtype)
+    got = dequantize(torch.from_numpy(data), name, 512).numpy()
+    np.testing.assert_array_equal(got, ref.astype(np.float32))
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "mxfp4"])
+def test_decoder_reads_what_the_reference_quantizer_wrote(name) -> None:
+    x = np.random.default_rng(1).standard_normal((3, 256)).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType(FORMATS[name].ggml_type)
+    data = gguf.quants.quantize(x, qtype)
+    got = dequantize(torch.from_numpy(data), name, 256).numpy()
+    np.testing.assert_array_equal(got, gguf.quants.dequantize(data, qtype))
+    assert np.abs(got - x).max() < {"q8_0": 0.05, "q4_0": 0.5, "mxfp4": 1.0}[name]
+
+
+def test_sizes_match_ggml_and_bad_shapes_are_refused() -> None:
+    for fmt in FORMATS.values():
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(fmt.ggml_type)] == (fmt.block_elems, fmt.block_bytes)
+    with pytest.raises(ValueError, match="whole number"):
+        FORMATS["q4_k"].row_bytes(300)
+    with pytest.raises(ValueError, match="expected uint8 rows of 34 bytes"):
+        dequantize(torch.zeros(2, 30, dtype=torch.uint8), "q8_0", 32)
+    assert FORMATS["q4_k"].bits_per_weight() == 4.5
