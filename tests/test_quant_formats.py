@@ -56,3 +56,29 @@ def test_sizes_match_ggml_and_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError, match="expected uint8 rows of 34 bytes"):
         dequantize(torch.zeros(2, 30, dtype=torch.uint8), "q8_0", 32)
     assert FORMATS["q4_k"].bits_per_weight() == 4.5
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0", "mxfp4"])
+def test_quantizer_writes_the_reference_quantizers_bytes(name) -> None:
+    from hearth.engine.quant.quantize import quantize
+
+    x = np.random.default_rng(7).standard_normal((4, 512)).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block
+    ref = gguf.quants.quantize(x, gguf.GGMLQuantizationType(FORMATS[name].ggml_type))
+    np.testing.assert_array_equal(quantize(torch.from_numpy(x), name).numpy(), ref)
+
+
+@pytest.mark.parametrize("name, bound", [("q4_k", 0.12), ("q5_k", 0.06), ("q6_k", 0.03), ("q8_0", 0.01)])
+def test_k_quants_are_read_alike_by_the_reference_and_stay_close(name, bound) -> None:
+    from hearth.engine.quant.quantize import quantize
+
+    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.01, 2, 1024)
+    x[1, :256] = 0.0  # an all-zero super-block
+    x[2] = x[2].abs()  # no negative values: a zero minimum
+    data = quantize(x, name)
+    got = dequantize(data, name, 1024)
+    ref = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType(FORMATS[name].ggml_type))
+    np.testing.assert_array_equal(got.numpy(), ref)
+    rel = ((got - x).norm(dim=1) / x.norm(dim=1).clamp(min=1e-9))
+    assert rel.max() < bound, rel
+    assert torch.equal(got[1, :256], torch.zeros(256))
