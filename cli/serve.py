@@ -19,9 +19,10 @@ from hearth.serving.server import build_state, configure_logging, serve_async
 
 def run_serve(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else demo_model_dir()
-    if not model.is_dir():
-        raise FileNotFoundError(f"{model}: no such checkpoint directory")
-    names = args.served_model_name or [DEMO_NAME if args.model is None else model.name]
+    if not model.is_dir() and not (model.suffix == ".gguf" and model.is_file()):
+        raise FileNotFoundError(f"{model}: no such checkpoint directory or GGUF file")
+    default_name = DEMO_NAME if args.model is None else model.stem if model.is_file() else model.name
+    names = args.served_model_name or [default_name]
     serving = serving_config(args, served_model_name=names)
     engine = engine_config(args)
     configure_logging(serving.log_format)

@@ -184,9 +184,13 @@ def _report(progress: _Progress) -> None:
 
 
 def load_config(model_dir: str | Path, dtype: str | torch.dtype | None = None):
-    """Parse a checkpoint directory's config into (family, ModelConfig)."""
+    """Parse a checkpoint directory's (or a GGUF file's) config into (family, ModelConfig)."""
     from transformers import AutoConfig
 
+    from hearth.engine.gguf_loader import is_gguf, load_gguf_config
+
+    if is_gguf(model_dir):
+        return load_gguf_config(model_dir, dtype)
     model_dir = Path(model_dir)
     raw = read_config_json(model_dir)
     family = family_for(raw.get("architectures"))

@@ -9,8 +9,13 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenize
 
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:
-    """The checkpoint's tokenizer, or None when the directory ships none."""
+    """The checkpoint's tokenizer, or None when the directory ships none (a GGUF file's comes
+    from its metadata, with its chat template)."""
     model_dir = Path(model_dir)
+    if model_dir.suffix == ".gguf" and model_dir.is_file():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(model_dir.parent), gguf_file=model_dir.name)
     if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer

@@ -1,0 +1,95 @@
+"""A GGUF file loads as one file (config, tokenizer, chat template and weights from it) and runs
+like transformers on the same file: transformers reads and dequantizes it with the gguf package,
+independently of hearth's decoders; fp32 logits within 1e-4, greedy tokens equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from hearth.engine import LLM, SamplingParams  # noqa: E402
+from hearth.engine.gguf_file import GGUFError  # noqa: E402
+from tests.gguf_checkpoints import write_gguf  # noqa: E402
+
+PROMPTS = [[5, 17, 42, 99, 3], [200, 7, 7, 31], list(range(40, 61))]
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    from tests.checkpoints import make_checkpoint
+
+    path, _ = make_checkpoint(tmp_path_factory.mktemp("hf"), "qwen3_moe")
+    return path
+
+
+def _reference(path):
+    """transformers on the GGUF file itself, with the widths its GGUF mapping leaves out."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hearth.engine.gguf_file import GGUFFile
+    from hearth.engine.gguf_loader import gguf_hf_config
+
+    config = gguf_hf_config(GGUFFile(path))
+    assert AutoConfig.from_pretrained(path.parent, gguf_file=path.name).num_experts == config.num_experts
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_k", "q6_k"])
+def test_gguf_model_matches_transformers_on_the_same_file(hf_checkpoint, tmp_path, fmt) -> None:
+    path = write_gguf(hf_checkpoint, tmp_path / f"m-{fmt}.gguf", fmt)
+    ref = _reference(path)
+    llm = LLM(path)
+    assert llm.engine.model_config.moe_intermediate_size == ref.config.moe_intermediate_size
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            want = ref(torch.tensor([prompt])).logits[0, -1]
+        out = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, logprobs=0))[0]
+        got = torch.log_softmax(want, -1)[out.token_ids[0]]
+        assert out.chunk.logprobs[0].logprob == pytest.approx(float(got), abs=1e-4)
+        tokens = llm.generate(prompt, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))[0].token_ids
+        with torch.no_grad():
+            expect = ref.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                                  eos_token_id=None)[0, len(prompt):].tolist()
+        assert list(tokens) == expect
+
+
+def test_tokenizer_and_chat_template_come_from_the_file(hf_checkpoint, tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    path = write_gguf(hf_checkpoint, tmp_path / "m.gguf", "q8_0")
+    llm = LLM(path)
+    original = AutoTokenizer.from_pretrained(hf_checkpoint)
+    # Single spaces: transformers rebuilds a Qwen2 tokenizer (its split regex) from the file, while
+    # the tiny checkpoint's own splits runs of spaces the GPT-2 way.
+    text = "def f(x): return x + 1"
+    assert llm.engine.encode(text) == original.encode(text, add_special_tokens=False)
+    assert llm.engine.tokenizer.chat_template == original.chat_template
+
+
+def test_a_gguf_that_does_not_match_its_metadata_is_refused(hf_checkpoint, tmp_path) -> None:
+    import numpy as np
+
+    path = write_gguf(hf_checkpoint, tmp_path / "m.gguf")
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(str(tmp_path / "less.gguf"), "qwen3moe")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        writer.add_key_value(field.name, field.contents(), field.types[0],
+                             sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for t in reader.tensors:
+        if t.name != "blk.1.ffn_up_exps.weight":
+            writer.add_tensor(t.name, np.array(t.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="missing tensor 'blk.1.ffn_up_exps.weight'"):
+        LLM(tmp_path / "less.gguf")
+    with pytest.raises(GGUFError, match="no such GGUF file"):
+        from hearth.engine.gguf_file import GGUFFile
+
+        GGUFFile(tmp_path / "nope.gguf")
