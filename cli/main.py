@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     add_engine_flags(gen)
     ins = sub.add_parser("inspect", help="print architecture, parameter and expert counts, bytes per token")
-    ins.add_argument("model", help="checkpoint directory")
+    ins.add_argument("model", help="checkpoint directory or GGUF file")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint to the FTW format")
     conv.add_argument("src", help="Hugging Face checkpoint directory")
@@ -136,13 +136,19 @@ def _print_speed(out, start: float) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from hearth.engine.inspect import human_bytes, human_count, summarize
+    from hearth.engine.gguf_loader import is_gguf
+    from hearth.engine.inspect import human_bytes, human_count, stored_summary, summarize
     from hearth.engine.loader import load_config
 
     _, cfg = load_config(args.model)
     s = summarize(cfg)
+    stored = None
+    if is_gguf(args.model):
+        from hearth.engine.gguf_file import GGUFFile
+
+        stored = stored_summary(GGUFFile(args.model), cfg)
     if args.json:
-        print(json.dumps(s.as_dict(), indent=2))
+        print(json.dumps({**s.as_dict(), **({"stored": stored} if stored else {})}, indent=2))
         return 0
     rows = [
         ("architecture", s.architecture),
@@ -155,6 +161,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("expert pool", human_bytes(s.expert_pool_bytes)),
         ("bytes per decode token", human_bytes(s.bytes_per_decode_token)),
     ]
+    if stored is not None:  # a GGUF file: the formats as stored, and what a token reads in them
+        rows[1] = ("dtype", f"{s.dtype} (compute; weights decoded from the file's formats at load)")
+        rows += [(f"stored {group}", ", ".join(f"{fmt} {human_bytes(n)}" for fmt, n in sorted(fmts.items())))
+                 for group, fmts in sorted(stored["formats"].items())]
+        rows.append(("bytes per decode token, as stored", human_bytes(stored["bytes_per_decode_token"])))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

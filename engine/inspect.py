@@ -84,3 +84,40 @@ def human_bytes(n: float) -> str:
 def human_count(n: float) -> str:
     value, unit = _scaled(n, 1000, ("", "K", "M", "B", "T"))
     return str(int(value)) if not unit else f"{value:.2f}{unit}"
+
+
+def _group(name: str) -> str:
+    """The role of a GGUF tensor, for the per-group format listing."""
+    if name.startswith("token_embd"):
+        return "embedding"
+    if name.startswith("output.") or name == "output.weight":
+        return "output"
+    if "_exps" in name:
+        return "experts"
+    if "ffn_gate_inp" in name:
+        return "router"
+    if "norm" in name:
+        return "norms"
+    if ".attn_" in name:
+        return "attention"
+    return "dense ffn" if ".ffn_" in name else "other"
+
+
+def stored_summary(f, cfg: ModelConfig) -> dict:
+    """A GGUF file as stored: bytes per format in each tensor group, and the bytes one decode token
+    reads at batch 1 in those formats (one embedding row, every dense weight, top-k of each layer's
+    experts; the output projection whole, the embedding's when tied)."""
+    groups: dict[str, dict[str, int]] = {}
+    per_token = 0.0
+    for name, t in f.tensors.items():
+        group = _group(name)
+        fmt = t.format.name if t.quantized else str(t.format).removeprefix("torch.")
+        groups.setdefault(group, {})
+        groups[group][fmt] = groups[group].get(fmt, 0) + t.nbytes
+        if group == "embedding":
+            per_token += t.nbytes / t.shape[0] + (t.nbytes if cfg.tie_word_embeddings else 0)
+        elif group == "experts":
+            per_token += t.nbytes * cfg.top_k / cfg.num_experts
+        else:
+            per_token += t.nbytes
+    return {"formats": groups, "bytes_per_decode_token": int(per_token), "file_bytes": f.path.stat().st_size}

@@ -93,3 +93,28 @@ def test_a_gguf_that_does_not_match_its_metadata_is_refused(hf_checkpoint, tmp_p
         from hearth.engine.gguf_file import GGUFFile
 
         GGUFFile(tmp_path / "nope.gguf")
+
+
+def test_inspect_shows_the_stored_formats_and_bytes_per_token(hf_checkpoint, tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    path = write_gguf(hf_checkpoint, tmp_path / "m.gguf", "q8_0")
+    out = subprocess.run([sys.executable, "-m", "hearth.cli.main", "inspect", str(path), "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    stored = json.loads(out.stdout)["stored"]
+    experts = stored["formats"]["experts"]
+    assert list(experts) == ["q8_0"] and list(stored["formats"]["norms"]) == ["float32"]
+    from hearth.engine.gguf_file import GGUFFile
+
+    f = GGUFFile(path)
+    cfg = json.loads((hf_checkpoint / "config.json").read_text())
+    exps = sum(t.nbytes for n, t in f.tensors.items() if "_exps" in n)
+    assert experts["q8_0"] == exps
+    embed = f.tensors["token_embd.weight"]
+    dense = sum(t.nbytes for n, t in f.tensors.items() if "_exps" not in n and n != "token_embd.weight")
+    tied = 0 if "output.weight" in f.tensors else embed.nbytes
+    want = dense + embed.nbytes / embed.shape[0] + tied + exps * cfg["num_experts_per_tok"] / cfg["num_local_experts"]
+    assert stored["bytes_per_decode_token"] == int(want)
