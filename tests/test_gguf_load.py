@@ -20,7 +20,9 @@ PROMPTS = [[5, 17, 42, 99, 3], [200, 7, 7, 31], list(range(40, 61))]
 def hf_checkpoint(tmp_path_factory):
     from tests.checkpoints import make_checkpoint
 
-    path, _ = make_checkpoint(tmp_path_factory.mktemp("hf"), "qwen3_moe")
+    # Rows of 256 (hidden, expert width): whole K-quant super-blocks, so every matrix is quantized.
+    path, _ = make_checkpoint(tmp_path_factory.mktemp("hf"), "qwen3_moe", hidden_size=256, moe_intermediate_size=256,
+                              intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     return path
 
 
@@ -40,6 +42,11 @@ def _reference(path):
 @pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_k", "q6_k"])
 def test_gguf_model_matches_transformers_on_the_same_file(hf_checkpoint, tmp_path, fmt) -> None:
     path = write_gguf(hf_checkpoint, tmp_path / f"m-{fmt}.gguf", fmt)
+    from hearth.engine.gguf_file import GGUFFile
+
+    stored = GGUFFile(path).tensors
+    matrices = [t for t in stored.values() if len(t.shape) >= 2]
+    assert all((t.format.name if t.quantized else "f32") == fmt for t in matrices), "a matrix kept another format"
     ref = _reference(path)
     llm = LLM(path)
     assert llm.engine.model_config.moe_intermediate_size == ref.config.moe_intermediate_size
