@@ -5,9 +5,10 @@ mapping leaves out read here (the experts' width, tied embeddings). Tensor names
 ``gguf`` package's name map, which llama.cpp's converter writes with; experts are stacked per
 layer (``blk.N.ffn_{gate,up,down}_exps``). Every tensor is accounted for, as for safetensors.
 
-For now every tensor is decoded to the compute dtype at load, experts included (float32 by
-default: llama.cpp computes quantized models in float32). Keeping experts in their blocks is
-the next step (see docs/quantization.md).
+Experts stay in their blocks, from file to kernel, when the native kernels compute that format
+(:data:`~hearth.engine.kernels.BLOCK_KERNELS`; float32 activations, as llama.cpp computes quantized
+models, and no shared-memory pool). Everything else is decoded to the compute dtype at load
+(float32 by default); see docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertPool
 from hearth.engine.gguf_file import ARCHITECTURES, GGUFError, GGUFFile
 from hearth.engine.models import build_model, family_for
+from hearth.engine.quant.formats import BlockFormat
 
 _EXPERT_PARTS = ("gate", "up", "down")
 
@@ -69,7 +71,8 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
 
     f = GGUFFile(path)
     family, cfg = _config(f, dtype)
-    pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None)
+    fmt = _expert_blocks(f, cfg) if pool_factory is None else None
+    pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None, fmt)
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
     names = gguf.TensorNameMap(gguf.MODEL_ARCH[f.architecture.upper()], cfg.num_layers)
     expected: dict[str, torch.nn.Parameter] = {}
@@ -100,6 +103,17 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
     return LoadedModel(config=cfg, model=model, pool=pool, model_dir=f.path)
 
 
+def _expert_blocks(f: GGUFFile, cfg) -> BlockFormat | None:
+    """The block format the experts can stay in: one for every expert tensor, with a native kernel."""
+    from hearth.engine.kernels import BLOCK_KERNELS, cpu_decode_ops
+
+    formats = {f.tensors[n].format for n in f.tensors if "_exps" in n}
+    if len(formats) != 1 or cfg.dtype != torch.float32 or cpu_decode_ops() is None:
+        return None
+    (fmt,) = formats
+    return fmt if isinstance(fmt, BlockFormat) and fmt.name in BLOCK_KERNELS else None
+
+
 def _copy(f: GGUFFile, name: str, dst: torch.Tensor) -> None:
     t = f.tensors[name]
     if tuple(t.shape) != tuple(dst.shape):
@@ -115,8 +129,8 @@ def _fill_experts(f: GGUFFile, name: str, pool: ExpertPool, cfg, layer: int, par
     if tuple(t.shape) != want:
         raise GGUFError(f"{f.path}: tensor '{name}' has shape {list(t.shape)}, expected {list(want)}")
     rows = slice(pool.layer_rows(layer), pool.layer_rows(layer) + e)
-    values = t.dequantized()
+    values = t.raw() if pool.fmt is not None else t.dequantized()  # blocks as stored, or decoded
     if part == "down":
         pool.down[rows].copy_(values)
-    else:
+    else:  # whole rows in either case: gate rows first, then up rows
         pool.gate_up[rows, (0 if part == "gate" else i):(i if part == "gate" else 2 * i)].copy_(values)

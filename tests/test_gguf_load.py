@@ -125,3 +125,26 @@ def test_inspect_shows_the_stored_formats_and_bytes_per_token(hf_checkpoint, tmp
     tied = 0 if "output.weight" in f.tensors else embed.nbytes
     want = dense + embed.nbytes / embed.shape[0] + tied + exps * cfg["num_experts_per_tok"] / cfg["num_local_experts"]
     assert stored["bytes_per_decode_token"] == int(want)
+
+
+def test_q8_0_experts_stay_in_their_blocks_and_both_paths_agree(hf_checkpoint, tmp_path) -> None:
+    from hearth.engine.experts.compute import routed_partial_sum
+    from hearth.engine.kernels import cpu_decode_ops
+
+    path = write_gguf(hf_checkpoint, tmp_path / "m.gguf", "q8_0")
+    llm = LLM(path)
+    pool = llm.engine.pool
+    if cpu_decode_ops() is None:
+        pytest.skip("no native kernels here: experts are decoded at load")
+    assert pool.fmt.name == "q8_0" and pool.gate_up.dtype == torch.uint8
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    rows = torch.tensor([[0, 5], [7, -1], [3, 3]])
+    weights = torch.tensor([[0.7, 0.3], [1.0, 0.0], [0.5, 0.5]])
+    kernel = routed_partial_sum(x, pool.gate_up, pool.down, rows, weights, torch.nn.functional.silu, pool.fmt)
+    decoded = routed_partial_sum(x, pool.gate_up, pool.down, rows, weights, torch.sigmoid, pool.fmt)  # torch path
+    torch_silu = routed_partial_sum(x.repeat(3, 1)[:9], pool.gate_up, pool.down, rows.repeat(3, 1),
+                                    weights.repeat(3, 1), torch.nn.functional.silu, pool.fmt)[:3]  # 9 tokens: torch
+    torch.testing.assert_close(kernel, torch_silu, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(kernel, decoded)  # a different activation gives a different result
+    with pytest.raises(ValueError, match="expert hierarchy"):
+        LLM(path, expert_device="virtual")

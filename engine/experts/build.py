@@ -79,6 +79,9 @@ def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: ExpertConfig, max_to
     kind = _resolve_device(hc.device)
     if kind == "none":
         return None
+    if pool.fmt is not None:
+        raise ConfigError(f"experts kept in {pool.fmt.name} blocks run on the plain CPU engine for now; the expert "
+                          "hierarchy (--expert-device) needs float experts")
     act = activation(cfg.hidden_act)
     free = torch.cuda.mem_get_info()[0] if kind == "cuda" else 0
     # Default size: 80 % of free GPU memory; on the virtual device a quarter of the pool.

@@ -29,6 +29,7 @@ FEATURE_AVX512_BF16 = 1 << 2
 FEATURE_AVX512_VNNI = 1 << 3
 FEATURE_AMX = 1 << 4
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+BLOCK_KERNELS = frozenset({"q8_0"})  # block formats whose experts the native kernels compute in their blocks
 _HERE = Path(__file__).resolve().parent
 
 
@@ -58,6 +59,25 @@ class NativeKernels:
         out = x.new_empty((m, n))
         self._decode.linear_decode(_code(w.dtype), x.data_ptr(), m, k, w.data_ptr(), n,
                                    None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def experts_decode_blocks(self, fmt: str, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                              ids: list[int], weights: torch.Tensor) -> torch.Tensor | None:
+        """One token's routed block-quantized experts (fp32 ``x`` [1, H], uint8 banks): the fp32 sum
+        [1, H], or None for a format this build has no kernel for (the caller decodes instead)."""
+        if fmt != "q8_0":
+            return None
+        if x.dtype != torch.float32 or gate_up.dtype != torch.uint8 or not (
+                gate_up.is_cpu and gate_up.is_contiguous() and down.is_contiguous()) or len(ids) != weights.numel():
+            raise ValueError("experts_decode_blocks: one fp32 token [1, H], contiguous uint8 CPU banks, "
+                             "one weight per expert")
+        x = x.contiguous()
+        weights = weights.contiguous()
+        hidden, inter = x.shape[1], gate_up.shape[1] // 2
+        out = x.new_empty((1, hidden))
+        self._decode.experts_decode_q8_0(x.data_ptr(), hidden, gate_up.data_ptr(), down.data_ptr(), inter,
+                                         gate_up.shape[0], ids, weights.data_ptr(), _code(weights.dtype),
+                                         out.data_ptr(), torch.get_num_threads())
         return out
 
     def experts_decode(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: list[int],

@@ -118,6 +118,61 @@ void experts_impl(const T* x, int64_t H, const T* gate_up, const T* down, int64_
   }
 }
 
+// -- block-quantized experts (fp32 activations) ---------------------------------------------------
+
+// 8 int8 weights widened to fp32.
+inline __m256 load8_i8(const int8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
+
+constexpr int64_t kQ8Block = 32, kQ8Bytes = 34;  // Q8_0: fp16 scale d, then 32 int8 values
+
+// One Q8_0 row of K elements dotted with an fp32 vector: sum over blocks of d * (q . x), the int8
+// values widened in registers (never a dequantized copy of the row).
+inline float dot_q8_0(const uint8_t* row, const float* x, int64_t K) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / kQ8Block; ++b) {
+    const uint8_t* blk = row + b * kQ8Bytes;
+    uint16_t d;
+    std::memcpy(&d, blk, 2);
+    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+    const float* xb = x + b * kQ8Block;
+    __m256 s = _mm256_mul_ps(load8_i8(q), _mm256_loadu_ps(xb));
+    s = _mm256_fmadd_ps(load8_i8(q + 8), _mm256_loadu_ps(xb + 8), s);
+    s = _mm256_fmadd_ps(load8_i8(q + 16), _mm256_loadu_ps(xb + 16), s);
+    s = _mm256_fmadd_ps(load8_i8(q + 24), _mm256_loadu_ps(xb + 24), s);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(d)), s, acc);
+  }
+  return hsum(acc);
+}
+
+// experts_impl for Q8_0 banks: gate_up [rows, 2I, H/32 blocks], down [rows, H, I/32 blocks]; x and
+// the result fp32 (the reference runs quantized models with fp32 activations, nothing rounded).
+void experts_q8_0_impl(const float* x, int64_t H, const uint8_t* gate_up, const uint8_t* down, int64_t I,
+                       const int64_t* ids, int64_t k, const float* weights, float* out, int threads) {
+  const int64_t up_row = H / kQ8Block * kQ8Bytes, down_row = I / kQ8Block * kQ8Bytes;
+  std::vector<float> proj(k * 2 * I), act(k * I), y(k * H);
+  hearth::parallel_for(0, k * 2 * I, 32, threads, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t j = r / (2 * I), row = r % (2 * I);
+      proj[r] = dot_q8_0(gate_up + (ids[j] * 2 * I + row) * up_row, x, H);
+    }
+  });
+  for (int64_t j = 0; j < k; ++j)
+    for (int64_t i = 0; i < I; ++i) act[j * I + i] = silu(proj[j * 2 * I + i]) * proj[j * 2 * I + I + i];
+  hearth::parallel_for(0, k * H, 32, threads, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t j = r / H, row = r % H;
+      y[r] = dot_q8_0(down + (ids[j] * H + row) * down_row, act.data() + j * I, I);
+    }
+  });
+  for (int64_t h = 0; h < H; ++h) {
+    float s = 0.f;
+    for (int64_t j = 0; j < k; ++j) s += y[j * H + h] * weights[j];
+    out[h] = s;
+  }
+}
+
 // RMSNorm over the last dimension, in the reference's order: fp32 normalise, round to the model
 // dtype, then scale by the weight (rounded again).
 template <typename T>
@@ -217,6 +272,41 @@ PyObject* py_experts_decode(PyObject*, PyObject* const* args, Py_ssize_t n) {
   return PyLong_FromLong(rc);
 }
 
+// experts_decode_q8_0(x, H, gate_up, down, I, rows, ids (list of pool rows), weights, weights_dtype, out,
+//                     threads): x, out fp32 [H]
+PyObject* py_experts_decode_q8_0(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  if (n != 11 || !PyList_Check(args[6])) {
+    PyErr_SetString(PyExc_TypeError, "experts_decode_q8_0 takes 11 arguments, the 7th a list of pool rows");
+    return nullptr;
+  }
+  PyObject* ints[11];
+  std::copy(args, args + 11, ints);
+  ints[6] = Py_None;
+  int64_t a[11];
+  if (!hearth::int_args(ints, 11, 11, a, "experts_decode_q8_0")) return nullptr;
+  const Py_ssize_t k = PyList_GET_SIZE(args[6]);
+  std::vector<int64_t> ids(k);
+  for (Py_ssize_t j = 0; j < k; ++j) {
+    ids[j] = PyLong_AsLongLong(PyList_GET_ITEM(args[6], j));
+    if (ids[j] == -1 && PyErr_Occurred()) return nullptr;
+    if (ids[j] < 0 || ids[j] >= a[5]) {
+      PyErr_Format(PyExc_ValueError, "experts_decode_q8_0: pool row %lld out of range [0, %lld)",
+                   static_cast<long long>(ids[j]), static_cast<long long>(a[5]));
+      return nullptr;
+    }
+  }
+  std::vector<float> weights;
+  if (!widen_weights(a[7], static_cast<int>(a[8]), k, weights)) {
+    PyErr_SetString(PyExc_ValueError, "experts_decode_q8_0: unsupported weight dtype");
+    return nullptr;
+  }
+  Py_BEGIN_ALLOW_THREADS
+  experts_q8_0_impl(ptr<const float>(a[0]), a[1], ptr<const uint8_t>(a[2]), ptr<const uint8_t>(a[3]), a[4], ids.data(),
+                    k, weights.data(), ptr<float>(a[9]), static_cast<int>(a[10]));
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(0);
+}
+
 // rms_norm(dtype, x, rows, D, w, eps, out, threads)
 PyObject* py_rms_norm(PyObject*, PyObject* const* args, Py_ssize_t n) {
   if (n != 8) {
@@ -242,6 +332,8 @@ PyObject* py_rms_norm(PyObject*, PyObject* const* args, Py_ssize_t n) {
 PyMethodDef methods[] = {
     {"linear_decode", fastcall(py_linear_decode), METH_FASTCALL, "out = x @ w^T (+ bias) for a few tokens"},
     {"experts_decode", fastcall(py_experts_decode), METH_FASTCALL, "one token's routed experts, weighted and summed"},
+    {"experts_decode_q8_0", fastcall(py_experts_decode_q8_0), METH_FASTCALL,
+     "one token's routed Q8_0 experts (fp32 activations), weighted and summed"},
     {"rms_norm", fastcall(py_rms_norm), METH_FASTCALL, "weight * round(x * rsqrt(mean(x^2) + eps))"},
     {nullptr, nullptr, 0, nullptr}};
 
