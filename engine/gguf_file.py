@@ -10,6 +10,7 @@ the tensors are views of a memory map.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -48,14 +49,14 @@ class GGUFTensor:
         return int(self.data.nbytes)
 
     def raw(self) -> torch.Tensor:
-        """The stored data as a tensor (uint8 blocks ``[rows…, row_bytes]``, or the float values)."""
-        if self.quantized:
-            return torch.from_numpy(np.ascontiguousarray(self.data).view(np.uint8)).reshape(
-                *self.shape[:-1], self.format.row_bytes(self.shape[-1]))
+        """The stored data as a tensor (uint8 blocks ``[rows…, row_bytes]``, or the float values):
+        a read-only view of the file's memory map, to copy from."""
         values = np.ascontiguousarray(self.data)
+        if self.quantized:
+            return _readonly(values.view(np.uint8)).reshape(*self.shape[:-1], self.format.row_bytes(self.shape[-1]))
         if self.format == torch.bfloat16:  # numpy has no bfloat16: the bytes are read as int16
-            return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16).reshape(self.shape)
-        return torch.from_numpy(values).reshape(self.shape)
+            return _readonly(values.view(np.int16)).view(torch.bfloat16).reshape(self.shape)
+        return _readonly(values).reshape(self.shape)
 
     def dequantized(self) -> torch.Tensor:
         """float32 values ``[rows…, cols]`` (block formats decoded, see ``formats.dequantize``)."""
@@ -63,6 +64,13 @@ class GGUFTensor:
             return self.raw().float()
         rows = self.raw().reshape(-1, self.format.row_bytes(self.shape[-1]))
         return dequantize(rows, self.format, self.shape[-1]).reshape(self.shape)
+
+
+def _readonly(values: np.ndarray) -> torch.Tensor:
+    """A tensor over a read-only memory map (torch warns that it cannot write it; nothing does)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(values)
 
 
 class GGUFFile:
