@@ -162,7 +162,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("bytes per decode token", human_bytes(s.bytes_per_decode_token)),
     ]
     if stored is not None:  # a GGUF file: the formats as stored, and what a token reads in them
-        rows[1] = ("dtype", f"{s.dtype} (compute; weights decoded from the file's formats at load)")
+        rows[1] = ("dtype", f"{s.dtype} (compute; Q8_0 experts run in their blocks, other weights are decoded)")
         rows += [(f"stored {group}", ", ".join(f"{fmt} {human_bytes(n)}" for fmt, n in sorted(fmts.items())))
                  for group, fmts in sorted(stored["formats"].items())]
         rows.append(("bytes per decode token, as stored", human_bytes(stored["bytes_per_decode_token"])))

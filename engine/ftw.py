@@ -293,15 +293,17 @@ def load_ftw(path: str | Path, dtype: str | torch.dtype | None = None, pool_fact
 
 def load_checkpoint(path: str | Path, dtype: str | torch.dtype | None = None, pool_factory: PoolFactory | None = None,
                     verify: bool = True, show_progress: bool = False,
-                    filled_pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> LoadedModel:
+                    filled_pool: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    keep_blocks: bool = True) -> LoadedModel:
     """Load an FTW directory, a GGUF file, or a Hugging Face directory (converted in memory to the
-    same layout)."""
+    same layout). ``keep_blocks``: a GGUF file's experts may stay in their quantized blocks (not
+    when the expert hierarchy will run, which needs float experts)."""
     from hearth.engine.gguf_loader import is_gguf, load_gguf
 
     if is_gguf(path):
         if filled_pool is not None:
             raise ConfigError("re-attaching to a filled shared expert pool needs an FTW checkpoint")
-        return load_gguf(path, dtype, show_progress=show_progress, pool_factory=pool_factory)
+        return load_gguf(path, dtype, show_progress=show_progress, pool_factory=pool_factory, keep_blocks=keep_blocks)
     if is_ftw(path):
         return load_ftw(path, dtype, pool_factory, verify, show_progress, filled_pool=filled_pool)
     if filled_pool is not None:

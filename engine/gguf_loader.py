@@ -41,9 +41,13 @@ def gguf_hf_config(f: GGUFFile) -> Any:
         hf = AutoConfig.from_pretrained(str(f.path.parent), gguf_file=f.path.name)
     except Exception as exc:  # noqa: BLE001 - transformers' own conversion error, with the file named
         raise GGUFError(f"{f.path}: cannot read its config ({exc})") from None
+    # transformers' GGUF mapping leaves the experts' widths at their defaults.
     width = f.metadata(f"{f.architecture}.expert_feed_forward_length")
-    if width is not None:  # transformers' GGUF mapping leaves the experts' width at its default
+    if width is not None:
         hf.moe_intermediate_size = int(width)
+    shared = f.metadata(f"{f.architecture}.expert_shared_feed_forward_length")
+    if shared is not None:
+        hf.shared_expert_intermediate_size = int(shared)
     hf.tie_word_embeddings = "output.weight" not in f.tensors
     hf.architectures = [ARCHITECTURES[f.architecture]]
     return hf
@@ -63,15 +67,16 @@ def _config(f: GGUFFile, dtype: str | torch.dtype | None):
 
 
 def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_progress: bool = False,
-              pool_factory=None):
-    """Build the model of a GGUF file and fill every weight from it."""
+              pool_factory=None, keep_blocks: bool = True):
+    """Build the model of a GGUF file and fill every weight from it (``keep_blocks``: experts may
+    stay in their quantized blocks)."""
     import gguf
 
     from hearth.engine.loader import CheckpointError, LoadedModel
 
     f = GGUFFile(path)
     family, cfg = _config(f, dtype)
-    fmt = _expert_blocks(f, cfg) if pool_factory is None else None
+    fmt = _expert_blocks(f, cfg) if pool_factory is None and keep_blocks else None
     pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None, fmt)
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
     names = gguf.TensorNameMap(gguf.MODEL_ARCH[f.architecture.upper()], cfg.num_layers)

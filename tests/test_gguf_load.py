@@ -20,8 +20,9 @@ PROMPTS = [[5, 17, 42, 99, 3], [200, 7, 7, 31], list(range(40, 61))]
 def hf_checkpoint(tmp_path_factory):
     from tests.checkpoints import make_checkpoint
 
-    # Rows of 256 (hidden, expert width): whole K-quant super-blocks, so every matrix is quantized.
-    path, _ = make_checkpoint(tmp_path_factory.mktemp("hf"), "qwen3_moe", hidden_size=256, moe_intermediate_size=256,
+    # Rows of 256 and 512 (hidden, expert width): whole K-quant super-blocks, so every matrix is
+    # quantized; the two differ, so a swap of H and I anywhere would show.
+    path, _ = make_checkpoint(tmp_path_factory.mktemp("hf"), "qwen3_moe", hidden_size=256, moe_intermediate_size=512,
                               intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     return path
 
@@ -146,5 +147,10 @@ def test_q8_0_experts_stay_in_their_blocks_and_both_paths_agree(hf_checkpoint, t
                                     weights.repeat(3, 1), torch.nn.functional.silu, pool.fmt)[:3]  # 9 tokens: torch
     torch.testing.assert_close(kernel, torch_silu, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(kernel, decoded)  # a different activation gives a different result
-    with pytest.raises(ValueError, match="expert hierarchy"):
-        LLM(path, expert_device="virtual")
+    ops = cpu_decode_ops()
+    with pytest.raises(ValueError, match="experts_decode_blocks"):
+        ops.experts_decode_blocks("q8_0", torch.randn(1, 512), pool.gate_up, pool.down, [0], torch.ones(1))
+    with pytest.raises(ValueError, match="experts_decode_blocks"):
+        ops.experts_decode_blocks("q8_0", x[:1], pool.gate_up, pool.down[:2], [0], torch.ones(1))
+    # The hierarchy needs float experts: with it, the same file's experts are decoded at load.
+    assert LLM(path, expert_device="virtual").engine.pool.fmt is None

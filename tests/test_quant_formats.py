@@ -23,8 +23,9 @@ def _random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) ->
         blocks[:, 0:4] = np.abs(scale.view(np.float16)).view(np.uint8)  # d and dmin
     elif name == "q6_k":
         blocks[:, 208:210] = scale[:, 0:2]
-    else:  # mxfp4
+    else:  # mxfp4: exponents near 1, and the extremes
         blocks[:, 0] = rng.integers(117, 137, size=blocks.shape[0])
+        blocks[:2, 0] = (0, 255)
     return blocks.reshape(rows, -1)
 
 

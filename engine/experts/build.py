@@ -39,7 +39,7 @@ def cache_slots(spec: str | None, pool: ExpertPool, default_bytes: int) -> int:
     return int(amount * total + 1e-9)
 
 
-def _resolve_device(name: str) -> str:
+def resolve_device(name: str) -> str:
     """The device an (already validated) ``expert_device`` setting means on this machine."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "none"
@@ -76,7 +76,7 @@ def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: ExpertConfig, max_to
     """The hierarchical backend, or None when there is no device (every expert runs from the pool).
     ``max_tokens`` is the most tokens one step computes; ``pool_name`` names the shared-memory pool
     when there is one (for worker processes)."""
-    kind = _resolve_device(hc.device)
+    kind = resolve_device(hc.device)
     if kind == "none":
         return None
     if pool.fmt is not None:

@@ -67,13 +67,18 @@ class NativeKernels:
         [1, H], or None for a format this build has no kernel for (the caller decodes instead)."""
         if fmt != "q8_0":
             return None
-        if x.dtype != torch.float32 or gate_up.dtype != torch.uint8 or not (
-                gate_up.is_cpu and gate_up.is_contiguous() and down.is_contiguous()) or len(ids) != weights.numel():
-            raise ValueError("experts_decode_blocks: one fp32 token [1, H], contiguous uint8 CPU banks, "
-                             "one weight per expert")
+        rows, two_i = gate_up.shape[0], gate_up.shape[1]
+        hidden, inter = x.shape[-1], two_i // 2
+        block, block_bytes = 32, 34
+        if x.dtype != torch.float32 or tuple(x.shape) != (1, hidden) or hidden % block or inter % block \
+                or gate_up.dtype != torch.uint8 or down.dtype != torch.uint8 or not (gate_up.is_cpu and down.is_cpu) \
+                or tuple(gate_up.shape) != (rows, 2 * inter, hidden // block * block_bytes) \
+                or tuple(down.shape) != (rows, hidden, inter // block * block_bytes) \
+                or not (gate_up.is_contiguous() and down.is_contiguous()) or len(ids) != weights.numel():
+            raise ValueError("experts_decode_blocks: one fp32 token [1, H], contiguous uint8 Q8_0 banks "
+                             "[rows, 2I, H/32*34] and [rows, H, I/32*34] (H, I multiples of 32), one weight per expert")
         x = x.contiguous()
         weights = weights.contiguous()
-        hidden, inter = x.shape[1], gate_up.shape[1] // 2
         out = x.new_empty((1, hidden))
         self._decode.experts_decode_q8_0(x.data_ptr(), hidden, gate_up.data_ptr(), down.data_ptr(), inter,
                                          gate_up.shape[0], ids, weights.data_ptr(), _code(weights.dtype),

@@ -136,10 +136,12 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 
 
 def _mxfp4(b: torch.Tensor) -> torch.Tensor:
-    scale = torch.exp2(b[:, :1].float() - 127)  # E8M0
+    # E8M0 as the reference computes it: half the scale times doubled E2M1 values (so that the
+    # largest exponent, 2^128, stays finite where the value allows).
+    half = torch.exp2(b[:, :1].float() - 128)
     low, high = _nibbles(b[:, 1:])
-    values = torch.tensor(_FP4_VALUES, dtype=torch.float32)
-    return scale * values[torch.cat([low, high], 1)]
+    doubled = 2 * torch.tensor(_FP4_VALUES, dtype=torch.float32)
+    return half * doubled[torch.cat([low, high], 1)]
 
 
 _DECODERS = MappingProxyType({"q8_0": _q8_0, "q4_0": _q4_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k,

@@ -1,5 +1,5 @@
-"""Quantize float weights into the block formats of :mod:`hearth.engine.quant.formats` (what
-``hearth convert --quant`` writes).
+"""Quantize float weights into the block formats of :mod:`hearth.engine.quant.formats` (the
+tests' GGUF writer uses it; ``hearth convert --quant`` will).
 
 Q8_0, Q4_0 and MXFP4 follow the rounding of the reference quantizer in the ``gguf`` package, so
 the bytes are the same as llama.cpp's Python tools write. The K-quants (which the reference does
