@@ -75,17 +75,23 @@ class Matcher:
         free-text lexeme). If the processed logits allow nothing the grammar does (a logits
         processor forbade it all), the model's own ``raw`` logits [V] are masked instead."""
         self._torch.fill_next_token_bitmask(self._ll, self._mask, 0)
-        for source in (logits, raw if raw is not None else torch.zeros_like(logits)):
-            masked = source.clone()
-            self._torch.apply_token_bitmask_inplace(masked, self._mask[0])
-            if not self._ll.is_accepting():
-                masked[self._stop_ids] = float("-inf")
-            if not torch.isinf(masked).all():
-                return masked
+        masked = self._masked(logits)
+        if not torch.isinf(masked).all():
+            return masked
+        masked = self._masked(raw if raw is not None else torch.zeros_like(logits))  # rare: built only now
+        if not torch.isinf(masked).all():
+            return masked
         # Nothing allowed at all (cannot happen for a grammar that compiled): end the reply rather
         # than fail the engine step for every running request.
         log.warning("constrained decoding: the grammar allows no token (%s); ending the reply", self._ll.get_error())
         masked[self._stop_ids if len(self._stop_ids) else logits.argmax()] = 0.0
+        return masked
+
+    def _masked(self, source: torch.Tensor) -> torch.Tensor:
+        masked = source.clone()
+        self._torch.apply_token_bitmask_inplace(masked, self._mask[0])
+        if not self._ll.is_accepting():
+            masked[self._stop_ids] = float("-inf")
         return masked
 
     def advance(self, token: int) -> bool:

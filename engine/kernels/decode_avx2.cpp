@@ -232,6 +232,28 @@ bool widen_weights(int64_t address, int dtype, size_t k, std::vector<float>& out
   }) == 0;
 }
 
+// The pool rows (a list, each in [0, rows)) and routing weights (k of dtype code `dtype` at
+// `address`, widened to fp32) of an experts call; false with a Python error set when invalid.
+bool routed_args(PyObject* list, int64_t rows, int64_t address, int dtype, const char* name,
+                 std::vector<int64_t>& ids, std::vector<float>& weights) {
+  const Py_ssize_t k = PyList_GET_SIZE(list);
+  ids.resize(k);
+  for (Py_ssize_t j = 0; j < k; ++j) {
+    ids[j] = PyLong_AsLongLong(PyList_GET_ITEM(list, j));
+    if (ids[j] == -1 && PyErr_Occurred()) return false;
+    if (ids[j] < 0 || ids[j] >= rows) {
+      PyErr_Format(PyExc_ValueError, "%s: pool row %lld out of range [0, %lld)", name,
+                   static_cast<long long>(ids[j]), static_cast<long long>(rows));
+      return false;
+    }
+  }
+  if (!widen_weights(address, dtype, k, weights)) {
+    PyErr_Format(PyExc_ValueError, "%s: unsupported weight dtype", name);
+    return false;
+  }
+  return true;
+}
+
 // experts_decode(dtype, x, H, gate_up, down, I, rows, ids (list of pool rows), weights, weights_dtype, out,
 //                fp32_out, threads)
 PyObject* py_experts_decode(PyObject*, PyObject* const* args, Py_ssize_t n) {
@@ -244,22 +266,10 @@ PyObject* py_experts_decode(PyObject*, PyObject* const* args, Py_ssize_t n) {
   ints[7] = Py_None;
   int64_t a[13];
   if (!hearth::int_args(ints, 13, 13, a, "experts_decode")) return nullptr;
-  const Py_ssize_t k = PyList_GET_SIZE(args[7]);
-  std::vector<int64_t> ids(k);
-  for (Py_ssize_t j = 0; j < k; ++j) {
-    ids[j] = PyLong_AsLongLong(PyList_GET_ITEM(args[7], j));
-    if (ids[j] == -1 && PyErr_Occurred()) return nullptr;
-    if (ids[j] < 0 || ids[j] >= a[6]) {
-      PyErr_Format(PyExc_ValueError, "experts_decode: pool row %lld out of range [0, %lld)",
-                   static_cast<long long>(ids[j]), static_cast<long long>(a[6]));
-      return nullptr;
-    }
-  }
+  std::vector<int64_t> ids;
   std::vector<float> weights;
-  if (!widen_weights(a[8], static_cast<int>(a[9]), k, weights)) {
-    PyErr_SetString(PyExc_ValueError, "experts_decode: unsupported weight dtype");
-    return nullptr;
-  }
+  if (!routed_args(args[7], a[6], a[8], static_cast<int>(a[9]), "experts_decode", ids, weights)) return nullptr;
+  const Py_ssize_t k = static_cast<Py_ssize_t>(ids.size());
   const bool weights_fp32 = a[9] == hearth::kFloat32;
   int rc;
   Py_BEGIN_ALLOW_THREADS
@@ -284,22 +294,10 @@ PyObject* py_experts_decode_q8_0(PyObject*, PyObject* const* args, Py_ssize_t n)
   ints[6] = Py_None;
   int64_t a[11];
   if (!hearth::int_args(ints, 11, 11, a, "experts_decode_q8_0")) return nullptr;
-  const Py_ssize_t k = PyList_GET_SIZE(args[6]);
-  std::vector<int64_t> ids(k);
-  for (Py_ssize_t j = 0; j < k; ++j) {
-    ids[j] = PyLong_AsLongLong(PyList_GET_ITEM(args[6], j));
-    if (ids[j] == -1 && PyErr_Occurred()) return nullptr;
-    if (ids[j] < 0 || ids[j] >= a[5]) {
-      PyErr_Format(PyExc_ValueError, "experts_decode_q8_0: pool row %lld out of range [0, %lld)",
-                   static_cast<long long>(ids[j]), static_cast<long long>(a[5]));
-      return nullptr;
-    }
-  }
+  std::vector<int64_t> ids;
   std::vector<float> weights;
-  if (!widen_weights(a[7], static_cast<int>(a[8]), k, weights)) {
-    PyErr_SetString(PyExc_ValueError, "experts_decode_q8_0: unsupported weight dtype");
-    return nullptr;
-  }
+  if (!routed_args(args[6], a[5], a[7], static_cast<int>(a[8]), "experts_decode_q8_0", ids, weights)) return nullptr;
+  const Py_ssize_t k = static_cast<Py_ssize_t>(ids.size());
   Py_BEGIN_ALLOW_THREADS
   experts_q8_0_impl(ptr<const float>(a[0]), a[1], ptr<const uint8_t>(a[2]), ptr<const uint8_t>(a[3]), a[4], ids.data(),
                     k, weights.data(), ptr<float>(a[9]), static_cast<int>(a[10]));
