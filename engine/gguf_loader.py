@@ -5,10 +5,12 @@ mapping leaves out read here (the experts' width, tied embeddings). Tensor names
 ``gguf`` package's name map, which llama.cpp's converter writes with; experts are stacked per
 layer (``blk.N.ffn_{gate,up,down}_exps``). Every tensor is accounted for, as for safetensors.
 
-Experts stay in their blocks, from file to kernel, when the native kernels compute that format
-(:data:`~hearth.engine.kernels.BLOCK_KERNELS`; float32 activations, as llama.cpp computes quantized
-models, and no shared-memory pool). Everything else is decoded to the compute dtype at load
-(float32 by default); see docs/quantization.md.
+Quantized weights stay in their blocks, from file to kernel, when the native kernels compute their
+formats (:data:`~hearth.engine.kernels.BLOCK_KERNELS`) with float32 activations (the default for
+GGUF, as llama.cpp computes quantized models): experts in the pool (one expert a bank row, each
+layer in its own formats) unless a shared-memory pool or the expert hierarchy needs float experts,
+and the dense projections, the output projection and the embedding table. Everything else (norms,
+the router, float tensors) is decoded to the compute dtype at load; see docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from tqdm import tqdm
 
 from hearth.engine.config import parse_dtype
 from hearth.engine.experts.compute import LocalExpertBackend
-from hearth.engine.experts.pool import ExpertPool
+from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.gguf_file import ARCHITECTURES, GGUFError, GGUFFile
 from hearth.engine.models import build_model, family_for
+from hearth.engine.ops import block_weight
 from hearth.engine.quant.formats import BlockFormat
 
 _EXPERT_PARTS = ("gate", "up", "down")
@@ -76,8 +79,9 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
 
     f = GGUFFile(path)
     family, cfg = _config(f, dtype)
-    fmt = _expert_blocks(f, cfg) if pool_factory is None and keep_blocks else None
-    pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None, fmt)
+    keep_blocks = keep_blocks and _block_kernels(cfg)
+    blocks = _expert_blocks(f, cfg) if pool_factory is None and keep_blocks else None
+    pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None, blocks)
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
     names = gguf.TensorNameMap(gguf.MODEL_ARCH[f.architecture.upper()], cfg.num_layers)
     expected: dict[str, torch.nn.Parameter] = {}
@@ -98,8 +102,9 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
         raise CheckpointError(f"{f.path}: does not match its metadata: {'; '.join(errors[:6])}{more}")
     bar = tqdm(total=len(expected) + len(experts), desc="loading tensors", unit="t", disable=not show_progress)
     for name, param in expected.items():
-        _copy(f, name, param.data)
+        _load_dense(f, name, param, model, keep_blocks)
         bar.update(1)
+    _adopt_blocks(model)
     for name, (layer, part) in experts.items():
         _fill_experts(f, name, pool, cfg, layer, part)
         bar.update(1)
@@ -108,22 +113,56 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
     return LoadedModel(config=cfg, model=model, pool=pool, model_dir=f.path)
 
 
-def _expert_blocks(f: GGUFFile, cfg) -> BlockFormat | None:
-    """The block format the experts can stay in: one for every expert tensor, with a native kernel."""
-    from hearth.engine.kernels import BLOCK_KERNELS, cpu_decode_ops
+def _block_kernels(cfg) -> bool:
+    """Whether weights may stay in blocks: the native kernels run, with float32 activations."""
+    from hearth.engine.kernels import cpu_decode_ops
 
-    formats = {f.tensors[n].format for n in f.tensors if "_exps" in n}
-    if len(formats) != 1 or cfg.dtype != torch.float32 or cpu_decode_ops() is None:
-        return None
-    (fmt,) = formats
+    return cfg.dtype == torch.float32 and cpu_decode_ops() is not None
+
+
+def _kernel_format(t) -> BlockFormat | None:
+    from hearth.engine.kernels import BLOCK_KERNELS
+
+    fmt = t.format
     return fmt if isinstance(fmt, BlockFormat) and fmt.name in BLOCK_KERNELS else None
 
 
-def _copy(f: GGUFFile, name: str, dst: torch.Tensor) -> None:
+def _expert_blocks(f: GGUFFile, cfg) -> dict[int, ExpertBlocks] | None:
+    """Each MoE layer's expert formats, when every layer's can stay in blocks (gate and up in one
+    format, each with a kernel); otherwise None (the experts are decoded)."""
+    blocks = {}
+    for layer in cfg.moe_layer_ids:
+        gate, up, down = (_kernel_format(f.tensors[f"blk.{layer}.ffn_{p}_exps.weight"]) for p in _EXPERT_PARTS)
+        if gate is None or down is None or gate != up:
+            return None
+        blocks[layer] = ExpertBlocks(gate, down, cfg.hidden_size, cfg.moe_intermediate_size)
+    return blocks
+
+
+def _load_dense(f: GGUFFile, name: str, param: torch.nn.Parameter, model, keep_blocks: bool) -> None:
+    """One non-expert tensor into its parameter: a 2-D weight in a block format with a kernel
+    replaces the parameter by its blocks (uint8 [rows, row bytes], tagged ``block_format``); the
+    rest is decoded into the parameter."""
     t = f.tensors[name]
-    if tuple(t.shape) != tuple(dst.shape):
-        raise GGUFError(f"{f.path}: tensor '{name}' has shape {list(t.shape)}, expected {list(dst.shape)}")
-    dst.copy_(t.dequantized())
+    if tuple(t.shape) != tuple(param.shape):
+        raise GGUFError(f"{f.path}: tensor '{name}' has shape {list(t.shape)}, expected {list(param.shape)}")
+    fmt = _kernel_format(t) if keep_blocks and param.dim() == 2 else None
+    if fmt is None:
+        param.data.copy_(t.dequantized())
+        return
+    blocks = block_weight(t.raw().clone(), fmt)  # a copy: the file's map can close
+    for module in model.modules():  # every module that holds this parameter (tied embeddings: two)
+        for attr, value in list(module._parameters.items()):
+            if value is param:
+                module._parameters[attr] = blocks
+
+
+def _adopt_blocks(model) -> None:
+    """Layers that fuse several projections (attention's q/k/v) re-fuse them from their blocks."""
+    for module in model.modules():
+        adopt = getattr(module, "adopt_block_weights", None)
+        if adopt is not None:
+            adopt()
 
 
 def _fill_experts(f: GGUFFile, name: str, pool: ExpertPool, cfg, layer: int, part: str) -> None:
@@ -134,8 +173,17 @@ def _fill_experts(f: GGUFFile, name: str, pool: ExpertPool, cfg, layer: int, par
     if tuple(t.shape) != want:
         raise GGUFError(f"{f.path}: tensor '{name}' has shape {list(t.shape)}, expected {list(want)}")
     rows = slice(pool.layer_rows(layer), pool.layer_rows(layer) + e)
-    values = t.raw() if pool.fmt is not None else t.dequantized()  # blocks as stored, or decoded
+    blocks = pool.layer_blocks(layer)
+    if blocks is not None:  # as stored: each expert's rows of blocks at the start of its bank row
+        raw = t.raw().reshape(e, -1)  # [E, rows * row bytes]
+        if part == "down":
+            pool.down[rows, : raw.shape[1]].copy_(raw)
+        else:  # gate rows first, then up rows
+            start = 0 if part == "gate" else raw.shape[1]
+            pool.gate_up[rows, start : start + raw.shape[1]].copy_(raw)
+        return
+    values = t.dequantized()
     if part == "down":
         pool.down[rows].copy_(values)
-    else:  # whole rows in either case: gate rows first, then up rows
+    else:  # gate rows first, then up rows
         pool.gate_up[rows, (0 if part == "gate" else i):(i if part == "gate" else 2 * i)].copy_(values)

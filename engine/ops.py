@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hearth.engine.kernels import cpu_decode_ops, cpu_has_native_half_gemm
+from hearth.engine.kernels import BLOCK_KERNELS, cpu_decode_ops, cpu_has_native_half_gemm
+from hearth.engine.quant.formats import dequantize
 
 _HALF = (torch.bfloat16, torch.float16)
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
@@ -36,7 +37,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
       result is bit-identical to computing it alone;
     - several tokens in bf16/fp16 on a CPU without native half-precision math: the GEMM runs in
       fp32 on exactly upcast operands, several times faster than PyTorch's emulated kernel there.
+
+    A weight kept in its quantized blocks (uint8 [N, row bytes] tagged ``block_format``, see
+    :func:`block_weight`) is read in them for a few tokens, and decoded once per call otherwise.
     """
+    if weight.dtype == torch.uint8:
+        return _block_linear(x, weight, bias)
     if weight.is_cpu:
         ops = cpu_decode_ops()
         if ops is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH and weight.is_contiguous():
@@ -45,3 +51,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             b = bias.float() if bias is not None else None
             return F.linear(x.float(), weight.float(), b).to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+def block_weight(data: torch.Tensor, fmt) -> torch.nn.Parameter:
+    """A frozen parameter holding a weight in its quantized blocks (uint8 [N, row bytes] of the
+    :class:`~hearth.engine.quant.formats.BlockFormat` ``fmt``), which :func:`linear` and
+    :func:`embedding_rows` recognise."""
+    param = torch.nn.Parameter(data, requires_grad=False)
+    param.block_format = fmt
+    return param
+
+
+def _block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    fmt = weight.block_format
+    x2 = x.reshape(-1, x.shape[-1]).float()  # [M, K]
+    ops = cpu_decode_ops()
+    if ops is not None and x2.shape[0] <= SMALL_BATCH and fmt.name in BLOCK_KERNELS:
+        y = ops.linear_blocks(x2, weight, fmt.name)
+    else:  # many tokens: decode once, one GEMM
+        y = x2 @ dequantize(weight, fmt, x2.shape[1]).T
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+
+def embedding_rows(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of an embedding table [V, H], decoded from blocks when it is kept in them."""
+    if weight.dtype != torch.uint8:
+        return F.embedding(ids, weight)
+    fmt = weight.block_format
+    rows = weight.index_select(0, ids.reshape(-1))  # [T, row bytes]
+    cols = rows.shape[1] // fmt.block_bytes * fmt.block_elems
+    return dequantize(rows, fmt, cols).to(dtype).reshape(*ids.shape, cols)

@@ -128,29 +128,30 @@ def test_inspect_shows_the_stored_formats_and_bytes_per_token(hf_checkpoint, tmp
     assert stored["bytes_per_decode_token"] == int(want)
 
 
-def test_q8_0_experts_stay_in_their_blocks_and_both_paths_agree(hf_checkpoint, tmp_path) -> None:
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
+def test_quantized_weights_stay_in_their_blocks_and_both_paths_agree(hf_checkpoint, tmp_path, fmt) -> None:
     from hearth.engine.experts.compute import routed_partial_sum
     from hearth.engine.kernels import cpu_decode_ops
 
-    path = write_gguf(hf_checkpoint, tmp_path / "m.gguf", "q8_0")
+    path = write_gguf(hf_checkpoint, tmp_path / "m.gguf", fmt)
     llm = LLM(path)
-    pool = llm.engine.pool
+    pool, model = llm.engine.pool, llm.engine.runner.model
     if cpu_decode_ops() is None:
-        pytest.skip("no native kernels here: experts are decoded at load")
-    assert pool.fmt.name == "q8_0" and pool.gate_up.dtype == torch.uint8
+        pytest.skip("no native kernels here: weights are decoded at load")
+    blocks = pool.layer_blocks(pool.moe_layer_ids[0])
+    assert blocks.gate_up.name == blocks.down.name == fmt and pool.gate_up.dtype == torch.uint8
+    # Dense projections, the output projection and the embedding stay in blocks too.
+    attn = model.model.layers[0].self_attn
+    assert attn.qkv_weight.dtype == attn.o_proj.weight.dtype == model.lm_head.weight.dtype == torch.uint8
+    assert model.model.embed_tokens.weight.block_format.name == fmt
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
     rows = torch.tensor([[0, 5], [7, -1], [3, 3]])
     weights = torch.tensor([[0.7, 0.3], [1.0, 0.0], [0.5, 0.5]])
-    kernel = routed_partial_sum(x, pool.gate_up, pool.down, rows, weights, torch.nn.functional.silu, pool.fmt)
-    decoded = routed_partial_sum(x, pool.gate_up, pool.down, rows, weights, torch.sigmoid, pool.fmt)  # torch path
+    kernel = routed_partial_sum(x, pool.gate_up, pool.down, rows, weights, torch.nn.functional.silu, blocks)
+    decoded = routed_partial_sum(x, pool.gate_up, pool.down, rows, weights, torch.sigmoid, blocks)  # torch path
     torch_silu = routed_partial_sum(x.repeat(3, 1)[:9], pool.gate_up, pool.down, rows.repeat(3, 1),
-                                    weights.repeat(3, 1), torch.nn.functional.silu, pool.fmt)[:3]  # 9 tokens: torch
-    torch.testing.assert_close(kernel, torch_silu, rtol=1e-5, atol=1e-6)
+                                    weights.repeat(3, 1), torch.nn.functional.silu, blocks)[:3]  # 9 tokens: torch
+    torch.testing.assert_close(kernel, torch_silu, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(kernel, decoded)  # a different activation gives a different result
-    ops = cpu_decode_ops()
-    with pytest.raises(ValueError, match="experts_decode_blocks"):
-        ops.experts_decode_blocks("q8_0", torch.randn(1, 512), pool.gate_up, pool.down, [0], torch.ones(1))
-    with pytest.raises(ValueError, match="experts_decode_blocks"):
-        ops.experts_decode_blocks("q8_0", x[:1], pool.gate_up, pool.down[:2], [0], torch.ones(1))
     # The hierarchy needs float experts: with it, the same file's experts are decoded at load.
-    assert LLM(path, expert_device="virtual").engine.pool.fmt is None
+    assert LLM(path, expert_device="virtual").engine.pool.blocks is None

@@ -79,8 +79,8 @@ def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: ExpertConfig, max_to
     kind = resolve_device(hc.device)
     if kind == "none":
         return None
-    if pool.fmt is not None:
-        raise ConfigError(f"experts kept in {pool.fmt.name} blocks run on the plain CPU engine for now; the expert "
+    if pool.blocks is not None:
+        raise ConfigError("experts kept in quantized blocks run on the plain CPU engine for now; the expert "
                           "hierarchy (--expert-device) needs float experts")
     act = activation(cfg.hidden_act)
     free = torch.cuda.mem_get_info()[0] if kind == "cuda" else 0

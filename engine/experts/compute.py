@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from hearth.engine.experts.contract import StepContext
-from hearth.engine.experts.pool import ExpertPool
-from hearth.engine.kernels import cpu_decode_ops
+from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
+from hearth.engine.kernels import BLOCK_KERNELS, cpu_decode_ops
 from hearth.engine.ops import SMALL_BATCH, activation, linear
-from hearth.engine.quant.formats import BlockFormat, dequantize
+from hearth.engine.quant.formats import dequantize
 
 
 def group_by_row(rows: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -38,13 +38,13 @@ def routed_partial_sum(
     rows: torch.Tensor,  # [T, k] rows of gate_up/down; -1 = served elsewhere
     weights: torch.Tensor,  # [T, k]
     act,
-    fmt: BlockFormat | None = None,  # the banks' block format (uint8 banks), None for float banks
+    blocks: ExpertBlocks | None = None,  # the layer's block formats (uint8 banks), None for float banks
 ) -> torch.Tensor:  # [T, H] fp32, unrounded
     """Weighted sum of the routed experts whose row is >= 0, kept in fp32 so that partial sums of
     different paths (device slots, CPU workers) add up to what one path computes, up to fp32
     rounding order."""
-    if fmt is not None:
-        return _block_partial_sum(x, gate_up, down, rows, weights, act, fmt)
+    if blocks is not None:
+        return _block_partial_sum(x, gate_up, down, rows, weights, act, blocks)
     t, k = rows.shape
     ops = cpu_decode_ops() if act is torch.nn.functional.silu and gate_up.device.type == "cpu" else None
     if ops is not None and t <= SMALL_BATCH:
@@ -61,34 +61,24 @@ def routed_partial_sum(
 
 
 def _block_partial_sum(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: torch.Tensor,
-                       weights: torch.Tensor, act, fmt: BlockFormat) -> torch.Tensor:  # [T, H] fp32
-    """routed_partial_sum over block-quantized banks: a few tokens through the native kernel where
-    one exists for the format (the weights read in their blocks), otherwise each routed expert
-    decoded once per step and multiplied in fp32 (the torch path)."""
-    t, k = rows.shape
-    hidden, inter = x.shape[1], gate_up.shape[1] // 2
+                       weights: torch.Tensor, act, blocks: ExpertBlocks) -> torch.Tensor:  # [T, H] fp32
+    """routed_partial_sum over block-quantized banks (uint8 [rows, bytes], one expert a row): a few
+    tokens through the native kernel, which reads each routed expert in its blocks once for all of
+    them; otherwise (many tokens, no kernel) each routed expert decoded once and multiplied in fp32."""
+    t, hidden, inter = x.shape[0], blocks.hidden, blocks.inter
     ops = cpu_decode_ops() if act is torch.nn.functional.silu and x.dtype == torch.float32 else None
-    if ops is not None and t <= SMALL_BATCH:
-        outs = []
-        for i in range(t):
-            keep = [j for j, r in enumerate(rows[i].tolist()) if r >= 0]
-            if not keep:
-                outs.append(torch.zeros((1, hidden), dtype=torch.float32))
-                continue
-            out = ops.experts_decode_blocks(fmt.name, x[i : i + 1], gate_up, down, rows[i, keep].tolist(),
-                                            weights[i, keep])
-            if out is None:
-                break
-            outs.append(out)
-        else:
-            return torch.cat(outs)
-    parts = torch.zeros((t, k, hidden), dtype=torch.float32)
+    if ops is not None and t <= SMALL_BATCH and {blocks.gate_up.name, blocks.down.name} <= BLOCK_KERNELS:
+        return ops.experts_blocks(x, gate_up, down, rows, weights, blocks.gate_up.name, blocks.down.name, inter)
+    gu_bytes, dn_bytes = blocks.gate_up_bytes, blocks.down_bytes
+    parts = torch.zeros((t, rows.shape[1], hidden), dtype=torch.float32)
     xf = x.float()
     for row, tokens, kpos in group_by_row(rows):
         if row < 0:
             continue
-        gate, up = (xf[tokens] @ dequantize(gate_up[row], fmt, hidden).T).chunk(2, dim=-1)
-        parts[tokens, kpos] = (act(gate) * up) @ dequantize(down[row], fmt, inter).T * weights[tokens, kpos, None]
+        w_gu = dequantize(gate_up[row, :gu_bytes].view(2 * inter, -1), blocks.gate_up, hidden)
+        w_dn = dequantize(down[row, :dn_bytes].view(hidden, -1), blocks.down, inter)
+        gate, up = (xf[tokens] @ w_gu.T).chunk(2, dim=-1)
+        parts[tokens, kpos] = (act(gate) * up) @ w_dn.T * weights[tokens, kpos, None]
     return parts.sum(dim=1)
 
 
@@ -115,4 +105,4 @@ class LocalExpertBackend:
         # accumulation and rounded once, as the reference does; low-precision results match it.
         rows = self.pool.row_table[expert_ids]  # [T, k] pool rows
         return routed_partial_sum(x, self.pool.gate_up, self.pool.down, rows, topk_weights, self.act,
-                                  self.pool.fmt).to(x.dtype)
+                                  self.pool.blocks_of_ids(expert_ids)).to(x.dtype)

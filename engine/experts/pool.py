@@ -6,10 +6,33 @@ weight) triples to an expert backend (``contract.ExpertBackend``), which reads t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import torch
 
 from hearth.engine.config import ModelConfig
 from hearth.engine.quant.formats import BlockFormat
+
+
+@dataclass(frozen=True)
+class ExpertBlocks:
+    """How one MoE layer's experts are stored in blocks: gate and up rows (2I of H elements) share
+    one format, the down rows (H of I elements) have their own (a Q4_K_M file keeps some layers'
+    down projections in Q6_K)."""
+
+    gate_up: BlockFormat
+    down: BlockFormat
+    hidden: int
+    inter: int
+
+    @property
+    def gate_up_bytes(self) -> int:
+        return 2 * self.inter * self.gate_up.row_bytes(self.hidden)
+
+    @property
+    def down_bytes(self) -> int:
+        return self.hidden * self.down.row_bytes(self.inter)
 
 
 class ExpertPool:
@@ -17,21 +40,26 @@ class ExpertPool:
 
     ``gate_up[row]`` is [2I, H] (gate rows first, then up rows, the transformers fused layout) and
     ``down[row]`` is [H, I]; ``row_table[g]`` maps a global id to its row (dense layers own no rows).
-    With a block format ``fmt`` the banks hold each row in its quantized blocks: uint8 [rows, 2I,
-    fmt.row_bytes(H)] and [rows, H, fmt.row_bytes(I)] (see :mod:`hearth.engine.quant.formats`).
+
+    With ``blocks`` (each MoE layer's :class:`ExpertBlocks`) the banks hold every expert in its
+    quantized blocks, one expert per row: uint8 [rows, bytes], the expert's 2I gate and up rows (or H
+    down rows) first, in its layer's format. A row is as wide as the widest layer's expert; a
+    narrower expert leaves the tail of its row unused (pages never written are never resident).
     """
 
     def __init__(self, cfg: ModelConfig, storage: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 fmt: BlockFormat | None = None) -> None:
+                 blocks: Mapping[int, ExpertBlocks] | None = None) -> None:
         """``storage``: existing (gate_up, down) tensors to use, e.g. views of a shared-memory
         segment (see :mod:`hearth.engine.experts.mechanism.host_pool`); by default fresh host memory."""
         self.num_experts = cfg.num_experts
         self.moe_layer_ids = cfg.moe_layer_ids
         self.num_global_ids = cfg.num_layers * cfg.num_experts
-        self.fmt = fmt
-        shapes = self.bank_shapes(cfg, fmt)
+        self.blocks = dict(blocks) if blocks else None
+        if self.blocks is not None and set(self.blocks) != set(cfg.moe_layer_ids):
+            raise ValueError("block formats must be given for every MoE layer")
+        shapes = self.bank_shapes(cfg, self.blocks)
         if storage is None:
-            dtype = torch.uint8 if fmt is not None else cfg.dtype
+            dtype = torch.uint8 if self.blocks is not None else cfg.dtype
             storage = (torch.empty(shapes[0], dtype=dtype), torch.empty(shapes[1], dtype=dtype))
         self.gate_up, self.down = storage
         if tuple(self.gate_up.shape) != shapes[0] or tuple(self.down.shape) != shapes[1]:
@@ -45,14 +73,27 @@ class ExpertPool:
             self.row_table[start : start + cfg.num_experts] = torch.arange(base, base + cfg.num_experts)
 
     @staticmethod
-    def bank_shapes(cfg: ModelConfig, fmt: BlockFormat | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Shapes of the two expert banks: gate_up [rows, 2I, H] and down [rows, H, I] (the last
-        dimension in bytes of blocks with a block format)."""
+    def bank_shapes(cfg: ModelConfig, blocks: Mapping[int, ExpertBlocks] | None = None
+                    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of the two expert banks: gate_up [rows, 2I, H] and down [rows, H, I], or with
+        ``blocks`` [rows, bytes of the widest expert] each."""
         n = len(cfg.moe_layer_ids) * cfg.num_experts
         i, h = cfg.moe_intermediate_size, cfg.hidden_size
-        if fmt is not None:
-            return (n, 2 * i, fmt.row_bytes(h)), (n, h, fmt.row_bytes(i))
+        if blocks:
+            if any((b.hidden, b.inter) != (h, i) for b in blocks.values()):
+                raise ValueError("expert blocks of another expert shape than the model's")
+            return (n, max(b.gate_up_bytes for b in blocks.values())), (n, max(b.down_bytes for b in blocks.values()))
         return (n, 2 * i, h), (n, h, i)
+
+    def layer_blocks(self, layer: int) -> ExpertBlocks | None:
+        """The block formats of ``layer``'s experts (None for float banks)."""
+        return self.blocks[layer] if self.blocks is not None else None
+
+    def blocks_of_ids(self, expert_ids: torch.Tensor) -> ExpertBlocks | None:
+        """The block formats of the layer that global ids ``expert_ids`` (one layer's) belong to."""
+        if self.blocks is None:
+            return None
+        return self.blocks[int(expert_ids.reshape(-1)[0]) // self.num_experts]
 
     @property
     def expert_bytes(self) -> int:

@@ -1,9 +1,10 @@
 """Native CPU kernels, built when the package is installed, chosen at run time by CPU features.
 
-The extension modules (``_native_base`` on every machine, ``_native_avx2`` for AVX2 + FMA + F16C) are
+The extension modules (``_native_base`` on every machine, ``_native_avx2`` for AVX2 + FMA + F16C,
+``_native_avx512`` the same kernels with 16-lane block-quantized products for AVX-512) are
 plain C++ that takes tensors as data pointers and sizes, so they build without torch's headers and
-survive torch upgrades; see ``setup.py``. ``_native_avx2`` is imported only on a CPU that has those
-instructions. :func:`cpu_decode_ops` returns the kernels this machine can run, or None where they
+survive torch upgrades; see ``setup.py``. The decode library is imported only on a CPU that has its
+instructions (the widest one). :func:`cpu_decode_ops` returns the kernels this machine can run, or None where they
 are unavailable (not built, another architecture, a CPU without AVX2, ``HEARTH_CPU_KERNELS=0``);
 callers then take the torch paths, which give the same results up to fp32 rounding order. Nothing
 is compiled at run time.
@@ -16,7 +17,7 @@ import importlib
 import logging
 import os
 from pathlib import Path
-from types import ModuleType
+from types import MappingProxyType, ModuleType
 
 import torch
 
@@ -29,7 +30,9 @@ FEATURE_AVX512_BF16 = 1 << 2
 FEATURE_AVX512_VNNI = 1 << 3
 FEATURE_AMX = 1 << 4
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-BLOCK_KERNELS = frozenset({"q8_0"})  # block formats whose experts the native kernels compute in their blocks
+# Block formats the native kernels compute in their blocks, with their codes in blocks.h.
+BLOCK_CODES = MappingProxyType({"q8_0": 0, "q4_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "mxfp4": 5})
+BLOCK_KERNELS = frozenset(BLOCK_CODES)
 _HERE = Path(__file__).resolve().parent
 
 
@@ -61,28 +64,44 @@ class NativeKernels:
                                    None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
         return out
 
-    def experts_decode_blocks(self, fmt: str, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                              ids: list[int], weights: torch.Tensor) -> torch.Tensor | None:
-        """One token's routed block-quantized experts (fp32 ``x`` [1, H], uint8 banks): the fp32 sum
-        [1, H], or None for a format this build has no kernel for (the caller decodes instead)."""
-        if fmt != "q8_0":
-            return None
-        rows, two_i = gate_up.shape[0], gate_up.shape[1]
-        hidden, inter = x.shape[-1], two_i // 2
-        block, block_bytes = 32, 34
-        if x.dtype != torch.float32 or tuple(x.shape) != (1, hidden) or hidden % block or inter % block \
-                or gate_up.dtype != torch.uint8 or down.dtype != torch.uint8 or not (gate_up.is_cpu and down.is_cpu) \
-                or tuple(gate_up.shape) != (rows, 2 * inter, hidden // block * block_bytes) \
-                or tuple(down.shape) != (rows, hidden, inter // block * block_bytes) \
-                or not (gate_up.is_contiguous() and down.is_contiguous()) or len(ids) != weights.numel():
-            raise ValueError("experts_decode_blocks: one fp32 token [1, H], contiguous uint8 Q8_0 banks "
-                             "[rows, 2I, H/32*34] and [rows, H, I/32*34] (H, I multiples of 32), one weight per expert")
+    def linear_blocks(self, x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
+        """y fp32 [M, N] = x fp32 [M, K] @ W^T for W uint8 [N, K / elems * bytes] in block format
+        ``fmt`` (read in its blocks; every 8 tokens share one pass over W)."""
+        code = BLOCK_CODES[fmt]
+        if x.dtype != torch.float32 or x.dim() != 2 or w.dtype != torch.uint8 or w.dim() != 2 \
+                or not (w.is_cpu and w.is_contiguous()) or w.shape[1] != _row_bytes(fmt, x.shape[1]):
+            raise ValueError(f"linear_blocks: fp32 x [M, K] and a contiguous uint8 {fmt} weight [N, K-row bytes]")
         x = x.contiguous()
-        weights = weights.contiguous()
-        out = x.new_empty((1, hidden))
-        self._decode.experts_decode_q8_0(x.data_ptr(), hidden, gate_up.data_ptr(), down.data_ptr(), inter,
-                                         gate_up.shape[0], ids, weights.data_ptr(), _code(weights.dtype),
-                                         out.data_ptr(), torch.get_num_threads())
+        out = x.new_empty((x.shape[0], w.shape[0]))
+        self._decode.linear_blocks(code, x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.shape[0],
+                                   out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def experts_blocks(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: torch.Tensor,
+                       weights: torch.Tensor, gate_up_fmt: str, down_fmt: str, inter: int) -> torch.Tensor:
+        """The routed block-quantized experts of a few tokens, SiLU-gated, weighted and summed: fp32
+        [T, H]. ``x`` fp32 [T, H]; ``rows`` [T, k] bank rows (-1: computed elsewhere); expert ``r``'s
+        gate and up rows (2I of H elements) are the first bytes of ``gate_up[r]``, its down rows (H of
+        I elements) the first bytes of ``down[r]`` (uint8 banks, one expert per row)."""
+        t, hidden = x.shape
+        if x.dtype != torch.float32 or gate_up.dtype != torch.uint8 or down.dtype != torch.uint8 \
+                or gate_up.dim() != 2 or down.dim() != 2 or gate_up.stride(1) != 1 or down.stride(1) != 1 \
+                or not (gate_up.is_cpu and down.is_cpu) or gate_up.shape[0] != down.shape[0] \
+                or gate_up.shape[1] < 2 * inter * _row_bytes(gate_up_fmt, hidden) \
+                or down.shape[1] < hidden * _row_bytes(down_fmt, inter) \
+                or rows.shape[0] != t or weights.shape != rows.shape:
+            raise ValueError("experts_blocks: fp32 x [T, H], uint8 banks [rows, expert bytes] holding whole "
+                             f"{gate_up_fmt}/{down_fmt} experts, rows and weights [T, k]")
+        x = x.contiguous()
+        ids = rows.to(torch.int64).contiguous()
+        w = weights.to(torch.float32).contiguous()
+        out = x.new_empty((t, hidden))
+        rc = self._decode.experts_blocks(BLOCK_CODES[gate_up_fmt], BLOCK_CODES[down_fmt], x.data_ptr(), t, hidden,
+                                         inter, gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(),
+                                         down.stride(0), gate_up.shape[0], ids.data_ptr(), ids.shape[1],
+                                         w.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"experts_blocks: a bank row out of [0, {gate_up.shape[0]})")
         return out
 
     def experts_decode(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: list[int],
@@ -148,6 +167,12 @@ class NativeKernels:
         return pair_slot, src, dst, torch.tensor(q)
 
 
+def _row_bytes(fmt: str, cols: int) -> int:
+    from hearth.engine.quant.formats import FORMATS
+
+    return FORMATS[fmt].row_bytes(cols)
+
+
 def _code(dtype: torch.dtype) -> int:
     code = _DTYPE_CODES.get(dtype)
     if code is None:
@@ -178,15 +203,20 @@ def cpu_decode_ops() -> NativeKernels | None:
     features = base.cpu_features()
     if not features & FEATURE_AVX2:
         return None  # not an AVX2 machine: the torch paths are the right ones, nothing to warn about
-    try:
-        decode = _module("_native_avx2")
-    except ImportError as exc:
-        log.warning("hearth: the AVX2 decode kernels do not load (%s); using PyTorch kernels", exc)
-        return None
-    if decode is None:
-        log.warning("hearth: the AVX2 decode kernels are not built; using PyTorch kernels")
-        return None
-    return NativeKernels(base, decode, features)
+    # The widest library this CPU runs; HEARTH_CPU_ISA=avx2 keeps to AVX2 (to compare, or to test both).
+    names = ["_native_avx2"]
+    if features & FEATURE_AVX512 and os.environ.get("HEARTH_CPU_ISA", "").lower() != "avx2":
+        names.insert(0, "_native_avx512")
+    for name in names:
+        try:
+            decode = _module(name)
+        except ImportError as exc:
+            log.warning("hearth: the %s decode kernels do not load (%s)", name, exc)
+            continue
+        if decode is not None:
+            return NativeKernels(base, decode, features)
+    log.warning("hearth: the AVX2 decode kernels are not built; using PyTorch kernels")
+    return None
 
 
 @functools.cache

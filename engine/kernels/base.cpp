@@ -20,7 +20,8 @@ int cpu_features() {
 #if defined(__x86_64__)
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) bits |= kAvx2;  // F16C comes with them
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
     bits |= kAvx512;
   if (__builtin_cpu_supports("avx512bf16")) bits |= kAvx512Bf16;
   if (__builtin_cpu_supports("avx512vnni")) bits |= kAvx512Vnni;

@@ -1,6 +1,8 @@
 // Decode (few-token) CPU kernels for AVX2 + FMA + F16C: matrix-vector products that stream the weights
 // at memory speed, RMSNorm, and a whole MoE layer's routed experts for one token in one call. Built with
-// -mavx2 -mfma -mf16c; the dispatcher loads this library only on CPUs that have them.
+// -mavx2 -mfma -mf16c; the dispatcher loads this library only on CPUs that have them. The same source
+// is built a second time for AVX-512 (decode_avx512.cpp), where the block-quantized kernels of blocks.h
+// use 16 lanes.
 //
 // Numerics follow PyTorch's own low-precision kernels: products are accumulated in fp32 and every
 // intermediate tensor the reference materialises (projection outputs, the activation, the gated
@@ -8,7 +10,12 @@
 // order of the fp32 accumulation inside a dot product differs.
 #include <vector>
 
+#include "blocks.h"
 #include "native.h"
+
+#ifndef HEARTH_DECODE_MODULE
+#define HEARTH_DECODE_MODULE _native_avx2
+#endif
 
 namespace {
 
@@ -115,61 +122,6 @@ void experts_impl(const T* x, int64_t H, const T* gate_up, const T* down, int64_
       static_cast<float*>(out)[h] = s;
     else
       static_cast<T*>(out)[h] = hearth::from_float<T>(s);
-  }
-}
-
-// -- block-quantized experts (fp32 activations) ---------------------------------------------------
-
-// 8 int8 weights widened to fp32.
-inline __m256 load8_i8(const int8_t* q) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
-}
-
-constexpr int64_t kQ8Block = 32, kQ8Bytes = 34;  // Q8_0: fp16 scale d, then 32 int8 values
-
-// One Q8_0 row of K elements dotted with an fp32 vector: sum over blocks of d * (q . x), the int8
-// values widened in registers (never a dequantized copy of the row).
-inline float dot_q8_0(const uint8_t* row, const float* x, int64_t K) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < K / kQ8Block; ++b) {
-    const uint8_t* blk = row + b * kQ8Bytes;
-    uint16_t d;
-    std::memcpy(&d, blk, 2);
-    const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
-    const float* xb = x + b * kQ8Block;
-    __m256 s = _mm256_mul_ps(load8_i8(q), _mm256_loadu_ps(xb));
-    s = _mm256_fmadd_ps(load8_i8(q + 8), _mm256_loadu_ps(xb + 8), s);
-    s = _mm256_fmadd_ps(load8_i8(q + 16), _mm256_loadu_ps(xb + 16), s);
-    s = _mm256_fmadd_ps(load8_i8(q + 24), _mm256_loadu_ps(xb + 24), s);
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(d)), s, acc);
-  }
-  return hsum(acc);
-}
-
-// experts_impl for Q8_0 banks: gate_up [rows, 2I, H/32 blocks], down [rows, H, I/32 blocks]; x and
-// the result fp32 (the reference runs quantized models with fp32 activations, nothing rounded).
-void experts_q8_0_impl(const float* x, int64_t H, const uint8_t* gate_up, const uint8_t* down, int64_t I,
-                       const int64_t* ids, int64_t k, const float* weights, float* out, int threads) {
-  const int64_t up_row = H / kQ8Block * kQ8Bytes, down_row = I / kQ8Block * kQ8Bytes;
-  std::vector<float> proj(k * 2 * I), act(k * I), y(k * H);
-  hearth::parallel_for(0, k * 2 * I, 32, threads, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t j = r / (2 * I), row = r % (2 * I);
-      proj[r] = dot_q8_0(gate_up + (ids[j] * 2 * I + row) * up_row, x, H);
-    }
-  });
-  for (int64_t j = 0; j < k; ++j)
-    for (int64_t i = 0; i < I; ++i) act[j * I + i] = silu(proj[j * 2 * I + i]) * proj[j * 2 * I + I + i];
-  hearth::parallel_for(0, k * H, 32, threads, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t j = r / H, row = r % H;
-      y[r] = dot_q8_0(down + (ids[j] * H + row) * down_row, act.data() + j * I, I);
-    }
-  });
-  for (int64_t h = 0; h < H; ++h) {
-    float s = 0.f;
-    for (int64_t j = 0; j < k; ++j) s += y[j * H + h] * weights[j];
-    out[h] = s;
   }
 }
 
@@ -282,27 +234,40 @@ PyObject* py_experts_decode(PyObject*, PyObject* const* args, Py_ssize_t n) {
   return PyLong_FromLong(rc);
 }
 
-// experts_decode_q8_0(x, H, gate_up, down, I, rows, ids (list of pool rows), weights, weights_dtype, out,
-//                     threads): x, out fp32 [H]
-PyObject* py_experts_decode_q8_0(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  if (n != 11 || !PyList_Check(args[6])) {
-    PyErr_SetString(PyExc_TypeError, "experts_decode_q8_0 takes 11 arguments, the 7th a list of pool rows");
-    return nullptr;
-  }
-  PyObject* ints[11];
-  std::copy(args, args + 11, ints);
-  ints[6] = Py_None;
-  int64_t a[11];
-  if (!hearth::int_args(ints, 11, 11, a, "experts_decode_q8_0")) return nullptr;
-  std::vector<int64_t> ids;
-  std::vector<float> weights;
-  if (!routed_args(args[6], a[5], a[7], static_cast<int>(a[8]), "experts_decode_q8_0", ids, weights)) return nullptr;
-  const Py_ssize_t k = static_cast<Py_ssize_t>(ids.size());
+// linear_blocks(fmt, x, M, K, w, N, out, threads): out fp32 [M, N] = x fp32 [M, K] @ W^T, W uint8
+// [N, K / elems * bytes] in block format `fmt` (a code of blocks.h). Returns 0, or -1 for an unknown format.
+PyObject* py_linear_blocks(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  int64_t a[8];
+  if (!hearth::int_args(args, n, 8, a, "linear_blocks")) return nullptr;
+  bool ok;
   Py_BEGIN_ALLOW_THREADS
-  experts_q8_0_impl(ptr<const float>(a[0]), a[1], ptr<const uint8_t>(a[2]), ptr<const uint8_t>(a[3]), a[4], ids.data(),
-                    k, weights.data(), ptr<float>(a[9]), static_cast<int>(a[10]));
+  ok = hearth::blocks::by_format(static_cast<int>(a[0]), [&](auto f) {
+    hearth::blocks::linear_impl<decltype(f)>(ptr<const float>(a[1]), a[2], a[3], ptr<const uint8_t>(a[4]), a[5],
+                                             ptr<float>(a[6]), static_cast<int>(a[7]));
+  });
   Py_END_ALLOW_THREADS
-  return PyLong_FromLong(0);
+  return PyLong_FromLong(ok ? 0 : -1);
+}
+
+// experts_blocks(fmt_gate_up, fmt_down, x, T, H, I, gate_up, gu_stride, down, dn_stride, n_rows, rows, k,
+//                weights, out, threads): see blocks::experts_impl (rows int64 [T*k], weights fp32 [T*k]).
+// Returns 0, -1 for an unknown format, -2 for a row out of range.
+PyObject* py_experts_blocks(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  int64_t a[16];
+  if (!hearth::int_args(args, n, 16, a, "experts_blocks")) return nullptr;
+  int rc = -1;
+  Py_BEGIN_ALLOW_THREADS
+  hearth::blocks::by_format(static_cast<int>(a[0]), [&](auto fg) {
+    hearth::blocks::by_format(static_cast<int>(a[1]), [&](auto fd) {
+      const bool ok = hearth::blocks::experts_impl<decltype(fg), decltype(fd)>(
+          ptr<const float>(a[2]), a[3], a[4], a[5], ptr<const uint8_t>(a[6]), a[7], ptr<const uint8_t>(a[8]), a[9],
+          a[10], ptr<const int64_t>(a[11]), a[12], ptr<const float>(a[13]), ptr<float>(a[14]),
+          static_cast<int>(a[15]));
+      rc = ok ? 0 : -2;
+    });
+  });
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(rc);
 }
 
 // rms_norm(dtype, x, rows, D, w, eps, out, threads)
@@ -330,14 +295,20 @@ PyObject* py_rms_norm(PyObject*, PyObject* const* args, Py_ssize_t n) {
 PyMethodDef methods[] = {
     {"linear_decode", fastcall(py_linear_decode), METH_FASTCALL, "out = x @ w^T (+ bias) for a few tokens"},
     {"experts_decode", fastcall(py_experts_decode), METH_FASTCALL, "one token's routed experts, weighted and summed"},
-    {"experts_decode_q8_0", fastcall(py_experts_decode_q8_0), METH_FASTCALL,
-     "one token's routed Q8_0 experts (fp32 activations), weighted and summed"},
+    {"linear_blocks", fastcall(py_linear_blocks), METH_FASTCALL, "fp32 x @ W^T for block-quantized W"},
+    {"experts_blocks", fastcall(py_experts_blocks), METH_FASTCALL,
+     "a few tokens' routed block-quantized experts (fp32 activations), weighted and summed"},
     {"rms_norm", fastcall(py_rms_norm), METH_FASTCALL, "weight * round(x * rsqrt(mean(x^2) + eps))"},
     {nullptr, nullptr, 0, nullptr}};
 
-PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native_avx2", "hearth's decode kernels for AVX2 + FMA + F16C", -1,
-                      methods};
+#define HEARTH_STR2(x) #x
+#define HEARTH_STR(x) HEARTH_STR2(x)
+#define HEARTH_CAT2(a, b) a##b
+#define HEARTH_CAT(a, b) HEARTH_CAT2(a, b)
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, HEARTH_STR(HEARTH_DECODE_MODULE),
+                      "hearth's decode kernels (" HEARTH_STR(HEARTH_DECODE_MODULE) ")", -1, methods};
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__native_avx2() { return PyModule_Create(&module); }
+PyMODINIT_FUNC HEARTH_CAT(PyInit_, HEARTH_DECODE_MODULE)() { return PyModule_Create(&module); }

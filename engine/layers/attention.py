@@ -112,6 +112,34 @@ class Attention(nn.Module):
                 proj.bias = nn.Parameter(self.qkv_bias[lo:hi], requires_grad=False)
         self.q_size, self.kv_size = q_out, kv_out
 
+    def adopt_block_weights(self) -> None:
+        """After a loader put q/k/v_proj's weights in quantized blocks: fuse their block rows when
+        the three share a format, else project them one by one (``qkv_weight`` None)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        weights = [p.weight for p in projs]
+        if not any(w.dtype == torch.uint8 for w in weights):
+            return
+        formats = {getattr(w, "block_format", w.dtype) for w in weights}
+        if len(formats) == 1:
+            fused = torch.cat(weights)  # [q + 2kv, row bytes]: rows of blocks concatenate
+            fused.block_format = formats.pop()
+            self.qkv_weight = fused
+            for proj, (lo, hi) in zip(projs, self._bounds(), strict=True):
+                proj.weight = nn.Parameter(fused[lo:hi], requires_grad=False)
+                proj.weight.block_format = fused.block_format
+        else:
+            self.qkv_weight = None
+
+    def _bounds(self) -> tuple[tuple[int, int], ...]:
+        q, kv = self.q_size, self.kv_size
+        return (0, q), (q, q + kv), (q + kv, q + 2 * kv)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, q_size], k and v [T, kv_size]: one fused projection where the weights allow it."""
+        if self.qkv_weight is not None:
+            return linear(x, self.qkv_weight, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], -1)
+        return tuple(linear(x, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj))
+
     def split_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q_proj's output [T, q_size] -> (queries [T, heads, D], what the output needs from it, or None)."""
         return q.reshape(q.shape[0], self.num_heads, self.head_dim), None
@@ -123,7 +151,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:  # x: [T, H]
         t, batch = x.shape[0], ctx.batch
         k_cache, v_cache = ctx.kv.keys[self.layer_idx], ctx.kv.values[self.layer_idx]  # [slots, kv_heads, D]
-        q, k, v = linear(x, self.qkv_weight, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q, k, v = self.project_qkv(x)
         q, extra = self.split_query(q)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)

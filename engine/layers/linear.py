@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hearth.engine.ops import linear
+from hearth.engine.ops import embedding_rows, linear
 
 
 class Projection(nn.Module):
@@ -22,3 +22,15 @@ class Projection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+class TokenEmbedding(nn.Module):
+    """The token embedding table ``weight`` [vocab, hidden] (or its quantized blocks)."""
+
+    def __init__(self, vocab: int, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, hidden, dtype=dtype), requires_grad=False)
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return embedding_rows(self.weight, ids, self.dtype)

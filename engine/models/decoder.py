@@ -14,7 +14,7 @@ from hearth.engine.batch import ForwardBatch, LayerContext
 from hearth.engine.config import ModelConfig
 from hearth.engine.experts.contract import ExpertBackend
 from hearth.engine.kv_cache import PagedKVCache
-from hearth.engine.layers.linear import Projection
+from hearth.engine.layers.linear import Projection, TokenEmbedding
 from hearth.engine.layers.moe import MoEBlock
 from hearth.engine.layers.rope import RotaryEmbedding
 from hearth.engine.ops import linear
@@ -45,9 +45,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layers: list[DecoderLayer], norm: nn.Module) -> None:
         super().__init__()
-        # Uninitialised (the loader fills it) and frozen.
-        weight = torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight, _freeze=True)
+        self.embed_tokens = TokenEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.dtype)  # the loader fills it
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.rotary = RotaryEmbedding(cfg)

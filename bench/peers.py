@@ -1,0 +1,269 @@
+"""hearth against llama.cpp on the same GGUF files: decode and prompt processing, interleaved.
+
+Two steps. ``make`` writes the GGUF files with llama.cpp's own tools: its converter
+(``convert_hf_to_gguf.py`` from a llama.cpp checkout, bf16) and its quantizer (through
+llama-cpp-python's ``llama_model_quantize``: Q8_0, Q4_K_M, …). ``run`` loads each file in both
+engines, with the same threads, and times them in alternating rounds on the same token ids:
+
+- ``pp``: prompt processing of ``--prompt`` tokens in one batch (tok/s);
+- ``tg``: greedy decode of ``--tokens`` tokens after a short prompt, batch 1 (tok/s).
+
+It prints one row per file and engine with medians, the ratio hearth / llama.cpp, and the share of
+the memory roofline that decode reaches (bytes one decode token reads, from ``hearth inspect``,
+times tok/s, over a measured streaming read rate). llama-cpp-python is the ``peers`` extra
+(``pip install -e '.[peers]'``; it builds llama.cpp from source, ~15 min on 2 cores). Not part
+of CI.
+
+    python bench/peers.py make --model DIR --llama-cpp ~/src/llama.cpp --out /tmp/peer [--quants q8_0 q4_k_m]
+    python bench/peers.py run /tmp/peer/*.gguf [--threads 2] [--rounds 5] [--json bench/out/peers.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import runpy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import emit, synthetic_prompt  # noqa: E402
+
+# llama.cpp's file types (llama.h, enum llama_ftype) by the names its quantize tool takes.
+FTYPES = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q4_k_s": 14, "q5_k_m": 17, "q5_k_s": 16, "q6_k": 18}
+
+
+# -- make ---------------------------------------------------------------------------------------
+
+def convert(model: Path, llama_cpp: Path, out: Path) -> None:
+    """llama.cpp's converter on a Hugging Face folder, to bf16. A tokenizer the converter does not
+    know by its hash (a random test model's) gets the pre-tokenizer its tokenizer.json declares
+    (GPT-2's byte-level regex); nothing else of the converter is changed."""
+    sys.path[:0] = [str(llama_cpp), str(llama_cpp / "gguf-py")]
+    from conversion import base  # llama.cpp's converter package
+
+    recognised = base.TextModel.get_vocab_base_pre
+
+    def pre_tokenizer(self, tokenizer) -> str:
+        try:
+            return recognised(self, tokenizer)
+        except NotImplementedError:
+            return "gpt-2"
+
+    base.TextModel.get_vocab_base_pre = pre_tokenizer
+    sys.argv = ["convert_hf_to_gguf.py", str(model), "--outtype", "bf16", "--outfile", str(out)]
+    runpy.run_path(str(llama_cpp / "convert_hf_to_gguf.py"), run_name="__main__")
+
+
+def quantize(src: Path, dst: Path, name: str, threads: int) -> None:
+    """llama.cpp's quantizer (the library behind its ``llama-quantize`` tool)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[name]
+    params.nthread = threads
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params) != 0:
+        raise SystemExit(f"llama_model_quantize failed for {dst}")
+
+
+def make(args: argparse.Namespace) -> int:
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.model.name
+    bf16 = args.out / f"{stem}-bf16.gguf"
+    if not bf16.exists():
+        convert(args.model, args.llama_cpp, bf16)
+    for name in args.quants:
+        dst = args.out / f"{stem}-{name.upper()}.gguf"
+        if not dst.exists():
+            quantize(bf16, dst, name, args.threads)
+        print(f"{dst} ({dst.stat().st_size / 1e9:.2f} GB)")
+    return 0
+
+
+# -- run ----------------------------------------------------------------------------------------
+
+def _llama_cpp_worker(conn, path: str, threads: int, n_ctx: int) -> None:
+    """llama.cpp in a process of its own (its OpenMP runtime and torch's do not share one process):
+    answers (prompt, pp, tg) with {"pp", "tg"} tok/s, greedy, one sequence."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=512,
+                n_ubatch=512, verbose=False)
+    conn.send("ready")
+    while (job := conn.recv()) is not None:
+        prompt, pp, tg = job
+        out = {}
+        if pp:
+            llm.reset()
+            start = time.perf_counter()
+            llm.eval(prompt[:pp])
+            out["pp"] = pp / (time.perf_counter() - start)
+        if tg:
+            llm.reset()
+            llm.eval(prompt[:16])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            start = time.perf_counter()
+            for _ in range(tg):
+                llm.eval([tok])
+                tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            out["tg"] = tg / (time.perf_counter() - start)
+        conn.send(out)
+    llm.close()
+
+
+@contextlib.contextmanager
+def llama_cpp_runner(path: Path, threads: int, n_ctx: int):
+    """run(prompt, pp, tg) -> {"pp", "tg"} tok/s with llama.cpp, in a worker process."""
+    import multiprocessing
+
+    parent, child = multiprocessing.get_context("spawn").Pipe()
+    proc = multiprocessing.get_context("spawn").Process(target=_llama_cpp_worker,
+                                                        args=(child, str(path), threads, n_ctx), daemon=True)
+    proc.start()
+    if parent.recv() != "ready":
+        raise SystemExit(f"llama.cpp could not load {path}")
+
+    def run(prompt: list[int], pp: int, tg: int) -> dict[str, float]:
+        parent.send((prompt, pp, tg))
+        return parent.recv()
+
+    try:
+        yield run
+    finally:
+        parent.send(None)
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+
+
+@contextlib.contextmanager
+def hearth_runner(path: Path, dtype: str, n_ctx: int, pp_chunk: int):
+    """run(prompt, pp, tg) -> {"pp", "tg"} tok/s with hearth's engine (greedy, one sequence)."""
+    from hearth.engine import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype=dtype, max_model_len=n_ctx, max_num_seqs=1, prefill_chunk=pp_chunk,
+              max_num_batched_tokens=max(pp_chunk, 2048), prefix_caching=False)
+    engine = llm.engine
+
+    def steps(prompt: list[int], max_tokens: int) -> list[float]:
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        times = []
+        while True:
+            start = time.perf_counter()
+            outs = engine.step()
+            times.append(time.perf_counter() - start)
+            if any(o.finished for o in outs if o.request_id == rid):
+                return times
+
+    def run(prompt: list[int], pp: int, tg: int) -> dict[str, float]:
+        out = {}
+        if pp:
+            out["pp"] = pp / sum(steps(prompt[:pp], 1))
+        if tg:
+            times = steps(prompt[:16], tg + 1)
+            out["tg"] = tg / sum(times[-tg:])  # the first step is the prompt's
+        return out
+
+    try:
+        yield run, llm
+    finally:
+        llm.close()
+
+
+def read_rate(seconds: float = 2.0) -> float:
+    """Bytes per second this machine streams from memory on all the threads torch uses (a sum over
+    a 1 GiB buffer, best of several)."""
+    import torch
+
+    buf = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        start = time.perf_counter()
+        buf.sum()
+        best = max(best, buf.nbytes / (time.perf_counter() - start))
+    return best
+
+
+def file_dtype(path: Path) -> str:
+    """The compute dtype hearth uses for a file: bf16 for a bf16 file, fp32 for quantized ones."""
+    from hearth.engine.gguf_file import GGUFFile
+
+    quantized = any(t.quantized for t in GGUFFile(path).tensors.values())
+    return "float32" if quantized else "bfloat16"
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from hearth.engine.gguf_file import GGUFFile
+    from hearth.engine.gguf_loader import load_gguf_config
+    from hearth.engine.inspect import stored_summary
+
+    torch.set_num_threads(args.threads)
+    roofline = read_rate()
+    n_ctx = args.prompt + args.tokens + 64
+    result = {"threads": args.threads, "rounds": args.rounds, "prompt": args.prompt, "tokens": args.tokens,
+              "read_rate_gb_s": roofline / 1e9, "files": []}
+    for path in args.files:
+        dtype = args.dtype or file_dtype(path)
+        per_token = stored_summary(GGUFFile(path), load_gguf_config(path)[1])["bytes_per_decode_token"]
+        samples: dict[str, list[dict[str, float]]] = {"llama.cpp": [], "hearth": []}
+        with llama_cpp_runner(path, args.threads, n_ctx) as theirs, \
+                hearth_runner(path, dtype, n_ctx, args.prompt) as (ours, llm):
+            vocab = llm.engine.model_config.vocab_size
+            prompt = synthetic_prompt(vocab, args.prompt)
+            theirs(prompt, 32, 4)  # warm-up
+            ours(prompt, 32, 4)
+            for _ in range(args.rounds):
+                samples["llama.cpp"].append(theirs(prompt, args.prompt, args.tokens))
+                samples["hearth"].append(ours(prompt, args.prompt, args.tokens))
+        row = {"file": str(path), "dtype": dtype, "bytes_per_decode_token": per_token}
+        for name, runs in samples.items():
+            tg = statistics.median(r["tg"] for r in runs)
+            row[name] = {"pp_tok_s": statistics.median(r["pp"] for r in runs), "tg_tok_s": tg,
+                         "tg_all": [round(r["tg"], 2) for r in runs], "pp_all": [round(r["pp"], 1) for r in runs],
+                         "roofline_share": per_token * tg / roofline}
+        row["tg_ratio"] = row["hearth"]["tg_tok_s"] / row["llama.cpp"]["tg_tok_s"]
+        row["pp_ratio"] = row["hearth"]["pp_tok_s"] / row["llama.cpp"]["pp_tok_s"]
+        result["files"].append(row)
+    print(f"\n{args.threads} threads, prompt {args.prompt}, decode {args.tokens} tokens, median of {args.rounds} "
+          f"interleaved rounds; memory read rate {roofline / 1e9:.1f} GB/s\n")
+    print("| file | engine | pp tok/s | tg tok/s | tg roofline | pp ratio | tg ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for row in result["files"]:
+        for name in ("llama.cpp", "hearth"):
+            r = row[name]
+            ratios = (f"{row['pp_ratio']:.2f}x | {row['tg_ratio']:.2f}x" if name == "hearth" else "1.00 | 1.00")
+            print(f"| {Path(row['file']).name} | {name} | {r['pp_tok_s']:.1f} | {r['tg_tok_s']:.2f} | "
+                  f"{100 * r['roofline_share']:.0f} % | {ratios} |")
+    emit(result, args.json)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    mk = sub.add_parser("make", help="write bf16 and quantized GGUF files with llama.cpp's tools")
+    mk.add_argument("--model", type=Path, required=True, help="a Hugging Face checkpoint folder")
+    mk.add_argument("--llama-cpp", type=Path, required=True, help="a llama.cpp checkout (its converter)")
+    mk.add_argument("--out", type=Path, required=True)
+    mk.add_argument("--quants", nargs="+", default=["q8_0", "q4_k_m"], choices=sorted(FTYPES))
+    mk.add_argument("--threads", type=int, default=2)
+    rn = sub.add_parser("run", help="time llama.cpp and hearth on GGUF files, interleaved")
+    rn.add_argument("files", type=Path, nargs="+")
+    rn.add_argument("--threads", type=int, default=2)
+    rn.add_argument("--rounds", type=int, default=5)
+    rn.add_argument("--prompt", type=int, default=512)
+    rn.add_argument("--tokens", type=int, default=64)
+    rn.add_argument("--dtype", default=None, help="hearth's compute dtype (default: bf16 for bf16 files, else fp32)")
+    rn.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    return make(args) if args.command == "make" else run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

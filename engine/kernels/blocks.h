@@ -1,0 +1,342 @@
+// Block-quantized weights (GGML layouts, see hearth/engine/quant/formats.py) times fp32 activations:
+// the row dot products of a projection and of a layer's routed experts, for 1 to 8 tokens at once.
+//
+// A block is first unpacked into small integers plus one (scale, bias) pair per 16 elements, so that
+// every weight is q * scale + bias; the unpacking is plain byte arithmetic on a few hundred bytes that
+// stay in L1 (the compiler vectorises it). The products then run in fp32 registers: each 16-element
+// group is widened, scaled once and multiplied into every token's accumulator, so a weight row is read
+// from memory once for all the tokens of a step. Nothing is dequantized to memory and activations are
+// not quantized: the result differs from fp32 on the reference's dequantized weights only in the
+// order of fp32 accumulation (and one fused rounding of q * scale + bias).
+//
+// The vector width follows the instruction set this translation unit is compiled for: 16 lanes with
+// AVX-512 (F + BW), 8 with AVX2 + FMA.
+#pragma once
+
+#include <vector>
+
+#include "native.h"
+
+namespace hearth::blocks {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int kLanes = 16;
+using vf = __m512;
+inline vf zero() { return _mm512_setzero_ps(); }
+inline vf set1(float v) { return _mm512_set1_ps(v); }
+inline vf loadf(const float* p) { return _mm512_loadu_ps(p); }
+inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf widen(const int8_t* q) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+}
+inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
+inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
+#else
+constexpr int kLanes = 8;
+using vf = __m256;
+inline vf zero() { return _mm256_setzero_ps(); }
+inline vf set1(float v) { return _mm256_set1_ps(v); }
+inline vf loadf(const float* p) { return _mm256_loadu_ps(p); }
+inline vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf widen(const int8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
+inline float hsum(vf v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 0x55));
+  return _mm_cvtss_f32(lo);
+}
+#endif
+
+constexpr int kGroup = 16;   // elements per (scale, bias) pair
+constexpr int kMaxTokens = 8;
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// One block as weight = q * scale[g] + bias[g], g = element / 16; `q` points at the int8 values
+// (the block itself for Q8_0, `buf` otherwise).
+template <int Elems>
+struct Unpacked {
+  const int8_t* q;
+  int8_t buf[Elems];
+  float scale[Elems / kGroup];
+  float bias[Elems / kGroup];
+};
+
+struct Q8_0 {
+  static constexpr int kElems = 32, kBytes = 34, kCode = 0;
+  static void unpack(const uint8_t* b, Unpacked<kElems>& u) {
+    u.q = reinterpret_cast<const int8_t*>(b + 2);
+    u.scale[0] = u.scale[1] = half_to_float(b);
+    u.bias[0] = u.bias[1] = 0.f;
+  }
+};
+
+// Low nibbles are elements 0-15, high nibbles 16-31, each through `lut` (a 16-entry table, one shuffle).
+inline void unpack_nibbles32(const uint8_t* qs, const int8_t* lut, int8_t* out) {
+  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(lut));
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), mask = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_and_si128(packed, mask), high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_shuffle_epi8(table, low));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm_shuffle_epi8(table, high));
+}
+
+constexpr int8_t kQ4_0Values[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+// E2M1 values doubled (exact small integers); the scale is halved to match (2^(e-128)).
+constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+struct Q4_0 {
+  static constexpr int kElems = 32, kBytes = 18, kCode = 1;
+  static void unpack(const uint8_t* b, Unpacked<kElems>& u) {
+    unpack_nibbles32(b + 2, kQ4_0Values, u.buf);
+    u.q = u.buf;
+    u.scale[0] = u.scale[1] = half_to_float(b);
+    u.bias[0] = u.bias[1] = 0.f;
+  }
+};
+
+// 2^(e - 128) (half the E8M0 scale), built from its bits: subnormal for e < 2.
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e >= 2 ? static_cast<uint32_t>(e - 1) << 23 : 1u << (21 + e);
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
+
+struct Mxfp4 {
+  static constexpr int kElems = 32, kBytes = 17, kCode = 5;
+  static void unpack(const uint8_t* b, Unpacked<kElems>& u) {
+    unpack_nibbles32(b + 1, kMxfp4Values, u.buf);
+    u.q = u.buf;
+    u.scale[0] = u.scale[1] = e8m0_half(b[0]);
+    u.bias[0] = u.bias[1] = 0.f;
+  }
+};
+
+// The 8 (scale, min) pairs of a Q4_K / Q5_K super-block as weight = q * d*sc - dmin*m, two groups each.
+inline void k_scales(const uint8_t* b, float* scale, float* bias) {
+  const float d = half_to_float(b), dmin = half_to_float(b + 2);
+  const uint8_t* s = b + 4;
+  for (int j = 0; j < 8; ++j) {
+    int sc, m;
+    if (j < 4) {
+      sc = s[j] & 63;
+      m = s[j + 4] & 63;
+    } else {
+      sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+      m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+    scale[2 * j] = scale[2 * j + 1] = d * static_cast<float>(sc);
+    bias[2 * j] = bias[2 * j + 1] = -(dmin * static_cast<float>(m));
+  }
+}
+
+struct Q4_K {
+  static constexpr int kElems = 256, kBytes = 144, kCode = 2;
+  static void unpack(const uint8_t* b, Unpacked<kElems>& u) {
+    k_scales(b, u.scale, u.bias);
+    const uint8_t* qs = b + 16;
+    for (int j = 0; j < 4; ++j)  // 64 elements per 32 bytes: low nibbles, then high nibbles
+      for (int l = 0; l < 32; ++l) {
+        u.buf[64 * j + l] = static_cast<int8_t>(qs[32 * j + l] & 0x0F);
+        u.buf[64 * j + 32 + l] = static_cast<int8_t>(qs[32 * j + l] >> 4);
+      }
+    u.q = u.buf;
+  }
+};
+
+struct Q5_K {
+  static constexpr int kElems = 256, kBytes = 176, kCode = 3;
+  static void unpack(const uint8_t* b, Unpacked<kElems>& u) {
+    k_scales(b, u.scale, u.bias);
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    for (int j = 0; j < 4; ++j)
+      for (int l = 0; l < 32; ++l) {
+        u.buf[64 * j + l] = static_cast<int8_t>((qs[32 * j + l] & 0x0F) | (((qh[l] >> (2 * j)) & 1) << 4));
+        u.buf[64 * j + 32 + l] = static_cast<int8_t>((qs[32 * j + l] >> 4) | (((qh[l] >> (2 * j + 1)) & 1) << 4));
+      }
+    u.q = u.buf;
+  }
+};
+
+struct Q6_K {
+  static constexpr int kElems = 256, kBytes = 210, kCode = 4;
+  static void unpack(const uint8_t* b, Unpacked<kElems>& u) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = half_to_float(b + 208);
+    for (int n = 0; n < 2; ++n)  // two halves of 128 elements
+      for (int l = 0; l < 32; ++l) {
+        const uint8_t lo0 = ql[64 * n + l], lo1 = ql[64 * n + 32 + l], hi = qh[32 * n + l];
+        int8_t* o = u.buf + 128 * n;
+        o[l] = static_cast<int8_t>(((lo0 & 0x0F) | ((hi & 3) << 4)) - 32);
+        o[l + 32] = static_cast<int8_t>(((lo1 & 0x0F) | (((hi >> 2) & 3) << 4)) - 32);
+        o[l + 64] = static_cast<int8_t>(((lo0 >> 4) | (((hi >> 4) & 3) << 4)) - 32);
+        o[l + 96] = static_cast<int8_t>(((lo1 >> 4) | (((hi >> 6) & 3) << 4)) - 32);
+      }
+    for (int g = 0; g < 16; ++g) {  // group g of half n, quarter q, l / 16: scale 8n + 2q + l/16 = g
+      u.scale[g] = d * static_cast<float>(sc[g]);
+      u.bias[g] = 0.f;
+    }
+    u.q = u.buf;
+  }
+};
+
+// out[m] = row . xs[m] for M tokens, the row of K elements in format F.
+template <typename F, int M>
+inline void row_dot(const uint8_t* row, int64_t K, const float* const* xs, float* out) {
+  // With few tokens, several accumulators per token hide the FMA latency.
+  constexpr int kChunks = kGroup / kLanes;
+  constexpr int kAcc = M == 1 ? 2 : 1;
+  vf acc[M][kAcc];
+  for (int m = 0; m < M; ++m)
+    for (int a = 0; a < kAcc; ++a) acc[m][a] = zero();
+  Unpacked<F::kElems> u;
+  for (int64_t b = 0; b < K / F::kElems; ++b) {
+    F::unpack(row + b * F::kBytes, u);
+    const int64_t base = b * F::kElems;
+#pragma GCC unroll 16
+    for (int g = 0; g < F::kElems / kGroup; ++g) {
+      const vf s = set1(u.scale[g]), o = set1(u.bias[g]);
+#pragma GCC unroll 2
+      for (int c = 0; c < kChunks; ++c) {
+        const int e = g * kGroup + c * kLanes;
+        const vf w = fma(widen(u.q + e), s, o);
+        for (int m = 0; m < M; ++m) {
+          vf& slot = acc[m][(g * kChunks + c) % kAcc];
+          slot = fma(w, loadf(xs[m] + base + e), slot);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    vf t = acc[m][0];
+    for (int a = 1; a < kAcc; ++a) t = add(t, acc[m][a]);
+    out[m] = hsum(t);
+  }
+}
+
+// rows_dot over a run-time token count (1..kMaxTokens).
+template <typename F>
+inline void rows_dot(const uint8_t* row, int64_t K, const float* const* xs, int M, float* out) {
+  switch (M) {
+    case 1: row_dot<F, 1>(row, K, xs, out); break;
+    case 2: row_dot<F, 2>(row, K, xs, out); break;
+    case 3: row_dot<F, 3>(row, K, xs, out); break;
+    case 4: row_dot<F, 4>(row, K, xs, out); break;
+    case 5: row_dot<F, 5>(row, K, xs, out); break;
+    case 6: row_dot<F, 6>(row, K, xs, out); break;
+    case 7: row_dot<F, 7>(row, K, xs, out); break;
+    default: row_dot<F, 8>(row, K, xs, out); break;
+  }
+}
+
+// Calls fn(F{}) for the format code (see kCode); false for an unknown code.
+template <typename Fn>
+inline bool by_format(int code, const Fn& fn) {
+  switch (code) {
+    case Q8_0::kCode: fn(Q8_0{}); return true;
+    case Q4_0::kCode: fn(Q4_0{}); return true;
+    case Q4_K::kCode: fn(Q4_K{}); return true;
+    case Q5_K::kCode: fn(Q5_K{}); return true;
+    case Q6_K::kCode: fn(Q6_K{}); return true;
+    case Mxfp4::kCode: fn(Mxfp4{}); return true;
+    default: return false;
+  }
+}
+
+template <typename F>
+constexpr int64_t row_bytes(int64_t K) { return K / F::kElems * F::kBytes; }
+
+// out [M, N] = x [M, K] @ W^T, W N rows of K elements in format F; threads over rows, each row read
+// once per 8 tokens.
+template <typename F>
+void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int threads) {
+  const int64_t rb = row_bytes<F>(K);
+  hearth::parallel_for(0, N, 16, threads, [&](int64_t r0, int64_t r1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxTokens) {
+      const int mt = static_cast<int>(std::min<int64_t>(kMaxTokens, M - m0));
+      const float* xs[kMaxTokens];
+      float dots[kMaxTokens];
+      for (int m = 0; m < mt; ++m) xs[m] = x + (m0 + m) * K;
+      for (int64_t r = r0; r < r1; ++r) {
+        rows_dot<F>(w + r * rb, K, xs, mt, dots);
+        for (int m = 0; m < mt; ++m) out[(m0 + m) * N + r] = dots[m];
+      }
+    }
+  });
+}
+
+inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+
+// The routed experts of T tokens (k each), SiLU-gated, weighted and summed in fp32:
+//   x [T, H]; pool rows[T * k] (-1: computed elsewhere); weights [T * k] fp32; out [T, H].
+// Expert `row` has gate_up rows (2I of H elements, format FG) at gu + row * gu_stride and down rows
+// (H of I elements, format FD) at dn + row * dn_stride. The (token, expert) pairs are grouped by
+// expert, up to 8 tokens a group, so each expert's rows are read once per step; threads run over
+// (group, row). Returns false when a row is out of [0, n_rows).
+template <typename FG, typename FD>
+bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t* gu, int64_t gu_stride,
+                  const uint8_t* dn, int64_t dn_stride, int64_t n_rows, const int64_t* rows, int64_t k,
+                  const float* weights, float* out, int threads) {
+  const int64_t pairs = T * k;
+  std::vector<int64_t> order;
+  order.reserve(pairs);
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (rows[p] >= n_rows) return false;
+    if (rows[p] >= 0) order.push_back(p);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return rows[a] < rows[b]; });
+  struct Group { int64_t row, start; int count; };
+  std::vector<Group> groups;
+  for (size_t i = 0; i < order.size(); ++i) {
+    const int64_t row = rows[order[i]];
+    if (groups.empty() || groups.back().row != row || groups.back().count == kMaxTokens)
+      groups.push_back({row, static_cast<int64_t>(i), 0});
+    ++groups.back().count;
+  }
+  const int64_t G = static_cast<int64_t>(groups.size());
+  const int64_t gu_rb = row_bytes<FG>(H), dn_rb = row_bytes<FD>(I);
+  std::vector<float> proj(pairs * 2 * I), act(pairs * I), y(pairs * H, 0.f);
+  hearth::parallel_for(0, G * 2 * I, 32, threads, [&](int64_t r0, int64_t r1) {
+    const float* xs[kMaxTokens];
+    float dots[kMaxTokens];
+    for (int64_t r = r0; r < r1; ++r) {
+      const Group& g = groups[r / (2 * I)];
+      const int64_t rr = r % (2 * I);
+      for (int m = 0; m < g.count; ++m) xs[m] = x + order[g.start + m] / k * H;
+      rows_dot<FG>(gu + g.row * gu_stride + rr * gu_rb, H, xs, g.count, dots);
+      for (int m = 0; m < g.count; ++m) proj[order[g.start + m] * 2 * I + rr] = dots[m];
+    }
+  });
+  for (const int64_t p : order)
+    for (int64_t i = 0; i < I; ++i) act[p * I + i] = silu(proj[p * 2 * I + i]) * proj[p * 2 * I + I + i];
+  hearth::parallel_for(0, G * H, 32, threads, [&](int64_t r0, int64_t r1) {
+    const float* xs[kMaxTokens];
+    float dots[kMaxTokens];
+    for (int64_t r = r0; r < r1; ++r) {
+      const Group& g = groups[r / H];
+      const int64_t rr = r % H;
+      for (int m = 0; m < g.count; ++m) xs[m] = act.data() + order[g.start + m] * I;
+      rows_dot<FD>(dn + g.row * dn_stride + rr * dn_rb, I, xs, g.count, dots);
+      for (int m = 0; m < g.count; ++m) y[order[g.start + m] * H + rr] = dots[m];
+    }
+  });
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      float s = 0.f;
+      for (int64_t j = 0; j < k; ++j)
+        if (rows[t * k + j] >= 0) s += y[(t * k + j) * H + h] * weights[t * k + j];
+      out[t * H + h] = s;
+    }
+  return true;
+}
+
+}  // namespace hearth::blocks

@@ -1,0 +1,111 @@
+"""The native block-quantized kernels (AVX2 and AVX-512 builds) against the torch decoders: fp32
+products on weights decoded by :func:`~hearth.engine.quant.formats.dequantize`, itself equal to
+the ``gguf`` reference. Projections for 1 to 11 tokens, and routed experts for several tokens with
+shared experts, mixed formats, padded bank rows and rows computed elsewhere."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+
+from hearth.engine import kernels
+from hearth.engine.quant.formats import FORMATS, dequantize
+from tests.block_data import random_blocks
+
+_base = kernels.cpu_decode_ops()
+pytestmark = pytest.mark.skipif(_base is None, reason="native kernels not available on this machine")
+
+
+def _builds() -> list[kernels.NativeKernels]:
+    """Every decode library this CPU runs (AVX2, and AVX-512 where present)."""
+    if _base is None:
+        return []
+    names = ["_native_avx2"] + (["_native_avx512"] if _base.features & kernels.FEATURE_AVX512 else [])
+    out = []
+    for name in names:
+        try:
+            module = importlib.import_module(f"hearth.engine.kernels.{name}")
+        except ImportError:
+            continue
+        out.append(kernels.NativeKernels(_base._base, module, _base.features))
+    return out
+
+
+BUILDS = _builds()
+IDS = [b._decode.__name__.rsplit(".", 1)[1] for b in BUILDS]
+
+
+def _rows(name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
+    data = random_blocks(name, rows, cols, np.random.default_rng(seed))
+    if name == "mxfp4":  # finite products only: no 2^127 exponents (the decoders agree there too)
+        blocks = data.reshape(-1, FORMATS[name].block_bytes)
+        blocks[:, 0] = np.minimum(blocks[:, 0], 140)
+    return torch.from_numpy(data)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    scale = want.abs().max().item() or 1.0
+    assert (got - want).abs().max().item() <= 1e-5 * scale, (got - want).abs().max().item() / scale
+
+
+@pytest.mark.parametrize("ops", BUILDS, ids=IDS)
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_linear_blocks_equals_decoded_weights(ops, name) -> None:
+    k, n = 512, 40
+    w = _rows(name, n, k, 1)
+    ref_w = dequantize(w, name, k)
+    for m in (1, 2, 3, 8, 11):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        _close(ops.linear_blocks(x, w, name), x @ ref_w.T)
+
+
+def _reference_experts(x, gu, dn, rows, weights, gu_fmt, dn_fmt, hidden, inter):
+    out = torch.zeros(x.shape[0], hidden)
+    for t in range(x.shape[0]):
+        for j, r in enumerate(rows[t].tolist()):
+            if r < 0:
+                continue
+            g_u = dequantize(gu[r, : 2 * inter * FORMATS[gu_fmt].row_bytes(hidden)].reshape(2 * inter, -1),
+                             gu_fmt, hidden)
+            d = dequantize(dn[r, : hidden * FORMATS[dn_fmt].row_bytes(inter)].reshape(hidden, -1), dn_fmt, inter)
+            gate, up = (x[t] @ g_u.T).chunk(2)
+            out[t] += (torch.nn.functional.silu(gate) * up) @ d.T * weights[t, j]
+    return out
+
+
+@pytest.mark.parametrize("ops", BUILDS, ids=IDS)
+@pytest.mark.parametrize(("gu_fmt", "dn_fmt"), [(f, f) for f in sorted(FORMATS)] + [("q4_k", "q6_k"),
+                                                                                        ("q8_0", "q4_0")])
+def test_experts_blocks_equals_decoded_experts(ops, gu_fmt, dn_fmt) -> None:
+    hidden, inter, experts = 256, 512, 6
+    gu_bytes = 2 * inter * FORMATS[gu_fmt].row_bytes(hidden)
+    dn_bytes = hidden * FORMATS[dn_fmt].row_bytes(inter)
+    # Banks wider than one expert (a pool whose widest layer uses a larger format).
+    gu = torch.zeros(experts, gu_bytes + 64, dtype=torch.uint8)
+    dn = torch.zeros(experts, dn_bytes + 96, dtype=torch.uint8)
+    gu[:, :gu_bytes] = _rows(gu_fmt, experts * 2 * inter, hidden, 2).reshape(experts, -1)
+    dn[:, :dn_bytes] = _rows(dn_fmt, experts * hidden, inter, 3).reshape(experts, -1)
+    g = torch.Generator().manual_seed(4)
+    for t in (1, 4, 11):
+        x = torch.randn(t, hidden, generator=g)
+        rows = torch.randint(0, experts, (t, 3), generator=g)
+        rows[0, 1] = -1  # computed elsewhere
+        weights = torch.rand(t, 3, generator=g)
+        got = ops.experts_blocks(x, gu, dn, rows, weights, gu_fmt, dn_fmt, inter)
+        _close(got, _reference_experts(x, gu, dn, rows, weights, gu_fmt, dn_fmt, hidden, inter))
+
+
+@pytest.mark.parametrize("ops", BUILDS, ids=IDS)
+def test_block_kernels_reject_what_they_cannot_read(ops) -> None:
+    w = _rows("q8_0", 4, 64, 5)
+    with pytest.raises(ValueError, match="linear_blocks"):
+        ops.linear_blocks(torch.randn(1, 96), w, "q8_0")  # 96 columns are not 2 blocks
+    gu, dn = _rows("q8_0", 2 * 64, 64, 6).reshape(2, -1), _rows("q8_0", 2 * 64, 32, 7).reshape(2, -1)
+    x, weights = torch.randn(1, 64), torch.ones(1, 1)
+    with pytest.raises(ValueError, match="row out of"):
+        ops.experts_blocks(x, gu, dn, torch.tensor([[2]]), weights, "q8_0", "q8_0", 32)
+    with pytest.raises(ValueError, match="experts_blocks"):
+        ops.experts_blocks(x, gu, dn, torch.tensor([[0]]), weights, "q8_0", "q8_0", 64)  # banks too small
