@@ -58,6 +58,41 @@ inline float dot(const W* w, const float* x, int64_t K) {
   return s;
 }
 
+#if defined(__AVX512F__)
+// The same dot product 16 lanes wide, bit for bit: zmm b0 holds the 8-lane kernel's accumulators a0
+// (elements k..k+7 of each 32) and a1 (k+8..k+15), b1 holds a2 and a3, and they are reduced in the
+// 8-lane kernel's order. Half the instructions, the same rounding (tests hold the engine to
+// transformers bit for bit in bf16 greedy decoding).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+inline __m512 load16(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+template <typename W>
+inline float dot16(const W* w, const float* x, int64_t K) {
+  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    // Rows are contiguous: fetching ~2 KB ahead keeps more lines in flight than the hardware
+    // prefetcher alone (decode is bound by how fast the weights stream in).
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + 2048, _MM_HINT_T0);
+    b0 = _mm512_fmadd_ps(load16(w + k), _mm512_loadu_ps(x + k), b0);
+    b1 = _mm512_fmadd_ps(load16(w + k + 16), _mm512_loadu_ps(x + k + 16), b1);
+  }
+  __m256 a0 = _mm512_castps512_ps256(b0), a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b0), 1));
+  __m256 a2 = _mm512_castps512_ps256(b1), a3 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b1), 1));
+  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), a0);
+  float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; k < K; ++k) s += to_float(w[k]) * x[k];
+  return s;
+}
+#define HEARTH_DOT dot16
+#else
+#define HEARTH_DOT dot
+#endif
+
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 
 template <typename T>
@@ -77,7 +112,7 @@ void linear_impl(const T* x, int64_t M, int64_t K, const T* w, int64_t N, const 
   hearth::parallel_for(0, N, 16, threads, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t m = 0; m < M; ++m) {
-        float s = dot(w + r * K, xf.data() + m * K, K);
+        float s = HEARTH_DOT(w + r * K, xf.data() + m * K, K);
         if (!bf.empty()) s += bf[r];
         out[m * N + r] = hearth::from_float<T>(s);
       }
@@ -96,7 +131,7 @@ void experts_impl(const T* x, int64_t H, const T* gate_up, const T* down, int64_
   hearth::parallel_for(0, k * 2 * I, 32, threads, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t j = r / (2 * I), row = r % (2 * I);
-      proj[r] = round_to<T>(dot(gate_up + (ids[j] * 2 * I + row) * H, xf.data(), H));
+      proj[r] = round_to<T>(HEARTH_DOT(gate_up + (ids[j] * 2 * I + row) * H, xf.data(), H));
     }
   });
   for (int64_t j = 0; j < k; ++j)
@@ -107,7 +142,7 @@ void experts_impl(const T* x, int64_t H, const T* gate_up, const T* down, int64_
   hearth::parallel_for(0, k * H, 32, threads, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t j = r / H, row = r % H;
-      y[r] = round_to<T>(dot(down + (ids[j] * H + row) * I, act.data() + j * I, I));
+      y[r] = round_to<T>(HEARTH_DOT(down + (ids[j] * H + row) * I, act.data() + j * I, I));
     }
   });
   // Weighted sum over the k experts with fp32 accumulation; each weighted term is rounded to the
