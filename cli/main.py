@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from hearth.cli.flags import add_engine_flags, add_serving_flags, engine_config
 from hearth.config import ConfigError, parse_bytes
@@ -46,10 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="print architecture, parameter and expert counts, bytes per token")
     ins.add_argument("model", help="checkpoint directory or GGUF file")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
-    conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint to the FTW format")
+    conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint to the FTW format, or quantize it "
+                                          "into one GGUF file (--quant)")
     conv.add_argument("src", help="Hugging Face checkpoint directory")
-    conv.add_argument("dst", help="output FTW directory")
+    conv.add_argument("dst", help="output FTW directory (or FILE.gguf with --quant)")
     conv.add_argument("--dtype", default="auto", help="auto (checkpoint's), float32, bfloat16 (bf16) or float16")
+    conv.add_argument("--quant", default=None, metavar="Q",
+                      help="write one GGUF file with the weights in Q: q8_0, q6_k, q5_k, q4_k, q4_0, mxfp4, "
+                           "the mixes q4_k_m and q5_k_m, or f32/f16/bf16")
     conv.add_argument("--shard-size", default="4GiB", help="largest shard (default 4GiB)")
     prof = sub.add_parser("profile", help="measure B_P and B_H and print the q* table")
     prof.add_argument("--model", required=True, help="checkpoint directory (Hugging Face or FTW)")
@@ -176,12 +181,33 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from hearth.engine.ftw import convert, read_index
 
     start = time.perf_counter()
+    if args.quant is not None:
+        return _convert_gguf(args, start)
     path = convert(args.src, args.dst, None if args.dtype == "auto" else args.dtype,
                    shard_bytes=parse_bytes(args.shard_size), show_progress=True)
     index = read_index(path.parent)
     total = sum(s["bytes"] for s in index["shards"])
     print(f"wrote {path.parent}: {len(index['shards'])} shard(s), {total / 2**30:.2f} GiB, "
           f"{index['dtype']}, in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return 0
+
+
+def _convert_gguf(args: argparse.Namespace, start: float) -> int:
+    from hearth.engine.gguf_writer import ConvertError, write_gguf
+
+    dst = Path(args.dst)
+    if dst.suffix != ".gguf":
+        print(f"hearth convert: with --quant the output is one GGUF file; name it FILE.gguf, not {dst}",
+              file=sys.stderr)
+        return 2
+    try:
+        write_gguf(args.src, dst, args.quant.lower(), show_progress=True)
+    except (ConvertError, FileNotFoundError) as exc:
+        dst.unlink(missing_ok=True)
+        print(f"hearth convert: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {dst}: {dst.stat().st_size / 2**30:.2f} GiB, {args.quant}, in "
+          f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0
 
 

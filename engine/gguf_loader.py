@@ -144,11 +144,12 @@ def _load_dense(f: GGUFFile, name: str, param: torch.nn.Parameter, model, keep_b
     replaces the parameter by its blocks (uint8 [rows, row bytes], tagged ``block_format``); the
     rest is decoded into the parameter."""
     t = f.tensors[name]
-    if tuple(t.shape) != tuple(param.shape):
+    vector_of_row = param.dim() == 2 and param.shape[0] == 1 and tuple(t.shape) == (param.shape[1],)
+    if tuple(t.shape) != tuple(param.shape) and not vector_of_row:  # a [1, H] gate is stored as [H]
         raise GGUFError(f"{f.path}: tensor '{name}' has shape {list(t.shape)}, expected {list(param.shape)}")
-    fmt = _kernel_format(t) if keep_blocks and param.dim() == 2 else None
+    fmt = _kernel_format(t) if keep_blocks and param.dim() == 2 and not vector_of_row else None
     if fmt is None:
-        param.data.copy_(t.dequantized())
+        param.data.copy_(t.dequantized().reshape(param.shape))
         return
     blocks = block_weight(t.raw().clone(), fmt)  # a copy: the file's map can close
     for module in model.modules():  # every module that holds this parameter (tied embeddings: two)

@@ -51,7 +51,6 @@ inline float hsum(vf v) {
 }
 #endif
 
-constexpr int kGroup = 16;   // elements per (scale, bias) pair
 constexpr int kMaxTokens = 8;
 
 inline float half_to_float(const uint8_t* p) {
@@ -60,22 +59,22 @@ inline float half_to_float(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// One block as weight = q * scale[g] + bias[g], g = element / 16; `q` points at the int8 values
-// (the block itself for Q8_0, `buf` otherwise).
-template <int Elems>
+// One block as weight = q * scale[g] + bias[g], g = element / Group (16 or 32: the format's scale
+// granularity); `q` points at the int8 values (the block itself for Q8_0, `buf` otherwise).
+template <int Elems, int Group>
 struct Unpacked {
   const int8_t* q;
   int8_t buf[Elems];
-  float scale[Elems / kGroup];
-  float bias[Elems / kGroup];
+  float scale[Elems / Group];
+  float bias[Elems / Group];
 };
 
 struct Q8_0 {
-  static constexpr int kElems = 32, kBytes = 34, kCode = 0;
-  static void unpack(const uint8_t* b, Unpacked<kElems>& u) {
+  static constexpr int kElems = 32, kBytes = 34, kCode = 0, kGroupElems = 32;
+  static void unpack(const uint8_t* b, Unpacked<kElems, kGroupElems>& u) {
     u.q = reinterpret_cast<const int8_t*>(b + 2);
-    u.scale[0] = u.scale[1] = half_to_float(b);
-    u.bias[0] = u.bias[1] = 0.f;
+    u.scale[0] = half_to_float(b);
+    u.bias[0] = 0.f;
   }
 };
 
@@ -93,12 +92,12 @@ constexpr int8_t kQ4_0Values[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 
 constexpr int8_t kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 struct Q4_0 {
-  static constexpr int kElems = 32, kBytes = 18, kCode = 1;
-  static void unpack(const uint8_t* b, Unpacked<kElems>& u) {
+  static constexpr int kElems = 32, kBytes = 18, kCode = 1, kGroupElems = 32;
+  static void unpack(const uint8_t* b, Unpacked<kElems, kGroupElems>& u) {
     unpack_nibbles32(b + 2, kQ4_0Values, u.buf);
     u.q = u.buf;
-    u.scale[0] = u.scale[1] = half_to_float(b);
-    u.bias[0] = u.bias[1] = 0.f;
+    u.scale[0] = half_to_float(b);
+    u.bias[0] = 0.f;
   }
 };
 
@@ -111,36 +110,36 @@ inline float e8m0_half(uint8_t e) {
 }
 
 struct Mxfp4 {
-  static constexpr int kElems = 32, kBytes = 17, kCode = 5;
-  static void unpack(const uint8_t* b, Unpacked<kElems>& u) {
+  static constexpr int kElems = 32, kBytes = 17, kCode = 5, kGroupElems = 32;
+  static void unpack(const uint8_t* b, Unpacked<kElems, kGroupElems>& u) {
     unpack_nibbles32(b + 1, kMxfp4Values, u.buf);
     u.q = u.buf;
-    u.scale[0] = u.scale[1] = e8m0_half(b[0]);
-    u.bias[0] = u.bias[1] = 0.f;
+    u.scale[0] = e8m0_half(b[0]);
+    u.bias[0] = 0.f;
   }
 };
 
-// The 8 (scale, min) pairs of a Q4_K / Q5_K super-block as weight = q * d*sc - dmin*m, two groups each.
+// The 8 (scale, min) pairs of a Q4_K / Q5_K super-block as weight = q * d*sc - dmin*m (branch-free,
+// so that the compiler vectorises it).
 inline void k_scales(const uint8_t* b, float* scale, float* bias) {
   const float d = half_to_float(b), dmin = half_to_float(b + 2);
   const uint8_t* s = b + 4;
+  uint8_t sc[8], m[8];
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    m[j] = s[j + 4] & 63;
+    sc[j + 4] = static_cast<uint8_t>((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
+    m[j + 4] = static_cast<uint8_t>((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+  }
   for (int j = 0; j < 8; ++j) {
-    int sc, m;
-    if (j < 4) {
-      sc = s[j] & 63;
-      m = s[j + 4] & 63;
-    } else {
-      sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-      m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-    scale[2 * j] = scale[2 * j + 1] = d * static_cast<float>(sc);
-    bias[2 * j] = bias[2 * j + 1] = -(dmin * static_cast<float>(m));
+    scale[j] = d * static_cast<float>(sc[j]);
+    bias[j] = -(dmin * static_cast<float>(m[j]));
   }
 }
 
 struct Q4_K {
-  static constexpr int kElems = 256, kBytes = 144, kCode = 2;
-  static void unpack(const uint8_t* b, Unpacked<kElems>& u) {
+  static constexpr int kElems = 256, kBytes = 144, kCode = 2, kGroupElems = 32;
+  static void unpack(const uint8_t* b, Unpacked<kElems, kGroupElems>& u) {
     k_scales(b, u.scale, u.bias);
     const uint8_t* qs = b + 16;
     for (int j = 0; j < 4; ++j)  // 64 elements per 32 bytes: low nibbles, then high nibbles
@@ -153,8 +152,8 @@ struct Q4_K {
 };
 
 struct Q5_K {
-  static constexpr int kElems = 256, kBytes = 176, kCode = 3;
-  static void unpack(const uint8_t* b, Unpacked<kElems>& u) {
+  static constexpr int kElems = 256, kBytes = 176, kCode = 3, kGroupElems = 32;
+  static void unpack(const uint8_t* b, Unpacked<kElems, kGroupElems>& u) {
     k_scales(b, u.scale, u.bias);
     const uint8_t *qh = b + 16, *qs = b + 48;
     for (int j = 0; j < 4; ++j)
@@ -167,8 +166,8 @@ struct Q5_K {
 };
 
 struct Q6_K {
-  static constexpr int kElems = 256, kBytes = 210, kCode = 4;
-  static void unpack(const uint8_t* b, Unpacked<kElems>& u) {
+  static constexpr int kElems = 256, kBytes = 210, kCode = 4, kGroupElems = 16;
+  static void unpack(const uint8_t* b, Unpacked<kElems, kGroupElems>& u) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const float d = half_to_float(b + 208);
@@ -193,21 +192,21 @@ struct Q6_K {
 template <typename F, int M>
 inline void row_dot(const uint8_t* row, int64_t K, const float* const* xs, float* out) {
   // With few tokens, several accumulators per token hide the FMA latency.
-  constexpr int kChunks = kGroup / kLanes;
+  constexpr int kChunks = F::kGroupElems / kLanes;
   constexpr int kAcc = M == 1 ? 2 : 1;
   vf acc[M][kAcc];
   for (int m = 0; m < M; ++m)
     for (int a = 0; a < kAcc; ++a) acc[m][a] = zero();
-  Unpacked<F::kElems> u;
+  Unpacked<F::kElems, F::kGroupElems> u;
   for (int64_t b = 0; b < K / F::kElems; ++b) {
     F::unpack(row + b * F::kBytes, u);
     const int64_t base = b * F::kElems;
 #pragma GCC unroll 16
-    for (int g = 0; g < F::kElems / kGroup; ++g) {
+    for (int g = 0; g < F::kElems / F::kGroupElems; ++g) {
       const vf s = set1(u.scale[g]), o = set1(u.bias[g]);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
       for (int c = 0; c < kChunks; ++c) {
-        const int e = g * kGroup + c * kLanes;
+        const int e = g * F::kGroupElems + c * kLanes;
         const vf w = fma(widen(u.q + e), s, o);
         for (int m = 0; m < M; ++m) {
           vf& slot = acc[m][(g * kChunks + c) % kAcc];

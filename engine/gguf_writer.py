@@ -1,0 +1,199 @@
+"""Write a Hugging Face checkpoint as one GGUF file, quantized (``hearth convert --quant``).
+
+The layout is the one llama.cpp's converter writes: its metadata keys, its tensor names (the
+``gguf`` package's name map), experts stacked per layer (``ffn_{gate,up,down}_exps``), the BPE
+tokenizer and chat template in ``tokenizer.*`` keys. Weights are quantized by
+:mod:`hearth.engine.quant.quantize`. A *mix* picks a format per tensor as llama.cpp's presets of
+the same name do (``q4_k_m``: Q4_K, with Q6_K for the output projection and for the attention
+values and down projections of a third of the layers); norms, biases and the router stay f32.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from hearth.engine.quant.formats import FORMATS
+
+# Hugging Face architecture -> GGUF architecture (the gguf package's MODEL_ARCH member).
+ARCHITECTURES = {"Qwen3MoeForCausalLM": "QWEN3MOE", "Qwen2MoeForCausalLM": "QWEN2MOE"}
+FLOAT_TYPES = ("f32", "f16", "bf16")
+# Mixes: (base format, format of the tensors that get more bits).
+MIXES = {"q4_k_m": ("q4_k", "q6_k"), "q5_k_m": ("q5_k", "q6_k")}
+QUANTS = (*FLOAT_TYPES, *sorted(FORMATS), *sorted(MIXES))
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+class ConvertError(ValueError):
+    """A checkpoint this writer cannot convert, or an unknown quantization."""
+
+
+def more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's choice of layers whose sensitive tensors get the larger format in a K mix: the
+    first and last eighth, and every third layer between."""
+    eighth = num_layers // 8
+    return layer < eighth or layer >= num_layers - eighth or (layer - eighth) % 3 == 2
+
+
+def tensor_format(name: str, quant: str, num_layers: int) -> str:
+    """The format a GGUF tensor ``name`` (a matrix) is written in for ``quant``."""
+    if quant not in MIXES:
+        return quant
+    base, more = MIXES[quant]
+    if name == "output.weight":
+        return more
+    layer = _LAYER.match(name)
+    sensitive = any(part in name for part in (".attn_v.", ".ffn_down.", ".ffn_down_exps.", ".ffn_down_shexp."))
+    return more if layer and sensitive and more_bits(int(layer.group(1)), num_layers) else base
+
+
+def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_progress: bool = False) -> Path:
+    """``hf_dir``'s checkpoint as one GGUF file at ``out``, its matrices in ``quant`` (see
+    :data:`QUANTS`) where their rows are whole blocks (f32 otherwise); norms, biases and the router
+    stay f32."""
+    import gguf
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    if quant not in QUANTS:
+        raise ConvertError(f"unknown quantization '{quant}' (known: {', '.join(QUANTS)})")
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    archs = cfg.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        raise ConvertError(f"{hf_dir}: GGUF writing supports {', '.join(ARCHITECTURES)}, not {archs}")
+    arch = getattr(gguf.MODEL_ARCH, ARCHITECTURES[archs[0]])
+    layers = cfg["num_hidden_layers"]
+    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
+    _metadata(writer, cfg, quant)
+    _tokenizer(writer, hf_dir)
+    names = gguf.TensorNameMap(arch, layers)
+    tensors = _read_tensors(hf_dir)
+    experts: dict[tuple[int, str], dict[int, str]] = {}
+    dense = []
+    for name in tensors:
+        m = _EXPERT.match(name)
+        if m:
+            experts.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = name
+            continue
+        base, suffix = name.rsplit(".", 1)
+        target = names.get_name(base)
+        if target is None:
+            raise ConvertError(f"{hf_dir}: no GGUF name for tensor '{name}'")
+        dense.append((f"{target}.{suffix}", name))
+    bar = tqdm(total=len(dense) + len(experts), desc=f"writing {quant}", unit="t", disable=not show_progress)
+    for target, name in dense:
+        t = tensors[name]()
+        router = ".ffn_gate_inp" in target
+        if ".ffn_gate_inp_shexp." in target:  # the shared experts' gate [1, H] is stored as a vector
+            t = t.reshape(-1)
+        _add(writer, target, t, tensor_format(target, quant, layers) if t.dim() >= 2 and not router else "f32")
+        bar.update(1)
+    for (layer, part), per_expert in sorted(experts.items()):
+        target = f"blk.{layer}.ffn_{part}_exps.weight"
+        stacked = torch.stack([tensors[per_expert[e]]() for e in sorted(per_expert)])  # [E, out, in]
+        _add(writer, target, stacked, tensor_format(target, quant, layers))
+        bar.update(1)
+    bar.close()
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _read_tensors(hf_dir: Path) -> dict:
+    """name -> a function loading that tensor (read one at a time: a checkpoint may not fit twice)."""
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise ConvertError(f"{hf_dir}: no safetensors files")
+    loaders = {}
+    for f in files:
+        with safe_open(str(f), "pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                loaders[key] = lambda f=f, key=key: _load_one(f, key)
+    return loaders
+
+
+def _load_one(path: Path, key: str) -> torch.Tensor:
+    with safe_open(str(path), "pt") as handle:
+        return handle.get_tensor(key)
+
+
+def _metadata(writer, cfg: dict, quant: str) -> None:
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
+    writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_string("general.quantization", quant)
+
+
+def _tokenizer(writer, hf_dir: Path) -> None:
+    spec = json.loads((hf_dir / "tokenizer.json").read_text())
+    if spec["model"]["type"] != "BPE":
+        raise ConvertError(f"{hf_dir}: GGUF writing supports BPE tokenizers, not {spec['model']['type']}")
+    vocab = spec["model"]["vocab"]
+    added = {t["id"]: t for t in spec.get("added_tokens", [])}
+    size = max([*vocab.values(), *added]) + 1
+    tokens = [""] * size
+    types = [1] * size  # normal
+    for text, i in vocab.items():
+        tokens[i] = text
+    for i, t in added.items():
+        tokens[i] = t["content"]
+        types[i] = 3 if t.get("special") else 4  # control, user-defined
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    config_path = hf_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    ids = {t["content"]: i for i, t in added.items()}
+    for key, add in (("eos_token", writer.add_eos_token_id), ("pad_token", writer.add_pad_token_id),
+                     ("bos_token", writer.add_bos_token_id)):
+        if isinstance(config.get(key), str) and config[key] in ids:
+            add(ids[config[key]])
+    template = hf_dir / "chat_template.jinja"
+    if template.is_file():
+        writer.add_chat_template(template.read_text())
+    elif isinstance(config.get("chat_template"), str):
+        writer.add_chat_template(config["chat_template"])
+
+
+def _add(writer, name: str, t: torch.Tensor, fmt: str) -> None:
+    import gguf
+
+    from hearth.engine.quant.quantize import quantize
+
+    x = t.float()
+    if fmt in FORMATS and x.shape[-1] % FORMATS[fmt].block_elems == 0:
+        rows = quantize(x.reshape(-1, x.shape[-1]), fmt)
+        data = rows.reshape(*x.shape[:-1], rows.shape[-1]).numpy()
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType(FORMATS[fmt].ggml_type))
+    elif fmt == "f16":
+        writer.add_tensor(name, x.numpy().astype(np.float16))
+    elif fmt == "bf16":
+        bits = x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        writer.add_tensor(name, bits, raw_shape=bits.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+    else:
+        writer.add_tensor(name, x.numpy())

@@ -1,0 +1,79 @@
+"""`hearth convert --quant`: a Hugging Face checkpoint quantized into one GGUF file, loaded as
+shipped and exact against transformers on that file; the mixes (Q4_K_M) keep each tensor in its
+own format through the engine; Qwen2-MoE (shared experts) too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from hearth.cli.main import main  # noqa: E402
+from hearth.engine.gguf_file import GGUFFile  # noqa: E402
+from hearth.engine.gguf_writer import ConvertError, tensor_format, write_gguf  # noqa: E402
+from hearth.engine.kernels import cpu_decode_ops  # noqa: E402
+from tests.gguf_checkpoints import assert_matches_transformers  # noqa: E402
+
+SHAPE = dict(hidden_size=256, moe_intermediate_size=512, intermediate_size=256, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def three_layers(tmp_path_factory):
+    from tests.checkpoints import make_checkpoint
+
+    path, _ = make_checkpoint(tmp_path_factory.mktemp("hf3"), "qwen3_moe", num_hidden_layers=3, **SHAPE)
+    return path
+
+
+def test_the_q4_k_m_mix_follows_llama_cpp_rules() -> None:
+    assert tensor_format("output.weight", "q4_k_m", 24) == "q6_k"
+    assert tensor_format("blk.0.attn_v.weight", "q4_k_m", 24) == "q6_k"  # first eighth
+    assert tensor_format("blk.23.ffn_down_exps.weight", "q4_k_m", 24) == "q6_k"  # last eighth
+    assert tensor_format("blk.5.ffn_down_exps.weight", "q4_k_m", 24) == "q6_k"  # (5 - 3) % 3 == 2
+    assert tensor_format("blk.4.ffn_down_exps.weight", "q4_k_m", 24) == "q4_k"
+    assert tensor_format("blk.0.attn_q.weight", "q4_k_m", 24) == "q4_k"
+    assert tensor_format("blk.0.ffn_gate_exps.weight", "q8_0", 24) == "q8_0"
+
+
+def test_convert_quant_writes_a_gguf_that_matches_transformers(three_layers, tmp_path, capsys) -> None:
+    out = tmp_path / "m-q4_k_m.gguf"
+    assert main(["convert", str(three_layers), str(out), "--quant", "q4_k_m"]) == 0
+    tensors = GGUFFile(out).tensors
+    formats = {n: t.format.name for n, t in tensors.items() if t.quantized}
+    assert formats["blk.2.ffn_down_exps.weight"] == formats["blk.2.attn_v.weight"] == "q6_k"
+    assert formats["blk.1.ffn_down_exps.weight"] == formats["blk.1.attn_v.weight"] == "q4_k"
+    assert formats["output.weight"] == "q6_k" and "blk.0.ffn_gate_inp.weight" not in formats
+    llm = assert_matches_transformers(out)
+    if cpu_decode_ops() is None:
+        return
+    pool, model = llm.engine.pool, llm.engine.runner.model
+    assert [pool.layer_blocks(layer).down.name for layer in range(3)] == ["q4_k", "q4_k", "q6_k"]
+    assert model.model.layers[2].self_attn.qkv_weight is None  # q/k in Q4_K, v in Q6_K: one by one
+    assert model.model.layers[1].self_attn.qkv_weight.dtype == torch.uint8
+
+
+def test_convert_refuses_what_it_cannot_write(three_layers, tmp_path, capsys) -> None:
+    assert main(["convert", str(three_layers), str(tmp_path / "x.gguf"), "--quant", "q3_k"]) == 2
+    assert "unknown quantization 'q3_k'" in capsys.readouterr().err
+    assert main(["convert", str(three_layers), str(tmp_path / "x"), "--quant", "q8_0"]) == 2
+    assert "FILE.gguf" in capsys.readouterr().err
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_qwen2_moe_with_shared_experts_round_trips_through_gguf(tmp_path) -> None:
+    from tests.checkpoints import make_checkpoint
+
+    hf, _ = make_checkpoint(tmp_path / "hf", "qwen2_moe", shared_expert_intermediate_size=256, **SHAPE)
+    out = write_gguf(hf, tmp_path / "q2.gguf", "q8_0")
+    assert "blk.0.ffn_gate_shexp.weight" in GGUFFile(out).tensors
+    assert_matches_transformers(out)
+
+
+def test_an_unsupported_architecture_is_named(tmp_path) -> None:
+    from tests.checkpoints import make_checkpoint
+
+    hf, _ = make_checkpoint(tmp_path / "hf", "mixtral")
+    with pytest.raises(ConvertError, match="MixtralForCausalLM"):
+        write_gguf(hf, tmp_path / "m.gguf", "q8_0")
