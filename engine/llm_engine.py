@@ -16,7 +16,7 @@ import torch
 from hearth.config import ConfigError, EngineConfig
 from hearth.engine.anchors import anchor_token_ids
 from hearth.engine.detokenizer import IncrementalDetokenizer
-from hearth.engine.experts.build import build_hierarchy, resolve_device
+from hearth.engine.experts.build import build_hierarchy
 from hearth.engine.experts.contract import ExpertControl
 from hearth.engine.experts.mechanism.host_pool import HostExpertPool
 from hearth.engine.ftw import load_checkpoint
@@ -66,7 +66,9 @@ class LLMEngine:
         loaded = load_checkpoint(
             model_path, dtype, self._pool_factory(), config.verify_checksums, show_progress,
             filled_pool=self.host_pool.tensors if self.host_pool is not None else None,
-            keep_blocks=resolve_device(config.experts.device) == "none",  # the hierarchy needs float experts
+            # Quantized experts stay in blocks, through the hierarchy too, unless CPU worker processes
+            # (which compute float experts) share the pool.
+            keep_blocks=config.experts.cpu_workers in ("inline", "thread"),
         )
         if self.host_pool is not None and self.host_pool.owner:
             self.host_pool.mark_filled()

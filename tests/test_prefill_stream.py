@@ -82,9 +82,9 @@ class _Recorder:
         self.events.append(("copy", rows[0] // 16 if rows else None))
         return self.device.copy_async(rows, slots)
 
-    def compute(self, x, pair_slot, weights, act):
+    def compute(self, x, pair_slot, weights, act, blocks=None):
         self.events.append(("compute", None))
-        return self.device.compute(x, pair_slot, weights, act)
+        return self.device.compute(x, pair_slot, weights, act, blocks)
 
     def __getattr__(self, name):
         return getattr(self.device, name)

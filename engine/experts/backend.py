@@ -80,8 +80,9 @@ class HierarchicalExpertBackend:
         call_start = time.perf_counter()
         if self.routing_log is not None:
             self.routing_log.append((int(expert_ids[0, 0]) // self.pool.num_experts, expert_ids.tolist()))
+        blocks = self.pool.blocks_of_ids(expert_ids)  # the layer's block formats (None: float experts)
         if step is not None and step.mode == "stream":
-            out = self.streamer.forward(x, expert_ids, topk_weights, self.act)
+            out = self.streamer.forward(x, expert_ids, topk_weights, self.act, blocks)
             return out.to(device=x.device, dtype=x.dtype)
         plan = self.tables.step(expert_ids.reshape(-1).to(self.tables.device))
         pair_slot = plan.pair_slot.view(t, k)
@@ -91,7 +92,8 @@ class HierarchicalExpertBackend:
         # waits until the device work below has been launched), then fills and device compute.
         task = None
         if n_cpu:
-            task = self.cpu_workers.submit(x, torch.where(on_cpu, self.pool.row_table[expert_ids], -1), topk_weights)
+            task = self.cpu_workers.submit(x, torch.where(on_cpu, self.pool.row_table[expert_ids], -1), topk_weights,
+                                           blocks)
         start = time.perf_counter()
         filled_bytes = self.device.fill(plan)
         filled = time.perf_counter()
@@ -100,7 +102,7 @@ class HierarchicalExpertBackend:
             self.times.fill_calls += 1
         out = None
         if n_cpu < t * k:
-            out = self.device.compute(x, pair_slot, topk_weights, self.act)
+            out = self.device.compute(x, pair_slot, topk_weights, self.act, blocks)
         self.times.fill_seconds += filled - start
         self.times.device_seconds += time.perf_counter() - filled
         if task is not None:

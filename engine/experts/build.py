@@ -79,9 +79,9 @@ def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: ExpertConfig, max_to
     kind = resolve_device(hc.device)
     if kind == "none":
         return None
-    if pool.blocks is not None:
-        raise ConfigError("experts kept in quantized blocks run on the plain CPU engine for now; the expert "
-                          "hierarchy (--expert-device) needs float experts")
+    if pool.blocks is not None and hc.cpu_workers in ("process", "external"):
+        raise ConfigError("experts kept in quantized blocks run on in-process CPU workers only "
+                          "(--cpu-experts inline or thread) for now")
     act = activation(cfg.hidden_act)
     free = torch.cuda.mem_get_info()[0] if kind == "cuda" else 0
     # Default size: 80 % of free GPU memory; on the virtual device a quarter of the pool.

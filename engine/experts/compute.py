@@ -66,11 +66,12 @@ def _block_partial_sum(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     tokens through the native kernel, which reads each routed expert in its blocks once for all of
     them; otherwise (many tokens, no kernel) each routed expert decoded once and multiplied in fp32."""
     t, hidden, inter = x.shape[0], blocks.hidden, blocks.inter
-    ops = cpu_decode_ops() if act is torch.nn.functional.silu and x.dtype == torch.float32 else None
+    on_cpu = act is torch.nn.functional.silu and x.dtype == torch.float32 and gate_up.device.type == "cpu"
+    ops = cpu_decode_ops() if on_cpu else None
     if ops is not None and t <= SMALL_BATCH and {blocks.gate_up.name, blocks.down.name} <= BLOCK_KERNELS:
         return ops.experts_blocks(x, gate_up, down, rows, weights, blocks.gate_up.name, blocks.down.name, inter)
     gu_bytes, dn_bytes = blocks.gate_up_bytes, blocks.down_bytes
-    parts = torch.zeros((t, rows.shape[1], hidden), dtype=torch.float32)
+    parts = torch.zeros((t, rows.shape[1], hidden), dtype=torch.float32, device=x.device)
     xf = x.float()
     for row, tokens, kpos in group_by_row(rows):
         if row < 0:

@@ -91,8 +91,10 @@ class ExpertDevice(Protocol):
         """Copy the plan's fills into their slots; the bytes moved."""
         ...
 
-    def compute(self, x: torch.Tensor, pair_slot: torch.Tensor, weights: torch.Tensor, act: Any) -> torch.Tensor:
-        """fp32 partial sum of the pairs served from slots (``pair_slot`` [T, k], -1 = elsewhere)."""
+    def compute(self, x: torch.Tensor, pair_slot: torch.Tensor, weights: torch.Tensor, act: Any,
+                blocks: Any = None) -> torch.Tensor:
+        """fp32 partial sum of the pairs served from slots (``pair_slot`` [T, k], -1 = elsewhere);
+        ``blocks`` the layer's :class:`~hearth.engine.experts.pool.ExpertBlocks` for quantized slots."""
         ...
 
     def copy_async(self, rows: list[int], slots: list[int]) -> CopyHandle:
@@ -114,8 +116,9 @@ class CpuWorkers(Protocol):
     """Computes the CPU share of a layer call straight from the host pool, in this thread, a bound
     thread, a worker process or someone else's worker (through the shared-memory ring)."""
 
-    def submit(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> CpuTask:
-        """``x`` [T, H], pool ``rows`` [T, k] (-1: served elsewhere), routing ``weights`` [T, k]."""
+    def submit(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, blocks: Any = None) -> CpuTask:
+        """``x`` [T, H], pool ``rows`` [T, k] (-1: served elsewhere), routing ``weights`` [T, k];
+        ``blocks`` the layer's block formats for a quantized pool."""
         ...
 
     def close(self) -> None: ...

@@ -40,15 +40,17 @@ def _median_time(fn, repeats: int) -> float:
 
 def measure_host_path(pool: ExpertPool, act, k: int, repeats: int = 5) -> PathCost:
     """Affine cost of the CPU expert path at batch 1, reading experts from DRAM."""
-    x = torch.randn(1, pool.gate_up.shape[2]).to(pool.gate_up.dtype)
+    x = torch.randn(1, pool.hidden).to(pool.dtype)
     n_rows = pool.gate_up.shape[0]
+    blocks = pool.layer_blocks(pool.moe_layer_ids[0])
     cursor = [0]
 
     def run(n: int) -> None:
         # Consecutive calls walk the pool, so no expert is still in cache from the last call.
         rows = [(cursor[0] + j) % n_rows for j in range(n)]
         cursor[0] = (cursor[0] + n) % n_rows
-        routed_partial_sum(x, pool.gate_up, pool.down, torch.tensor([rows]), torch.full((1, n), 1.0 / n), act)
+        routed_partial_sum(x, pool.gate_up, pool.down, torch.tensor([rows]), torch.full((1, n), 1.0 / n), act,
+                           blocks)
 
     k = max(min(k, n_rows), 2)
     run(k)  # warm-up (kernel build, allocator)
@@ -88,8 +90,9 @@ def measure_pair_costs(pool: ExpertPool, act, device, tokens: int = 64, repeats:
     """Seconds per extra (token, expert) pair on the CPU path and on the device: one expert run on
     ``tokens`` tokens against one token (the weight read cancels out). The device side reads slot 0,
     which the link measurement has filled; (cpu, 0.0) without slots."""
-    x = torch.randn(tokens, pool.gate_up.shape[2]).to(pool.gate_up.dtype)
+    x = torch.randn(tokens, pool.hidden).to(pool.dtype)
     ones = torch.ones(tokens, 1)
+    blocks = pool.layer_blocks(pool.moe_layer_ids[0])
 
     def per_pair(run) -> float:
         run(tokens)
@@ -97,13 +100,14 @@ def measure_pair_costs(pool: ExpertPool, act, device, tokens: int = 64, repeats:
         return max(big - small, 0.0) / (tokens - 1)
 
     def cpu(n: int) -> None:
-        routed_partial_sum(x[:n], pool.gate_up, pool.down, torch.zeros(n, 1, dtype=torch.long), ones[:n], act)
+        routed_partial_sum(x[:n], pool.gate_up, pool.down, torch.zeros(n, 1, dtype=torch.long), ones[:n], act,
+                           blocks)
 
     if device.num_slots > 0:  # slot 0 holds a real expert (timings of garbage weights can differ)
         device.copy_async([0], [0]).wait()
 
     def dev(n: int) -> None:
-        device.compute(x[:n], torch.zeros(n, 1, dtype=torch.long), ones[:n], act)
+        device.compute(x[:n], torch.zeros(n, 1, dtype=torch.long), ones[:n], act, blocks)
         device.synchronize()
 
     return per_pair(cpu), (per_pair(dev) if device.num_slots > 0 else 0.0)

@@ -52,6 +52,7 @@ class ExpertPool:
         """``storage``: existing (gate_up, down) tensors to use, e.g. views of a shared-memory
         segment (see :mod:`hearth.engine.experts.mechanism.host_pool`); by default fresh host memory."""
         self.num_experts = cfg.num_experts
+        self.hidden, self.dtype = cfg.hidden_size, cfg.dtype  # the activations' width and dtype
         self.moe_layer_ids = cfg.moe_layer_ids
         self.num_global_ids = cfg.num_layers * cfg.num_experts
         self.blocks = dict(blocks) if blocks else None

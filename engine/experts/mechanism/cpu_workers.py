@@ -17,7 +17,7 @@ import torch
 
 from hearth.engine.experts.compute import routed_partial_sum
 from hearth.engine.experts.contract import CpuTaskTiming
-from hearth.engine.experts.pool import ExpertPool
+from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 
 
 def physical_cores() -> list[int]:
@@ -81,14 +81,16 @@ class CpuExpertWorkers:
                 initargs=(self.cores,),
             )
 
-    def submit(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> Future | _Deferred:
+    def submit(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+               blocks: ExpertBlocks | None = None) -> Future | _Deferred:
         if self._executor is None:
-            return _Deferred(self._run, x, rows, weights)
-        return self._executor.submit(self._run, x, rows, weights)
+            return _Deferred(self._run, x, rows, weights, blocks)
+        return self._executor.submit(self._run, x, rows, weights, blocks)
 
-    def _run(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, CpuTaskTiming]:
+    def _run(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+             blocks: ExpertBlocks | None) -> tuple[torch.Tensor, CpuTaskTiming]:
         start = time.perf_counter()
-        out = routed_partial_sum(x, self.pool.gate_up, self.pool.down, rows, weights, self.act)
+        out = routed_partial_sum(x, self.pool.gate_up, self.pool.down, rows, weights, self.act, blocks)
         return out, CpuTaskTiming(time.perf_counter() - start, task_expert_bytes(rows, self.pool.expert_bytes))
 
     def close(self) -> None:

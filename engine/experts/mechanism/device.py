@@ -16,7 +16,7 @@ import torch
 
 from hearth.engine.experts.compute import routed_partial_sum
 from hearth.engine.experts.contract import FillPlan
-from hearth.engine.experts.pool import ExpertPool
+from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.kernels import cpu_decode_ops
 
 
@@ -62,9 +62,11 @@ class VirtualDevice:
             if left > 0:
                 time.sleep(left)
 
-    def compute(self, x: torch.Tensor, pair_slot: torch.Tensor, weights: torch.Tensor, act) -> torch.Tensor:
-        """fp32 partial sum of the pairs served from slots (``pair_slot`` [T, k], -1 = elsewhere)."""
-        return routed_partial_sum(x, self.gate_up, self.down, pair_slot, weights, act)
+    def compute(self, x: torch.Tensor, pair_slot: torch.Tensor, weights: torch.Tensor, act,
+                blocks: ExpertBlocks | None = None) -> torch.Tensor:
+        """fp32 partial sum of the pairs served from slots (``pair_slot`` [T, k], -1 = elsewhere);
+        ``blocks``: the layer's block formats when the slots hold quantized experts."""
+        return routed_partial_sum(x, self.gate_up, self.down, pair_slot, weights, act, blocks)
 
     def copy_async(self, rows: list[int], slots: list[int]) -> CopyHandle:
         """Start copying pool rows into slots on the copy thread (the stand-in for a copy engine);
@@ -174,10 +176,11 @@ class CudaDevice:
             end.record()
         return CopyHandle(None, len(rows) * self.pool.expert_bytes, (begin, end))
 
-    def compute(self, x: torch.Tensor, pair_slot: torch.Tensor, weights: torch.Tensor, act) -> torch.Tensor:
+    def compute(self, x: torch.Tensor, pair_slot: torch.Tensor, weights: torch.Tensor, act,
+                blocks: ExpertBlocks | None = None) -> torch.Tensor:
         # Returned on the GPU: the caller computes the CPU share meanwhile and synchronises last.
         return routed_partial_sum(x.to(self.device), self.gate_up, self.down, pair_slot.to(self.device),
-                                  weights.to(self.device), act)
+                                  weights.to(self.device), act, blocks)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

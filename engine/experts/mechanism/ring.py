@@ -130,7 +130,9 @@ class RingCpuWorkers:
         self.timeout_s = timeout_s
         self._seq = 0
 
-    def submit(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> _RingFuture:
+    def submit(self, x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, blocks=None) -> _RingFuture:
+        if blocks is not None:
+            raise ValueError("CPU expert worker processes compute float experts only")
         lo = self.ring.layout
         t, k = rows.shape
         if t > lo.max_tokens or k != lo.top_k or x.shape[1] != lo.hidden:

@@ -103,7 +103,8 @@ class LayerStreamer:
             if rank not in self._pending:
                 self._start(rank)
 
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, act) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, act,
+                blocks=None) -> torch.Tensor:
         """One MoE layer of a streamed step: every routed pair computed on the device (fp32 sum)."""
         layer = int(expert_ids.reshape(-1)[0]) // self.num_experts
         rank = self._rank_of_layer[layer]
@@ -117,7 +118,7 @@ class LayerStreamer:
         t0 = time.perf_counter()
         local = expert_ids - (self.pool.moe_layer_ids[rank] * self.num_experts)
         pair_slot = slot_map[local.to(slot_map.device)]  # [T, k] slots: buffer or in place
-        out = self.device.compute(x, pair_slot, weights, act)
+        out = self.device.compute(x, pair_slot, weights, act, blocks)
         self.stats.compute_seconds[rank] += time.perf_counter() - t0
         self.stats.layer_calls[rank] += 1
         if self.buffers == 2:
