@@ -22,7 +22,9 @@ import torch
 from hearth.engine.quant.formats import FORMATS, BlockFormat, dequantize
 
 # GGUF architecture -> the Hugging Face architecture hearth builds for it.
-ARCHITECTURES = MappingProxyType({"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM"})
+# GGUF architecture -> the transformers class hearth serves it as ("llama" with experts is Mixtral).
+ARCHITECTURES = MappingProxyType({"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                                  "llama": "MixtralForCausalLM"})
 _FLOAT_TYPES = MappingProxyType({0: torch.float32, 1: torch.float16, 30: torch.bfloat16})  # GGML type ids
 _BLOCK_TYPES = MappingProxyType({f.ggml_type: f for f in FORMATS.values()})
 
@@ -92,6 +94,9 @@ class GGUFFile:
             known = ", ".join(sorted(ARCHITECTURES))
             raise GGUFError(f"{self.path}: GGUF architecture '{self.architecture}' is not supported "
                             f"(supported: {known})")
+        if self.architecture == "llama" and not self.metadata("llama.expert_count"):
+            raise GGUFError(f"{self.path}: a dense llama model (no llama.expert_count); hearth serves "
+                            "mixture-of-experts models (llama with experts: Mixtral)")
         size = self.path.stat().st_size
         self.tensors: dict[str, GGUFTensor] = {}
         for t in reader.tensors:

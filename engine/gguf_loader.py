@@ -25,6 +25,7 @@ from hearth.engine.config import parse_dtype
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.gguf_file import ARCHITECTURES, GGUFError, GGUFFile
+from hearth.engine.gguf_writer import unpermute_rope_rows
 from hearth.engine.models import build_model, family_for
 from hearth.engine.ops import block_weight
 from hearth.engine.quant.formats import BlockFormat
@@ -53,6 +54,13 @@ def gguf_hf_config(f: GGUFFile) -> Any:
         hf.shared_expert_intermediate_size = int(shared)
     hf.tie_word_embeddings = "output.weight" not in f.tensors
     hf.architectures = [ARCHITECTURES[f.architecture]]
+    if f.architecture == "llama":  # transformers reads a llama; with experts it is a Mixtral
+        from transformers import MixtralConfig
+
+        fields = {k: v for k, v in hf.to_dict().items() if k not in ("model_type", "transformers_version")}
+        hf = MixtralConfig(**fields, num_local_experts=int(f.metadata("llama.expert_count")),
+                           num_experts_per_tok=int(f.metadata("llama.expert_used_count")))
+        hf.architectures = ["MixtralForCausalLM"]
     return hf
 
 
@@ -102,7 +110,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
         raise CheckpointError(f"{f.path}: does not match its metadata: {'; '.join(errors[:6])}{more}")
     bar = tqdm(total=len(expected) + len(experts), desc="loading tensors", unit="t", disable=not show_progress)
     for name, param in expected.items():
-        _load_dense(f, name, param, model, keep_blocks)
+        _load_dense(f, name, param, model, keep_blocks, cfg)
         bar.update(1)
     _adopt_blocks(model)
     for name, (layer, part) in experts.items():
@@ -139,19 +147,23 @@ def _expert_blocks(f: GGUFFile, cfg) -> dict[int, ExpertBlocks] | None:
     return blocks
 
 
-def _load_dense(f: GGUFFile, name: str, param: torch.nn.Parameter, model, keep_blocks: bool) -> None:
+def _load_dense(f: GGUFFile, name: str, param: torch.nn.Parameter, model, keep_blocks: bool, cfg) -> None:
     """One non-expert tensor into its parameter: a 2-D weight in a block format with a kernel
     replaces the parameter by its blocks (uint8 [rows, row bytes], tagged ``block_format``); the
-    rest is decoded into the parameter."""
+    rest is decoded into the parameter. GGUF ``llama`` files keep q/k rows in the interleaved
+    rotary order: they are put back in the Hugging Face order (rows of blocks move as a whole)."""
     t = f.tensors[name]
+    heads = {".attn_q.": cfg.num_heads, ".attn_k.": cfg.num_kv_heads} if f.architecture == "llama" else {}
+    unpermute = next((n for key, n in heads.items() if key in name), None)
+    reorder = (lambda x: unpermute_rope_rows(x, unpermute)) if unpermute else (lambda x: x)
     vector_of_row = param.dim() == 2 and param.shape[0] == 1 and tuple(t.shape) == (param.shape[1],)
     if tuple(t.shape) != tuple(param.shape) and not vector_of_row:  # a [1, H] gate is stored as [H]
         raise GGUFError(f"{f.path}: tensor '{name}' has shape {list(t.shape)}, expected {list(param.shape)}")
     fmt = _kernel_format(t) if keep_blocks and param.dim() == 2 and not vector_of_row else None
     if fmt is None:
-        param.data.copy_(t.dequantized().reshape(param.shape))
+        param.data.copy_(reorder(t.dequantized().reshape(param.shape)))
         return
-    blocks = block_weight(t.raw().clone(), fmt)  # a copy: the file's map can close
+    blocks = block_weight(reorder(t.raw()).clone(), fmt)  # a copy: the file's map can close
     for module in model.modules():  # every module that holds this parameter (tied embeddings: two)
         for attr, value in list(module._parameters.items()):
             if value is param:

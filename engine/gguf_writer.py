@@ -22,12 +22,14 @@ from tqdm import tqdm
 from hearth.engine.quant.formats import FORMATS
 
 # Hugging Face architecture -> GGUF architecture (the gguf package's MODEL_ARCH member).
-ARCHITECTURES = {"Qwen3MoeForCausalLM": "QWEN3MOE", "Qwen2MoeForCausalLM": "QWEN2MOE"}
+ARCHITECTURES = {"Qwen3MoeForCausalLM": "QWEN3MOE", "Qwen2MoeForCausalLM": "QWEN2MOE",
+                 "MixtralForCausalLM": "LLAMA"}  # Mixtral: llama with experts, as llama.cpp writes it
 FLOAT_TYPES = ("f32", "f16", "bf16")
 # Mixes: (base format, format of the tensors that get more bits).
 MIXES = {"q4_k_m": ("q4_k", "q6_k"), "q5_k_m": ("q5_k", "q6_k")}
 QUANTS = (*FLOAT_TYPES, *sorted(FORMATS), *sorted(MIXES))
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -54,6 +56,16 @@ def tensor_format(name: str, quant: str, num_layers: int) -> str:
     return more if layer and sensitive and more_bits(int(layer.group(1)), num_layers) else base
 
 
+def permute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """q/k rows from the Hugging Face rotary layout (halves) to GGUF ``llama``'s (interleaved
+    pairs), as llama.cpp's converter writes them; :func:`unpermute_rope_rows` undoes it."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_progress: bool = False) -> Path:
     """``hf_dir``'s checkpoint as one GGUF file at ``out``, its matrices in ``quant`` (see
     :data:`QUANTS`) where their rows are whole blocks (f32 otherwise); norms, biases and the router
@@ -67,7 +79,10 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
     archs = cfg.get("architectures") or []
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise ConvertError(f"{hf_dir}: GGUF writing supports {', '.join(ARCHITECTURES)}, not {archs}")
+    from hearth.engine.models import family_for
+
     arch = getattr(gguf.MODEL_ARCH, ARCHITECTURES[archs[0]])
+    family = family_for(archs)
     layers = cfg["num_hidden_layers"]
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
     _metadata(writer, cfg, quant)
@@ -75,35 +90,60 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
     names = gguf.TensorNameMap(arch, layers)
     tensors = _read_tensors(hf_dir)
     experts: dict[tuple[int, str], dict[int, str]] = {}
+    fused: dict[tuple[int, str], str] = {}
     dense = []
     for name in tensors:
-        m = _EXPERT.match(name)
+        canonical = family.map_name(name)
+        m, f = _EXPERT.match(canonical), _FUSED.match(canonical)
         if m:
             experts.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = name
             continue
-        base, suffix = name.rsplit(".", 1)
+        if f:
+            fused[(int(f.group(1)), f.group(2))] = name
+            continue
+        base, suffix = canonical.rsplit(".", 1)
         target = names.get_name(base)
         if target is None:
             raise ConvertError(f"{hf_dir}: no GGUF name for tensor '{name}'")
         dense.append((f"{target}.{suffix}", name))
-    bar = tqdm(total=len(dense) + len(experts), desc=f"writing {quant}", unit="t", disable=not show_progress)
+    stacked = _stacked_experts(tensors, experts, fused, cfg["moe_intermediate_size"] if "moe_intermediate_size" in cfg
+                               else cfg["intermediate_size"])
+    bar = tqdm(total=len(dense) + len(stacked), desc=f"writing {quant}", unit="t", disable=not show_progress)
+    heads = {".attn_q.": cfg["num_attention_heads"], ".attn_k.": cfg["num_key_value_heads"]}
     for target, name in dense:
         t = tensors[name]()
+        if arch == gguf.MODEL_ARCH.LLAMA:
+            for key, n in heads.items():
+                if key in target:
+                    t = permute_rope_rows(t, n)
         router = ".ffn_gate_inp" in target
         if ".ffn_gate_inp_shexp." in target:  # the shared experts' gate [1, H] is stored as a vector
             t = t.reshape(-1)
         _add(writer, target, t, tensor_format(target, quant, layers) if t.dim() >= 2 and not router else "f32")
         bar.update(1)
-    for (layer, part), per_expert in sorted(experts.items()):
+    for (layer, part), load in sorted(stacked.items()):
         target = f"blk.{layer}.ffn_{part}_exps.weight"
-        stacked = torch.stack([tensors[per_expert[e]]() for e in sorted(per_expert)])  # [E, out, in]
-        _add(writer, target, stacked, tensor_format(target, quant, layers))
+        _add(writer, target, load(), tensor_format(target, quant, layers))
         bar.update(1)
     bar.close()
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def _stacked_experts(tensors: dict, experts: dict, fused: dict, inter: int) -> dict:
+    """(layer, gate|up|down) -> a function giving that layer's experts stacked [E, out, in], from
+    per-expert tensors or the fused layout (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])."""
+    out = {key: (lambda names=names: torch.stack([tensors[names[e]]() for e in sorted(names)]))
+           for key, names in experts.items()}
+    for (layer, part), name in fused.items():
+        if part == "down_proj":
+            out[(layer, "down")] = tensors[name]
+        else:
+            out[(layer, "gate")] = lambda name=name: tensors[name]()[:, :inter]
+            out[(layer, "up")] = lambda name=name: tensors[name]()[:, inter:]
     return out
 
 
@@ -130,7 +170,8 @@ def _metadata(writer, cfg: dict, quant: str) -> None:
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
-    writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if "moe_intermediate_size" in cfg:
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if cfg.get("shared_expert_intermediate_size"):
         writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     writer.add_head_count(cfg["num_attention_heads"])
@@ -138,6 +179,7 @@ def _metadata(writer, cfg: dict, quant: str) -> None:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])

@@ -23,10 +23,52 @@ def reference(path: Path):
     from hearth.engine.gguf_file import GGUFFile
     from hearth.engine.gguf_loader import gguf_hf_config
 
-    config = gguf_hf_config(GGUFFile(path))
+    f = GGUFFile(path)
+    config = gguf_hf_config(f)
+    if f.architecture == "llama":
+        return _mixtral_reference(path, config)
     assert AutoConfig.from_pretrained(path.parent, gguf_file=path.name).num_experts == config.num_experts
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
                                                 dtype=torch.float32).eval()
+
+
+_MIXTRAL_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+                  "attn_output": "self_attn.o_proj", "attn_norm": "input_layernorm",
+                  "ffn_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.gate"}
+
+
+def _mixtral_reference(path: Path, config):
+    """transformers' Mixtral on a GGUF ``llama`` file's tensors, which transformers' GGUF loading
+    does not read for Mixtral: decoded by the ``gguf`` package, q/k rows put back by transformers'
+    own llama tensor processor, stacked into transformers' expert layout."""
+    import gguf
+    from transformers import MixtralForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    processor = LlamaTensorProcessor(config=config.to_dict())
+    weights, experts = {}, {}
+    for t in gguf.GGUFReader(path).tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype("float32")
+        data = processor.process(data, t.name).weights
+        tensor = torch.from_numpy(data.copy())
+        top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+               "output.weight": "lm_head.weight"}
+        if t.name in top:
+            weights[top[t.name]] = tensor
+            continue
+        _, layer, kind, _ = t.name.split(".")
+        if kind.endswith("_exps"):
+            experts[(int(layer), kind)] = tensor
+        else:
+            weights[f"model.layers.{layer}.{_MIXTRAL_NAMES[kind]}.weight"] = tensor
+    for layer in range(config.num_hidden_layers):
+        gate, up = experts[(layer, "ffn_gate_exps")], experts[(layer, "ffn_up_exps")]
+        weights[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)
+        weights[f"model.layers.{layer}.mlp.experts.down_proj"] = experts[(layer, "ffn_down_exps")]
+    model = MixtralForCausalLM(config).float().eval()
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    return model
 
 
 def assert_matches_transformers(path: Path, **engine_options) -> LLM:
@@ -34,7 +76,8 @@ def assert_matches_transformers(path: Path, **engine_options) -> LLM:
     greedy tokens equal, on 3 prompts. Returns the engine."""
     ref = reference(path)
     llm = LLM(path, **engine_options)
-    assert llm.engine.model_config.moe_intermediate_size == ref.config.moe_intermediate_size
+    width = getattr(ref.config, "moe_intermediate_size", None) or ref.config.intermediate_size  # Mixtral: one width
+    assert llm.engine.model_config.moe_intermediate_size == width
     for prompt in PROMPTS:
         with torch.no_grad():
             want = ref(torch.tensor([prompt])).logits[0, -1]

@@ -77,3 +77,22 @@ def test_an_unsupported_architecture_is_named(tmp_path) -> None:
     hf, _ = make_checkpoint(tmp_path / "hf", "mixtral")
     with pytest.raises(ConvertError, match="MixtralForCausalLM"):
         write_gguf(hf, tmp_path / "m.gguf", "q8_0")
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_k", "q5_k", "q6_k", "q4_k_m"])
+def test_mixtral_gguf_matches_transformers(tmp_path, fmt) -> None:
+    """Mixtral as llama.cpp writes it (GGUF ``llama`` with experts, q/k rows interleaved)."""
+    from tests.checkpoints import make_checkpoint
+
+    hf, original = make_checkpoint(tmp_path / "hf", "mixtral", hidden_size=256, intermediate_size=512,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=3)
+    out = write_gguf(hf, tmp_path / f"mx-{fmt}.gguf", fmt)
+    assert GGUFFile(out).architecture == "llama"
+    if fmt == "f32":  # the reference reads the file back to the original model (the q/k order is llama.cpp's)
+        from tests.gguf_checkpoints import reference
+
+        prompt = torch.tensor([[5, 17, 42, 99, 3]])
+        with torch.no_grad():
+            torch.testing.assert_close(reference(out)(prompt).logits, original.float()(prompt).logits,
+                                       rtol=1e-4, atol=1e-5)
+    assert_matches_transformers(out)
