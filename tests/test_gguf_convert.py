@@ -74,8 +74,8 @@ def test_qwen2_moe_with_shared_experts_round_trips_through_gguf(tmp_path) -> Non
 def test_an_unsupported_architecture_is_named(tmp_path) -> None:
     from tests.checkpoints import make_checkpoint
 
-    hf, _ = make_checkpoint(tmp_path / "hf", "mixtral")
-    with pytest.raises(ConvertError, match="MixtralForCausalLM"):
+    hf, _ = make_checkpoint(tmp_path / "hf", "qwen3_next")
+    with pytest.raises(ConvertError, match="Qwen3NextForCausalLM"):
         write_gguf(hf, tmp_path / "m.gguf", "q8_0")
 
 

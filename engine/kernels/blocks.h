@@ -13,6 +13,7 @@
 // AVX-512 (F + BW), 8 with AVX2 + FMA.
 #pragma once
 
+#include <type_traits>
 #include <vector>
 
 #include "native.h"
@@ -119,22 +120,19 @@ struct Mxfp4 {
   }
 };
 
-// The 8 (scale, min) pairs of a Q4_K / Q5_K super-block as weight = q * d*sc - dmin*m (branch-free,
-// so that the compiler vectorises it).
+// The 8 (scale, min) pairs of a Q4_K / Q5_K super-block as weight = q * d*sc - dmin*m: the 6-bit
+// fields unpacked four at a time in 32-bit words, then widened and scaled eight at a time.
 inline void k_scales(const uint8_t* b, float* scale, float* bias) {
   const float d = half_to_float(b), dmin = half_to_float(b + 2);
-  const uint8_t* s = b + 4;
-  uint8_t sc[8], m[8];
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = s[j] & 63;
-    m[j] = s[j + 4] & 63;
-    sc[j + 4] = static_cast<uint8_t>((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
-    m[j + 4] = static_cast<uint8_t>((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
-  }
-  for (int j = 0; j < 8; ++j) {
-    scale[j] = d * static_cast<float>(sc[j]);
-    bias[j] = -(dmin * static_cast<float>(m[j]));
-  }
+  uint32_t w[3];
+  std::memcpy(w, b + 4, 12);
+  const uint32_t low6 = 0x3F3F3F3F, low4 = 0x0F0F0F0F, top2 = 0x30303030;
+  const uint32_t sc[2] = {w[0] & low6, (w[2] & low4) | ((w[0] >> 2) & top2)};
+  const uint32_t m[2] = {w[1] & low6, ((w[2] >> 4) & low4) | ((w[1] >> 2) & top2)};
+  const __m128i sc8 = _mm_set_epi32(0, 0, static_cast<int>(sc[1]), static_cast<int>(sc[0]));
+  const __m128i m8 = _mm_set_epi32(0, 0, static_cast<int>(m[1]), static_cast<int>(m[0]));
+  _mm256_storeu_ps(scale, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc8))));
+  _mm256_storeu_ps(bias, _mm256_mul_ps(_mm256_set1_ps(-dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m8))));
 }
 
 struct Q4_K {
@@ -191,9 +189,10 @@ struct Q6_K {
 // out[m] = row . xs[m] for M tokens, the row of K elements in format F.
 template <typename F, int M>
 inline void row_dot(const uint8_t* row, int64_t K, const float* const* xs, float* out) {
-  // With few tokens, several accumulators per token hide the FMA latency.
+  // Two accumulators per token hide the FMA latency; the same two for every M, so that a token's
+  // result does not depend on how many tokens share the pass.
   constexpr int kChunks = F::kGroupElems / kLanes;
-  constexpr int kAcc = M == 1 ? 2 : 1;
+  constexpr int kAcc = 2;
   vf acc[M][kAcc];
   for (int m = 0; m < M; ++m)
     for (int a = 0; a < kAcc; ++a) acc[m][a] = zero();
@@ -222,9 +221,112 @@ inline void row_dot(const uint8_t* row, int64_t K, const float* const* xs, float
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Q4_K with AVX-512, the nibbles split in registers (no unpacked copy of the block): per 64
+// elements one 32-byte load, the low nibbles being one sub-block and the high nibbles the next.
+// The same products and accumulators, in the same order, as the generic row_dot<Q4_K, M>.
+template <int M>
+inline void row_dot_q4_k(const uint8_t* row, int64_t K, const float* const* xs, float* out) {
+  vf acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = zero();
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  float scale[8], bias[8];
+  for (int64_t b = 0; b < K / Q4_K::kElems; ++b) {
+    const uint8_t* blk = row + b * Q4_K::kBytes;
+    k_scales(blk, scale, bias);
+    const int64_t base = b * Q4_K::kElems;
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j));
+      const __m256i halves[2] = {_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask)};
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const vf s = set1(scale[2 * j + h]), o = set1(bias[2 * j + h]);
+        const vf w0 = fma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(halves[h]))), s, o);
+        const vf w1 = fma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(halves[h], 1))), s, o);
+        const int64_t e = base + 64 * j + 32 * h;
+        for (int m = 0; m < M; ++m) {
+          acc[m][0] = fma(w0, loadf(xs[m] + e), acc[m][0]);
+          acc[m][1] = fma(w1, loadf(xs[m] + e + 16), acc[m][1]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = hsum(add(acc[m][0], acc[m][1]));
+}
+
+// Q6_K with AVX-512, the 6-bit values assembled in registers: per 128 elements two 32-byte loads of
+// low nibbles and one of high bit pairs give four 32-element quarters (scales per 16 elements).
+// The same products and accumulators, in the same order, as the generic row_dot<Q6_K, M>.
+template <int M>
+inline void row_dot_q6_k(const uint8_t* row, int64_t K, const float* const* xs, float* out) {
+  vf acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = zero();
+  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03), bias32 = _mm256_set1_epi8(32);
+  alignas(64) float scale[16];
+  for (int64_t b = 0; b < K / Q6_K::kElems; ++b) {
+    const uint8_t* blk = row + b * Q6_K::kBytes;
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+    _mm512_store_ps(scale, _mm512_mul_ps(set1(half_to_float(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc))));
+    const int64_t base = b * Q6_K::kElems;
+#pragma GCC unroll 2
+    for (int n = 0; n < 2; ++n) {
+      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * n));
+      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * n + 32));
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * n));
+      // quarter q: low nibbles of ql0 / ql1, then high nibbles; high bits 2q..2q+1 of qh.
+      const __m256i lows[4] = {_mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4),
+                               _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                               _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)};
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) {
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * q), two);
+        const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lows[q], _mm256_slli_epi16(hi, 4)), bias32);
+        const int g = 8 * n + 2 * q;  // the scales of elements 0-15 and 16-31 of this quarter
+        const vf w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v))), set1(scale[g]));
+        const vf w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1))),
+                                    set1(scale[g + 1]));
+        const int64_t e = base + 128 * n + 32 * q;
+        for (int m = 0; m < M; ++m) {
+          acc[m][0] = fma(w0, loadf(xs[m] + e), acc[m][0]);
+          acc[m][1] = fma(w1, loadf(xs[m] + e + 16), acc[m][1]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = hsum(add(acc[m][0], acc[m][1]));
+}
+#endif
+
 // rows_dot over a run-time token count (1..kMaxTokens).
 template <typename F>
 inline void rows_dot(const uint8_t* row, int64_t K, const float* const* xs, int M, float* out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<F, Q4_K>) {
+    switch (M) {
+      case 1: row_dot_q4_k<1>(row, K, xs, out); return;
+      case 2: row_dot_q4_k<2>(row, K, xs, out); return;
+      case 3: row_dot_q4_k<3>(row, K, xs, out); return;
+      case 4: row_dot_q4_k<4>(row, K, xs, out); return;
+      case 5: row_dot_q4_k<5>(row, K, xs, out); return;
+      case 6: row_dot_q4_k<6>(row, K, xs, out); return;
+      case 7: row_dot_q4_k<7>(row, K, xs, out); return;
+      default: row_dot_q4_k<8>(row, K, xs, out); return;
+    }
+  }
+  if constexpr (std::is_same_v<F, Q6_K>) {
+    switch (M) {
+      case 1: row_dot_q6_k<1>(row, K, xs, out); return;
+      case 2: row_dot_q6_k<2>(row, K, xs, out); return;
+      case 3: row_dot_q6_k<3>(row, K, xs, out); return;
+      case 4: row_dot_q6_k<4>(row, K, xs, out); return;
+      case 5: row_dot_q6_k<5>(row, K, xs, out); return;
+      case 6: row_dot_q6_k<6>(row, K, xs, out); return;
+      case 7: row_dot_q6_k<7>(row, K, xs, out); return;
+      default: row_dot_q6_k<8>(row, K, xs, out); return;
+    }
+  }
+#endif
   switch (M) {
     case 1: row_dot<F, 1>(row, K, xs, out); break;
     case 2: row_dot<F, 2>(row, K, xs, out); break;
