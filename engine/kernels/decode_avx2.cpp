@@ -75,9 +75,10 @@ inline float dot16(const W* w, const float* x, int64_t K) {
   __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    // Rows are contiguous: fetching ~2 KB ahead keeps more lines in flight than the hardware
-    // prefetcher alone (decode is bound by how fast the weights stream in).
-    _mm_prefetch(reinterpret_cast<const char*>(w + k) + 2048, _MM_HINT_T0);
+    // Rows are contiguous: fetching ahead (into L1 1 KiB ahead, into L2 8 KiB ahead) keeps more
+    // lines in flight than the hardware prefetcher alone (decode is bound by how fast weights stream in).
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + 1024, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + 8192, _MM_HINT_T1);
     b0 = _mm512_fmadd_ps(load16(w + k), _mm512_loadu_ps(x + k), b0);
     b1 = _mm512_fmadd_ps(load16(w + k + 16), _mm512_loadu_ps(x + k + 16), b1);
   }
