@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import hearth  # noqa: E402,F401 - before torch: hearth's OpenMP defaults apply to the process
 from bench.common import emit, synthetic_prompt  # noqa: E402
 
 # llama.cpp's file types (llama.h, enum llama_ftype) by the names its quantize tool takes.
