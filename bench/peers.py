@@ -144,21 +144,15 @@ def llama_cpp_runner(path: Path, threads: int, n_ctx: int):
 @contextlib.contextmanager
 def hearth_runner(path: Path, dtype: str, n_ctx: int, pp_chunk: int):
     """run(prompt, pp, tg) -> {"pp", "tg"} tok/s with hearth's engine (greedy, one sequence)."""
-    from hearth.engine import LLM, SamplingParams
+    from hearth.cli.bench_backends import timed_steps
+    from hearth.engine import LLM
 
     llm = LLM(str(path), dtype=dtype, max_model_len=n_ctx, max_num_seqs=1, prefill_chunk=pp_chunk,
               max_num_batched_tokens=max(pp_chunk, 2048), prefix_caching=False)
     engine = llm.engine
 
     def steps(prompt: list[int], max_tokens: int) -> list[float]:
-        rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-        times = []
-        while True:
-            start = time.perf_counter()
-            outs = engine.step()
-            times.append(time.perf_counter() - start)
-            if any(o.finished for o in outs if o.request_id == rid):
-                return times
+        return timed_steps(engine, prompt, max_tokens)
 
     def run(prompt: list[int], pp: int, tg: int) -> dict[str, float]:
         out = {}

@@ -18,6 +18,20 @@ from collections.abc import Iterator
 DEFAULT_URL_TIMEOUT_S = 600
 
 
+def timed_steps(engine, prompt: list[int], max_tokens: int) -> list[float]:
+    """Seconds of each engine step of one greedy request, until it finishes."""
+    from hearth.engine import SamplingParams
+
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    times = []
+    while True:
+        start = time.perf_counter()
+        outs = engine.step()
+        times.append(time.perf_counter() - start)
+        if any(o.finished for o in outs if o.request_id == rid):
+            return times
+
+
 def prompt_ids(tokenizer, length: int) -> list[int]:
     """``length`` token ids of real text (repeated if the text is short)."""
     import argparse
@@ -33,7 +47,7 @@ def engine_runner(model: str, dtype: str, max_len: int, n_prompt: int, options: 
     """This engine, one request at a time; the pp chunk is exactly one engine step."""
     import torch
 
-    from hearth.engine import LLM, SamplingParams
+    from hearth.engine import LLM
 
     if options.get("expert_device") == "auto":
         options = dict(options, expert_device="cuda" if torch.cuda.is_available() else "virtual")
@@ -43,22 +57,11 @@ def engine_runner(model: str, dtype: str, max_len: int, n_prompt: int, options: 
     engine = llm.engine
     ids = prompt_ids(llm.tokenizer, max_len)
 
-    def timed_steps(prompt: list[int], max_tokens: int) -> list[float]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        rid = engine.add_request(prompt, params)
-        times = []
-        while True:
-            start = time.perf_counter()
-            outs = engine.step()
-            times.append(time.perf_counter() - start)
-            if any(o.finished for o in outs if o.request_id == rid):
-                return times
-
     def run(depth: int, pp: int, tg: int) -> dict[str, float]:
         result = {}
         if pp:
             before = engine.stats().get("experts", {})
-            times = timed_steps(ids[: depth + pp], 1)
+            times = timed_steps(engine, ids[: depth + pp], 1)
             result["pp"] = pp / times[-1]  # the last prefill step is the pp chunk (depth % pp == 0)
             result["ttft"] = sum(times) * 1e3
             after = engine.stats().get("experts", {})
@@ -67,7 +70,7 @@ def engine_runner(model: str, dtype: str, max_len: int, n_prompt: int, options: 
                 waited = after["prefill_wait_seconds"] - before["prefill_wait_seconds"]
                 result["copy_hidden"] = 1.0 - min(waited / copied, 1.0)
         if tg:
-            times = timed_steps(ids[: max(depth, 1)], tg + 1)
+            times = timed_steps(engine, ids[: max(depth, 1)], tg + 1)
             result["tg"] = tg / sum(times[-tg:])  # the last tg steps are decode steps
         return result
 

@@ -20,6 +20,15 @@
 
 namespace hearth::blocks {
 
+// Sum of the 8 lanes (the float kernels of decode_avx2.cpp reduce with it too).
+inline float hsum8(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 0x55));
+  return _mm_cvtss_f32(lo);
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int kLanes = 16;
 using vf = __m512;
@@ -43,13 +52,7 @@ inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf widen(const int8_t* q) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
 }
-inline float hsum(vf v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 0x55));
-  return _mm_cvtss_f32(lo);
-}
+inline float hsum(vf v) { return hsum8(v); }
 #endif
 
 constexpr int kMaxTokens = 8;
@@ -311,45 +314,38 @@ inline void row_dot_q6_k(const uint8_t* row, int64_t K, const float* const* xs, 
 }
 #endif
 
-// rows_dot over a run-time token count (1..kMaxTokens).
+// Calls fn(std::integral_constant<int, M>{}) for a run-time token count M in 1..kMaxTokens.
+template <typename Fn>
+inline void with_tokens(int M, const Fn& fn) {
+  switch (M) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    case 4: fn(std::integral_constant<int, 4>{}); break;
+    case 5: fn(std::integral_constant<int, 5>{}); break;
+    case 6: fn(std::integral_constant<int, 6>{}); break;
+    case 7: fn(std::integral_constant<int, 7>{}); break;
+    default: fn(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+// The row products of F for M tokens (1..kMaxTokens), in the register-unpacking kernels where
+// this build has one for F.
 template <typename F>
 inline void rows_dot(const uint8_t* row, int64_t K, const float* const* xs, int M, float* out) {
+  with_tokens(M, [&](auto m) {
+    constexpr int kM = decltype(m)::value;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  if constexpr (std::is_same_v<F, Q4_K>) {
-    switch (M) {
-      case 1: row_dot_q4_k<1>(row, K, xs, out); return;
-      case 2: row_dot_q4_k<2>(row, K, xs, out); return;
-      case 3: row_dot_q4_k<3>(row, K, xs, out); return;
-      case 4: row_dot_q4_k<4>(row, K, xs, out); return;
-      case 5: row_dot_q4_k<5>(row, K, xs, out); return;
-      case 6: row_dot_q4_k<6>(row, K, xs, out); return;
-      case 7: row_dot_q4_k<7>(row, K, xs, out); return;
-      default: row_dot_q4_k<8>(row, K, xs, out); return;
+    if constexpr (std::is_same_v<F, Q4_K>) {
+      row_dot_q4_k<kM>(row, K, xs, out);
+      return;
+    } else if constexpr (std::is_same_v<F, Q6_K>) {
+      row_dot_q6_k<kM>(row, K, xs, out);
+      return;
     }
-  }
-  if constexpr (std::is_same_v<F, Q6_K>) {
-    switch (M) {
-      case 1: row_dot_q6_k<1>(row, K, xs, out); return;
-      case 2: row_dot_q6_k<2>(row, K, xs, out); return;
-      case 3: row_dot_q6_k<3>(row, K, xs, out); return;
-      case 4: row_dot_q6_k<4>(row, K, xs, out); return;
-      case 5: row_dot_q6_k<5>(row, K, xs, out); return;
-      case 6: row_dot_q6_k<6>(row, K, xs, out); return;
-      case 7: row_dot_q6_k<7>(row, K, xs, out); return;
-      default: row_dot_q6_k<8>(row, K, xs, out); return;
-    }
-  }
 #endif
-  switch (M) {
-    case 1: row_dot<F, 1>(row, K, xs, out); break;
-    case 2: row_dot<F, 2>(row, K, xs, out); break;
-    case 3: row_dot<F, 3>(row, K, xs, out); break;
-    case 4: row_dot<F, 4>(row, K, xs, out); break;
-    case 5: row_dot<F, 5>(row, K, xs, out); break;
-    case 6: row_dot<F, 6>(row, K, xs, out); break;
-    case 7: row_dot<F, 7>(row, K, xs, out); break;
-    default: row_dot<F, 8>(row, K, xs, out); break;
-  }
+    row_dot<F, kM>(row, K, xs, out);
+  });
 }
 
 // Calls fn(F{}) for the format code (see kCode); false for an unknown code.

@@ -33,13 +33,7 @@ inline __m256 load8(const bf16* p) {
 }
 inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 0x55));
-  return _mm_cvtss_f32(lo);
-}
+inline float hsum(__m256 v) { return hearth::blocks::hsum8(v); }
 
 // Dot product of one weight row (K elements) with an fp32 vector.
 template <typename W>
