@@ -176,6 +176,8 @@ void rms_norm_impl(const T* x, int64_t rows, int64_t D, const T* w, float eps, T
   });
 }
 
+#include "layer.h"
+
 // Calls `fn` with a typed null pointer of the dtype's element type; -1 for an unknown dtype code.
 template <typename F>
 int by_dtype(int dtype, const F& fn) {
@@ -322,7 +324,44 @@ PyObject* py_rms_norm(PyObject*, PyObject* const* args, Py_ssize_t n) {
   return PyLong_FromLong(rc);
 }
 
+// decode_layer(part, layer_desc, step_desc, h, a, b, c, threads): one decoder layer's decode step on
+// h [tokens, hidden], in place (see layer.h), whole or in parts around torch's attention and router:
+//   0: the whole layer (a, b, c unused);
+//   1: attention_in, queries to a [tokens, heads, D];
+//   2: post_attention from the attention output a; the post norm to b, the router logits to c;
+//   3: feed_forward from b = xn, a = pool rows int64 [tokens, k], c = fp32 weights [tokens, k].
+// Returns 0, -1 for an unknown dtype or part.
+PyObject* py_decode_layer(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  int64_t a[8];
+  if (!hearth::int_args(args, n, 8, a, "decode_layer")) return nullptr;
+  const auto& d = *ptr<const layer::LayerDesc>(a[1]);
+  const auto& s = *ptr<const layer::StepDesc>(a[2]);
+  const int part = static_cast<int>(a[0]), threads = static_cast<int>(a[7]);
+  int rc = part >= 0 && part <= 3 ? 0 : -1;
+  Py_BEGIN_ALLOW_THREADS
+  if (rc == 0)
+    rc = by_dtype(static_cast<int>(d.dtype), [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      T* h = ptr<T>(a[3]);
+      if (part == 0) layer::run<T>(d, s, h, threads);
+      if (part == 1) layer::attention_in<T>(d, s, h, ptr<T>(a[4]), threads);
+      if (part == 2) layer::post_attention<T>(d, s, h, ptr<const T>(a[4]), ptr<T>(a[5]), ptr<T>(a[6]), threads);
+      if (part == 3)
+        layer::feed_forward<T>(d, s, h, ptr<const T>(a[5]), ptr<const int64_t>(a[4]), ptr<const float>(a[6]), threads);
+    });
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(rc);
+}
+
+// The sizes in int64 words of LayerDesc and StepDesc, which the Python side fills.
+PyObject* py_layer_desc_size(PyObject*, PyObject*) {
+  return Py_BuildValue("(nn)", static_cast<Py_ssize_t>(sizeof(layer::LayerDesc) / 8),
+                       static_cast<Py_ssize_t>(sizeof(layer::StepDesc) / 8));
+}
+
 PyMethodDef methods[] = {
+    {"decode_layer", fastcall(py_decode_layer), METH_FASTCALL, "one decoder layer's decode step, in place"},
+    {"layer_desc_size", py_layer_desc_size, METH_NOARGS, "int64 words of LayerDesc and StepDesc"},
     {"linear_decode", fastcall(py_linear_decode), METH_FASTCALL, "out = x @ w^T (+ bias) for a few tokens"},
     {"experts_decode", fastcall(py_experts_decode), METH_FASTCALL, "one token's routed experts, weighted and summed"},
     {"linear_blocks", fastcall(py_linear_blocks), METH_FASTCALL, "fp32 x @ W^T for block-quantized W"},

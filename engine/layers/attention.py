@@ -160,7 +160,12 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
+        out = self.attend(q, batch, k_cache, v_cache)
+        return self.project_out(out.reshape(t, self.num_heads * self.head_dim), extra)
 
+    def attend(self, q: torch.Tensor, batch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """The attention of queries q [T, heads, D] over each sequence's cached keys and values
+        (this step's already written): [T, heads, D]."""
         out = torch.empty_like(q)
         for index, seq in enumerate(batch.sequences):
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
@@ -186,7 +191,7 @@ class Attention(nn.Module):
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )
             out[rows] = o[0].transpose(0, 1)
-        return self.project_out(out.reshape(t, self.num_heads * self.head_dim), extra)
+        return out
 
     def _splits(self, seq: SequenceSlice) -> bool:
         """Whether a chunk runs as cached prefix + causal block: several queries after a prefix,

@@ -26,7 +26,10 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k])."""
-        logits = linear(x, self.weight)  # [T, E]
+        return self.select(linear(x, self.weight))  # logits [T, E]
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing of logits [T, E] (in the model dtype): (topk_ids [T, k], topk_weights [T, k])."""
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:

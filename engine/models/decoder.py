@@ -17,6 +17,7 @@ from hearth.engine.kv_cache import PagedKVCache
 from hearth.engine.layers.linear import Projection, TokenEmbedding
 from hearth.engine.layers.moe import MoEBlock
 from hearth.engine.layers.rope import RotaryEmbedding
+from hearth.engine.native_layers import NativeLayers
 from hearth.engine.ops import linear
 from hearth.engine.state_pool import RecurrentStatePool
 
@@ -62,12 +63,20 @@ class MoECausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.requires_grad_(False)
+        self._native: tuple[object, NativeLayers | None] | None = None  # (KV cache, its native layers)
 
     def set_expert_backend(self, backend: ExpertBackend) -> None:
         """Route every MoE layer's experts through ``backend`` (e.g. the expert hierarchy)."""
         for layer in self.model.layers:
             if isinstance(layer.mlp, MoEBlock):
                 layer.mlp.backend = backend
+        self._native = None
+
+    def native_layers(self, kv: PagedKVCache) -> NativeLayers | None:
+        """The layers' native decode descriptions for ``kv`` (built on first use; see native_layers.py)."""
+        if self._native is None or self._native[0] is not kv:
+            self._native = (kv, NativeLayers.for_model(self, kv))
+        return self._native[1]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv: PagedKVCache, states: RecurrentStatePool | None = None) -> torch.Tensor:
@@ -77,7 +86,13 @@ class MoECausalLM(nn.Module):
             raise ValueError(f"{self.config.architecture} has linear-attention layers: forward needs a state pool")
         h = self.model.embed_tokens(batch.token_ids)  # [T, H]
         ctx = LayerContext(batch, kv, states, self.model.rotary(batch.positions, h.dtype))
-        for layer in self.model.layers:
-            h = layer(h, ctx)
+        native = self.native_layers(kv) if h.is_cpu else None
+        step = native.step(batch, ctx.rope) if native is not None else None
+        for index, layer in enumerate(self.model.layers):
+            ran = native.run(index, h, step) if step is not None else None
+            if ran is None:
+                h = layer(h, ctx)
+            elif not ran:  # attention ran natively; the feed-forward is the module's
+                h = h + layer.mlp(layer.post_attention_layernorm(h), ctx)
         h = self.model.norm(h.index_select(0, batch.logits_indices))
         return linear(h, self.lm_head.weight).float()
