@@ -1,5 +1,6 @@
-"""hearth's ``fp8_e4m3`` blocks: the native kernel (AVX2 and AVX-512 builds) against the torch
-decoder, as tests/test_block_kernels.py does for GGML's formats."""
+"""hearth's ``fp8_e4m3`` blocks and the repacking of Hugging Face FP8 and MXFP4 tensors: the torch
+decoder against transformers' own dequantization (bit for bit), and the native kernel (AVX2 and
+AVX-512 builds) against the torch decoder, as tests/test_block_kernels.py does for GGML's formats."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from hearth.engine.hf_quant import fp8_rows, mxfp4_rows
 from hearth.engine.quant.formats import FORMATS, HEARTH_FORMATS, block_format, dequantize
 from tests.block_data import random_blocks
 from tests.test_block_kernels import BUILDS, IDS
@@ -24,6 +26,37 @@ def random_fp8_rows(rows: int, cols: int, seed: int, extremes: bool = False) -> 
     if extremes:
         scale.view(-1)[:2] = torch.tensor([2.0**-130, 2.0**100])
     return torch.cat([scale.view(torch.uint8).reshape(rows, cols // 128, 4), q], -1).reshape(rows, -1).contiguous()
+
+
+def test_fp8_repacking_decodes_to_transformers_values_bit_for_bit() -> None:
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    g = torch.Generator().manual_seed(0)
+    # 300 rows: the last row tile is partial; 384 columns in 256-wide tiles: so is the last column tile.
+    # [300, 384] in 128x256 tiles: the last row tile and the last column tile are partial.
+    for shape, tile in [((256, 384), (128, 128)), ((300, 384), (128, 256)), ((2, 130, 256), (64, 128))]:
+        w = (torch.randn(*shape, generator=g) * 3).to(torch.float8_e4m3fn)
+        *lead, rows, k = w.shape
+        scale = torch.rand(*lead, -(-rows // tile[0]), -(-k // tile[1]), generator=g) / 100
+        packed = fp8_rows(w, scale, tile)
+        assert packed.dtype == torch.uint8 and packed.shape == (*lead, rows, FP8.row_bytes(k))
+        ours = dequantize(packed.reshape(-1, packed.shape[-1]), "fp8_e4m3", k).reshape(w.shape)
+        want = _dequantize_fp8_weight(w, scale, list(tile), torch.float32)
+        assert torch.equal(ours, want)
+
+
+def test_mxfp4_repacking_decodes_to_transformers_values_bit_for_bit() -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.randint(0, 256, (3, 40, 8, 16), dtype=torch.uint8, generator=g)  # every nibble value
+    scales = torch.randint(100, 150, (3, 40, 8), dtype=torch.uint8, generator=g)
+    scales[0, 0, :3] = torch.tensor([0, 1, 254], dtype=torch.uint8)  # the smallest and a huge exponent
+    rows = mxfp4_rows(blocks, scales)
+    assert rows.shape == (3, 40, FORMATS["mxfp4"].row_bytes(256))
+    ours = dequantize(rows.reshape(120, -1), "mxfp4", 256).reshape(3, 40, 256)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)  # [E, R, K]
+    assert torch.equal(ours, want)
 
 
 def test_the_format_is_hearths_own() -> None:
