@@ -149,7 +149,7 @@ def convert(src: str | Path, dst: str | Path, dtype: str | None = None, shard_by
     """Convert a Hugging Face checkpoint directory into an FTW directory."""
     if Path(dst).resolve() == Path(src).resolve():
         raise ConfigError("the FTW output directory must differ from the source checkpoint")
-    loaded = load_model(src, dtype, show_progress=show_progress)
+    loaded = load_model(src, dtype, show_progress=show_progress, keep_blocks=False)  # FTW holds floats
     return write_ftw(loaded, dst, shard_bytes, show_progress)
 
 
@@ -296,8 +296,9 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype | None = None, po
                     filled_pool: tuple[torch.Tensor, torch.Tensor] | None = None,
                     keep_blocks: bool = True) -> LoadedModel:
     """Load an FTW directory, a GGUF file, or a Hugging Face directory (converted in memory to the
-    same layout). ``keep_blocks``: a GGUF file's experts may stay in their quantized blocks (not
-    when the expert hierarchy will run, which needs float experts)."""
+    same layout). ``keep_blocks``: a GGUF file's or an FP8 / MXFP4 checkpoint's quantized weights
+    may stay in their blocks (not when CPU worker processes, which compute float experts, share the
+    pool)."""
     from hearth.engine.gguf_loader import is_gguf, load_gguf
 
     if is_gguf(path):
@@ -309,4 +310,4 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype | None = None, po
     if filled_pool is not None:
         raise ConfigError("re-attaching to a filled shared expert pool needs an FTW checkpoint "
                           "(convert it with `hearth convert`)")
-    return load_model(path, dtype, show_progress=show_progress, pool_factory=pool_factory)
+    return load_model(path, dtype, show_progress=show_progress, pool_factory=pool_factory, keep_blocks=keep_blocks)

@@ -87,7 +87,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
 
     f = GGUFFile(path)
     family, cfg = _config(f, dtype)
-    keep_blocks = keep_blocks and _block_kernels(cfg)
+    keep_blocks = keep_blocks and blocks_can_stay(cfg)
     blocks = _expert_blocks(f, cfg) if pool_factory is None and keep_blocks else None
     pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None, blocks)
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
@@ -112,7 +112,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
     for name, param in expected.items():
         _load_dense(f, name, param, model, keep_blocks, cfg)
         bar.update(1)
-    _adopt_blocks(model)
+    adopt_blocks(model)
     for name, (layer, part) in experts.items():
         _fill_experts(f, name, pool, cfg, layer, part)
         bar.update(1)
@@ -121,7 +121,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
     return LoadedModel(config=cfg, model=model, pool=pool, model_dir=f.path)
 
 
-def _block_kernels(cfg) -> bool:
+def blocks_can_stay(cfg) -> bool:
     """Whether weights may stay in blocks: the native kernels run, with float32 activations."""
     from hearth.engine.kernels import cpu_decode_ops
 
@@ -163,14 +163,18 @@ def _load_dense(f: GGUFFile, name: str, param: torch.nn.Parameter, model, keep_b
     if fmt is None:
         param.data.copy_(reorder(t.dequantized().reshape(param.shape)))
         return
-    blocks = block_weight(reorder(t.raw()).clone(), fmt)  # a copy: the file's map can close
-    for module in model.modules():  # every module that holds this parameter (tied embeddings: two)
+    replace_parameter(model, param, block_weight(reorder(t.raw()).clone(), fmt))  # a copy: the map can close
+
+
+def replace_parameter(model, param: torch.nn.Parameter, new: torch.nn.Parameter) -> None:
+    """Put ``new`` in place of ``param`` in every module that holds it (tied embeddings: two)."""
+    for module in model.modules():
         for attr, value in list(module._parameters.items()):
             if value is param:
-                module._parameters[attr] = blocks
+                module._parameters[attr] = new
 
 
-def _adopt_blocks(model) -> None:
+def adopt_blocks(model) -> None:
     """Layers that fuse several projections (attention's q/k/v) re-fuse them from their blocks."""
     for module in model.modules():
         adopt = getattr(module, "adopt_block_weights", None)

@@ -4,12 +4,16 @@ Accepts sharded or single-file safetensors, the per-expert expert layout
 (``mlp.experts.{e}.gate_proj.weight`` …) and the fused one (``mlp.experts.gate_up_proj`` [E, 2I, H],
 ``mlp.experts.down_proj`` [E, H, I]). Every tensor is accounted for: a missing, unexpected or
 mis-shaped tensor is an error naming it, never a silent partial load.
+
+Checkpoints quantized as shipped (FP8 block-scaled, MXFP4 experts) are read by
+:mod:`hearth.engine.hf_quant`, their quantized tensors kept in blocks.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,6 +115,7 @@ def _load_expert(name: str, canonical: str, f, cfg: ModelConfig, pool: ExpertPoo
             return True
         expected = (h, i) if part == "down_proj" else (i, h)
         if _check_shape(name, shape, expected, progress.errors):
+            _float_tensor(name, f)
             row = base + expert
             dst = {"gate_proj": pool.gate_up[row, :i], "up_proj": pool.gate_up[row, i:], "down_proj": pool.down[row]}
             dst[part].copy_(f.get_tensor(name))
@@ -119,6 +124,7 @@ def _load_expert(name: str, canonical: str, f, cfg: ModelConfig, pool: ExpertPoo
     part = fused.group(2)
     expected = (n_exp, 2 * i, h) if part == "gate_up_proj" else (n_exp, h, i)
     if _check_shape(name, shape, expected, progress.errors):
+        _float_tensor(name, f)
         dst = pool.gate_up if part == "gate_up_proj" else pool.down
         dst[base : base + n_exp].copy_(f.get_tensor(name))
         parts = ("gate_proj", "up_proj") if part == "gate_up_proj" else ("down_proj",)
@@ -128,7 +134,10 @@ def _load_expert(name: str, canonical: str, f, cfg: ModelConfig, pool: ExpertPoo
     return True
 
 
-def _load_tensors(model_dir: Path, cfg, model: MoECausalLM, pool: ExpertPool, family, show_progress: bool):
+def _load_tensors(model_dir: Path, cfg, model: MoECausalLM, pool: ExpertPool, family, show_progress: bool,
+                  quant=None, keep_dense: bool = False):
+    """Every tensor into the model and the pool; ``quant`` (a :class:`~hearth.engine.hf_quant.QuantSpec`):
+    the checkpoint's quantized tensors, kept in blocks (dense ones where ``keep_dense``)."""
     files = checkpoint_files(model_dir)
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = set(params) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
@@ -139,23 +148,50 @@ def _load_tensors(model_dir: Path, cfg, model: MoECausalLM, pool: ExpertPool, fa
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
     bar = tqdm(total=len(files), desc="loading tensors", unit="t", disable=not show_progress)
-    for path, names in by_file.items():
-        with _open(path) as f:
+    with ExitStack() as stack:
+        handles: dict[Path, object] = {}
+
+        def handle(path: Path):  # a quantized weight's scale may sit in another shard
+            if path not in handles:
+                handles[path] = stack.enter_context(_open(path))
+            return handles[path]
+
+        reader = None
+        if quant is not None:
+            from hearth.engine.hf_quant import QuantLoader
+
+            reader = QuantLoader(quant, files, handle, cfg, model, pool, keep_dense, progress)
+        for path, names in by_file.items():
+            f = handle(path)
             present = set(f.keys())
             for name in names:
                 bar.update(1)
                 if name not in present:
                     progress.errors.append(f"tensor '{name}' is listed in the index but absent from {path.name}")
                     continue
-                _load_one(name, family.map_name(name), f, cfg, params, pool, progress)
+                _load_one(name, family.map_name(name), f, cfg, params, pool, progress, reader)
+        if reader is not None:
+            reader.finish()
     bar.close()
     return progress
 
 
-def _load_one(name, canonical, f, cfg, params, pool, progress: _Progress) -> None:
+def _float_tensor(name: str, f) -> None:
+    """Refuse a quantized tensor on a path that reads floats (its values would be garbage)."""
+    dtype = f.get_slice(name).get_dtype()
+    if dtype not in ("F32", "F16", "BF16", "F64"):
+        raise CheckpointError(f"tensor '{name}' is stored as {dtype}, and config.json's quantization_config "
+                              "(if any) does not make it a quantized weight hearth reads")
+
+
+def _load_one(name, canonical, f, cfg, params, pool, progress: _Progress, quant=None) -> None:
     try:
         # An empty canonical name: a tensor the family does not use (e.g. multi-token prediction).
-        if not canonical or _IGNORED.search(canonical) or _load_expert(name, canonical, f, cfg, pool, progress):
+        if not canonical or _IGNORED.search(canonical):
+            return
+        if quant is not None and quant.load(name, canonical, f, params):
+            return
+        if _load_expert(name, canonical, f, cfg, pool, progress):
             return
         if canonical == "lm_head.weight" and cfg.tie_word_embeddings:
             return  # tied: the embedding is the output projection
@@ -164,6 +200,7 @@ def _load_one(name, canonical, f, cfg, params, pool, progress: _Progress) -> Non
             return
         dst = params[canonical]
         if _check_shape(name, tuple(f.get_slice(name).get_shape()), tuple(dst.shape), progress.errors):
+            _float_tensor(name, f)
             dst.data.copy_(f.get_tensor(name))
             progress.params.discard(canonical)
     except CheckpointError:
@@ -188,11 +225,14 @@ def load_config(model_dir: str | Path, dtype: str | torch.dtype | None = None):
     from transformers import AutoConfig
 
     from hearth.engine.gguf_loader import is_gguf, load_gguf_config
+    from hearth.engine.hf_quant import quant_spec
 
     if is_gguf(model_dir):
         return load_gguf_config(model_dir, dtype)
     model_dir = Path(model_dir)
     raw = read_config_json(model_dir)
+    if quant_spec(raw, model_dir) is not None and dtype in (None, "auto"):
+        dtype = "float32"  # quantized weights compute in float32 by default, as GGUF files do
     family = family_for(raw.get("architectures"))
     for alternatives in family.required_fields:
         if not any(raw.get(name) is not None for name in alternatives):
@@ -209,19 +249,29 @@ def load_config(model_dir: str | Path, dtype: str | torch.dtype | None = None):
 
 
 def load_model(
-    model_dir: str | Path, dtype: str | torch.dtype | None = None, show_progress: bool = False, pool_factory=None
+    model_dir: str | Path, dtype: str | torch.dtype | None = None, show_progress: bool = False, pool_factory=None,
+    keep_blocks: bool = True,
 ) -> LoadedModel:
     """Build the model described by ``model_dir`` and fill every weight from its safetensors.
 
     ``pool_factory(gate_up_shape, down_shape, dtype)`` supplies the expert bank storage (e.g. a
-    shared-memory segment); by default the pool is ordinary host memory."""
+    shared-memory segment); by default the pool is ordinary host memory. ``keep_blocks``: an FP8 or
+    MXFP4 checkpoint's quantized weights may stay in their blocks (they do where the native kernels
+    run with float32 activations, the default for them; experts not in a ``pool_factory``'s storage)."""
+    from hearth.engine.gguf_loader import adopt_blocks, blocks_can_stay
+    from hearth.engine.hf_quant import expert_blocks, quant_spec
+
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ConfigError(f"model directory '{model_dir}' does not exist")
     family, cfg = load_config(model_dir, dtype)
-    pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None)
+    quant = quant_spec(read_config_json(model_dir), model_dir)
+    keep = quant is not None and keep_blocks and blocks_can_stay(cfg)
+    blocks = expert_blocks(quant, cfg) if keep and pool_factory is None else None
+    pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None, blocks)
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
-    progress = _load_tensors(model_dir, cfg, model, pool, family, show_progress)
+    progress = _load_tensors(model_dir, cfg, model, pool, family, show_progress, quant, keep)
     _report(progress)
+    adopt_blocks(model)
     model.eval()
     return LoadedModel(config=cfg, model=model, pool=pool, model_dir=model_dir)

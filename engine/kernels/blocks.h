@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "fp8.h"
 #include "native.h"
 
 namespace hearth::blocks {
@@ -131,6 +132,11 @@ struct Mxfp4 {
     u.scale[0] = e8m0_half(b[0]);
     u.bias[0] = 0.f;
   }
+};
+
+// hearth's FP8 e4m3 blocks (an fp32 scale, 128 e4m3 bytes): computed by fp8.h's row_dot_fp8.
+struct Fp8E4m3 {
+  static constexpr int kElems = fp8::kBlockElems, kBytes = fp8::kBlockBytes, kCode = 6;
 };
 
 // The 8 (scale, min) pairs of a Q4_K / Q5_K super-block as weight = q * d*sc - dmin*m: the 6-bit
@@ -344,7 +350,10 @@ inline void rows_dot(const uint8_t* row, int64_t K, const float* const* xs, int 
       return;
     }
 #endif
-    row_dot<F, kM>(row, K, xs, out);
+    if constexpr (std::is_same_v<F, Fp8E4m3>)
+      fp8::row_dot_fp8<kM>(row, K, xs, out);
+    else
+      row_dot<F, kM>(row, K, xs, out);
   });
 }
 
@@ -358,6 +367,7 @@ inline bool by_format(int code, const Fn& fn) {
     case Q5_K::kCode: fn(Q5_K{}); return true;
     case Q6_K::kCode: fn(Q6_K{}); return true;
     case Mxfp4::kCode: fn(Mxfp4{}); return true;
+    case Fp8E4m3::kCode: fn(Fp8E4m3{}); return true;
     default: return false;
   }
 }

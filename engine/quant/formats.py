@@ -20,6 +20,14 @@ Layouts (per block; fp16 values little-endian):
   (one per 16 elements), ``d`` fp16; x = d·sc·(q − 32).
 - ``mxfp4``: 32 elements: one E8M0 exponent byte ``e``, 16 bytes of E2M1 nibbles (low nibbles are
   elements 0–15); x = 2^(e − 127) · fp4(q).
+
+hearth's own layouts (:data:`HEARTH_FORMATS`, no GGML type: repacked from Hugging Face checkpoints
+at load, never written to GGUF files):
+
+- ``fp8_e4m3``: 128 elements: an fp32 scale ``s`` (little-endian), 128 float8 e4m3fn bytes ``q``;
+  x = s·q. A checkpoint's 128×128 tile scales (``weight_scale_inv``) are copied into the blocks of
+  every row the tile covers, so the repacking loses nothing and a row of blocks stands alone (rows
+  concatenate, as q/k/v fusion and the expert banks need).
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ class BlockFormat:
     name: str
     block_elems: int
     block_bytes: int
-    ggml_type: int
+    ggml_type: int  # -1 for hearth's own layouts (HEARTH_FORMATS)
 
     def row_bytes(self, cols: int) -> int:
         """Bytes of one row of ``cols`` elements (a multiple of the block)."""
@@ -58,13 +66,26 @@ FORMATS = MappingProxyType({f.name: f for f in (
     BlockFormat("q6_k", 256, 210, 14),
     BlockFormat("mxfp4", 32, 17, 39),
 )})
+# hearth's own layouts, for checkpoints' formats that GGML has no type for (see the module docstring).
+HEARTH_FORMATS = MappingProxyType({f.name: f for f in (
+    BlockFormat("fp8_e4m3", 128, 132, -1),
+)})
+
+
+def block_format(name: str) -> BlockFormat:
+    """The format named ``name``, GGML's (:data:`FORMATS`) or hearth's own (:data:`HEARTH_FORMATS`)."""
+    fmt = FORMATS.get(name) or HEARTH_FORMATS.get(name)
+    if fmt is None:
+        raise KeyError(f"unknown block format '{name}'")
+    return fmt
+
 # E2M1 values: sign bit 3, then 1 exponent bit pair and 1 mantissa bit.
 _FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def dequantize(data: torch.Tensor, fmt: str | BlockFormat, cols: int) -> torch.Tensor:
     """``data`` uint8 [rows, row_bytes] of format ``fmt`` -> float32 [rows, cols]."""
-    fmt = FORMATS[fmt] if isinstance(fmt, str) else fmt
+    fmt = block_format(fmt) if isinstance(fmt, str) else fmt
     rows = data.shape[0]
     if data.dtype != torch.uint8 or data.shape[-1] != fmt.row_bytes(cols):
         raise ValueError(f"{fmt.name}: expected uint8 rows of {fmt.row_bytes(cols)} bytes for {cols} "
@@ -144,5 +165,10 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:
     return half * doubled[torch.cat([low, high], 1)]
 
 
+def _fp8_e4m3(b: torch.Tensor) -> torch.Tensor:
+    scale = b[:, :4].contiguous().view(torch.float32)  # [n, 1]
+    return scale * b[:, 4:].contiguous().view(torch.float8_e4m3fn).float()
+
+
 _DECODERS = MappingProxyType({"q8_0": _q8_0, "q4_0": _q4_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k,
-                              "mxfp4": _mxfp4})
+                              "mxfp4": _mxfp4, "fp8_e4m3": _fp8_e4m3})
