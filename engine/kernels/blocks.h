@@ -242,38 +242,77 @@ inline void row_dot(const uint8_t* row, int64_t K, const float* const* xs, float
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-// Q4_K with AVX-512, the nibbles split in registers (no unpacked copy of the block): per 64
-// elements one 32-byte load, the low nibbles being one sub-block and the high nibbles the next.
-// The same products and accumulators, in the same order, as the generic row_dot<Q4_K, M>.
+// A Q4_K super-block's 8 scales d*sc (lanes 0-7) and biases -dmin*m (lanes 8-15), decoded in registers:
+// the 12 bytes of 6-bit fields gathered by two byte shuffles into [sc0..7 | m0..7] (fields 4-7 take their
+// low bits from bytes 8-11 and their top two bits from bytes 0-7), widened and scaled at once.
+inline __m512 k_scales16(const uint8_t* b) {
+  const __m128i S = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));  // d, dmin, then the 12 field bytes
+  const __m128i A = _mm_shuffle_epi8(S, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
+  const __m128i B = _mm_shuffle_epi8(S, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
+  const __m128i low = _mm_and_si128(A, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(A, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15,
+                                                                          15, 15));
+  const __m128i top = _mm_and_si128(_mm_srli_epi16(B, 2), _mm_set1_epi8(0x30));
+  const __m512 fields = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(_mm_or_si128(low, high), top)));
+  const __m512 d_dmin = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                              _mm512_castps128_ps512(_mm_cvtph_ps(S)));
+  const __m512 sign = _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
+  return _mm512_mul_ps(fields, _mm512_mul_ps(d_dmin, sign));
+}
+
+// Q4_K with AVX-512 by table lookup: each sub-block's 16 possible weights (scale * q + bias, one fused
+// rounding, as the generic kernel's) fill one register, and vpermps picks a weight for every lane
+// straight from its nibble, the 32 bytes of a 64-element chunk broadcast to both register halves and
+// shifted per lane so that each 32-bit lane's low four bits are the nibble it needs. The lanes' elements
+// come in a fixed order other than the row's (see permute_q4_k), so the activations are permuted
+// to match once per call. Three instructions a 16 weights instead of the widening kernel's five.
 template <int M>
 inline void row_dot_q4_k(const uint8_t* row, int64_t K, const float* const* xs, float* out) {
   vf acc[M][2];
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = zero();
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  float scale[8], bias[8];
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i sh0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
+  const __m512i sh1 = _mm512_add_epi32(sh0, _mm512_set1_epi32(16)), sh2 = _mm512_add_epi32(sh0, _mm512_set1_epi32(4));
+  const __m512i sh3 = _mm512_add_epi32(sh0, _mm512_set1_epi32(20));
   for (int64_t b = 0; b < K / Q4_K::kElems; ++b) {
     const uint8_t* blk = row + b * Q4_K::kBytes;
     prefetch_ahead(blk, Q4_K::kBytes);
-    k_scales(blk, scale, bias);
+    const __m512 sb = k_scales16(blk);
     const int64_t base = b * Q4_K::kElems;
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j));
-      const __m256i halves[2] = {_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask)};
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        const vf s = set1(scale[2 * j + h]), o = set1(bias[2 * j + h]);
-        const vf w0 = fma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(halves[h]))), s, o);
-        const vf w1 = fma(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(halves[h], 1))), s, o);
-        const int64_t e = base + 64 * j + 32 * h;
-        for (int m = 0; m < M; ++m) {
-          acc[m][0] = fma(w0, loadf(xs[m] + e), acc[m][0]);
-          acc[m][1] = fma(w1, loadf(xs[m] + e + 16), acc[m][1]);
-        }
+      const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j)));
+      const __m512 la = fma(iota, _mm512_permutexvar_ps(_mm512_set1_epi32(2 * j), sb),
+                            _mm512_permutexvar_ps(_mm512_set1_epi32(8 + 2 * j), sb));
+      const __m512 lb = fma(iota, _mm512_permutexvar_ps(_mm512_set1_epi32(2 * j + 1), sb),
+                            _mm512_permutexvar_ps(_mm512_set1_epi32(9 + 2 * j), sb));
+      const vf w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh0), la);
+      const vf w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh1), la);
+      const vf w2 = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh2), lb);
+      const vf w3 = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh3), lb);
+      const int64_t e = base + 64 * j;
+      for (int m = 0; m < M; ++m) {
+        acc[m][0] = fma(w0, loadf(xs[m] + e), acc[m][0]);
+        acc[m][1] = fma(w1, loadf(xs[m] + e + 16), acc[m][1]);
+        acc[m][0] = fma(w2, loadf(xs[m] + e + 32), acc[m][0]);
+        acc[m][1] = fma(w3, loadf(xs[m] + e + 48), acc[m][1]);
       }
     }
   }
   for (int m = 0; m < M; ++m) out[m] = hsum(add(acc[m][0], acc[m][1]));
+}
+
+// The activations in the lane order of row_dot_q4_k: per 64-element chunk (32 bytes: low nibbles are
+// elements 0-31, high nibbles 32-63), four vectors of 16 whose lane i < 8 is byte 4i + s and lane
+// i >= 8 byte 4(i - 8) + s + 1, with s = 0, 2 for the low nibbles and again for the high ones.
+inline void permute_q4_k(const float* x, int64_t K, float* out) {
+  for (int64_t c = 0; c < K / 64; ++c) {
+    const float* in = x + 64 * c;
+    float* o = out + 64 * c;
+    for (int half = 0; half < 2; ++half)  // low nibbles (elements 0-31), then high (32-63)
+      for (int s = 0; s < 2; ++s)
+        for (int i = 0; i < 16; ++i) o[32 * half + 16 * s + i] = in[32 * half + 4 * (i % 8) + 2 * s + i / 8];
+  }
 }
 
 // Q6_K with AVX-512, the 6-bit values assembled in registers: per 128 elements two 32-byte loads of
@@ -284,12 +323,13 @@ inline void row_dot_q6_k(const uint8_t* row, int64_t K, const float* const* xs, 
   vf acc[M][2];
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = zero();
   const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03), bias32 = _mm256_set1_epi8(32);
-  alignas(64) float scale[16];
   for (int64_t b = 0; b < K / Q6_K::kElems; ++b) {
     const uint8_t* blk = row + b * Q6_K::kBytes;
     prefetch_ahead(blk, Q6_K::kBytes);
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
-    _mm512_store_ps(scale, _mm512_mul_ps(set1(half_to_float(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc))));
+    // The 16 scales stay in a register, each broadcast by a lane permute (a store and 16 narrow
+    // reloads stall on store forwarding).
+    const __m512 scale = _mm512_mul_ps(set1(half_to_float(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
     const int64_t base = b * Q6_K::kElems;
 #pragma GCC unroll 2
     for (int n = 0; n < 2; ++n) {
@@ -305,9 +345,10 @@ inline void row_dot_q6_k(const uint8_t* row, int64_t K, const float* const* xs, 
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * q), two);
         const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lows[q], _mm256_slli_epi16(hi, 4)), bias32);
         const int g = 8 * n + 2 * q;  // the scales of elements 0-15 and 16-31 of this quarter
-        const vf w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v))), set1(scale[g]));
+        const vf w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v))),
+                                    _mm512_permutexvar_ps(_mm512_set1_epi32(g), scale));
         const vf w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1))),
-                                    set1(scale[g + 1]));
+                                    _mm512_permutexvar_ps(_mm512_set1_epi32(g + 1), scale));
         const int64_t e = base + 128 * n + 32 * q;
         for (int m = 0; m < M; ++m) {
           acc[m][0] = fma(w0, loadf(xs[m] + e), acc[m][0]);
@@ -319,6 +360,28 @@ inline void row_dot_q6_k(const uint8_t* row, int64_t K, const float* const* xs, 
   for (int m = 0; m < M; ++m) out[m] = hsum(add(acc[m][0], acc[m][1]));
 }
 #endif
+
+// Formats whose kernel in this build reads the activations in another order than the row's: callers
+// pass them through prepare_x<F> once per call.
+template <typename F>
+constexpr bool kPermutesX = false;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+template <>
+constexpr bool kPermutesX<Q4_K> = true;
+#endif
+
+// x [K] as the kernel of F reads it: x itself, or its permutation written to buf [K].
+template <typename F>
+inline const float* prepare_x(const float* x, int64_t K, float* buf) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if constexpr (kPermutesX<F>) {
+    permute_q4_k(x, K, buf);
+    return buf;
+  }
+#endif
+  (void)K, (void)buf;
+  return x;
+}
 
 // Calls fn(std::integral_constant<int, M>{}) for a run-time token count M in 1..kMaxTokens.
 template <typename Fn>
@@ -380,14 +443,15 @@ constexpr int64_t row_bytes(int64_t K) { return K / F::kElems * F::kBytes; }
 template <typename F>
 void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int threads) {
   const int64_t rb = row_bytes<F>(K);
+  std::vector<float> buf(kPermutesX<F> ? M * K : 0);
+  std::vector<const float*> rows(M);
+  for (int64_t m = 0; m < M; ++m) rows[m] = prepare_x<F>(x + m * K, K, buf.data() + (kPermutesX<F> ? m * K : 0));
   hearth::parallel_for(0, N, 16, threads, [&](int64_t r0, int64_t r1) {
     for (int64_t m0 = 0; m0 < M; m0 += kMaxTokens) {
       const int mt = static_cast<int>(std::min<int64_t>(kMaxTokens, M - m0));
-      const float* xs[kMaxTokens];
       float dots[kMaxTokens];
-      for (int m = 0; m < mt; ++m) xs[m] = x + (m0 + m) * K;
       for (int64_t r = r0; r < r1; ++r) {
-        rows_dot<F>(w + r * rb, K, xs, mt, dots);
+        rows_dot<F>(w + r * rb, K, rows.data() + m0, mt, dots);
         for (int m = 0; m < mt; ++m) out[(m0 + m) * N + r] = dots[m];
       }
     }
@@ -425,26 +489,33 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
   const int64_t G = static_cast<int64_t>(groups.size());
   const int64_t gu_rb = row_bytes<FG>(H), dn_rb = row_bytes<FD>(I);
   std::vector<float> proj(pairs * 2 * I), act(pairs * I), y(pairs * H, 0.f);
+  // Each token's activations as FG's kernel reads them, and (below) each pair's gated product as FD's.
+  std::vector<float> xbuf(kPermutesX<FG> ? T * H : 0), abuf(kPermutesX<FD> ? pairs * I : 0);
+  std::vector<const float*> xrow(T);
+  for (int64_t t = 0; t < T; ++t) xrow[t] = prepare_x<FG>(x + t * H, H, xbuf.data() + (kPermutesX<FG> ? t * H : 0));
   hearth::parallel_for(0, G * 2 * I, 32, threads, [&](int64_t r0, int64_t r1) {
     const float* xs[kMaxTokens];
     float dots[kMaxTokens];
     for (int64_t r = r0; r < r1; ++r) {
       const Group& g = groups[r / (2 * I)];
       const int64_t rr = r % (2 * I);
-      for (int m = 0; m < g.count; ++m) xs[m] = x + order[g.start + m] / k * H;
+      for (int m = 0; m < g.count; ++m) xs[m] = xrow[order[g.start + m] / k];
       rows_dot<FG>(gu + g.row * gu_stride + rr * gu_rb, H, xs, g.count, dots);
       for (int m = 0; m < g.count; ++m) proj[order[g.start + m] * 2 * I + rr] = dots[m];
     }
   });
-  for (const int64_t p : order)
+  std::vector<const float*> arow(pairs);
+  for (const int64_t p : order) {
     for (int64_t i = 0; i < I; ++i) act[p * I + i] = silu(proj[p * 2 * I + i]) * proj[p * 2 * I + I + i];
+    arow[p] = prepare_x<FD>(act.data() + p * I, I, abuf.data() + (kPermutesX<FD> ? p * I : 0));
+  }
   hearth::parallel_for(0, G * H, 32, threads, [&](int64_t r0, int64_t r1) {
     const float* xs[kMaxTokens];
     float dots[kMaxTokens];
     for (int64_t r = r0; r < r1; ++r) {
       const Group& g = groups[r / H];
       const int64_t rr = r % H;
-      for (int m = 0; m < g.count; ++m) xs[m] = act.data() + order[g.start + m] * I;
+      for (int m = 0; m < g.count; ++m) xs[m] = arow[order[g.start + m]];
       rows_dot<FD>(dn + g.row * dn_stride + rr * dn_rb, I, xs, g.count, dots);
       for (int m = 0; m < g.count; ++m) y[order[g.start + m] * H + rr] = dots[m];
     }
