@@ -460,6 +460,39 @@ void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
 
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 
+#if defined(__AVX512F__)
+// exp(x) for 16 lanes, within about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts), a
+// degree-7 polynomial for exp(r) (Cephes' coefficients), then scaled by 2^n (vscalefps saturates to
+// 0 and infinity by itself).
+inline __m512 exp16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// act [I] = silu(gate) * up for gate_up [2I] (gate first), in fp32.
+inline void silu_gate(const float* gate_up, int64_t I, float* act) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= I; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gate_up + i), u = _mm512_loadu_ps(gate_up + I + i);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    _mm512_storeu_ps(act + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u));
+  }
+#endif
+  for (; i < I; ++i) act[i] = silu(gate_up[i]) * gate_up[I + i];
+}
+
 // The routed experts of T tokens (k each), SiLU-gated, weighted and summed in fp32:
 //   x [T, H]; pool rows[T * k] (-1: computed elsewhere); weights [T * k] fp32; out [T, H].
 // Expert `row` has gate_up rows (2I of H elements, format FG) at gu + row * gu_stride and down rows
@@ -506,7 +539,7 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
   });
   std::vector<const float*> arow(pairs);
   for (const int64_t p : order) {
-    for (int64_t i = 0; i < I; ++i) act[p * I + i] = silu(proj[p * 2 * I + i]) * proj[p * 2 * I + I + i];
+    silu_gate(proj.data() + p * 2 * I, I, act.data() + p * I);
     arow[p] = prepare_x<FD>(act.data() + p * I, I, abuf.data() + (kPermutesX<FD> ? p * I : 0));
   }
   hearth::parallel_for(0, G * H, 32, threads, [&](int64_t r0, int64_t r1) {
@@ -520,13 +553,16 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
       for (int m = 0; m < g.count; ++m) y[order[g.start + m] * H + rr] = dots[m];
     }
   });
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < H; ++h) {
-      float s = 0.f;
-      for (int64_t j = 0; j < k; ++j)
-        if (rows[t * k + j] >= 0) s += y[(t * k + j) * H + h] * weights[t * k + j];
-      out[t * H + h] = s;
+  for (int64_t t = 0; t < T; ++t) {  // the k terms in order for every channel (vectorised over channels)
+    float* o = out + t * H;
+    std::fill(o, o + H, 0.f);
+    for (int64_t j = 0; j < k; ++j) {
+      if (rows[t * k + j] < 0) continue;
+      const float w = weights[t * k + j];
+      const float* yj = y.data() + (t * k + j) * H;
+      for (int64_t h = 0; h < H; ++h) o[h] += yj[h] * w;
     }
+  }
   return true;
 }
 
