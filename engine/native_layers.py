@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from hearth.engine.batch import ForwardBatch
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.kernels import BLOCK_CODES, NativeKernels, cpu_decode_ops
-from hearth.engine.layers.attention import Attention
+from hearth.engine.layers.attention import Attention, gather_context
 from hearth.engine.layers.mlp import GatedMLP
 from hearth.engine.layers.moe import MoEBlock, TopKRouter
 from hearth.engine.layers.norm import RMSNorm
@@ -67,6 +67,14 @@ class _Step:
     desc: torch.Tensor
     batch: ForwardBatch
     keep: tuple[torch.Tensor, ...]  # what the description points into
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # scratch the layers of a step share
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A scratch tensor for this step, allocated by the first layer that asks for it."""
+        buf = self.buffers.get(name)
+        if buf is None:
+            buf = self.buffers[name] = torch.empty(shape, dtype=dtype)
+        return buf
 
 
 class NativeLayers:
@@ -254,7 +262,7 @@ class NativeLayers:
         call, threads = self._ops._decode.decode_layer, torch.get_num_threads()
         d, st = desc.data_ptr(), step.desc.data_ptr()
         if self.native_attention:
-            rc = call(0, d, st, h.data_ptr(), 0, 0, 0, threads)
+            rc = call(0, d, st, h.data_ptr(), 0, 0, 0, 0, threads)
         else:  # torch's SDPA and router between the native parts (see __init__)
             rc = self._exact_parts(index, h, step, call, d, st, threads)
         if rc != 0:
@@ -263,21 +271,31 @@ class NativeLayers:
 
     def _exact_parts(self, index: int, h: torch.Tensor, step: _Step, call, d: int, st: int, threads: int) -> int:
         """A bf16/fp16 layer: the native parts around torch's attention core and softmax top-k, whose
-        roundings the module path shares bit for bit; the attention-only form stops after the post norm
-        (the caller runs the feed-forward module from h)."""
+        roundings the module path shares bit for bit; the attention-only form stops after the output
+        projection's residual (the caller runs the feed-forward module from h)."""
         attn, mlp = self._attention[index], self._mlp[index]
-        t = h.shape[0]
-        q = h.new_empty((t, attn.num_heads, attn.head_dim))
-        rc = call(1, d, st, h.data_ptr(), q.data_ptr(), 0, 0, threads)
-        out = attn.attend(q, step.batch, self.kv.keys[attn.layer_idx], self.kv.values[attn.layer_idx])
-        xn = h.new_empty(h.shape)
-        logits = h.new_empty((t, mlp.gate.weight.shape[0])) if isinstance(mlp, MoEBlock) else xn
-        rc = rc or call(2, d, st, h.data_ptr(), out.data_ptr(), xn.data_ptr(), logits.data_ptr(), threads)
+        q = step.buffer("q", (h.shape[0], attn.num_heads, attn.head_dim), h.dtype)
+        xn = step.buffer("xn", h.shape, h.dtype)
+        rc = call(1, d, st, h.data_ptr(), q.data_ptr(), 0, 0, 0, threads)
+        out = _decode_attention(attn, q, step.batch, self.kv.keys[attn.layer_idx], self.kv.values[attn.layer_idx])
+        moe = isinstance(mlp, MoEBlock)
+        logits = step.buffer("logits", (h.shape[0], mlp.gate.weight.shape[0]), h.dtype) if moe else xn
+        rc = rc or call(2, d, st, h.data_ptr(), out.data_ptr(), xn.data_ptr(), logits.data_ptr(), 0, threads)
         if rc or self.layers[index][1] is False:
             return rc
-        if isinstance(mlp, MoEBlock):
-            ids, weights = mlp.gate.select(logits)
-            rows = (ids + mlp.backend.pool.layer_rows(mlp.layer_idx)).contiguous()
-            weights = weights.float().contiguous()
-            return call(3, d, st, h.data_ptr(), rows.data_ptr(), xn.data_ptr(), weights.data_ptr(), threads)
-        return call(3, d, st, h.data_ptr(), 0, xn.data_ptr(), 0, threads)
+        if not moe:
+            return call(3, d, st, h.data_ptr(), 0, xn.data_ptr(), 0, 0, threads)
+        ids, weights = mlp.gate.select(logits)
+        return call(3, d, st, h.data_ptr(), ids.data_ptr(), xn.data_ptr(), weights.data_ptr(), _DTYPES[weights.dtype],
+                    threads)
+
+
+def _decode_attention(attn: Attention, q: torch.Tensor, batch: ForwardBatch, keys: torch.Tensor,
+                      values: torch.Tensor) -> torch.Tensor:
+    """The attention core of a decode step through the module's own torch path: one lone sequence
+    without a window in play goes straight to its single-query call (no output copy or mask lookup)."""
+    seq = batch.sequences[0]
+    if len(batch.sequences) == 1 and (attn.window is None or seq.context_len <= attn.window):
+        return attn._decode_one(q, gather_context(keys, seq, batch.block_size),
+                                gather_context(values, seq, batch.block_size))
+    return attn.attend(q, batch, keys, values)

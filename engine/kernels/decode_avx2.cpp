@@ -324,20 +324,30 @@ PyObject* py_rms_norm(PyObject*, PyObject* const* args, Py_ssize_t n) {
   return PyLong_FromLong(rc);
 }
 
-// decode_layer(part, layer_desc, step_desc, h, a, b, c, threads): one decoder layer's decode step on
+// decode_layer(part, layer_desc, step_desc, h, a, b, c, c_dtype, threads): one decoder layer's decode step on
 // h [tokens, hidden], in place (see layer.h), whole or in parts around torch's attention and router:
 //   0: the whole layer (a, b, c unused);
 //   1: attention_in, queries to a [tokens, heads, D];
 //   2: post_attention from the attention output a; the post norm to b, the router logits to c;
-//   3: feed_forward from b = xn, a = pool rows int64 [tokens, k], c = fp32 weights [tokens, k].
+//   3: feed_forward from b = xn, a = the chosen experts int64 [tokens, k] (the layer's own numbering),
+//      c = their weights [tokens, k] of dtype code c_dtype.
 // Returns 0, -1 for an unknown dtype or part.
 PyObject* py_decode_layer(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  int64_t a[8];
-  if (!hearth::int_args(args, n, 8, a, "decode_layer")) return nullptr;
+  int64_t a[9];
+  if (!hearth::int_args(args, n, 9, a, "decode_layer")) return nullptr;
   const auto& d = *ptr<const layer::LayerDesc>(a[1]);
   const auto& s = *ptr<const layer::StepDesc>(a[2]);
-  const int part = static_cast<int>(a[0]), threads = static_cast<int>(a[7]);
+  const int part = static_cast<int>(a[0]), threads = static_cast<int>(a[8]);
   int rc = part >= 0 && part <= 3 ? 0 : -1;
+  std::vector<int64_t> rows;
+  std::vector<float> weights;
+  if (rc == 0 && part == 3 && d.mlp == 1) {  // pool rows and fp32 weights of the routing torch chose
+    const int64_t pairs = s.tokens * d.top_k;
+    const int64_t* experts = ptr<const int64_t>(a[4]);
+    rows.resize(pairs);
+    for (int64_t i = 0; i < pairs; ++i) rows[i] = d.row_base + experts[i];
+    if (!widen_weights(a[6], static_cast<int>(a[7]), pairs, weights)) rc = -1;
+  }
   Py_BEGIN_ALLOW_THREADS
   if (rc == 0)
     rc = by_dtype(static_cast<int>(d.dtype), [&](auto* tag) {
@@ -346,8 +356,7 @@ PyObject* py_decode_layer(PyObject*, PyObject* const* args, Py_ssize_t n) {
       if (part == 0) layer::run<T>(d, s, h, threads);
       if (part == 1) layer::attention_in<T>(d, s, h, ptr<T>(a[4]), threads);
       if (part == 2) layer::post_attention<T>(d, s, h, ptr<const T>(a[4]), ptr<T>(a[5]), ptr<T>(a[6]), threads);
-      if (part == 3)
-        layer::feed_forward<T>(d, s, h, ptr<const T>(a[5]), ptr<const int64_t>(a[4]), ptr<const float>(a[6]), threads);
+      if (part == 3) layer::feed_forward<T>(d, s, h, ptr<const T>(a[5]), rows.data(), weights.data(), threads);
     });
   Py_END_ALLOW_THREADS
   return PyLong_FromLong(rc);
