@@ -62,6 +62,15 @@ def block_weight(data: torch.Tensor, fmt) -> torch.nn.Parameter:
     return param
 
 
+def decode_blocks(data: torch.Tensor, fmt, cols: int) -> torch.Tensor:
+    """uint8 rows of blocks [rows, row bytes] -> float32 [rows, cols]: natively (in parallel) where
+    the kernels run, else by the torch decoder. Prefill decodes each weight once per step this way."""
+    ops = cpu_decode_ops()
+    if ops is not None and data.is_cpu and fmt.name in BLOCK_KERNELS and data.stride(-1) == 1:
+        return ops.dequantize_blocks(data, fmt.name, cols)
+    return dequantize(data, fmt, cols)
+
+
 def _block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     fmt = weight.block_format
     x2 = x.reshape(-1, x.shape[-1]).float()  # [M, K]
@@ -69,7 +78,7 @@ def _block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if ops is not None and x2.shape[0] <= SMALL_BATCH and fmt.name in BLOCK_KERNELS:
         y = ops.linear_blocks(x2, weight, fmt.name)
     else:  # many tokens: decode once, one GEMM
-        y = x2 @ dequantize(weight, fmt, x2.shape[1]).T
+        y = x2 @ decode_blocks(weight, fmt, x2.shape[1]).T
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype)

@@ -62,6 +62,19 @@ def test_linear_blocks_equals_decoded_weights(ops, name) -> None:
         _close(ops.linear_blocks(x, w, name), x @ ref_w.T)
 
 
+@pytest.mark.parametrize("ops", BUILDS, ids=IDS)
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_dequantize_blocks_equals_the_torch_decoder(ops, name) -> None:
+    """Prefill's native decode of rows of blocks, strided rows included (a bank row's experts), against
+    the torch decoder: the same values but for the one fused rounding of q * scale + bias."""
+    k, n = 512, 24
+    w = _rows(name, n, k, 3)
+    ref = dequantize(w, name, k)
+    torch.testing.assert_close(ops.dequantize_blocks(w, name, k), ref, rtol=1e-6, atol=1e-7)
+    padded = torch.cat([w, torch.zeros(n, 7, dtype=torch.uint8)], dim=1)[:, : w.shape[1]]  # stride > row bytes
+    torch.testing.assert_close(ops.dequantize_blocks(padded, name, k), ref, rtol=1e-6, atol=1e-7)
+
+
 def _reference_experts(x, gu, dn, rows, weights, gu_fmt, dn_fmt, hidden, inter):
     out = torch.zeros(x.shape[0], hidden)
     for t in range(x.shape[0]):

@@ -12,8 +12,7 @@ import torch
 from hearth.engine.experts.contract import StepContext
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.kernels import BLOCK_KERNELS, cpu_decode_ops
-from hearth.engine.ops import SMALL_BATCH, activation, linear
-from hearth.engine.quant.formats import dequantize
+from hearth.engine.ops import SMALL_BATCH, activation, decode_blocks, linear
 
 
 def group_by_row(rows: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -76,8 +75,8 @@ def _block_partial_sum(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     for row, tokens, kpos in group_by_row(rows):
         if row < 0:
             continue
-        w_gu = dequantize(gate_up[row, :gu_bytes].view(2 * inter, -1), blocks.gate_up, hidden)
-        w_dn = dequantize(down[row, :dn_bytes].view(hidden, -1), blocks.down, inter)
+        w_gu = decode_blocks(gate_up[row, :gu_bytes].view(2 * inter, -1), blocks.gate_up, hidden)
+        w_dn = decode_blocks(down[row, :dn_bytes].view(hidden, -1), blocks.down, inter)
         gate, up = (xf[tokens] @ w_gu.T).chunk(2, dim=-1)
         parts[tokens, kpos] = (act(gate) * up) @ w_dn.T * weights[tokens, kpos, None]
     return parts.sum(dim=1)

@@ -77,6 +77,17 @@ class NativeKernels:
                                    out.data_ptr(), torch.get_num_threads())
         return out
 
+    def dequantize_blocks(self, w: torch.Tensor, fmt: str, cols: int) -> torch.Tensor:
+        """fp32 [rows, cols] from uint8 rows of blocks [rows, >= row bytes] (rows may be strided, as
+        a bank's expert rows are): each weight q * scale + bias in one rounding."""
+        if w.dtype != torch.uint8 or w.dim() != 2 or w.stride(1) != 1 or not w.is_cpu \
+                or w.shape[1] < _row_bytes(fmt, cols):
+            raise ValueError(f"dequantize_blocks: uint8 CPU rows [rows, >= row bytes] of {fmt}")
+        out = torch.empty((w.shape[0], cols), dtype=torch.float32)
+        self._decode.dequantize_blocks(BLOCK_CODES[fmt], w.data_ptr(), w.shape[0], cols, w.stride(0), out.data_ptr(),
+                                       torch.get_num_threads())
+        return out
+
     def experts_blocks(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: torch.Tensor,
                        weights: torch.Tensor, gate_up_fmt: str, down_fmt: str, inter: int) -> torch.Tensor:
         """The routed block-quantized experts of a few tokens, SiLU-gated, weighted and summed: fp32
@@ -212,6 +223,11 @@ def cpu_decode_ops() -> NativeKernels | None:
             decode = _module(name)
         except ImportError as exc:
             log.warning("hearth: the %s decode kernels do not load (%s)", name, exc)
+            continue
+        if decode is not None and present is not None and getattr(decode, "source_hash", str)() != present:
+            # A build that failed for this library only (setup.py builds them as optional) leaves the
+            # previous one in place: stale like a stale base library.
+            log.warning("hearth: the %s kernels were built from other sources than these; trying the next", name)
             continue
         if decode is not None:
             return NativeKernels(base, decode, features)

@@ -458,6 +458,41 @@ void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   });
 }
 
+// out [K] = a row of blocks decoded to fp32, each weight q * scale + bias in one rounding (the value
+// the products use).
+template <typename F>
+inline void decode_row(const uint8_t* row, int64_t K, float* out) {
+  if constexpr (std::is_same_v<F, Fp8E4m3>) {
+    fp8::decode_row(row, K, out);
+  } else {
+    Unpacked<F::kElems, F::kGroupElems> u;
+    for (int64_t b = 0; b < K / F::kElems; ++b) {
+      F::unpack(row + b * F::kBytes, u);
+      float* o = out + b * F::kElems;
+      for (int g = 0; g < F::kElems / F::kGroupElems; ++g) {
+        const vf s = set1(u.scale[g]), bias = set1(u.bias[g]);
+        for (int c = 0; c < F::kGroupElems / kLanes; ++c) {
+          const int e = g * F::kGroupElems + c * kLanes;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+          _mm512_storeu_ps(o + e, fma(widen(u.q + e), s, bias));
+#else
+          _mm256_storeu_ps(o + e, fma(widen(u.q + e), s, bias));
+#endif
+        }
+      }
+    }
+  }
+}
+
+// out [rows, K] fp32 = rows of blocks (row r at w + r * stride bytes) decoded, in parallel over rows:
+// what prefill multiplies with a GEMM.
+template <typename F>
+void dequantize_impl(const uint8_t* w, int64_t rows, int64_t K, int64_t stride, float* out, int threads) {
+  hearth::parallel_for(0, rows, 8, threads, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) decode_row<F>(w + r * stride, K, out + r * K);
+  });
+}
+
 inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
 
 #if defined(__AVX512F__)

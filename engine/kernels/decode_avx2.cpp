@@ -302,6 +302,21 @@ PyObject* py_experts_blocks(PyObject*, PyObject* const* args, Py_ssize_t n) {
   return PyLong_FromLong(rc);
 }
 
+// dequantize_blocks(fmt, w, rows, K, stride, out, threads): out fp32 [rows, K] = rows of blocks in format
+// `fmt` (row r at w + r * stride bytes) decoded. Returns 0, or -1 for an unknown format.
+PyObject* py_dequantize_blocks(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  int64_t a[7];
+  if (!hearth::int_args(args, n, 7, a, "dequantize_blocks")) return nullptr;
+  bool ok;
+  Py_BEGIN_ALLOW_THREADS
+  ok = hearth::blocks::by_format(static_cast<int>(a[0]), [&](auto f) {
+    hearth::blocks::dequantize_impl<decltype(f)>(ptr<const uint8_t>(a[1]), a[2], a[3], a[4], ptr<float>(a[5]),
+                                                 static_cast<int>(a[6]));
+  });
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(ok ? 0 : -1);
+}
+
 // rms_norm(dtype, x, rows, D, w, eps, out, threads)
 PyObject* py_rms_norm(PyObject*, PyObject* const* args, Py_ssize_t n) {
   if (n != 8) {
@@ -368,7 +383,17 @@ PyObject* py_layer_desc_size(PyObject*, PyObject*) {
                        static_cast<Py_ssize_t>(sizeof(layer::StepDesc) / 8));
 }
 
+// The hash of the kernel sources this module was built from (see base.cpp's source_hash).
+PyObject* py_source_hash(PyObject*, PyObject*) {
+#ifdef HEARTH_SOURCE_HASH
+  return PyUnicode_FromString(HEARTH_SOURCE_HASH);
+#else
+  return PyUnicode_FromString("");
+#endif
+}
+
 PyMethodDef methods[] = {
+    {"source_hash", py_source_hash, METH_NOARGS, "hash of the sources this module was built from"},
     {"decode_layer", fastcall(py_decode_layer), METH_FASTCALL, "one decoder layer's decode step, in place"},
     {"layer_desc_size", py_layer_desc_size, METH_NOARGS, "int64 words of LayerDesc and StepDesc"},
     {"linear_decode", fastcall(py_linear_decode), METH_FASTCALL, "out = x @ w^T (+ bias) for a few tokens"},
@@ -376,6 +401,7 @@ PyMethodDef methods[] = {
     {"linear_blocks", fastcall(py_linear_blocks), METH_FASTCALL, "fp32 x @ W^T for block-quantized W"},
     {"experts_blocks", fastcall(py_experts_blocks), METH_FASTCALL,
      "a few tokens' routed block-quantized experts (fp32 activations), weighted and summed"},
+    {"dequantize_blocks", fastcall(py_dequantize_blocks), METH_FASTCALL, "rows of blocks decoded to fp32"},
     {"rms_norm", fastcall(py_rms_norm), METH_FASTCALL, "weight * round(x * rsqrt(mean(x^2) + eps))"},
     {nullptr, nullptr, 0, nullptr}};
 

@@ -83,4 +83,22 @@ inline void row_dot_fp8(const uint8_t* row, int64_t K, const float* const* xs, f
   for (int m = 0; m < M; ++m) out[m] = hsum(add(acc[m][0], acc[m][1]));
 }
 
+// out [K] = the row's weights in fp32 (scale * q, as the products use them).
+inline void decode_row(const uint8_t* row, int64_t K, float* out) {
+  for (int64_t b = 0; b < K / kBlockElems; ++b) {
+    const uint8_t* blk = row + b * kBlockBytes;
+    float s;
+    std::memcpy(&s, blk, 4);
+    const vf scale = set1(s * 256.0f);
+    for (int c = 0; c < kBlockElems / kLanes; ++c) {
+      const vf w = mul(widen(blk + 4 + c * kLanes), scale);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      _mm512_storeu_ps(out + b * kBlockElems + c * kLanes, w);
+#else
+      _mm256_storeu_ps(out + b * kBlockElems + c * kLanes, w);
+#endif
+    }
+  }
+}
+
 }  // namespace hearth::fp8
