@@ -114,42 +114,81 @@ inline __m512 transpose_sum16(const __m512* v) {
                        _mm512_shuffle_f32x4(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// scores [groups, n] = q [groups, D] . keys of positions 0..n-1, times scale, for fp32 keys with D a
-// multiple of 16: 16 positions at a time, their lane-wise products summed by transpose_sum16.
-template <typename Slot>
-void key_scores16(const float* q, int64_t groups, int64_t D, const float* kc, int64_t stride, const Slot& slot,
-                  int64_t n, float scale, float* scores) {
+// scores [groups, n] = q [groups, D] . keys of positions 0..n-1, times scale, for fp32 keys with D = 16 NC:
+// 16 positions at a time (the tail padded with a zero row), their lane-wise products summed by
+// transpose_sum16.
+template <int NC, typename Slot>
+void key_scores_nc(const float* q, int64_t groups, const float* kc, int64_t stride, const Slot& slot, int64_t n,
+                   float scale, float* scores) {
+  alignas(64) static const float zeros[16 * NC] = {};
   __m512 part[16];
   for (int64_t p0 = 0; p0 < n; p0 += 16) {
     const int cnt = static_cast<int>(std::min<int64_t>(16, n - p0));
     const float* keys[16];
-    for (int i = 0; i < cnt; ++i) keys[i] = kc + slot(p0 + i) * stride;
+    for (int i = 0; i < 16; ++i) keys[i] = i < cnt ? kc + slot(p0 + i) * stride : zeros;
     for (int64_t j = 0; j < groups; ++j) {
-      const float* qj = q + j * D;
-      for (int i = 0; i < 16; ++i) part[i] = _mm512_setzero_ps();
-      for (int i = 0; i < cnt; ++i)
-        for (int64_t c = 0; c < D; c += 16)
-          part[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qj + c), _mm512_loadu_ps(keys[i] + c), part[i]);
+      __m512 qj[NC];
+      for (int c = 0; c < NC; ++c) qj[c] = _mm512_loadu_ps(q + j * 16 * NC + 16 * c);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        __m512 acc = _mm512_mul_ps(qj[0], _mm512_loadu_ps(keys[i]));
+        for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(qj[c], _mm512_loadu_ps(keys[i] + 16 * c), acc);
+        part[i] = acc;
+      }
       const __m512 dots = _mm512_mul_ps(transpose_sum16(part), _mm512_set1_ps(scale));
       _mm512_mask_storeu_ps(scores + j * n + p0, static_cast<__mmask16>((1u << cnt) - 1), dots);
     }
   }
 }
 
-// acc [groups, D] = sum over positions p of w[j, p] * value(p), for fp32 values with D a multiple of 16:
-// per 16 channels, every group's accumulator stays in a register through all positions.
+// key_scores_nc for the head widths in use (D a multiple of 16, at most 256).
+template <typename Slot>
+bool key_scores16(const float* q, int64_t groups, int64_t D, const float* kc, int64_t stride, const Slot& slot,
+                  int64_t n, float scale, float* scores) {
+  switch (D) {
+    case 64: key_scores_nc<4>(q, groups, kc, stride, slot, n, scale, scores); return true;
+    case 128: key_scores_nc<8>(q, groups, kc, stride, slot, n, scale, scores); return true;
+    case 256: key_scores_nc<16>(q, groups, kc, stride, slot, n, scale, scores); return true;
+    case 32: key_scores_nc<2>(q, groups, kc, stride, slot, n, scale, scores); return true;
+    case 96: key_scores_nc<6>(q, groups, kc, stride, slot, n, scale, scores); return true;
+    default: return false;
+  }
+}
+
+// acc [groups, D] += sum over positions p of w[j, p] * value(p) for groups j0 .. j0 + JT - 1 and the
+// NC * 16 channels from c0: JT * NC accumulators stay in registers while each value row is read once.
+template <int NC, int JT, typename Slot>
+void value_tile(const float* w, int64_t j0, int64_t jn, int64_t n, int64_t c0, int64_t D, const float* vc,
+                int64_t stride, const Slot& slot, float* acc) {
+  __m512 a[JT][NC];
+  for (int j = 0; j < JT; ++j)
+    for (int c = 0; c < NC; ++c) a[j][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < n; ++p) {
+    const float* v = vc + slot(p) * stride + c0;
+    __m512 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+    for (int j = 0; j < JT; ++j) {
+      if (j >= jn) break;
+      const __m512 wj = _mm512_set1_ps(w[(j0 + j) * n + p]);
+      for (int c = 0; c < NC; ++c) a[j][c] = _mm512_fmadd_ps(wj, vv[c], a[j][c]);
+    }
+  }
+  for (int j = 0; j < JT && j < jn; ++j)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + (j0 + j) * D + c0 + 16 * c, a[j][c]);
+}
+
+// acc [groups, D] = sum over positions p of w[j, p] * value(p), for fp32 values with D a multiple of 16,
+// in tiles of at most 16 register accumulators (all of it at once for 4 groups of 64 channels).
 template <typename Slot>
 void value_sum16(const float* w, int64_t groups, int64_t n, int64_t D, const float* vc, int64_t stride,
                  const Slot& slot, float* acc) {
-  __m512 a[16];
-  for (int64_t c = 0; c < D; c += 16) {
-    for (int64_t j = 0; j < groups; ++j) a[j] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < n; ++p) {
-      const __m512 v = _mm512_loadu_ps(vc + slot(p) * stride + c);
-      for (int64_t j = 0; j < groups; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(w[j * n + p]), v, a[j]);
-    }
-    for (int64_t j = 0; j < groups; ++j) _mm512_storeu_ps(acc + j * D + c, a[j]);
-  }
+  int64_t c0 = 0;
+  for (; c0 + 64 <= D; c0 += 64)
+    for (int64_t j0 = 0; j0 < groups; j0 += 4)
+      value_tile<4, 4>(w, j0, std::min<int64_t>(4, groups - j0), n, c0, D, vc, stride, slot, acc);
+  for (; c0 < D; c0 += 16)
+    for (int64_t j0 = 0; j0 < groups; j0 += 8)
+      value_tile<1, 8>(w, j0, std::min<int64_t>(8, groups - j0), n, c0, D, vc, stride, slot, acc);
 }
 
 // row [n] <- exp(row - max(row)); returns the sum.
@@ -194,8 +233,8 @@ void attend(const LayerDesc& d, const StepDesc& s, const T* q, T* out, int threa
       bool fast = false;
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<T, float>) {
-        if (D % 16 == 0) {
-          key_scores16(qf.data(), groups, D, kc + g * D, kvh * D, slot, n, static_cast<float>(d.scale), scores.data());
+        if (key_scores16(qf.data(), groups, D, kc + g * D, kvh * D, slot, n, static_cast<float>(d.scale),
+                         scores.data())) {
           for (int64_t j = 0; j < groups; ++j) sums[j] = softmax_numerators(scores.data() + j * n, n);
           fast = true;
         }
@@ -215,7 +254,7 @@ void attend(const LayerDesc& d, const StepDesc& s, const T* q, T* out, int threa
         }
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      if (fast && groups <= 16) {
+      if (fast) {
 #if defined(__AVX512F__)
         if constexpr (std::is_same_v<T, float>)
           value_sum16(scores.data(), groups, n, D, vc + g * D, kvh * D, slot, acc.data());
