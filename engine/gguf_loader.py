@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from hearth.engine import hugepages
 from hearth.engine.config import parse_dtype
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
@@ -163,7 +164,9 @@ def _load_dense(f: GGUFFile, name: str, param: torch.nn.Parameter, model, keep_b
     if fmt is None:
         param.data.copy_(reorder(t.dequantized().reshape(param.shape)))
         return
-    replace_parameter(model, param, block_weight(reorder(t.raw()).clone(), fmt))  # a copy: the map can close
+    raw = reorder(t.raw())
+    blocks = hugepages.empty(*raw.shape, dtype=raw.dtype).copy_(raw)  # a copy: the file's map can close
+    replace_parameter(model, param, block_weight(blocks, fmt))
 
 
 def replace_parameter(model, param: torch.nn.Parameter, new: torch.nn.Parameter) -> None:

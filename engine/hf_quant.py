@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from hearth.engine import hugepages
 from hearth.engine.config import ConfigError
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.loader import _FUSED, _PER_EXPERT, CheckpointError
@@ -114,7 +115,7 @@ def fp8_rows(weight: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int]) -
     per = FP8_BLOCK.block_elems
     s = scale.to(torch.float32).repeat_interleave(bn, -2)[..., :n, :]  # [..., N, tiles across]
     s = s.repeat_interleave(bk // per, -1)[..., : k // per].contiguous()  # [..., N, K / 128]
-    out = torch.empty(*lead, n, k // per, FP8_BLOCK.block_bytes, dtype=torch.uint8)
+    out = hugepages.empty(*lead, n, k // per, FP8_BLOCK.block_bytes, dtype=torch.uint8)
     out[..., :4] = s.view(torch.uint8).reshape(*lead, n, k // per, 4)
     out[..., 4:] = weight.contiguous().view(torch.uint8).reshape(*lead, n, k // per, per)
     return out.reshape(*lead, n, -1)

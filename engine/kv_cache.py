@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from hearth.engine import hugepages
+
 
 class OutOfBlocks(RuntimeError):
     """Raised when the allocator cannot satisfy a request; the scheduler preempts or waits."""
@@ -64,8 +66,9 @@ class PagedKVCache:
         # Uninitialised on purpose: attention only reads slots this sequence has written, and the
         # OS then commits pages as they are first used rather than all at start-up. Layers without
         # attention (a hybrid model's linear-attention layers) get an empty placeholder.
-        self.keys = [torch.empty(shape if i in layers else (0,), dtype=dtype, device=device) for i in range(num_layers)]
-        self.values = [torch.empty(shape if i in layers else (0,), dtype=dtype, device=device)
+        self.keys = [hugepages.advise(torch.empty(shape if i in layers else (0,), dtype=dtype, device=device))
+                     for i in range(num_layers)]
+        self.values = [hugepages.advise(torch.empty(shape if i in layers else (0,), dtype=dtype, device=device))
                        for i in range(num_layers)]
 
     @staticmethod

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hearth.engine import hugepages
 from hearth.engine.config import ModelConfig
 from hearth.engine.quant.formats import BlockFormat
 
@@ -61,7 +62,7 @@ class ExpertPool:
         shapes = self.bank_shapes(cfg, self.blocks)
         if storage is None:
             dtype = torch.uint8 if self.blocks is not None else cfg.dtype
-            storage = (torch.empty(shapes[0], dtype=dtype), torch.empty(shapes[1], dtype=dtype))
+            storage = (hugepages.empty(*shapes[0], dtype=dtype), hugepages.empty(*shapes[1], dtype=dtype))
         self.gate_up, self.down = storage
         if tuple(self.gate_up.shape) != shapes[0] or tuple(self.down.shape) != shapes[1]:
             raise ValueError(f"expert storage has shapes {list(self.gate_up.shape)}, {list(self.down.shape)}; "

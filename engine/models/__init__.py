@@ -8,6 +8,7 @@ architecture is a new file here plus, where its attention or routing is new, a n
 from __future__ import annotations
 
 from hearth.config import ConfigError
+from hearth.engine import hugepages
 from hearth.engine.config import ModelConfig
 from hearth.engine.experts.contract import ExpertBackend
 from hearth.engine.models import mixtral, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
@@ -35,7 +36,10 @@ def family_for(architectures: list[str] | None) -> ModelFamily:
 def build_model(cfg: ModelConfig, experts: ExpertBackend) -> MoECausalLM:
     """The network of ``cfg``'s family, its MoE layers computing through ``experts`` (weights
     uninitialised: the loader fills them)."""
-    return family_for([cfg.architecture]).build(cfg, experts)
+    model = family_for([cfg.architecture]).build(cfg, experts)
+    for tensor in [*model.parameters(), *model.buffers()]:  # untouched yet: the loader fills them
+        hugepages.advise(tensor)
+    return model
 
 
 __all__ = ["FAMILIES", "ModelFamily", "MoECausalLM", "build_model", "family_for", "supported_architectures"]
