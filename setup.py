@@ -54,8 +54,8 @@ extensions = [kernel("_native_base", "base.cpp", [])]
 if platform.machine().lower() in ("x86_64", "amd64"):
     avx2 = ["-mavx2", "-mfma", "-mf16c"]
     extensions.append(kernel("_native_avx2", "decode_avx2.cpp", avx2))
-    extensions.append(kernel("_native_avx512", "decode_avx512.cpp",
-                             [*avx2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                              "-Wno-maybe-uninitialized"]))
+    avx512 = [*avx2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-Wno-maybe-uninitialized"]
+    extensions.append(kernel("_native_avx512", "decode_avx512.cpp", avx512))
+    extensions.append(kernel("_native_avx512vnni", "decode_avx512vnni.cpp", [*avx512, "-mavx512vnni"]))
 
 setup(ext_modules=extensions, cmdclass={"build_ext": BuildKernels})

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from hearth.config import ConfigError, EngineConfig
+from hearth.engine import int8_mode
 from hearth.engine.anchors import anchor_token_ids
 from hearth.engine.detokenizer import IncrementalDetokenizer
 from hearth.engine.experts.build import build_hierarchy
@@ -73,6 +74,8 @@ class LLMEngine:
         )
         if self.host_pool is not None and self.host_pool.owner:
             self.host_pool.mark_filled()
+        if config.int8_activations:
+            int8_mode.enable(loaded.model, loaded.pool)
         self.model_config = loaded.config
         self.pool = loaded.pool
         self.tokenizer = load_tokenizer(model_path)

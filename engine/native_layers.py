@@ -44,7 +44,7 @@ LAYER_FIELDS = (
     *(f"o.{f}" for f in _PROJ), "k_cache", "v_cache", "post_norm", "post_eps", "mlp",
     *(f"router.{f}" for f in _PROJ), "n_experts", "top_k", "normalize", "weights_fp32",
     "gate_up", "gu_stride", "down", "dn_stride", "n_rows", "row_base", "inter", "gu_fmt", "dn_fmt",
-    *(f"{p}.{f}" for p in ("gate", "up", "down_proj") for f in _PROJ), "shared_gate",
+    *(f"{p}.{f}" for p in ("gate", "up", "down_proj") for f in _PROJ), "shared_gate", "act_q8",
 )
 STEP_FIELDS = ("tokens", "cos", "sin", "rope_width", "slots", "ctx_len", "first_slot", "table", "table_stride",
                "block_size")
@@ -146,6 +146,7 @@ class NativeLayers:
             fields |= self._mlp_fields(layer.mlp)
         except _Unsupported:
             fields |= self._no_mlp()
+        fields["act_q8"] = int(_int8_activations(layer))
         return _pack(fields, LAYER_FIELDS), fields["mlp"] != 0
 
     def _attention_fields(self, layer) -> dict[str, int | float]:
@@ -288,6 +289,17 @@ class NativeLayers:
         ids, weights = mlp.gate.select(logits)
         return call(3, d, st, h.data_ptr(), ids.data_ptr(), xn.data_ptr(), weights.data_ptr(), _DTYPES[weights.dtype],
                     threads)
+
+
+def _int8_activations(layer) -> bool:
+    """Whether the layer's weights run in the int8-activation mode (engine/int8_mode.py)."""
+    tensors = [*layer.parameters(), getattr(getattr(layer, "_mixer", None), "qkv_weight", None)]
+    mlp = layer.mlp
+    if isinstance(mlp, MoEBlock) and type(mlp.backend) is LocalExpertBackend:
+        blocks = mlp.backend.pool.layer_blocks(mlp.layer_idx)
+        if blocks is not None and blocks.int8_activations:
+            return True
+    return any(getattr(t, "int8_activations", False) for t in tensors if t is not None)
 
 
 def _decode_attention(attn: Attention, q: torch.Tensor, batch: ForwardBatch, keys: torch.Tensor,

@@ -76,7 +76,7 @@ def _block_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     x2 = x.reshape(-1, x.shape[-1]).float()  # [M, K]
     ops = cpu_decode_ops()
     if ops is not None and x2.shape[0] <= SMALL_BATCH and fmt.name in BLOCK_KERNELS:
-        y = ops.linear_blocks(x2, weight, fmt.name)
+        y = ops.linear_blocks(x2, weight, fmt.name, getattr(weight, "int8_activations", False))
     else:  # many tokens: decode once, one GEMM
         y = x2 @ decode_blocks(weight, fmt, x2.shape[1]).T
     if bias is not None:

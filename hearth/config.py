@@ -289,6 +289,8 @@ class EngineConfig(Section):
                                        minimum=2)
     verify_checksums: bool = option(True, "check every FTW extent's CRC while loading", flag="--verify")
     threads: int | None = option(None, "CPU threads for torch (default: torch's choice)", minimum=1)
+    int8_activations: bool = option(False, "quantize activations to int8 for Q4_K/Q6_K weights in decode "
+                                    "(llama.cpp's scheme: faster on AVX-512 VNNI CPUs, not exact; off by default)")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)

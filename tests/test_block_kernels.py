@@ -20,10 +20,12 @@ pytestmark = pytest.mark.skipif(_base is None, reason="native kernels not availa
 
 
 def _builds() -> list[kernels.NativeKernels]:
-    """Every decode library this CPU runs (AVX2, and AVX-512 where present)."""
+    """Every decode library this CPU runs (AVX2, and AVX-512 and AVX-512 VNNI where present)."""
     if _base is None:
         return []
     names = ["_native_avx2"] + (["_native_avx512"] if _base.features & kernels.FEATURE_AVX512 else [])
+    if _base.features & kernels.FEATURE_AVX512 and _base.features & kernels.FEATURE_AVX512_VNNI:
+        names.append("_native_avx512vnni")
     out = []
     for name in names:
         try:

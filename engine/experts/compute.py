@@ -68,7 +68,8 @@ def _block_partial_sum(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     on_cpu = act is torch.nn.functional.silu and x.dtype == torch.float32 and gate_up.device.type == "cpu"
     ops = cpu_decode_ops() if on_cpu else None
     if ops is not None and t <= SMALL_BATCH and {blocks.gate_up.name, blocks.down.name} <= BLOCK_KERNELS:
-        return ops.experts_blocks(x, gate_up, down, rows, weights, blocks.gate_up.name, blocks.down.name, inter)
+        return ops.experts_blocks(x, gate_up, down, rows, weights, blocks.gate_up.name, blocks.down.name, inter,
+                                  blocks.int8_activations)
     gu_bytes, dn_bytes = blocks.gate_up_bytes, blocks.down_bytes
     parts = torch.zeros((t, rows.shape[1], hidden), dtype=torch.float32, device=x.device)
     xf = x.float()

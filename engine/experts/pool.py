@@ -26,6 +26,7 @@ class ExpertBlocks:
     down: BlockFormat
     hidden: int
     inter: int
+    int8_activations: bool = False  # the opt-in int8-activation mode (see engine/int8_mode.py)
 
     @property
     def gate_up_bytes(self) -> int:

@@ -49,6 +49,8 @@ class NativeKernels:
     def __init__(self, base: ModuleType, decode: ModuleType, features: int) -> None:
         self.features = features
         self._base, self._decode = base, decode
+        # The int8-activation kernels (Q4_K, Q6_K) are in the VNNI library only.
+        self.int8_activations = decode.__name__.endswith("vnni")
 
     def linear_decode(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y [M, N] = x [M, K] @ w [N, K]^T (+ bias) for a few tokens, in the weight's dtype."""
@@ -64,9 +66,10 @@ class NativeKernels:
                                    None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
         return out
 
-    def linear_blocks(self, x: torch.Tensor, w: torch.Tensor, fmt: str) -> torch.Tensor:
+    def linear_blocks(self, x: torch.Tensor, w: torch.Tensor, fmt: str, int8: bool = False) -> torch.Tensor:
         """y fp32 [M, N] = x fp32 [M, K] @ W^T for W uint8 [N, K / elems * bytes] in block format
-        ``fmt`` (read in its blocks; every 8 tokens share one pass over W)."""
+        ``fmt`` (read in its blocks; every 8 tokens share one pass over W). ``int8``: the int8-activation
+        mode, for the formats that have its kernel in this library (others keep fp32 activations)."""
         code = BLOCK_CODES[fmt]
         if x.dtype != torch.float32 or x.dim() != 2 or w.dtype != torch.uint8 or w.dim() != 2 \
                 or not (w.is_cpu and w.is_contiguous()) or w.shape[1] != _row_bytes(fmt, x.shape[1]):
@@ -74,7 +77,7 @@ class NativeKernels:
         x = x.contiguous()
         out = x.new_empty((x.shape[0], w.shape[0]))
         self._decode.linear_blocks(code, x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), w.shape[0],
-                                   out.data_ptr(), torch.get_num_threads())
+                                   out.data_ptr(), torch.get_num_threads(), int(int8))
         return out
 
     def dequantize_blocks(self, w: torch.Tensor, fmt: str, cols: int) -> torch.Tensor:
@@ -89,7 +92,8 @@ class NativeKernels:
         return out
 
     def experts_blocks(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: torch.Tensor,
-                       weights: torch.Tensor, gate_up_fmt: str, down_fmt: str, inter: int) -> torch.Tensor:
+                       weights: torch.Tensor, gate_up_fmt: str, down_fmt: str, inter: int,
+                       int8: bool = False) -> torch.Tensor:
         """The routed block-quantized experts of a few tokens, SiLU-gated, weighted and summed: fp32
         [T, H]. ``x`` fp32 [T, H]; ``rows`` [T, k] bank rows (-1: computed elsewhere); expert ``r``'s
         gate and up rows (2I of H elements) are the first bytes of ``gate_up[r]``, its down rows (H of
@@ -110,7 +114,7 @@ class NativeKernels:
         rc = self._decode.experts_blocks(BLOCK_CODES[gate_up_fmt], BLOCK_CODES[down_fmt], x.data_ptr(), t, hidden,
                                          inter, gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(),
                                          down.stride(0), gate_up.shape[0], ids.data_ptr(), ids.shape[1],
-                                         w.data_ptr(), out.data_ptr(), torch.get_num_threads())
+                                         w.data_ptr(), out.data_ptr(), torch.get_num_threads(), int(int8))
         if rc != 0:
             raise ValueError(f"experts_blocks: a bank row out of [0, {gate_up.shape[0]})")
         return out
@@ -214,10 +218,14 @@ def cpu_decode_ops() -> NativeKernels | None:
     features = base.cpu_features()
     if not features & FEATURE_AVX2:
         return None  # not an AVX2 machine: the torch paths are the right ones, nothing to warn about
-    # The widest library this CPU runs; HEARTH_CPU_ISA=avx2 keeps to AVX2 (to compare, or to test both).
+    # The widest library this CPU runs; HEARTH_CPU_ISA=avx2 or avx512 keeps to that one (to compare, or to
+    # test each).
+    isa = os.environ.get("HEARTH_CPU_ISA", "").lower()
     names = ["_native_avx2"]
-    if features & FEATURE_AVX512 and os.environ.get("HEARTH_CPU_ISA", "").lower() != "avx2":
+    if features & FEATURE_AVX512 and isa != "avx2":
         names.insert(0, "_native_avx512")
+        if features & FEATURE_AVX512_VNNI and isa != "avx512":
+            names.insert(0, "_native_avx512vnni")
     for name in names:
         try:
             decode = _module(name)

@@ -361,6 +361,8 @@ inline void row_dot_q6_k(const uint8_t* row, int64_t K, const float* const* xs, 
 }
 #endif
 
+#include "q8.h"  // the int8-activation kernels (VNNI builds), inside this namespace
+
 // Formats whose kernel in this build reads the activations in another order than the row's: callers
 // pass them through prepare_x<F> once per call.
 template <typename F>
@@ -420,6 +422,30 @@ inline void rows_dot(const uint8_t* row, int64_t K, const float* const* xs, int 
   });
 }
 
+// Formats with an int8-activation kernel in this build (the opt-in mode of q8.h).
+template <typename F>
+constexpr bool kQ8 = false;
+#ifdef HEARTH_Q8_ACTIVATIONS
+template <>
+constexpr bool kQ8<Q4_K> = true;
+template <>
+constexpr bool kQ8<Q6_K> = true;
+#endif
+
+// The row products of F for M quantized activation rows (kQ8<F> formats only; nothing otherwise).
+template <typename F>
+inline void rows_dot_q8(const uint8_t* row, int64_t K, const Q8Row* xs, int M, float* out) {
+#ifdef HEARTH_Q8_ACTIVATIONS
+  with_tokens(M, [&](auto m) {
+    constexpr int kM = decltype(m)::value;
+    if constexpr (std::is_same_v<F, Q4_K>) row_dot_q4_k_q8<kM>(row, K, xs, out);
+    if constexpr (std::is_same_v<F, Q6_K>) row_dot_q6_k_q8<kM>(row, K, xs, out);
+  });
+#else
+  (void)row, (void)K, (void)xs, (void)M, (void)out;
+#endif
+}
+
 // Calls fn(F{}) for the format code (see kCode); false for an unknown code.
 template <typename Fn>
 inline bool by_format(int code, const Fn& fn) {
@@ -441,8 +467,26 @@ constexpr int64_t row_bytes(int64_t K) { return K / F::kElems * F::kBytes; }
 // out [M, N] = x [M, K] @ W^T, W N rows of K elements in format F; threads over rows, each row read
 // once per 8 tokens.
 template <typename F>
-void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int threads) {
+void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int threads,
+                 bool q8 = false) {
   const int64_t rb = row_bytes<F>(K);
+  if (kQ8<F> && q8) {  // the int8-activation mode: each token's row quantized once, then VNNI products
+    Q8Rows xq;
+    xq.resize(M, K);
+    std::vector<Q8Row> rows(M);
+    for (int64_t m = 0; m < M; ++m) xq.quantize(m, x + m * K), rows[m] = xq.row(m);
+    hearth::parallel_for(0, N, 16, threads, [&](int64_t r0, int64_t r1) {
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxTokens) {
+        const int mt = static_cast<int>(std::min<int64_t>(kMaxTokens, M - m0));
+        float dots[kMaxTokens];
+        for (int64_t r = r0; r < r1; ++r) {
+          rows_dot_q8<F>(w + r * rb, K, rows.data() + m0, mt, dots);
+          for (int m = 0; m < mt; ++m) out[(m0 + m) * N + r] = dots[m];
+        }
+      }
+    });
+    return;
+  }
   std::vector<float> buf(kPermutesX<F> ? M * K : 0);
   std::vector<const float*> rows(M);
   for (int64_t m = 0; m < M; ++m) rows[m] = prepare_x<F>(x + m * K, K, buf.data() + (kPermutesX<F> ? m * K : 0));
@@ -537,7 +581,7 @@ inline void silu_gate(const float* gate_up, int64_t I, float* act) {
 template <typename FG, typename FD>
 bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t* gu, int64_t gu_stride,
                   const uint8_t* dn, int64_t dn_stride, int64_t n_rows, const int64_t* rows, int64_t k,
-                  const float* weights, float* out, int threads) {
+                  const float* weights, float* out, int threads, bool q8 = false) {
   const int64_t pairs = T * k;
   std::vector<int64_t> order;
   order.reserve(pairs);
@@ -561,30 +605,56 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
   std::vector<float> xbuf(kPermutesX<FG> ? T * H : 0), abuf(kPermutesX<FD> ? pairs * I : 0);
   std::vector<const float*> xrow(T);
   for (int64_t t = 0; t < T; ++t) xrow[t] = prepare_x<FG>(x + t * H, H, xbuf.data() + (kPermutesX<FG> ? t * H : 0));
+  // The int8-activation mode (where the format has its kernel): tokens and gated products quantized.
+  const bool gq8 = kQ8<FG> && q8, dq8 = kQ8<FD> && q8;
+  Q8Rows xq, aq;
+  std::vector<Q8Row> xq_row(gq8 ? T : 0), aq_row(dq8 ? pairs : 0);
+  if (gq8) {
+    xq.resize(T, H);
+    for (int64_t t = 0; t < T; ++t) xq.quantize(t, x + t * H), xq_row[t] = xq.row(t);
+  }
   hearth::parallel_for(0, G * 2 * I, 32, threads, [&](int64_t r0, int64_t r1) {
     const float* xs[kMaxTokens];
+    Q8Row qs[kMaxTokens];
     float dots[kMaxTokens];
     for (int64_t r = r0; r < r1; ++r) {
       const Group& g = groups[r / (2 * I)];
       const int64_t rr = r % (2 * I);
-      for (int m = 0; m < g.count; ++m) xs[m] = xrow[order[g.start + m] / k];
-      rows_dot<FG>(gu + g.row * gu_stride + rr * gu_rb, H, xs, g.count, dots);
+      const uint8_t* w = gu + g.row * gu_stride + rr * gu_rb;
+      if (gq8) {
+        for (int m = 0; m < g.count; ++m) qs[m] = xq_row[order[g.start + m] / k];
+        rows_dot_q8<FG>(w, H, qs, g.count, dots);
+      } else {
+        for (int m = 0; m < g.count; ++m) xs[m] = xrow[order[g.start + m] / k];
+        rows_dot<FG>(w, H, xs, g.count, dots);
+      }
       for (int m = 0; m < g.count; ++m) proj[order[g.start + m] * 2 * I + rr] = dots[m];
     }
   });
   std::vector<const float*> arow(pairs);
+  if (dq8) aq.resize(pairs, I);
   for (const int64_t p : order) {
     silu_gate(proj.data() + p * 2 * I, I, act.data() + p * I);
-    arow[p] = prepare_x<FD>(act.data() + p * I, I, abuf.data() + (kPermutesX<FD> ? p * I : 0));
+    if (dq8)
+      aq.quantize(p, act.data() + p * I), aq_row[p] = aq.row(p);
+    else
+      arow[p] = prepare_x<FD>(act.data() + p * I, I, abuf.data() + (kPermutesX<FD> ? p * I : 0));
   }
   hearth::parallel_for(0, G * H, 32, threads, [&](int64_t r0, int64_t r1) {
     const float* xs[kMaxTokens];
+    Q8Row qs[kMaxTokens];
     float dots[kMaxTokens];
     for (int64_t r = r0; r < r1; ++r) {
       const Group& g = groups[r / H];
       const int64_t rr = r % H;
-      for (int m = 0; m < g.count; ++m) xs[m] = arow[order[g.start + m]];
-      rows_dot<FD>(dn + g.row * dn_stride + rr * dn_rb, I, xs, g.count, dots);
+      const uint8_t* w = dn + g.row * dn_stride + rr * dn_rb;
+      if (dq8) {
+        for (int m = 0; m < g.count; ++m) qs[m] = aq_row[order[g.start + m]];
+        rows_dot_q8<FD>(w, I, qs, g.count, dots);
+      } else {
+        for (int m = 0; m < g.count; ++m) xs[m] = arow[order[g.start + m]];
+        rows_dot<FD>(w, I, xs, g.count, dots);
+      }
       for (int m = 0; m < g.count; ++m) y[order[g.start + m] * H + rr] = dots[m];
     }
   });

@@ -266,27 +266,28 @@ PyObject* py_experts_decode(PyObject*, PyObject* const* args, Py_ssize_t n) {
   return PyLong_FromLong(rc);
 }
 
-// linear_blocks(fmt, x, M, K, w, N, out, threads): out fp32 [M, N] = x fp32 [M, K] @ W^T, W uint8
-// [N, K / elems * bytes] in block format `fmt` (a code of blocks.h). Returns 0, or -1 for an unknown format.
+// linear_blocks(fmt, x, M, K, w, N, out, threads, q8): out fp32 [M, N] = x fp32 [M, K] @ W^T, W uint8
+// [N, K / elems * bytes] in block format `fmt` (a code of blocks.h); q8: the int8-activation mode where
+// the format has its kernel. Returns 0, or -1 for an unknown format.
 PyObject* py_linear_blocks(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  int64_t a[8];
-  if (!hearth::int_args(args, n, 8, a, "linear_blocks")) return nullptr;
+  int64_t a[9];
+  if (!hearth::int_args(args, n, 9, a, "linear_blocks")) return nullptr;
   bool ok;
   Py_BEGIN_ALLOW_THREADS
   ok = hearth::blocks::by_format(static_cast<int>(a[0]), [&](auto f) {
     hearth::blocks::linear_impl<decltype(f)>(ptr<const float>(a[1]), a[2], a[3], ptr<const uint8_t>(a[4]), a[5],
-                                             ptr<float>(a[6]), static_cast<int>(a[7]));
+                                             ptr<float>(a[6]), static_cast<int>(a[7]), a[8] != 0);
   });
   Py_END_ALLOW_THREADS
   return PyLong_FromLong(ok ? 0 : -1);
 }
 
 // experts_blocks(fmt_gate_up, fmt_down, x, T, H, I, gate_up, gu_stride, down, dn_stride, n_rows, rows, k,
-//                weights, out, threads): see blocks::experts_impl (rows int64 [T*k], weights fp32 [T*k]).
+//                weights, out, threads, q8): see blocks::experts_impl (rows int64 [T*k], weights fp32 [T*k]).
 // Returns 0, -1 for an unknown format, -2 for a row out of range.
 PyObject* py_experts_blocks(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  int64_t a[16];
-  if (!hearth::int_args(args, n, 16, a, "experts_blocks")) return nullptr;
+  int64_t a[17];
+  if (!hearth::int_args(args, n, 17, a, "experts_blocks")) return nullptr;
   int rc = -1;
   Py_BEGIN_ALLOW_THREADS
   hearth::blocks::by_format(static_cast<int>(a[0]), [&](auto fg) {
@@ -294,7 +295,7 @@ PyObject* py_experts_blocks(PyObject*, PyObject* const* args, Py_ssize_t n) {
       const bool ok = hearth::blocks::experts_impl<decltype(fg), decltype(fd)>(
           ptr<const float>(a[2]), a[3], a[4], a[5], ptr<const uint8_t>(a[6]), a[7], ptr<const uint8_t>(a[8]), a[9],
           a[10], ptr<const int64_t>(a[11]), a[12], ptr<const float>(a[13]), ptr<float>(a[14]),
-          static_cast<int>(a[15]));
+          static_cast<int>(a[15]), a[16] != 0);
       rc = ok ? 0 : -2;
     });
   });

@@ -46,6 +46,7 @@ struct LayerDesc {
   int64_t gate_up, gu_stride, down, dn_stride, n_rows, row_base, inter, gu_fmt, dn_fmt;  // expert banks
   Proj gate, up, down_proj;  // the shared expert (mlp 1; gate.w == 0: none) or the dense MLP (mlp 2)
   int64_t shared_gate;       // [1, hidden] sigmoid gate of the shared expert, or 0
+  int64_t act_q8;            // the int8-activation mode for the block formats that have its kernel
 };
 
 // One decode step: token t is the last of a sequence holding ctx_len[t] tokens after the step, whose
@@ -57,16 +58,16 @@ struct StepDesc {
 
 constexpr int64_t kMaxTokens = 8;
 
-// out [M, rows] = x [M, cols] @ W^T (+ bias), rounded to T.
+// out [M, rows] = x [M, cols] @ W^T (+ bias), rounded to T (q8: the int8-activation mode, see q8.h).
 template <typename T>
-void project(const Proj& p, const T* x, int64_t M, T* out, int threads) {
+void project(const Proj& p, const T* x, int64_t M, T* out, int threads, bool q8 = false) {
   if (p.fmt < 0) {
     linear_impl<T>(x, M, p.cols, ptr<const T>(p.w), p.rows, ptr<const T>(p.bias), out, threads);
     return;
   }
   if constexpr (std::is_same_v<T, float>) {
     blocks::by_format(static_cast<int>(p.fmt), [&](auto f) {
-      blocks::linear_impl<decltype(f)>(x, M, p.cols, ptr<const uint8_t>(p.w), p.rows, out, threads);
+      blocks::linear_impl<decltype(f)>(x, M, p.cols, ptr<const uint8_t>(p.w), p.rows, out, threads, q8);
     });
     if (p.bias != 0) {
       const float* b = ptr<const float>(p.bias);
@@ -305,13 +306,13 @@ template <typename T>
 void gated_mlp(const LayerDesc& d, const T* x, int64_t M, T* out, int threads) {
   const int64_t I = d.gate.rows;
   std::vector<T> g(M * I), u(M * I);
-  project(d.gate, x, M, g.data(), threads);
-  project(d.up, x, M, u.data(), threads);
+  project(d.gate, x, M, g.data(), threads, d.act_q8 != 0);
+  project(d.up, x, M, u.data(), threads, d.act_q8 != 0);
   for (int64_t i = 0; i < M * I; ++i) {
     const float sg = round_to<T>(blocks::silu(to_float(g[i])));
     g[i] = from_float<T>(sg * to_float(u[i]));
   }
-  project(d.down_proj, g.data(), M, out, threads);
+  project(d.down_proj, g.data(), M, out, threads, d.act_q8 != 0);
 }
 
 // The routed experts (pool rows [M, k], fp32 weights [M, k]) plus the shared expert of M tokens ->
@@ -329,7 +330,7 @@ void moe(const LayerDesc& d, const T* x, int64_t M, const int64_t* rows, const f
       blocks::by_format(static_cast<int>(d.dn_fmt), [&](auto fd) {
         blocks::experts_impl<decltype(fg), decltype(fd)>(x, M, H, d.inter, ptr<const uint8_t>(d.gate_up), d.gu_stride,
                                                          ptr<const uint8_t>(d.down), d.dn_stride, d.n_rows, rows, k,
-                                                         weights, sum.data(), threads);
+                                                         weights, sum.data(), threads, d.act_q8 != 0);
       });
     });
   }
@@ -364,7 +365,7 @@ void attention_in(const LayerDesc& d, const StepDesc& s, const T* h, T* q, int t
   rms_norm_impl<T>(h, M, H, ptr<const T>(d.in_norm), static_cast<float>(d.in_eps), xn.data(), threads);
   if (d.k.w == 0) {
     std::vector<T> qkv(M * (qs + 2 * kvs));
-    project(d.q, xn.data(), M, qkv.data(), threads);
+    project(d.q, xn.data(), M, qkv.data(), threads, d.act_q8 != 0);
     for (int64_t t = 0; t < M; ++t) {
       const T* row = qkv.data() + t * (qs + 2 * kvs);
       std::copy(row, row + qs, q + t * qs);
@@ -372,9 +373,9 @@ void attention_in(const LayerDesc& d, const StepDesc& s, const T* h, T* q, int t
       std::copy(row + qs + kvs, row + qs + 2 * kvs, v.data() + t * kvs);
     }
   } else {
-    project(d.q, xn.data(), M, q, threads);
-    project(d.k, xn.data(), M, k.data(), threads);
-    project(d.v, xn.data(), M, v.data(), threads);
+    project(d.q, xn.data(), M, q, threads, d.act_q8 != 0);
+    project(d.k, xn.data(), M, k.data(), threads, d.act_q8 != 0);
+    project(d.v, xn.data(), M, v.data(), threads, d.act_q8 != 0);
   }
   if (d.q_norm != 0) {
     rms_norm_impl<T>(q, M * d.heads, D, ptr<const T>(d.q_norm), static_cast<float>(d.qk_eps), q, 1);
@@ -396,7 +397,7 @@ template <typename T>
 void post_attention(const LayerDesc& d, const StepDesc& s, T* h, const T* attn, T* xn, T* logits, int threads) {
   const int64_t M = s.tokens, H = d.hidden;
   std::vector<T> y(M * H);
-  project(d.o, attn, M, y.data(), threads);
+  project(d.o, attn, M, y.data(), threads, d.act_q8 != 0);
   add_into(h, y.data(), M * H);
   if (d.mlp == 0) return;
   rms_norm_impl<T>(h, M, H, ptr<const T>(d.post_norm), static_cast<float>(d.post_eps), xn, threads);

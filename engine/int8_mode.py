@@ -1,0 +1,55 @@
+"""The int8-activation mode: opt-in, off by default, not exact.
+
+llama.cpp's CPU kernels quantize each activation row to int8 (one scale per 256 elements) before
+multiplying it with K-quant weights. hearth's default keeps activations in fp32, so that a quantized
+model matches its reference within fp32 rounding. This mode does what llama.cpp does for the formats
+that have its kernel (Q4_K and Q6_K, on CPUs with AVX-512 VNNI): for decode steps of up to 8 tokens,
+projections and experts in those formats multiply int8 activations with their weights (vpdpbusd), about
+twice as fast per weight as the fp32 kernels. Every other weight, and prefill, keeps fp32 activations.
+
+What it costs in accuracy is measured in ``tests/test_int8_mode.py`` and stated in
+docs/quantization.md. ``hearth serve --int8-activations`` (``EngineConfig(int8_activations=True)``)
+turns it on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from hearth.engine.kernels import cpu_decode_ops
+
+log = logging.getLogger(__name__)
+FORMATS = frozenset({"q4_k", "q6_k"})  # the formats with an int8-activation kernel
+
+
+def available() -> bool:
+    """Whether this machine's kernels have the mode (the AVX-512 VNNI library is loaded)."""
+    ops = cpu_decode_ops()
+    return ops is not None and ops.int8_activations
+
+
+def enable(model, pool) -> int:
+    """Mark every weight in a format with an int8-activation kernel (block weights of ``model`` and
+    the expert layers of ``pool``) to be multiplied in the mode; returns how many were marked (0, with
+    a warning, where the kernels are not available)."""
+    if not available():
+        log.warning("hearth: --int8-activations needs AVX-512 VNNI kernels; keeping fp32 activations")
+        return 0
+    marked = 0
+    for param in model.parameters():
+        fmt = getattr(param, "block_format", None)
+        if fmt is not None and fmt.name in FORMATS:
+            param.int8_activations = True
+            marked += 1
+    for module in model.modules():  # fused q/k/v weights live beside the parameters
+        fused = getattr(module, "qkv_weight", None)
+        fmt = getattr(fused, "block_format", None)
+        if fmt is not None and fmt.name in FORMATS:
+            fused.int8_activations = True
+    if pool.blocks is not None:
+        for layer, blocks in pool.blocks.items():
+            if {blocks.gate_up.name, blocks.down.name} & FORMATS:
+                pool.blocks[layer] = dataclasses.replace(blocks, int8_activations=True)
+                marked += 1
+    return marked

@@ -1,0 +1,160 @@
+// The int8-activation mode (off by default): activations quantized to int8 per 256 elements, as
+// llama.cpp's CPU kernels do (its Q8_K), and multiplied with Q4_K / Q6_K weights by AVX-512 VNNI
+// (vpdpbusd: 64 unsigned weight bytes times 64 signed activation bytes, summed in fours into 16 int32
+// lanes). It needs roughly a third of the instructions of the fp32-activation kernels per weight, at
+// the cost of rounding every activation to 1/254 of its block's largest magnitude (see
+// docs/quantization.md for the measured error). Included by blocks.h inside hearth::blocks; compiled
+// only where the build targets VNNI.
+#pragma once
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define HEARTH_Q8_ACTIVATIONS 1
+
+// One activation row quantized: q [K] int8, per 256 elements a scale d (x ~ d * q), and the sums of
+// q per 32 and per 16 elements (exact small integers, as floats) for the formats' offset terms.
+struct Q8Row {
+  const int8_t* q;
+  const float* d;
+  const float* sum32;
+  const float* sum16;
+};
+
+// Storage for a few quantized rows of K elements (K a multiple of 256).
+struct Q8Rows {
+  int64_t K = 0;
+  std::vector<int8_t> q;
+  std::vector<float> d, sum32, sum16;
+  void resize(int64_t rows, int64_t k) {
+    K = k;
+    q.resize(rows * k);
+    d.resize(rows * k / 256);
+    sum32.resize(rows * k / 32);
+    sum16.resize(rows * k / 16);
+  }
+  Q8Row row(int64_t r) const {
+    return {q.data() + r * K, d.data() + r * K / 256, sum32.data() + r * K / 32, sum16.data() + r * K / 16};
+  }
+  // Row r from x [K]: q = round(x / d) with d = max |x| / 127 per 256 (round to nearest even).
+  void quantize(int64_t r, const float* x) {
+    int8_t* q8 = q.data() + r * K;
+    for (int64_t b = 0; b < K / 256; ++b) {
+      const float* xb = x + 256 * b;
+      __m512 amax = _mm512_setzero_ps();
+      for (int i = 0; i < 256; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
+      const float m = _mm512_reduce_max_ps(amax);
+      const float scale = m / 127.0f, inv = m > 0.f ? 127.0f / m : 0.f;
+      d[r * K / 256 + b] = scale;
+      for (int i = 0; i < 256; i += 16) {
+        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), _mm512_set1_ps(inv)));
+        const __m512i c = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + 256 * b + i), _mm512_cvtepi32_epi8(c));
+        sum16[r * K / 16 + 16 * b + i / 16] = static_cast<float>(_mm512_reduce_add_epi32(c));
+      }
+      for (int g = 0; g < 8; ++g)
+        sum32[r * K / 32 + 8 * b + g] = sum16[r * K / 16 + 16 * b + 2 * g] + sum16[r * K / 16 + 16 * b + 2 * g + 1];
+    }
+  }
+};
+
+// Q4_K row . quantized activations for M tokens. Per 64-element chunk the 32 nibble bytes are
+// broadcast to both register halves and shifted by 0 (low half: the first sub-block) or 4 (high
+// half: the second), masked, and multiplied by the activations' 64 bytes in one vpdpbusd; the int32
+// lanes are scaled by their sub-block's d*sc. The mins come in once per super-block through the
+// activations' sums per 32. Per token: sum_b dx_b * (sum_g d*sc_g * sum(q x) - dmin*m_g * sum x).
+template <int M>
+inline void row_dot_q4_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, float* out) {
+  __m512 acc[M];
+  __m256 macc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps(), macc[m] = _mm256_setzero_ps();
+  const __m512i shifts = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* blk = row + b * 144;
+    prefetch_ahead(blk, 144);
+    const __m512 sb = k_scales16(blk);  // d*sc_g (lanes 0-7), -dmin*m_g (lanes 8-15)
+    __m512 accb[M];
+    for (int m = 0; m < M; ++m) accb[m] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j)));
+      const __m512i w = _mm512_and_si512(_mm512_srlv_epi64(v, shifts), low4);
+      const __m512 s = _mm512_permutexvar_ps(
+          _mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+                            2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1),
+          sb);
+      for (int m = 0; m < M; ++m) {
+        const __m512i x = _mm512_loadu_si512(xs[m].q + 256 * b + 64 * j);
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+        accb[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, accb[m]);
+      }
+    }
+    const __m256 mins = _mm512_extractf32x8_ps(sb, 1);
+    for (int m = 0; m < M; ++m) {
+      const __m512 dx = _mm512_set1_ps(xs[m].d[b]);
+      acc[m] = _mm512_fmadd_ps(accb[m], dx, acc[m]);
+      macc[m] = _mm256_fmadd_ps(mins, _mm256_mul_ps(_mm256_loadu_ps(xs[m].sum32 + 8 * b), _mm512_castps512_ps256(dx)),
+                                macc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(acc[m]) + hsum8(macc[m]);
+}
+
+// Q6_K row . quantized activations for M tokens. Per 128 elements (half n of a super-block) the 6-bit
+// values, unsigned (0..63), are assembled in two registers of 64 bytes (quarters 0, 1 and quarters
+// 2, 3, each in the row's element order); each vpdpbusd lane (four elements) is scaled by its
+// 16-element group's d*sc. The -32 offset comes in once per super-block through the activations'
+// sums per 16: per token sum_b dx_b * (sum_g d*sc_g * (sum(q x) - 32 sum x)).
+template <int M>
+inline void row_dot_q6_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, float* out) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
+  const __m512i qh_shift_a = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2), qh_shift_b = _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6);
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* blk = row + b * 210;
+    prefetch_ahead(blk, 210);
+    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+    const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(half_to_float(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+    __m512 accb[M];
+    for (int m = 0; m < M; ++m) accb[m] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int n = 0; n < 2; ++n) {
+      const __m512i ql = _mm512_loadu_si512(blk + 64 * n);  // quarter 0 | quarter 1 low nibbles, 2 | 3 high
+      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * n)));
+      const __m512i hi01 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(qh, qh_shift_a), two), 4);
+      const __m512i hi23 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(qh, qh_shift_b), two), 4);
+      const __m512i u01 = _mm512_or_si512(_mm512_and_si512(ql, low4), hi01);
+      const __m512i u23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4), hi23);
+      const int g = 8 * n;  // groups g..g+3 (u01) and g+4..g+7 (u23), four lanes each
+      const __m512 s01 = _mm512_permutexvar_ps(
+          _mm512_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2, g + 2, g + 3, g + 3, g + 3, g + 3),
+          scale);
+      const __m512 s23 = _mm512_permutexvar_ps(
+          _mm512_setr_epi32(g + 4, g + 4, g + 4, g + 4, g + 5, g + 5, g + 5, g + 5, g + 6, g + 6, g + 6, g + 6, g + 7,
+                            g + 7, g + 7, g + 7),
+          scale);
+      for (int m = 0; m < M; ++m) {
+        const int8_t* xq = xs[m].q + 256 * b + 128 * n;
+        const __m512i p01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u01, _mm512_loadu_si512(xq));
+        const __m512i p23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u23, _mm512_loadu_si512(xq + 64));
+        accb[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p01), s01, accb[m]);
+        accb[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p23), s23, accb[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512 off = _mm512_mul_ps(scale, _mm512_loadu_ps(xs[m].sum16 + 16 * b));  // sum_g d*sc_g * sum x_g
+      acc[m] = _mm512_fmadd_ps(_mm512_fnmadd_ps(off, _mm512_set1_ps(32.0f), accb[m]), _mm512_set1_ps(xs[m].d[b]),
+                               acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#else
+// Builds without VNNI: the mode's types exist so that callers compile, and no format has a kernel.
+struct Q8Row {};
+struct Q8Rows {
+  void resize(int64_t, int64_t) {}
+  Q8Row row(int64_t) const { return {}; }
+  void quantize(int64_t, const float*) {}
+};
+#endif
