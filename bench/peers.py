@@ -8,6 +8,9 @@ engines, with the same threads, and times them in alternating rounds on the same
 - ``pp``: prompt processing of ``--prompt`` tokens in one batch (tok/s);
 - ``tg``: greedy decode of ``--tokens`` tokens after a short prompt, batch 1 (tok/s).
 
+With ``--int8-activations`` a third engine joins the rounds: hearth in its opt-in int8-activation
+mode (the activation quantization llama.cpp's CPU kernels use), for the quantized files.
+
 It prints one row per file and engine with medians, the ratio hearth / llama.cpp, and the share of
 the memory roofline that decode reaches (bytes one decode token reads, from ``hearth inspect``,
 times tok/s, over a measured streaming read rate). llama-cpp-python is the ``peers`` extra
@@ -16,6 +19,7 @@ of CI.
 
     python bench/peers.py make --model DIR --llama-cpp ~/src/llama.cpp --out /tmp/peer [--quants q8_0 q4_k_m]
     python bench/peers.py run /tmp/peer/*.gguf [--threads 2] [--rounds 5] [--json bench/out/peers.json]
+    python bench/peers.py batch /tmp/peer/model-Q4_K_M.gguf [--streams 4]   # hearth alone: batched decode
 """
 
 from __future__ import annotations
@@ -142,13 +146,13 @@ def llama_cpp_runner(path: Path, threads: int, n_ctx: int):
 
 
 @contextlib.contextmanager
-def hearth_runner(path: Path, dtype: str, n_ctx: int, pp_chunk: int):
+def hearth_runner(path: Path, dtype: str, n_ctx: int, pp_chunk: int, int8_activations: bool = False):
     """run(prompt, pp, tg) -> {"pp", "tg"} tok/s with hearth's engine (greedy, one sequence)."""
     from hearth.cli.bench_backends import timed_steps
     from hearth.engine import LLM
 
     llm = LLM(str(path), dtype=dtype, max_model_len=n_ctx, max_num_seqs=1, prefill_chunk=pp_chunk,
-              max_num_batched_tokens=max(pp_chunk, 2048), prefix_caching=False)
+              max_num_batched_tokens=max(pp_chunk, 2048), prefix_caching=False, int8_activations=int8_activations)
     engine = llm.engine
 
     def steps(prompt: list[int], max_tokens: int) -> list[float]:
@@ -206,35 +210,144 @@ def run(args: argparse.Namespace) -> int:
     for path in args.files:
         dtype = args.dtype or file_dtype(path)
         per_token = stored_summary(GGUFFile(path), load_gguf_config(path)[1])["bytes_per_decode_token"]
-        samples: dict[str, list[dict[str, float]]] = {"llama.cpp": [], "hearth": []}
-        with llama_cpp_runner(path, args.threads, n_ctx) as theirs, \
-                hearth_runner(path, dtype, n_ctx, args.prompt) as (ours, llm):
+        engines = ["llama.cpp", "hearth"] + (["hearth int8"] if args.int8_activations and dtype == "float32" else [])
+        samples: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
+        with contextlib.ExitStack() as stack:
+            runs = {"llama.cpp": stack.enter_context(llama_cpp_runner(path, args.threads, n_ctx))}
+            runs["hearth"], llm = stack.enter_context(hearth_runner(path, dtype, n_ctx, args.prompt))
+            if "hearth int8" in engines:
+                runs["hearth int8"], _ = stack.enter_context(hearth_runner(path, dtype, n_ctx, args.prompt, True))
             vocab = llm.engine.model_config.vocab_size
             prompt = synthetic_prompt(vocab, args.prompt)
-            theirs(prompt, 32, 4)  # warm-up
-            ours(prompt, 32, 4)
+            for run in runs.values():
+                run(prompt, 32, 4)  # warm-up
             for _ in range(args.rounds):
-                samples["llama.cpp"].append(theirs(prompt, args.prompt, args.tokens))
-                samples["hearth"].append(ours(prompt, args.prompt, args.tokens))
+                for name, run in runs.items():
+                    samples[name].append(run(prompt, args.prompt, args.tokens))
         row = {"file": str(path), "dtype": dtype, "bytes_per_decode_token": per_token}
-        for name, runs in samples.items():
-            tg = statistics.median(r["tg"] for r in runs)
-            row[name] = {"pp_tok_s": statistics.median(r["pp"] for r in runs), "tg_tok_s": tg,
-                         "tg_all": [round(r["tg"], 2) for r in runs], "pp_all": [round(r["pp"], 1) for r in runs],
+        for name, taken in samples.items():
+            tg = statistics.median(r["tg"] for r in taken)
+            row[name] = {"pp_tok_s": statistics.median(r["pp"] for r in taken), "tg_tok_s": tg,
+                         "tg_all": [round(r["tg"], 2) for r in taken], "pp_all": [round(r["pp"], 1) for r in taken],
                          "roofline_share": per_token * tg / roofline}
-        row["tg_ratio"] = row["hearth"]["tg_tok_s"] / row["llama.cpp"]["tg_tok_s"]
-        row["pp_ratio"] = row["hearth"]["pp_tok_s"] / row["llama.cpp"]["pp_tok_s"]
+        for name in engines[1:]:
+            row[name]["tg_ratio"] = row[name]["tg_tok_s"] / row["llama.cpp"]["tg_tok_s"]
+            row[name]["pp_ratio"] = row[name]["pp_tok_s"] / row["llama.cpp"]["pp_tok_s"]
+        row["tg_ratio"], row["pp_ratio"] = row["hearth"]["tg_ratio"], row["hearth"]["pp_ratio"]
         result["files"].append(row)
     print(f"\n{args.threads} threads, prompt {args.prompt}, decode {args.tokens} tokens, median of {args.rounds} "
           f"interleaved rounds; memory read rate {roofline / 1e9:.1f} GB/s\n")
     print("| file | engine | pp tok/s | tg tok/s | tg roofline | pp ratio | tg ratio |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for row in result["files"]:
-        for name in ("llama.cpp", "hearth"):
+        for name in [n for n in ("llama.cpp", "hearth", "hearth int8") if n in row]:
             r = row[name]
-            ratios = (f"{row['pp_ratio']:.2f}x | {row['tg_ratio']:.2f}x" if name == "hearth" else "1.00 | 1.00")
+            ratios = (f"{r['pp_ratio']:.2f}x | {r['tg_ratio']:.2f}x" if name != "llama.cpp" else "1.00 | 1.00")
             print(f"| {Path(row['file']).name} | {name} | {r['pp_tok_s']:.1f} | {r['tg_tok_s']:.2f} | "
                   f"{100 * r['roofline_share']:.0f} % | {ratios} |")
+    emit(result, args.json)
+    return 0
+
+
+# -- batch -------------------------------------------------------------------------------------
+
+def _decode_steps(engine, prompts: list[list[int]], tokens: int) -> tuple[list[float], int]:
+    """Seconds of each pure decode step while ``prompts`` decode together (prefill steps left out), and
+    the tokens those steps produced."""
+    from hearth.engine import SamplingParams
+
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    times, produced = [], 0
+    while engine.has_unfinished():
+        prefilling = any(r.num_computed < r.num_tokens - 1 for r in engine._requests.values())
+        start = time.perf_counter()
+        outs = engine.step()
+        if not prefilling:
+            times.append(time.perf_counter() - start)
+            produced += len(outs)
+    return times, produced
+
+
+def _distinct_experts(path: Path, dtype: str, prompts: list[list[int]], tokens: int, n_ctx: int) -> list[int]:
+    """Per decode step, the distinct experts the batch routes to (summed over MoE layers), from a run
+    with the module path (whose routers are visible from Python; the routing is the native path's)."""
+    import os
+
+    from hearth.engine import LLM, SamplingParams
+    from hearth.engine.layers.moe import TopKRouter
+
+    os.environ["HEARTH_NATIVE_LAYERS"] = "0"
+    llm = LLM(str(path), dtype=dtype, max_model_len=n_ctx, max_num_seqs=len(prompts), prefix_caching=False)
+    counts: list[int] = []
+    select = TopKRouter.select
+
+    def counted(self, logits):
+        ids, weights = select(self, logits)
+        if logits.shape[0] == len(prompts):  # a decode step of the whole batch
+            counts.append(int(ids.unique().numel()))
+        return ids, weights
+
+    TopKRouter.select = counted
+    try:
+        for prompt in prompts:
+            llm.engine.add_request(prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+    finally:
+        TopKRouter.select = select
+        del os.environ["HEARTH_NATIVE_LAYERS"]
+        llm.close()
+    layers = len(llm.engine.model_config.moe_layer_ids)
+    return [sum(counts[i : i + layers]) for i in range(0, len(counts) - layers + 1, layers)]
+
+
+def batch(args: argparse.Namespace) -> int:
+    """Aggregate decode of ``--streams`` concurrent sequences against one, interleaved in rounds, and
+    the bytes per second the batched steps read (dense weights + the distinct experts each step
+    touches) as a share of the measured memory read rate."""
+    import torch
+
+    from hearth.engine import LLM
+
+    torch.set_num_threads(args.threads)
+    roofline = read_rate()
+    path = args.file
+    dtype = args.dtype or file_dtype(path)
+    n_ctx = args.prompt + args.tokens + 64
+    llm = LLM(str(path), dtype=dtype, max_model_len=n_ctx, max_num_seqs=args.streams, prefix_caching=False,
+              int8_activations=args.int8_activations)
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    prompts = [synthetic_prompt(vocab, args.prompt, salt) for salt in range(args.streams)]
+    dense = sum(p.nbytes for n, p in engine.runner.model.named_parameters() if "embed_tokens" not in n)
+    blocks = engine.pool.blocks or {}
+    expert_bytes = statistics.mean(b.gate_up_bytes + b.down_bytes for b in blocks.values()) if blocks \
+        else engine.pool.expert_bytes
+    _decode_steps(engine, prompts[:1], 8)  # warm-up
+    one, many = [], []
+    for _ in range(args.rounds):
+        times, n = _decode_steps(engine, prompts[:1], args.tokens)
+        one.append(n / sum(times))
+        times, n = _decode_steps(engine, prompts, args.tokens)
+        many.append((n / sum(times), statistics.median(times)))
+    llm.close()
+    experts = statistics.median(_distinct_experts(path, dtype, prompts, args.tokens, n_ctx))
+    step = statistics.median(t for _, t in many)
+    step_bytes = dense + experts * expert_bytes
+    result = {"file": str(path), "streams": args.streams, "threads": args.threads, "rounds": args.rounds,
+              "int8_activations": args.int8_activations, "read_rate_gb_s": roofline / 1e9,
+              "one_stream_tok_s": statistics.median(one), "aggregate_tok_s": statistics.median(t for t, _ in many),
+              "distinct_experts_per_step": experts, "bytes_per_step": step_bytes,
+              "bytes_per_s": step_bytes / step, "roofline_share": step_bytes / step / roofline}
+    result["speedup"] = result["aggregate_tok_s"] / result["one_stream_tok_s"]
+    print(f"\n{Path(path).name}: {args.streams} streams vs 1, {args.threads} threads, median of {args.rounds} rounds"
+          f"{' (int8 activations)' if args.int8_activations else ''}")
+    print(f"  one stream {result['one_stream_tok_s']:.1f} tok/s; {args.streams} streams "
+          f"{result['aggregate_tok_s']:.1f} tok/s aggregate ({result['speedup']:.2f}x)")
+    print(f"  a batched step reads {step_bytes / 1e6:.0f} MB ({experts:.0f} distinct experts + dense weights): "
+          f"{result['bytes_per_s'] / 1e9:.1f} GB/s, {100 * result['roofline_share']:.0f} % of the measured "
+          f"{roofline / 1e9:.1f} GB/s")
     emit(result, args.json)
     return 0
 
@@ -255,9 +368,21 @@ def main() -> int:
     rn.add_argument("--prompt", type=int, default=512)
     rn.add_argument("--tokens", type=int, default=64)
     rn.add_argument("--dtype", default=None, help="hearth's compute dtype (default: bf16 for bf16 files, else fp32)")
+    rn.add_argument("--int8-activations", action="store_true",
+                    help="also time hearth in its opt-in int8-activation mode (quantized files)")
     rn.add_argument("--json", type=Path)
+    bt = sub.add_parser("batch", help="hearth alone: N concurrent streams against one, and the bytes they read")
+    bt.add_argument("file", type=Path)
+    bt.add_argument("--streams", type=int, default=4)
+    bt.add_argument("--threads", type=int, default=2)
+    bt.add_argument("--rounds", type=int, default=3)
+    bt.add_argument("--prompt", type=int, default=16)
+    bt.add_argument("--tokens", type=int, default=64)
+    bt.add_argument("--dtype", default=None)
+    bt.add_argument("--int8-activations", action="store_true")
+    bt.add_argument("--json", type=Path)
     args = ap.parse_args()
-    return make(args) if args.command == "make" else run(args)
+    return {"make": make, "run": run, "batch": batch}[args.command](args)
 
 
 if __name__ == "__main__":
