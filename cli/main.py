@@ -47,9 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     ins = sub.add_parser("inspect", help="print architecture, parameter and expert counts, bytes per token")
     ins.add_argument("model", help="checkpoint directory or GGUF file")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
-    conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint to the FTW format, or quantize it "
-                                          "into one GGUF file (--quant)")
-    conv.add_argument("src", help="Hugging Face checkpoint directory")
+    conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint or a GGUF file to the FTW format, or "
+                                          "quantize a checkpoint into one GGUF file (--quant)")
+    conv.add_argument("src", help="Hugging Face checkpoint directory, or a GGUF file (to FTW)")
     conv.add_argument("dst", help="output FTW directory (or FILE.gguf with --quant)")
     conv.add_argument("--dtype", default="auto", help="auto (checkpoint's), float32, bfloat16 (bf16) or float16")
     conv.add_argument("--quant", default=None, metavar="Q",
@@ -187,8 +187,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
                    shard_bytes=parse_bytes(args.shard_size), show_progress=True)
     index = read_index(path.parent)
     total = sum(s["bytes"] for s in index["shards"])
+    blocks = {e["format"] for e in index["tensors"].values() if "format" in e}
+    blocks |= {f for b in (index["banks"].get("blocks") or {}).values() for f in b.values()}
+    kept = f" (quantized weights in their blocks: {', '.join(sorted(blocks))})" if blocks else ""
     print(f"wrote {path.parent}: {len(index['shards'])} shard(s), {total / 2**30:.2f} GiB, "
-          f"{index['dtype']}, in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+          f"{index['dtype']}{kept}, in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0
 
 
