@@ -1,7 +1,8 @@
 """FTW of quantized models: a GGUF file (Q4_K_M, Q8_0) or an FP8 / MXFP4 Hugging Face checkpoint is
 stored in its blocks as it runs, and loading the FTW gives the same model as loading the source:
 the same bytes in the same places, the same tokens and logits bit for bit; a damaged bank is caught
-by its checksum; the tokenizer and chat template of a GGUF file come along."""
+by its checksum; the tokenizer and chat template of a GGUF file come along; `hearth inspect` shows
+the stored formats."""
 
 from __future__ import annotations
 
@@ -205,6 +206,40 @@ def test_ftw_of_a_gguf_serves_with_its_chat_template(gguf_ftw) -> None:
                           json={"model": "tiny", "messages": messages, "max_tokens": 3})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["prompt_tokens"] == len(tokenizer(want).input_ids)
+
+
+def _inspect(capsys, path, as_json: bool = True):
+    assert main(["inspect", str(path), *(["--json"] if as_json else [])]) == 0
+    out = capsys.readouterr().out
+    return json.loads(out) if as_json else out
+
+
+def test_inspect_shows_the_formats_of_an_fp8_folder_and_a_block_ftw(gguf_ftw, tmp_path, capsys) -> None:
+    from tests.hf_quant_checkpoints import float_checkpoint, write_fp8
+
+    fp8 = write_fp8(float_checkpoint(tmp_path, "qwen3_moe")[0], tmp_path / "fp8")
+    report = _inspect(capsys, fp8)
+    stored = report["stored"]
+    assert list(stored["formats"]["experts"]) == ["fp8_e4m3"] and list(stored["formats"]["attention"]) == ["fp8_e4m3"]
+    assert list(stored["formats"]["norms"]) == ["bfloat16"] and list(stored["formats"]["router"]) == ["bfloat16"]
+    assert stored["in_blocks"] == ["attention", "experts"]
+    cfg = json.loads((fp8 / "config.json").read_text())
+    h, i, e = cfg["hidden_size"], cfg["moe_intermediate_size"], report["num_experts"]
+    per_layer = e * 3 * (h * i + (h // 128) * (i // 128) * 4)  # e4m3 bytes and one fp32 scale per 128x128 tile
+    assert stored["formats"]["experts"]["fp8_e4m3"] == cfg["num_hidden_layers"] * per_layer
+    text = _inspect(capsys, fp8, as_json=False)
+    assert "attention and experts stay in their blocks" in text and "stored experts" in text
+
+    src, ftw = gguf_ftw("q4_k_m")
+    from_ftw, from_gguf = _inspect(capsys, ftw)["stored"], _inspect(capsys, src)["stored"]
+    assert set(from_ftw["formats"]["experts"]) == {"q4_k", "q6_k"}
+    assert from_ftw["formats"]["output"] == from_gguf["formats"]["output"]
+    assert list(from_gguf["formats"]["output"]) == ["q6_k"]
+    assert from_ftw["formats"]["experts"] == from_gguf["formats"]["experts"]  # the banks hold no tails
+    assert from_ftw["bytes_per_decode_token"] == from_gguf["bytes_per_decode_token"]
+    assert from_ftw["in_blocks"] == from_gguf["in_blocks"] == ["attention", "embedding", "experts", "output"]
+    text = _inspect(capsys, src, as_json=False)
+    assert "Q8_0" not in text and "attention, embedding, experts and output stay in their blocks" in text
 
 
 def test_a_restarted_executor_reattaches_to_a_filled_float_pool(gguf_ftw) -> None:
