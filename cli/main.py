@@ -45,11 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(gen)
     add_engine_flags(gen)
     ins = sub.add_parser("inspect", help="print architecture, parameter and expert counts, bytes per token")
-    ins.add_argument("model", help="checkpoint directory or GGUF file")
+    ins.add_argument("model", help="checkpoint directory (Hugging Face or FTW) or GGUF file")
     ins.add_argument("--json", action="store_true", help="machine-readable output")
-    conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint to the FTW format, or quantize it "
-                                          "into one GGUF file (--quant)")
-    conv.add_argument("src", help="Hugging Face checkpoint directory")
+    conv = sub.add_parser("convert", help="convert a Hugging Face checkpoint or a GGUF file to the FTW format, or "
+                                          "quantize a checkpoint into one GGUF file (--quant)")
+    conv.add_argument("src", help="Hugging Face checkpoint directory, or a GGUF file (to FTW)")
     conv.add_argument("dst", help="output FTW directory (or FILE.gguf with --quant)")
     conv.add_argument("--dtype", default="auto", help="auto (checkpoint's), float32, bfloat16 (bf16) or float16")
     conv.add_argument("--quant", default=None, metavar="Q",
@@ -141,17 +141,12 @@ def _print_speed(out, start: float) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from hearth.engine.gguf_loader import is_gguf
     from hearth.engine.inspect import human_bytes, human_count, stored_summary, summarize
     from hearth.engine.loader import load_config
 
     _, cfg = load_config(args.model)
     s = summarize(cfg)
-    stored = None
-    if is_gguf(args.model):
-        from hearth.engine.gguf_file import GGUFFile
-
-        stored = stored_summary(GGUFFile(args.model), cfg)
+    stored = stored_summary(args.model, cfg)  # GGUF, FTW, FP8 / MXFP4: the formats as stored
     if args.json:
         print(json.dumps({**s.as_dict(), **({"stored": stored} if stored else {})}, indent=2))
         return 0
@@ -166,8 +161,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("expert pool", human_bytes(s.expert_pool_bytes)),
         ("bytes per decode token", human_bytes(s.bytes_per_decode_token)),
     ]
-    if stored is not None:  # a GGUF file: the formats as stored, and what a token reads in them
-        rows[1] = ("dtype", f"{s.dtype} (compute; Q8_0 experts run in their blocks, other weights are decoded)")
+    if stored is not None:  # the formats as stored, and what a token reads in them
+        rows[1] = ("dtype", f"{s.dtype} ({_blocks_note(stored['in_blocks'], s.dtype)})")
         rows += [(f"stored {group}", ", ".join(f"{fmt} {human_bytes(n)}" for fmt, n in sorted(fmts.items())))
                  for group, fmts in sorted(stored["formats"].items())]
         rows.append(("bytes per decode token, as stored", human_bytes(stored["bytes_per_decode_token"])))
@@ -175,6 +170,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
     return 0
+
+
+def _blocks_note(in_blocks: list[str], dtype: str) -> str:
+    """What stays in its quantized blocks at run time, for the dtype line of ``hearth inspect``."""
+    if not in_blocks:
+        return "compute; no weight is stored in blocks"
+    from hearth.engine.kernels import cpu_decode_ops
+
+    groups = in_blocks[0] if len(in_blocks) == 1 else f"{', '.join(in_blocks[:-1])} and {in_blocks[-1]}"
+    if dtype != "float32":
+        return f"compute; the block-quantized weights are decoded to {dtype} at load"
+    if cpu_decode_ops() is None:
+        return "compute; no native kernels here, so the block-quantized weights are decoded at load"
+    return (f"compute; the block-quantized matrices of {groups} stay in their blocks, "
+            f"everything else is {dtype}")
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -187,8 +197,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
                    shard_bytes=parse_bytes(args.shard_size), show_progress=True)
     index = read_index(path.parent)
     total = sum(s["bytes"] for s in index["shards"])
+    blocks = {e["format"] for e in index["tensors"].values() if "format" in e}
+    blocks |= {f for b in (index["banks"].get("blocks") or {}).values() for f in b.values()}
+    kept = f" (quantized weights in their blocks: {', '.join(sorted(blocks))})" if blocks else ""
     print(f"wrote {path.parent}: {len(index['shards'])} shard(s), {total / 2**30:.2f} GiB, "
-          f"{index['dtype']}, in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+          f"{index['dtype']}{kept}, in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0
 
 

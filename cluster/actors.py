@@ -88,7 +88,8 @@ def ftw_path(model_path: str, cache: Path) -> Path:
     if is_ftw(model_path):
         return Path(model_path)
     src = Path(model_path).resolve()
-    stamp = max((p.stat().st_mtime_ns for p in src.iterdir() if p.is_file()), default=0)
+    files = [src] if src.is_file() else [p for p in src.iterdir() if p.is_file()]  # a GGUF file, or a directory
+    stamp = max((p.stat().st_mtime_ns for p in files), default=0)
     key = hashlib.blake2b(f"{src}\0{stamp}".encode(), digest_size=6).hexdigest()
     return cache / "ftw" / f"{src.name}-{key}"
 

@@ -2,20 +2,27 @@
 
 A directory holds ``ftw.json`` (format version, model config, tensor table, bank layout and
 per-shard checksums), the checkpoint's config and tokenizer files, and binary shards. In a shard
-every tensor starts on a 4 KiB boundary; the experts are stored as two banks — ``gate_up``
-[rows, 2I, H] and ``down`` [rows, H, I] in global-id order — exactly as the runtime pool holds them.
-Loading therefore reads byte ranges with parallel positional reads straight into their final
-buffers (model parameters and the host expert pool) and checks a CRC-32 per extent (≤ 64 MiB);
-nothing is looked up or reshuffled per tensor.
+every tensor starts on a 4 KiB boundary; the experts are stored as two banks — ``gate_up`` and
+``down``, rows in global-id order — as the runtime pool holds them. Loading therefore reads byte
+ranges with parallel positional reads straight into their final buffers (model parameters and the
+host expert pool) and checks a CRC-32 per extent (≤ 64 MiB); nothing is looked up or reshuffled
+per tensor.
+
+Quantized models (a GGUF file, an FP8 or MXFP4 Hugging Face checkpoint) are stored as they run
+(version 2): block-quantized weights as their uint8 rows of blocks with the format's name, the
+expert banks as uint8 rows in each MoE layer's formats (each row without the unused tail a
+narrower layer leaves in the pool). Version-1 directories (floats only) are read as before. See
+docs/ftw.md.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,19 +30,23 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from hearth.engine import hugepages
 from hearth.engine.config import ConfigError, parse_dtype
 from hearth.engine.experts.compute import LocalExpertBackend
-from hearth.engine.experts.pool import ExpertPool
+from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.loader import CheckpointError, LoadedModel, load_config, load_model
 from hearth.engine.models import MoECausalLM, build_model
+from hearth.engine.quant.formats import BlockFormat, block_format, dequantize
 
 FORMAT = "hearth-ftw"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1 (floats only) is a subset of version 2
 INDEX = "ftw.json"
 ALIGN = 4096
 EXTENT = 64 << 20
 DEFAULT_SHARD_BYTES = 4 << 30
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ftw")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ftw", ".gguf")
+_BANKS = ("gate_up", "down")
 
 PoolFactory = Callable[[tuple, tuple, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
 
@@ -49,26 +60,63 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass
 class _Item:
     """One region to store: a tensor, or a row range of an expert bank."""
 
-    key: str  # tensor name, or "bank:gate_up:r0:r1"
-    tensor: torch.Tensor
+    bank: str | None  # None for a tensor, else "gate_up" / "down"
+    name: str  # the tensor's name (banks: for progress and messages)
+    entry: dict  # its index fields besides shard and offset
+    nbytes: int
+    chunks: Callable[[], Iterator[memoryview]]  # its bytes, in order
+
+
+def _whole(t: torch.Tensor) -> Callable[[], Iterator[memoryview]]:
+    return lambda: iter([_bytes_of(t)])
+
+
+def _row_prefixes(bank: torch.Tensor, r0: int, r1: int, used: int) -> Callable[[], Iterator[memoryview]]:
+    """The first ``used`` bytes of rows r0..r1 of a uint8 bank, copied ~one extent at a time."""
+    step = max(1, EXTENT // max(used, 1))
+    return lambda: (_bytes_of(bank[a : min(a + step, r1), :used].contiguous()) for a in range(r0, r1, step))
 
 
 def _items(loaded: LoadedModel, shard_bytes: int) -> list[_Item]:
-    cfg = loaded.config
+    cfg, pool = loaded.config, loaded.pool
     items = []
     for name, p in loaded.model.named_parameters():  # duplicates (tied lm_head) come once
-        if not (cfg.tie_word_embeddings and name == "lm_head.weight"):
-            items.append(_Item(name, p.data.contiguous()))
-    for bank in ("gate_up", "down"):
-        t = getattr(loaded.pool, bank)
-        rows_per_piece = max(1, shard_bytes // max(t[0].nbytes, 1))
-        for r0 in range(0, t.shape[0], rows_per_piece):
-            r1 = min(r0 + rows_per_piece, t.shape[0])
-            items.append(_Item(f"bank:{bank}:{r0}:{r1}", t[r0:r1]))
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        t = p.data.contiguous()
+        entry = {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
+        fmt = getattr(p, "block_format", None)
+        if fmt is not None:
+            entry["format"] = fmt.name
+        items.append(_Item(None, name, entry, t.nbytes, _whole(t)))
+    for bank in _BANKS:
+        t = getattr(pool, bank)
+        if pool.blocks is None:  # float banks: [rows, 2I, H] / [rows, H, I], pieces across layers
+            rows_per_piece = max(1, shard_bytes // max(t[0].nbytes, 1))
+            for r0 in range(0, t.shape[0], rows_per_piece):
+                r1 = min(r0 + rows_per_piece, t.shape[0])
+                items.append(_Item(bank, f"expert bank {bank} rows {r0}..{r1}",
+                                   {"shape": list(t[r0:r1].shape), "rows": [r0, r1]}, t[r0:r1].nbytes,
+                                   _whole(t[r0:r1])))
+            continue
+        for layer in pool.moe_layer_ids:  # blocks: each layer's rows as wide as its formats make them
+            blocks = pool.layer_blocks(layer)
+            used = blocks.gate_up_bytes if bank == "gate_up" else blocks.down_bytes
+            base = pool.layer_rows(layer)
+            rows_per_piece = max(1, shard_bytes // max(used, 1))
+            for r0 in range(base, base + pool.num_experts, rows_per_piece):
+                r1 = min(r0 + rows_per_piece, base + pool.num_experts)
+                items.append(_Item(bank, f"expert bank {bank} rows {r0}..{r1}",
+                                   {"shape": [r1 - r0, used], "rows": [r0, r1]}, (r1 - r0) * used,
+                                   _row_prefixes(t, r0, r1, used)))
     return items
 
 
@@ -82,74 +130,117 @@ def _plan(items: list[_Item], shard_bytes: int) -> list[list[tuple[_Item, int]]]
     offset = 0
     for item in items:
         aligned = -(-offset // ALIGN) * ALIGN
-        if shards[-1] and aligned + item.tensor.nbytes > shard_bytes:
+        if shards[-1] and aligned + item.nbytes > shard_bytes:
             shards.append([])
             aligned = 0
         shards[-1].append((item, aligned))
-        offset = aligned + item.tensor.nbytes
+        offset = aligned + item.nbytes
     return shards
+
+
+def _write_item(f, item: _Item, offset: int, bar) -> list[list[int]]:
+    """Write ``item`` at ``offset``; its extents [[offset, length, crc32], …] (cut every EXTENT bytes
+    from ``offset``, whatever the chunks' sizes)."""
+    f.seek(offset)
+    extents: list[list[int]] = []
+    done, start, crc = 0, 0, 0
+    for chunk in item.chunks():
+        while len(chunk):
+            piece = chunk[: EXTENT - (done - start)]
+            f.write(piece)
+            crc = zlib.crc32(piece, crc)
+            done += len(piece)
+            chunk = chunk[len(piece):]
+            bar.update(len(piece))
+            if done - start == EXTENT:
+                extents.append([offset + start, EXTENT, crc])
+                start, crc = done, 0
+    if done > start:
+        extents.append([offset + start, done - start, crc])
+    if done != item.nbytes:
+        raise RuntimeError(f"FTW writer: '{item.name}' gave {done} bytes, expected {item.nbytes}")
+    return extents
 
 
 def write_ftw(loaded: LoadedModel, dst: str | Path, shard_bytes: int = DEFAULT_SHARD_BYTES,
               show_progress: bool = False) -> Path:
-    """Write ``loaded`` (model + expert pool) as an FTW directory; returns its index path."""
+    """Write ``loaded`` (model + expert pool, floats or blocks as they run) as an FTW directory;
+    returns its index path."""
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     items = _items(loaded, shard_bytes)
-    bar = tqdm(total=sum(i.tensor.nbytes for i in items), unit="B", unit_scale=True, desc="writing FTW",
+    bar = tqdm(total=sum(i.nbytes for i in items), unit="B", unit_scale=True, desc="writing FTW",
                disable=not show_progress)
     shards: list[dict] = []
     tensors: dict[str, dict] = {}
-    banks: dict[str, list[dict]] = {"gate_up": [], "down": []}
+    banks: dict[str, list[dict]] = {bank: [] for bank in _BANKS}
     for shard_no, placed in enumerate(_plan(items, shard_bytes)):
         name = f"weights-{shard_no:05d}.ftw"
         extents = []
         with open(dst / name, "wb") as f:
             for item, offset in placed:
-                f.seek(offset)
-                data = _bytes_of(item.tensor)
-                for start, length in _extents(offset, item.tensor.nbytes):
-                    piece = data[start - offset : start - offset + length]
-                    f.write(piece)
-                    extents.append([start, length, zlib.crc32(piece)])
-                    bar.update(length)
-                entry = {"shard": shard_no, "offset": offset, "shape": list(item.tensor.shape)}
-                if item.key.startswith("bank:"):
-                    _, bank, r0, r1 = item.key.split(":")
-                    banks[bank].append({**entry, "rows": [int(r0), int(r1)]})
+                extents += _write_item(f, item, offset, bar)
+                entry = {"shard": shard_no, "offset": offset, **item.entry}
+                if item.bank is not None:
+                    banks[item.bank].append(entry)
                 else:
-                    tensors[item.key] = entry
+                    tensors[item.name] = entry
             size = f.tell()
         shards.append({"file": name, "bytes": size, "checksum": "crc32-per-extent", "extents": extents})
     bar.close()
-    cfg = loaded.config
+    cfg, pool = loaded.config, loaded.pool
+    bank_index = {"order": "global id (layer * num_experts + expert), MoE layers only",
+                  "moe_layers": list(cfg.moe_layer_ids), "num_experts": cfg.num_experts}
+    if pool.blocks is not None:
+        bank_index["blocks"] = {str(layer): {"gate_up": b.gate_up.name, "down": b.down.name}
+                                for layer, b in sorted(pool.blocks.items())}
     index = {
         "format": FORMAT, "version": VERSION, "alignment": ALIGN, "extent_bytes": EXTENT,
-        "dtype": str(cfg.dtype).removeprefix("torch."),
-        "config": json.loads((loaded.model_dir / "config.json").read_text()),
-        "banks": {"order": "global id (layer * num_experts + expert), MoE layers only",
-                  "moe_layers": list(cfg.moe_layer_ids), "num_experts": cfg.num_experts, **banks},
+        "dtype": _dtype_name(cfg.dtype),
+        "config": _side_files(loaded.model_dir, dst),
+        "banks": {**bank_index, **banks},
         "tensors": tensors, "shards": shards,
     }
-    _copy_side_files(loaded.model_dir, dst)
     path = dst / INDEX
     path.write_text(json.dumps(index, indent=1))
     return path
 
 
-def _copy_side_files(src: Path, dst: Path) -> None:
-    """config.json, tokenizer and template files: everything except weights."""
+def _side_files(src: Path, dst: Path) -> dict:
+    """Write the config and tokenizer files beside the shards; returns the config. A checkpoint
+    directory's are copied (config.json, tokenizer and template files: everything except weights);
+    a GGUF file's come from its metadata: config.json from transformers' reading of it (completed as
+    the GGUF loader completes it), the tokenizer and chat template saved by transformers."""
+    if src.is_file():
+        from hearth.engine.gguf_file import GGUFFile
+        from hearth.engine.gguf_loader import gguf_hf_config
+        from hearth.engine.tokenizer import load_tokenizer
+
+        config = json.loads(gguf_hf_config(GGUFFile(src)).to_json_string(use_diff=False))
+        (dst / "config.json").write_text(json.dumps(config, indent=2))
+        tokenizer = load_tokenizer(src)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(dst))
+        return config
     for p in src.iterdir():
         if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES) and p.name != "model.safetensors.index.json":
             shutil.copy2(p, dst / p.name)
+    return json.loads((src / "config.json").read_text())
 
 
 def convert(src: str | Path, dst: str | Path, dtype: str | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
             show_progress: bool = False) -> Path:
-    """Convert a Hugging Face checkpoint directory into an FTW directory."""
+    """Convert a Hugging Face checkpoint directory or a GGUF file into an FTW directory. Quantized
+    weights (a GGUF file's, an FP8 or MXFP4 checkpoint's) are stored in their blocks, as they run in
+    float32 (the default for them); with another ``dtype`` they are decoded to it."""
+    from hearth.engine.gguf_loader import is_gguf, load_gguf
+
     if Path(dst).resolve() == Path(src).resolve():
         raise ConfigError("the FTW output directory must differ from the source checkpoint")
-    loaded = load_model(src, dtype, show_progress=show_progress, keep_blocks=False)  # FTW holds floats
+    if is_gguf(src):
+        loaded = load_gguf(src, dtype, show_progress=show_progress, for_storage=True)
+    else:
+        loaded = load_model(src, dtype, show_progress=show_progress, for_storage=True)
     return write_ftw(loaded, dst, shard_bytes, show_progress)
 
 
@@ -158,13 +249,30 @@ def convert(src: str | Path, dst: str | Path, dtype: str | None = None, shard_by
 
 @dataclass
 class _Read:
-    """One extent to read: ``length`` bytes at ``offset`` of a shard into ``dst``."""
+    """One extent to read: ``offset`` of a shard into ``dst`` (segments, in file order)."""
 
     shard: int
     offset: int
-    dst: memoryview
+    dst: list[memoryview]
     crc: int | None
     what: str
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(d) for d in self.dst)
+
+
+@dataclass
+class _Region:
+    """One stored tensor or bank piece and where its bytes go: ``segments`` (final buffers), or,
+    with ``decode``, a temporary of ``nbytes`` that ``decode(temporary)`` turns into the values."""
+
+    entry: dict
+    nbytes: int
+    what: str
+    extents: list[tuple[int, int, int]]  # (offset, length, crc32) in the shard
+    segments: list[memoryview] | None = None
+    decode: Callable[[torch.Tensor], None] | None = None
 
 
 def read_index(path: str | Path) -> dict:
@@ -176,9 +284,10 @@ def read_index(path: str | Path) -> dict:
         raise CheckpointError(f"{index_path}: cannot read FTW index ({exc})") from exc
     if index.get("format") != FORMAT:
         raise CheckpointError(f"{index_path}: not an FTW index (format '{index.get('format')}')")
-    if index.get("version") != VERSION:
+    if index.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{index_path}: FTW version {index.get('version')} is not supported (this hearth "
-                              f"reads version {VERSION}); convert the checkpoint again with `hearth convert`")
+                              f"reads versions {', '.join(map(str, READABLE_VERSIONS))}); convert the checkpoint "
+                              "again with `hearth convert`")
     return index
 
 
@@ -196,58 +305,205 @@ def _check_shards(path: Path, index: dict) -> list[Path]:
     return files
 
 
-def _plan_reads(index: dict, model: MoECausalLM, pool: ExpertPool, cfg, read_banks: bool = True) -> list[_Read]:
+def _format(name: str, what: str) -> BlockFormat:
+    try:
+        return block_format(name)
+    except KeyError:
+        raise CheckpointError(f"FTW '{what}' is stored in block format '{name}', which this hearth does not "
+                              "read; convert the checkpoint again with `hearth convert`") from None
+
+
+def _bank_blocks(banks: dict, cfg) -> dict[int, ExpertBlocks] | None:
+    """The expert banks' block formats per MoE layer (None: float banks)."""
+    stored = banks.get("blocks")
+    if stored is None:
+        return None
+    if sorted(int(layer) for layer in stored) != list(cfg.moe_layer_ids):
+        raise CheckpointError(f"FTW bank formats name layers {sorted(map(int, stored))}, the MoE layers are "
+                              f"{list(cfg.moe_layer_ids)}")
+    return {int(layer): ExpertBlocks(_format(f["gate_up"], f"expert bank gate_up of layer {layer}"),
+                                     _format(f["down"], f"expert bank down of layer {layer}"),
+                                     cfg.hidden_size, cfg.moe_intermediate_size)
+            for layer, f in stored.items()}
+
+
+def _adopt_block_tensors(index: dict, model: MoECausalLM, wanted: dict[str, torch.nn.Parameter],
+                         keep: bool) -> dict[str, BlockFormat]:
+    """Check every tensor stored in blocks against its float parameter; with ``keep`` put a uint8
+    block weight in its place (and let fused layers fuse them), to be read into. Returns the
+    formats by tensor name."""
+    from hearth.engine.gguf_loader import adopt_blocks, replace_parameter
+    from hearth.engine.ops import block_weight
+
+    formats = {}
+    for name, param in wanted.items():
+        entry = index["tensors"][name]
+        if "format" not in entry:
+            continue
+        fmt = formats[name] = _format(entry["format"], name)
+        whole_blocks = param.dim() == 2 and param.shape[1] % fmt.block_elems == 0
+        want = [param.shape[0], fmt.row_bytes(param.shape[1])] if whole_blocks else None
+        if list(entry["shape"]) != want:
+            raise CheckpointError(f"FTW tensor '{name}' has shape {entry['shape']} in {fmt.name}, expected "
+                                  f"{want} for a weight of shape {list(param.shape)}")
+        if keep:
+            replace_parameter(model, param, block_weight(hugepages.empty(*want, dtype=torch.uint8), fmt))
+    if keep and formats:
+        adopt_blocks(model)
+    return formats
+
+
+def _region(entry: dict, nbytes: int, what: str, crcs: dict) -> _Region:
+    extents = []
+    for start, length in _extents(entry["offset"], nbytes):
+        known = crcs.get((entry["shard"], start))
+        if known is None or known[0] != length:
+            raise CheckpointError(f"FTW index has no checksum extent for '{what}' at byte {start}")
+        extents.append((start, length, known[1]))
+    return _Region(entry, nbytes, what, extents)
+
+
+def _decoder(dst: torch.Tensor, fmt: BlockFormat, rows: int, cols: int) -> Callable[[torch.Tensor], None]:
+    """Decode a temporary of ``rows`` rows of blocks (``cols`` elements each) into ``dst``."""
+    return lambda raw: dst.copy_(dequantize(raw.view(rows, -1), fmt, cols).reshape(dst.shape))
+
+
+def _plan_regions(index: dict, model: MoECausalLM, pool: ExpertPool, cfg, keep_dense: bool,
+                  bank_blocks: dict[int, ExpertBlocks] | None, read_banks: bool = True) -> list[_Region]:
     crcs = {(s, e[0]): (e[1], e[2]) for s, shard in enumerate(index["shards"]) for e in shard["extents"]}
-    wanted = {n: p for n, p in model.named_parameters() if not (cfg.tie_word_embeddings and n == "lm_head.weight")}
+    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    wanted = {n: p for n, p in model.named_parameters() if n not in tied}
     missing = sorted(set(wanted) - set(index["tensors"]))
     extra = sorted(set(index["tensors"]) - set(wanted))
     if missing or extra:
         raise CheckpointError(
             f"FTW tensor table does not match the model: missing {missing[:5]}, unexpected {extra[:5]}"
         )
-    regions: list[tuple[dict, torch.Tensor, str]] = []
-    for name, p in wanted.items():
-        regions.append((index["tensors"][name], p.data, name))
-    for bank in ("gate_up", "down"):
+    float_shapes = {n: tuple(p.shape) for n, p in wanted.items()}
+    formats = _adopt_block_tensors(index, model, wanted, keep_dense)
+    params = {n: p for n, p in model.named_parameters() if n not in tied}  # block weights where kept
+    regions: list[_Region] = []
+    for name, param in params.items():
+        entry, fmt = index["tensors"][name], formats.get(name)
+        if fmt is None:
+            if list(entry["shape"]) != list(param.shape):
+                raise CheckpointError(f"FTW tensor '{name}' has shape {entry['shape']}, expected {list(param.shape)}")
+            stored = entry.get("dtype", index["dtype"])
+            if stored != _dtype_name(param.dtype):
+                raise CheckpointError(f"FTW tensor '{name}' is stored as {stored}, expected {_dtype_name(param.dtype)}")
+            region = _region(entry, param.nbytes, name, crcs)
+            region.segments = [_bytes_of(param.data)]
+        else:
+            nbytes = math.prod(entry["shape"])
+            region = _region(entry, nbytes, name, crcs)
+            if param.dtype == torch.uint8:  # kept: straight into the block weight
+                region.segments = [_bytes_of(param.data)]
+            else:
+                rows, cols = float_shapes[name]
+                region.decode = _decoder(param.data, fmt, rows, cols)
+        regions.append(region)
+    i, h, e = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
+    for bank in _BANKS:
         t = getattr(pool, bank)
         covered = 0
         for piece in index["banks"][bank]:
             r0, r1 = piece["rows"]
-            if read_banks:
-                regions.append((piece, t[r0:r1], f"expert bank {bank} rows {r0}..{r1}"))
+            what = f"expert bank {bank} rows {r0}..{r1}"
             covered += r1 - r0
+            if bank_blocks is None:  # float banks
+                if list(piece["shape"]) != list(t[r0:r1].shape):
+                    raise CheckpointError(f"FTW tensor '{what}' has shape {piece['shape']}, expected "
+                                          f"{list(t[r0:r1].shape)}")
+                if read_banks:
+                    region = _region(piece, t[r0:r1].nbytes, what, crcs)
+                    region.segments = [_bytes_of(t[r0:r1])]
+                    regions.append(region)
+                continue
+            rank = r0 // e
+            if not (0 <= rank < len(cfg.moe_layer_ids) and r0 < r1 <= (rank + 1) * e):
+                raise CheckpointError(f"FTW '{what}' does not lie within one MoE layer's rows")
+            blocks = bank_blocks[cfg.moe_layer_ids[rank]]
+            used = blocks.gate_up_bytes if bank == "gate_up" else blocks.down_bytes
+            if list(piece["shape"]) != [r1 - r0, used]:
+                raise CheckpointError(f"FTW tensor '{what}' has shape {piece['shape']}, expected {[r1 - r0, used]}")
+            if not read_banks:
+                continue
+            region = _region(piece, (r1 - r0) * used, what, crcs)
+            if t.dtype == torch.uint8:  # kept: each row's blocks at the start of its bank row
+                flat, width = _bytes_of(t), t.shape[1]
+                region.segments = ([flat[r0 * width : r1 * width]] if used == width else
+                                   [flat[r * width : r * width + used] for r in range(r0, r1)])
+            elif bank == "gate_up":
+                region.decode = _decoder(t[r0:r1], blocks.gate_up, (r1 - r0) * 2 * i, h)
+            else:
+                region.decode = _decoder(t[r0:r1], blocks.down, (r1 - r0) * h, i)
+            regions.append(region)
         if covered != t.shape[0]:
             raise CheckpointError(f"FTW bank {bank} covers {covered} expert rows, the model has {t.shape[0]}")
-    reads = []
-    for entry, dst, what in regions:
-        if list(entry["shape"]) != list(dst.shape):
-            raise CheckpointError(f"FTW tensor '{what}' has shape {entry['shape']}, expected {list(dst.shape)}")
-        data = _bytes_of(dst)
-        for start, length in _extents(entry["offset"], dst.nbytes):
-            known = crcs.get((entry["shard"], start))
-            if known is None or known[0] != length:
-                raise CheckpointError(f"FTW index has no checksum extent for '{what}' at byte {start}")
-            reads.append(_Read(entry["shard"], start, data[start - entry["offset"]:][:length], known[1], what))
-    return reads
+    return regions
 
 
-def _pread_into(fd: int, dst: memoryview, offset: int) -> int:
-    done = 0
-    while done < len(dst):
-        n = os.preadv(fd, [dst[done:]], offset + done)
+def _cut(segments: list[memoryview], lengths: list[int]) -> list[list[memoryview]]:
+    """Split the bytes of ``segments`` (in order) into consecutive pieces of ``lengths``."""
+    out, i, skip = [], 0, 0
+    for length in lengths:
+        piece = []
+        while length:
+            seg = segments[i]
+            take = min(len(seg) - skip, length)
+            if take:
+                piece.append(seg[skip : skip + take])
+            length -= take
+            skip += take
+            if skip == len(seg):
+                i, skip = i + 1, 0
+        out.append(piece)
+    return out
+
+
+def _reads(region: _Region, segments: list[memoryview]) -> list[_Read]:
+    pieces = _cut(segments, [length for _, length, _ in region.extents])
+    return [_Read(region.entry["shard"], start, dst, crc, region.what)
+            for (start, _, crc), dst in zip(region.extents, pieces, strict=True)]
+
+
+try:
+    _IOV_MAX = max(1, min(os.sysconf("SC_IOV_MAX"), 1024))
+except (ValueError, OSError, AttributeError):
+    _IOV_MAX = 1024
+
+
+def _pread_into(fd: int, dst: list[memoryview], offset: int) -> int:
+    """Read ``offset`` onwards into the segments ``dst`` (scattered: ``preadv``); returns the bytes read."""
+    done, i, skip = 0, 0, 0
+    while i < len(dst):
+        n = os.preadv(fd, [dst[i][skip:], *dst[i + 1 : i + _IOV_MAX]], offset + done)
         if n <= 0:
             break
         done += n
+        while n and i < len(dst):
+            left = len(dst[i]) - skip
+            if n >= left:
+                n -= left
+                i, skip = i + 1, 0
+            else:
+                skip, n = skip + n, 0
     return done
 
 
 def load_ftw(path: str | Path, dtype: str | torch.dtype | None = None, pool_factory: PoolFactory | None = None,
              verify: bool = True, show_progress: bool = False, threads: int | None = None,
-             filled_pool: tuple[torch.Tensor, torch.Tensor] | None = None) -> LoadedModel:
+             filled_pool: tuple[torch.Tensor, torch.Tensor] | None = None, keep_blocks: bool = True) -> LoadedModel:
     """Load an FTW directory. ``pool_factory(gate_up_shape, down_shape, dtype)`` supplies the expert
     bank storage (e.g. a shared-memory segment); ``filled_pool`` is an already filled one (a
     restarted executor re-attaching to the host pool): its banks are not read again.
-    ``verify=False`` skips the checksums."""
+    ``verify=False`` skips the checksums.
+
+    Weights stored in blocks stay in them (as a GGUF file's or a quantized checkpoint's would) where
+    the native kernels run and ``keep_blocks``; the experts only in a pool of the loader's own (a
+    ``pool_factory``'s or a filled pool holds floats). Elsewhere they are decoded as they land."""
+    from hearth.engine.gguf_loader import blocks_can_stay
+
     path = Path(path)
     index = read_index(path)
     stored = getattr(torch, index["dtype"])
@@ -258,31 +514,49 @@ def load_ftw(path: str | Path, dtype: str | torch.dtype | None = None, pool_fact
     if list(banks["moe_layers"]) != list(cfg.moe_layer_ids) or banks["num_experts"] != cfg.num_experts:
         raise CheckpointError(f"{path}: FTW bank layout does not match config.json")
     files = _check_shards(path, index)
-    shapes = ExpertPool.bank_shapes(cfg)
+    bank_blocks = _bank_blocks(banks, cfg)
+    keep = keep_blocks and blocks_can_stay(cfg)
+    keep_experts = bank_blocks is not None and keep and pool_factory is None and filled_pool is None
     if filled_pool is not None and filled_pool[0].dtype != cfg.dtype:
         raise CheckpointError(f"the shared expert pool holds {filled_pool[0].dtype}, the checkpoint {cfg.dtype}")
-    storage = filled_pool if filled_pool is not None else pool_factory(*shapes, cfg.dtype) if pool_factory else None
-    pool = ExpertPool(cfg, storage)
+    storage = filled_pool if filled_pool is not None else pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) \
+        if pool_factory else None
+    pool = ExpertPool(cfg, storage, bank_blocks if keep_experts else None)
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
-    reads = _plan_reads(index, model, pool, cfg, read_banks=filled_pool is None)
+    regions = _plan_regions(index, model, pool, cfg, keep, bank_blocks, read_banks=filled_pool is None)
     fds = [os.open(f, os.O_RDONLY) for f in files]
-    bar = tqdm(total=sum(len(r.dst) for r in reads), unit="B", unit_scale=True, desc="loading FTW",
+    bar = tqdm(total=sum(r.nbytes for r in regions), unit="B", unit_scale=True, desc="loading FTW",
                disable=not show_progress)
 
     def run(r: _Read) -> None:
+        want = r.nbytes
         got = _pread_into(fds[r.shard], r.dst, r.offset)
         shard = index["shards"][r.shard]["file"]
-        if got != len(r.dst):
-            raise CheckpointError(f"FTW shard {shard}: short read in '{r.what}' ({got} of {len(r.dst)} bytes)")
-        if verify and zlib.crc32(r.dst) != r.crc:
-            raise CheckpointError(f"FTW shard {shard}: checksum mismatch in '{r.what}' (bytes {r.offset}.."
-                                  f"{r.offset + len(r.dst)}); the file is corrupt, convert it again")
-        bar.update(len(r.dst))
+        if got != want:
+            raise CheckpointError(f"FTW shard {shard}: short read in '{r.what}' ({got} of {want} bytes)")
+        if verify:
+            crc = 0
+            for d in r.dst:
+                crc = zlib.crc32(d, crc)
+            if crc != r.crc:
+                raise CheckpointError(f"FTW shard {shard}: checksum mismatch in '{r.what}' (bytes {r.offset}.."
+                                      f"{r.offset + want}); the file is corrupt, convert it again")
+        bar.update(want)
+
+    def read_all(ex: ThreadPoolExecutor, reads: list[_Read]) -> None:
+        for fut in [ex.submit(run, r) for r in reads]:
+            fut.result()
 
     try:
         with ThreadPoolExecutor(threads or min(8, 2 * (os.cpu_count() or 1))) as ex:
-            for fut in [ex.submit(run, r) for r in reads]:
-                fut.result()
+            # Straight into the final buffers, all at once; then what is decoded, one region at a
+            # time (a temporary of at most one piece).
+            read_all(ex, [read for r in regions if r.decode is None for read in _reads(r, r.segments)])
+            for r in regions:
+                if r.decode is not None:
+                    raw = torch.empty(r.nbytes, dtype=torch.uint8)
+                    read_all(ex, _reads(r, [_bytes_of(raw)]))
+                    r.decode(raw)
     finally:
         bar.close()
         for fd in fds:
@@ -296,9 +570,9 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype | None = None, po
                     filled_pool: tuple[torch.Tensor, torch.Tensor] | None = None,
                     keep_blocks: bool = True) -> LoadedModel:
     """Load an FTW directory, a GGUF file, or a Hugging Face directory (converted in memory to the
-    same layout). ``keep_blocks``: a GGUF file's or an FP8 / MXFP4 checkpoint's quantized weights
-    may stay in their blocks (not when CPU worker processes, which compute float experts, share the
-    pool)."""
+    same layout). ``keep_blocks``: quantized weights (a GGUF file's, an FP8 / MXFP4 checkpoint's, or
+    an FTW directory's stored in blocks) may stay in their blocks (not when CPU worker processes,
+    which compute float experts, share the pool)."""
     from hearth.engine.gguf_loader import is_gguf, load_gguf
 
     if is_gguf(path):
@@ -306,7 +580,8 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype | None = None, po
             raise ConfigError("re-attaching to a filled shared expert pool needs an FTW checkpoint")
         return load_gguf(path, dtype, show_progress=show_progress, pool_factory=pool_factory, keep_blocks=keep_blocks)
     if is_ftw(path):
-        return load_ftw(path, dtype, pool_factory, verify, show_progress, filled_pool=filled_pool)
+        return load_ftw(path, dtype, pool_factory, verify, show_progress, filled_pool=filled_pool,
+                        keep_blocks=keep_blocks)
     if filled_pool is not None:
         raise ConfigError("re-attaching to a filled shared expert pool needs an FTW checkpoint "
                           "(convert it with `hearth convert`)")

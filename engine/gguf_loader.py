@@ -79,16 +79,17 @@ def _config(f: GGUFFile, dtype: str | torch.dtype | None):
 
 
 def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_progress: bool = False,
-              pool_factory=None, keep_blocks: bool = True):
-    """Build the model of a GGUF file and fill every weight from it (``keep_blocks``: experts may
-    stay in their quantized blocks)."""
+              pool_factory=None, keep_blocks: bool = True, for_storage: bool = False):
+    """Build the model of a GGUF file and fill every weight from it (``keep_blocks``: quantized
+    weights may stay in their blocks; ``for_storage``: they do even where the native kernels do not
+    run here, as ``hearth convert`` writes them to FTW)."""
     import gguf
 
     from hearth.engine.loader import CheckpointError, LoadedModel
 
     f = GGUFFile(path)
     family, cfg = _config(f, dtype)
-    keep_blocks = keep_blocks and blocks_can_stay(cfg)
+    keep_blocks = keep_blocks and blocks_can_stay(cfg, kernels=not for_storage)
     blocks = _expert_blocks(f, cfg) if pool_factory is None and keep_blocks else None
     pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None, blocks)
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
@@ -122,11 +123,12 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
     return LoadedModel(config=cfg, model=model, pool=pool, model_dir=f.path)
 
 
-def blocks_can_stay(cfg) -> bool:
-    """Whether weights may stay in blocks: the native kernels run, with float32 activations."""
+def blocks_can_stay(cfg, kernels: bool = True) -> bool:
+    """Whether weights may stay in blocks: float32 activations, and (``kernels``) the native kernels
+    run here."""
     from hearth.engine.kernels import cpu_decode_ops
 
-    return cfg.dtype == torch.float32 and cpu_decode_ops() is not None
+    return cfg.dtype == torch.float32 and (not kernels or cpu_decode_ops() is not None)
 
 
 def _kernel_format(t) -> BlockFormat | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -103,21 +104,160 @@ def _group(name: str) -> str:
     return "dense ffn" if ".ffn_" in name else "other"
 
 
-def stored_summary(f, cfg: ModelConfig) -> dict:
-    """A GGUF file as stored: bytes per format in each tensor group, and the bytes one decode token
-    reads at batch 1 in those formats (one embedding row, every dense weight, top-k of each layer's
-    experts; the output projection whole, the embedding's when tied)."""
+def _hf_group(name: str) -> str:
+    """The role of a tensor under its in-memory (transformers) name, in the groups of :func:`_group`."""
+    if name.startswith("model.embed_tokens."):
+        return "embedding"
+    if name.startswith("lm_head."):
+        return "output"
+    if ".mlp.experts." in name:
+        return "experts"
+    if name.endswith(".mlp.gate.weight") or ".shared_expert_gate." in name:
+        return "router"
+    if "norm" in name:
+        return "norms"
+    if ".self_attn." in name or ".linear_attn." in name:
+        return "attention"
+    return "dense ffn" if ".mlp." in name else "other"
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """One stored tensor (or a part of one) for :func:`stored_summary`."""
+
+    group: str
+    format: str  # a block format's name, or a dtype's
+    nbytes: int
+    rows: int  # the first dimension (an embedding's vocabulary)
+    in_blocks: bool  # stays in its blocks at run time (float32 compute, native kernels)
+
+
+def _summary(items: list[_Stored], cfg: ModelConfig, file_bytes: int) -> dict:
+    """Bytes per format in each group, the bytes one decode token reads at batch 1 in those formats
+    (one embedding row, every dense weight, top-k of each layer's experts; the output projection
+    whole, the embedding's when tied), and the groups whose weights stay in their blocks."""
     groups: dict[str, dict[str, int]] = {}
     per_token = 0.0
-    for name, t in f.tensors.items():
-        group = _group(name)
-        fmt = t.format.name if t.quantized else str(t.format).removeprefix("torch.")
-        groups.setdefault(group, {})
-        groups[group][fmt] = groups[group].get(fmt, 0) + t.nbytes
-        if group == "embedding":
-            per_token += t.nbytes / t.shape[0] + (t.nbytes if cfg.tie_word_embeddings else 0)
-        elif group == "experts":
+    for t in items:
+        groups.setdefault(t.group, {})
+        groups[t.group][t.format] = groups[t.group].get(t.format, 0) + t.nbytes
+        if t.group == "embedding":
+            per_token += t.nbytes / max(t.rows, 1) + (t.nbytes if cfg.tie_word_embeddings else 0)
+        elif t.group == "experts":
             per_token += t.nbytes * cfg.top_k / cfg.num_experts
         else:
             per_token += t.nbytes
-    return {"formats": groups, "bytes_per_decode_token": int(per_token), "file_bytes": f.path.stat().st_size}
+    return {"formats": groups, "bytes_per_decode_token": int(per_token), "file_bytes": file_bytes,
+            "in_blocks": sorted({t.group for t in items if t.in_blocks})}
+
+
+def stored_summary(path, cfg: ModelConfig) -> dict | None:
+    """A checkpoint as stored (see :func:`_summary`): a GGUF file (a path or a ``GGUFFile``), an FTW
+    directory, or a Hugging Face directory quantized as shipped (FP8, MXFP4); None for a plain
+    Hugging Face directory, whose weights are all in the dtype its config names."""
+    from pathlib import Path
+
+    from hearth.engine.gguf_file import GGUFFile
+    from hearth.engine.gguf_loader import is_gguf
+
+    if isinstance(path, GGUFFile):
+        return _gguf_summary(path, cfg)
+    if is_gguf(path):
+        return _gguf_summary(GGUFFile(path), cfg)
+    path = Path(path)
+    if (path / "ftw.json").is_file():
+        return _ftw_summary(path, cfg)
+    from hearth.engine.config import read_config_json
+    from hearth.engine.hf_quant import quant_spec
+
+    spec = quant_spec(read_config_json(path), path)
+    return _hf_quant_summary(path, cfg, spec) if spec is not None else None
+
+
+def _gguf_summary(f, cfg: ModelConfig) -> dict:
+    from hearth.engine.gguf_loader import _expert_blocks
+    from hearth.engine.kernels import BLOCK_KERNELS
+
+    experts_in_blocks = _expert_blocks(f, cfg) is not None
+    items = []
+    for name, t in f.tensors.items():
+        group = _group(name)
+        fmt = t.format.name if t.quantized else str(t.format).removeprefix("torch.")
+        if group == "experts":
+            blocks = experts_in_blocks
+        else:  # a matrix (not the vector of a [1, H] gate) in a format the kernels read
+            blocks = t.quantized and t.format.name in BLOCK_KERNELS and len(t.shape) == 2
+        items.append(_Stored(group, fmt, t.nbytes, t.shape[0], blocks))
+    return _summary(items, cfg, f.path.stat().st_size)
+
+
+def _ftw_summary(path, cfg: ModelConfig) -> dict:
+    from hearth.engine.ftw import read_index
+
+    index = read_index(path)
+    items = []
+    for name, entry in index["tensors"].items():
+        dtype = entry.get("dtype", index["dtype"])
+        size = 1 if "format" in entry else torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        nbytes = size * math.prod(entry["shape"])
+        items.append(_Stored(_hf_group(name), entry.get("format", dtype), nbytes, entry["shape"][0],
+                             "format" in entry))
+    banks = index["banks"]
+    blocks = banks.get("blocks")
+    elem = torch.empty((), dtype=getattr(torch, index["dtype"])).element_size()
+    for bank in ("gate_up", "down"):
+        for piece in banks[bank]:
+            r0, _ = piece["rows"]
+            if blocks is None:
+                items.append(_Stored("experts", index["dtype"], elem * math.prod(piece["shape"]), 0, False))
+            else:
+                layer = banks["moe_layers"][r0 // banks["num_experts"]]
+                items.append(_Stored("experts", blocks[str(layer)][bank], math.prod(piece["shape"]), 0, True))
+    return _summary(items, cfg, sum(s["bytes"] for s in index["shards"]))
+
+
+# safetensors dtypes: (torch name, bytes per element)
+_ST_DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "BF16": ("bfloat16", 2), "F16": ("float16", 2),
+              "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1), "F8_E8M0": ("float8_e8m0fnu", 1),
+              "U8": ("uint8", 1), "I8": ("int8", 1), "I16": ("int16", 2), "I32": ("int32", 4),
+              "I64": ("int64", 8), "BOOL": ("bool", 1)}
+
+
+def _hf_quant_summary(path, cfg: ModelConfig, spec) -> dict:
+    """An FP8 or MXFP4 checkpoint as shipped: an FP8 weight and its tile scales count as ``fp8_e4m3``,
+    MXFP4 blocks and their scales as ``mxfp4``; the rest under its dtype. Tensors the family does
+    not use are left out."""
+    from hearth.engine.config import read_config_json
+    from hearth.engine.loader import _IGNORED, _open, checkpoint_files
+    from hearth.engine.models import family_for
+
+    family = family_for(read_config_json(path).get("architectures"))
+    files = checkpoint_files(path)
+    headers: dict[str, tuple[str, list[int]]] = {}
+    for shard in sorted(set(files.values())):
+        with _open(shard) as f:
+            names = f.keys()  # a safetensors handle: no iteration of its own
+            for name in names:
+                sl = f.get_slice(name)
+                headers[name] = (sl.get_dtype(), list(sl.get_shape()))
+    quantized = {}  # weight name -> its block format's name
+    for name, (dtype, _) in headers.items():
+        if spec.method == "fp8" and dtype == "F8_E4M3":
+            quantized[name] = "fp8_e4m3"
+        elif spec.method == "mxfp4" and name.endswith("_blocks"):
+            quantized[name] = "mxfp4"
+    items = []
+    for name, (dtype, shape) in headers.items():
+        weight = name
+        if spec.method == "fp8" and name.endswith("_scale_inv"):
+            weight = name[: -len("_scale_inv")]
+        elif spec.method == "mxfp4" and name.endswith("_scales"):
+            weight = name[: -len("_scales")] + "_blocks"
+        canonical = family.map_name(weight.removesuffix("_blocks"))
+        if not canonical or _IGNORED.search(canonical):
+            continue
+        torch_name, size = _ST_DTYPES.get(dtype, (dtype.lower(), 1))
+        fmt = quantized.get(weight)
+        items.append(_Stored(_hf_group(canonical), fmt or torch_name, size * math.prod(shape),
+                             shape[0] if shape else 1, fmt is not None))
+    return _summary(items, cfg, sum(p.stat().st_size for p in set(files.values())))

@@ -230,6 +230,10 @@ def load_config(model_dir: str | Path, dtype: str | torch.dtype | None = None):
     if is_gguf(model_dir):
         return load_gguf_config(model_dir, dtype)
     model_dir = Path(model_dir)
+    if dtype in (None, "auto") and (model_dir / "ftw.json").is_file():
+        from hearth.engine.ftw import read_index
+
+        dtype = read_index(model_dir)["dtype"]  # an FTW directory computes in the dtype it stores
     raw = read_config_json(model_dir)
     if quant_spec(raw, model_dir) is not None and dtype in (None, "auto"):
         dtype = "float32"  # quantized weights compute in float32 by default, as GGUF files do
@@ -250,14 +254,15 @@ def load_config(model_dir: str | Path, dtype: str | torch.dtype | None = None):
 
 def load_model(
     model_dir: str | Path, dtype: str | torch.dtype | None = None, show_progress: bool = False, pool_factory=None,
-    keep_blocks: bool = True,
+    keep_blocks: bool = True, for_storage: bool = False,
 ) -> LoadedModel:
     """Build the model described by ``model_dir`` and fill every weight from its safetensors.
 
     ``pool_factory(gate_up_shape, down_shape, dtype)`` supplies the expert bank storage (e.g. a
     shared-memory segment); by default the pool is ordinary host memory. ``keep_blocks``: an FP8 or
     MXFP4 checkpoint's quantized weights may stay in their blocks (they do where the native kernels
-    run with float32 activations, the default for them; experts not in a ``pool_factory``'s storage)."""
+    run with float32 activations, the default for them; experts not in a ``pool_factory``'s storage;
+    ``for_storage``: whether or not the kernels run here, as ``hearth convert`` writes them to FTW)."""
     from hearth.engine.gguf_loader import adopt_blocks, blocks_can_stay
     from hearth.engine.hf_quant import expert_blocks, quant_spec
 
@@ -266,7 +271,7 @@ def load_model(
         raise ConfigError(f"model directory '{model_dir}' does not exist")
     family, cfg = load_config(model_dir, dtype)
     quant = quant_spec(read_config_json(model_dir), model_dir)
-    keep = quant is not None and keep_blocks and blocks_can_stay(cfg)
+    keep = quant is not None and keep_blocks and blocks_can_stay(cfg, kernels=not for_storage)
     blocks = expert_blocks(quant, cfg) if keep and pool_factory is None else None
     pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None, blocks)
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
