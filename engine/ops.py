@@ -91,4 +91,4 @@ def embedding_rows(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) 
     fmt = weight.block_format
     rows = weight.index_select(0, ids.reshape(-1))  # [T, row bytes]
     cols = rows.shape[1] // fmt.block_bytes * fmt.block_elems
-    return dequantize(rows, fmt, cols).to(dtype).reshape(*ids.shape, cols)
+    return decode_blocks(rows, fmt, cols).to(dtype).reshape(*ids.shape, cols)
