@@ -147,8 +147,11 @@ def _summary(items: list[_Stored], cfg: ModelConfig, file_bytes: int) -> dict:
             per_token += t.nbytes * cfg.top_k / cfg.num_experts
         else:
             per_token += t.nbytes
+    from hearth.engine.kernels import cpu_decode_ops
+
+    kernels = cpu_decode_ops() is not None  # without them every block is decoded at load
     return {"formats": groups, "bytes_per_decode_token": int(per_token), "file_bytes": file_bytes,
-            "in_blocks": sorted({t.group for t in items if t.in_blocks})}
+            "in_blocks": sorted({t.group for t in items if t.in_blocks and kernels})}
 
 
 def stored_summary(path, cfg: ModelConfig) -> dict | None:

@@ -222,13 +222,14 @@ def test_inspect_shows_the_formats_of_an_fp8_folder_and_a_block_ftw(gguf_ftw, tm
     stored = report["stored"]
     assert list(stored["formats"]["experts"]) == ["fp8_e4m3"] and list(stored["formats"]["attention"]) == ["fp8_e4m3"]
     assert list(stored["formats"]["norms"]) == ["bfloat16"] and list(stored["formats"]["router"]) == ["bfloat16"]
-    assert stored["in_blocks"] == ["attention", "experts"]
+    kernels = cpu_decode_ops() is not None  # without them nothing stays in blocks
+    assert stored["in_blocks"] == (["attention", "experts"] if kernels else [])
     cfg = json.loads((fp8 / "config.json").read_text())
     h, i, e = cfg["hidden_size"], cfg["moe_intermediate_size"], report["num_experts"]
     per_layer = e * 3 * (h * i + (h // 128) * (i // 128) * 4)  # e4m3 bytes and one fp32 scale per 128x128 tile
     assert stored["formats"]["experts"]["fp8_e4m3"] == cfg["num_hidden_layers"] * per_layer
     text = _inspect(capsys, fp8, as_json=False)
-    assert "attention and experts stay in their blocks" in text and "stored experts" in text
+    assert ("attention and experts stay in their blocks" in text or not kernels) and "stored experts" in text
 
     src, ftw = gguf_ftw("q4_k_m")
     from_ftw, from_gguf = _inspect(capsys, ftw)["stored"], _inspect(capsys, src)["stored"]
@@ -237,9 +238,11 @@ def test_inspect_shows_the_formats_of_an_fp8_folder_and_a_block_ftw(gguf_ftw, tm
     assert list(from_gguf["formats"]["output"]) == ["q6_k"]
     assert from_ftw["formats"]["experts"] == from_gguf["formats"]["experts"]  # the banks hold no tails
     assert from_ftw["bytes_per_decode_token"] == from_gguf["bytes_per_decode_token"]
-    assert from_ftw["in_blocks"] == from_gguf["in_blocks"] == ["attention", "embedding", "experts", "output"]
+    blocks = ["attention", "embedding", "experts", "output"] if kernels else []
+    assert from_ftw["in_blocks"] == from_gguf["in_blocks"] == blocks
     text = _inspect(capsys, src, as_json=False)
-    assert "Q8_0" not in text and "attention, embedding, experts and output stay in their blocks" in text
+    assert "Q8_0" not in text
+    assert "attention, embedding, experts and output stay in their blocks" in text or not kernels
 
 
 def test_a_restarted_executor_reattaches_to_a_filled_float_pool(gguf_ftw) -> None:
