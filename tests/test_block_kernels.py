@@ -66,6 +66,19 @@ def test_linear_blocks_equals_decoded_weights(ops, name) -> None:
 
 @pytest.mark.parametrize("ops", BUILDS, ids=IDS)
 @pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_token_gets_the_same_bits_alone_and_in_a_batch(ops, name) -> None:
+    """One token's products do not depend on the other tokens of the call, nor on whether its rows
+    were paired (the one-token kernels interleave two rows; an odd row count leaves one alone)."""
+    k, n = 512, 37
+    w = _rows(name, n, k, 7)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
+    together = ops.linear_blocks(x, w, name)
+    for m in range(5):
+        assert torch.equal(ops.linear_blocks(x[m : m + 1], w, name), together[m : m + 1])
+
+
+@pytest.mark.parametrize("ops", BUILDS, ids=IDS)
+@pytest.mark.parametrize("name", sorted(FORMATS))
 def test_dequantize_blocks_equals_the_torch_decoder(ops, name) -> None:
     """Prefill's native decode of rows of blocks, strided rows included (a bank row's experts), against
     the torch decoder: the same values but for the one fused rounding of q * scale + bias."""

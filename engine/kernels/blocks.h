@@ -302,6 +302,50 @@ inline void row_dot_q4_k(const uint8_t* row, int64_t K, const float* const* xs, 
   for (int m = 0; m < M; ++m) out[m] = hsum(add(acc[m][0], acc[m][1]));
 }
 
+// Two Q4_K rows for one token at once, each exactly as row_dot_q4_k<1> computes it (the same lookup
+// tables, products and accumulators, so a row's result does not depend on its neighbour): the two
+// rows' streams interleave, which keeps more of them in flight (from DRAM on 2 cores 1.07x for rows of
+// 1024 weights, 1.23x for the 256-weight rows of expert down projections). The scales go through
+// memory here (broadcast loads, no lane permutes), with the same values.
+inline void row_dot2_q4_k(const uint8_t* r0, const uint8_t* r1, int64_t K, const float* x, float* out) {
+  vf a0 = zero(), a1 = zero(), b0 = zero(), b1 = zero();
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i sh0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
+  const __m512i sh1 = _mm512_add_epi32(sh0, _mm512_set1_epi32(16)), sh2 = _mm512_add_epi32(sh0, _mm512_set1_epi32(4));
+  const __m512i sh3 = _mm512_add_epi32(sh0, _mm512_set1_epi32(20));
+  alignas(64) float sa[16], sb[16];
+  for (int64_t b = 0; b < K / Q4_K::kElems; ++b) {
+    const uint8_t* p = r0 + b * Q4_K::kBytes;
+    const uint8_t* q = r1 + b * Q4_K::kBytes;
+    prefetch_ahead(p, Q4_K::kBytes);
+    prefetch_ahead(q, Q4_K::kBytes);
+    _mm512_store_ps(sa, k_scales16(p));
+    _mm512_store_ps(sb, k_scales16(q));
+    const float* xb = x + b * Q4_K::kElems;
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 + 32 * j)));
+      const __m512i u = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16 + 32 * j)));
+      const __m512 la = fma(iota, set1(sa[2 * j]), set1(sa[8 + 2 * j]));
+      const __m512 lb = fma(iota, set1(sa[2 * j + 1]), set1(sa[9 + 2 * j]));
+      const __m512 ma = fma(iota, set1(sb[2 * j]), set1(sb[8 + 2 * j]));
+      const __m512 mb = fma(iota, set1(sb[2 * j + 1]), set1(sb[9 + 2 * j]));
+      const float* xj = xb + 64 * j;
+      const vf x0 = loadf(xj), x1 = loadf(xj + 16), x2 = loadf(xj + 32), x3 = loadf(xj + 48);
+      a0 = fma(_mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh0), la), x0, a0);
+      a1 = fma(_mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh1), la), x1, a1);
+      a0 = fma(_mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh2), lb), x2, a0);
+      a1 = fma(_mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh3), lb), x3, a1);
+      b0 = fma(_mm512_permutexvar_ps(_mm512_srlv_epi32(u, sh0), ma), x0, b0);
+      b1 = fma(_mm512_permutexvar_ps(_mm512_srlv_epi32(u, sh1), ma), x1, b1);
+      b0 = fma(_mm512_permutexvar_ps(_mm512_srlv_epi32(u, sh2), mb), x2, b0);
+      b1 = fma(_mm512_permutexvar_ps(_mm512_srlv_epi32(u, sh3), mb), x3, b1);
+    }
+  }
+  out[0] = hsum(add(a0, a1));
+  out[1] = hsum(add(b0, b1));
+}
+
 // The activations in the lane order of row_dot_q4_k: per 64-element chunk (32 bytes: low nibbles are
 // elements 0-31, high nibbles 32-63), four vectors of 16 whose lane i < 8 is byte 4i + s and lane
 // i >= 8 byte 4(i - 8) + s + 1, with s = 0, 2 for the low nibbles and again for the high ones.
@@ -446,6 +490,27 @@ inline void rows_dot_q8(const uint8_t* row, int64_t K, const Q8Row* xs, int M, f
 #endif
 }
 
+// Formats with a paired-row kernel for one token in this build (row_dot2_q4_k).
+template <typename F>
+constexpr bool kPairs = false;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+template <>
+constexpr bool kPairs<Q4_K> = true;
+#endif
+
+// Rows a and b of F for one token: as two rows_dot calls, paired where the build has a kernel.
+template <typename F>
+inline void rows_dot2(const uint8_t* a, const uint8_t* b, int64_t K, const float* x, float* out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if constexpr (kPairs<F>) {
+    row_dot2_q4_k(a, b, K, x, out);
+    return;
+  }
+#endif
+  rows_dot<F>(a, K, &x, 1, out);
+  rows_dot<F>(b, K, &x, 1, out + 1);
+}
+
 // Calls fn(F{}) for the format code (see kCode); false for an unknown code.
 template <typename Fn>
 inline bool by_format(int code, const Fn& fn) {
@@ -494,7 +559,10 @@ void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
     for (int64_t m0 = 0; m0 < M; m0 += kMaxTokens) {
       const int mt = static_cast<int>(std::min<int64_t>(kMaxTokens, M - m0));
       float dots[kMaxTokens];
-      for (int64_t r = r0; r < r1; ++r) {
+      int64_t r = r0;
+      if (kPairs<F> && mt == 1)
+        for (; r + 1 < r1; r += 2) rows_dot2<F>(w + r * rb, w + (r + 1) * rb, K, rows[m0], out + m0 * N + r);
+      for (; r < r1; ++r) {
         rows_dot<F>(w + r * rb, K, rows.data() + m0, mt, dots);
         for (int m = 0; m < mt; ++m) out[(m0 + m) * N + r] = dots[m];
       }
@@ -624,6 +692,10 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
       if (gq8) {
         for (int m = 0; m < g.count; ++m) qs[m] = xq_row[order[g.start + m] / k];
         rows_dot_q8<FG>(w, H, qs, g.count, dots);
+      } else if (kPairs<FG> && g.count == 1 && r + 1 < r1 && rr + 1 < 2 * I) {  // two rows of a lone token's expert
+        rows_dot2<FG>(w, w + gu_rb, H, xrow[order[g.start] / k], proj.data() + order[g.start] * 2 * I + rr);
+        ++r;
+        continue;
       } else {
         for (int m = 0; m < g.count; ++m) xs[m] = xrow[order[g.start + m] / k];
         rows_dot<FG>(w, H, xs, g.count, dots);
@@ -651,6 +723,10 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
       if (dq8) {
         for (int m = 0; m < g.count; ++m) qs[m] = aq_row[order[g.start + m]];
         rows_dot_q8<FD>(w, I, qs, g.count, dots);
+      } else if (kPairs<FD> && g.count == 1 && r + 1 < r1 && rr + 1 < H) {  // two rows of a lone token's expert
+        rows_dot2<FD>(w, w + dn_rb, I, arow[order[g.start]], y.data() + order[g.start] * H + rr);
+        ++r;
+        continue;
       } else {
         for (int m = 0; m < g.count; ++m) xs[m] = arow[order[g.start + m]];
         rows_dot<FD>(w, I, xs, g.count, dots);
