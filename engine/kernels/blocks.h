@@ -362,37 +362,54 @@ inline void permute_q4_k(const float* x, int64_t K, float* out) {
 // Q6_K with AVX-512, the 6-bit values assembled in registers: per 128 elements two 32-byte loads of
 // low nibbles and one of high bit pairs give four 32-element quarters (scales per 16 elements).
 // The same products and accumulators, in the same order, as the generic row_dot<Q6_K, M>.
+struct Q6Half {
+  __m256i lows[4];  // quarter q: low nibbles of ql0 / ql1, then their high nibbles
+  __m256i qh;       // high bit pairs: bits 2q..2q+1 for quarter q
+};
+
+inline Q6Half q6_half(const uint8_t* blk, int n) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * n));
+  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * n + 32));
+  return {{_mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+           _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)},
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * n))};
+}
+
+// The 16 scales d * sc of a super-block, in a register (each broadcast by a lane permute: a store and
+// sixteen narrow reloads stall on store forwarding).
+inline __m512 q6_scales(const uint8_t* blk) {
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+  return _mm512_mul_ps(set1(half_to_float(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+}
+
+// Quarter q of half n as two vectors of weights (elements 0-15 and 16-31 of the quarter).
+inline void q6_quarter(const Q6Half& h, int n, int q, __m512 scale, vf& w0, vf& w1) {
+  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(h.qh, 2 * q), _mm256_set1_epi8(0x03));
+  const __m256i v = _mm256_sub_epi8(_mm256_or_si256(h.lows[q], _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+  const int g = 8 * n + 2 * q;  // the scales of elements 0-15 and 16-31 of this quarter
+  w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v))),
+                     _mm512_permutexvar_ps(_mm512_set1_epi32(g), scale));
+  w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1))),
+                     _mm512_permutexvar_ps(_mm512_set1_epi32(g + 1), scale));
+}
+
 template <int M>
 inline void row_dot_q6_k(const uint8_t* row, int64_t K, const float* const* xs, float* out) {
   vf acc[M][2];
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = zero();
-  const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x03), bias32 = _mm256_set1_epi8(32);
   for (int64_t b = 0; b < K / Q6_K::kElems; ++b) {
     const uint8_t* blk = row + b * Q6_K::kBytes;
     prefetch_ahead(blk, Q6_K::kBytes);
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
-    // The 16 scales stay in a register, each broadcast by a lane permute (a store and 16 narrow
-    // reloads stall on store forwarding).
-    const __m512 scale = _mm512_mul_ps(set1(half_to_float(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+    const __m512 scale = q6_scales(blk);
     const int64_t base = b * Q6_K::kElems;
 #pragma GCC unroll 2
     for (int n = 0; n < 2; ++n) {
-      const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * n));
-      const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * n + 32));
-      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * n));
-      // quarter q: low nibbles of ql0 / ql1, then high nibbles; high bits 2q..2q+1 of qh.
-      const __m256i lows[4] = {_mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4),
-                               _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
-                               _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)};
+      const Q6Half h = q6_half(blk, n);
 #pragma GCC unroll 4
       for (int q = 0; q < 4; ++q) {
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * q), two);
-        const __m256i v = _mm256_sub_epi8(_mm256_or_si256(lows[q], _mm256_slli_epi16(hi, 4)), bias32);
-        const int g = 8 * n + 2 * q;  // the scales of elements 0-15 and 16-31 of this quarter
-        const vf w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v))),
-                                    _mm512_permutexvar_ps(_mm512_set1_epi32(g), scale));
-        const vf w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1))),
-                                    _mm512_permutexvar_ps(_mm512_set1_epi32(g + 1), scale));
+        vf w0, w1;
+        q6_quarter(h, n, q, scale, w0, w1);
         const int64_t e = base + 128 * n + 32 * q;
         for (int m = 0; m < M; ++m) {
           acc[m][0] = fma(w0, loadf(xs[m] + e), acc[m][0]);
@@ -402,6 +419,38 @@ inline void row_dot_q6_k(const uint8_t* row, int64_t K, const float* const* xs, 
     }
   }
   for (int m = 0; m < M; ++m) out[m] = hsum(add(acc[m][0], acc[m][1]));
+}
+
+// Two Q6_K rows for one token, each exactly as row_dot_q6_k<1> computes it, their streams interleaved
+// (see row_dot2_q4_k).
+inline void row_dot2_q6_k(const uint8_t* r0, const uint8_t* r1, int64_t K, const float* x, float* out) {
+  vf a0 = zero(), a1 = zero(), b0 = zero(), b1 = zero();
+  for (int64_t b = 0; b < K / Q6_K::kElems; ++b) {
+    const uint8_t* p = r0 + b * Q6_K::kBytes;
+    const uint8_t* q = r1 + b * Q6_K::kBytes;
+    prefetch_ahead(p, Q6_K::kBytes);
+    prefetch_ahead(q, Q6_K::kBytes);
+    const __m512 sp = q6_scales(p), sq = q6_scales(q);
+    const int64_t base = b * Q6_K::kElems;
+#pragma GCC unroll 2
+    for (int n = 0; n < 2; ++n) {
+      const Q6Half hp = q6_half(p, n), hq = q6_half(q, n);
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) {
+        vf w0, w1, u0, u1;
+        q6_quarter(hp, n, k, sp, w0, w1);
+        q6_quarter(hq, n, k, sq, u0, u1);
+        const int64_t e = base + 128 * n + 32 * k;
+        const vf x0 = loadf(x + e), x1 = loadf(x + e + 16);
+        a0 = fma(w0, x0, a0);
+        a1 = fma(w1, x1, a1);
+        b0 = fma(u0, x0, b0);
+        b1 = fma(u1, x1, b1);
+      }
+    }
+  }
+  out[0] = hsum(add(a0, a1));
+  out[1] = hsum(add(b0, b1));
 }
 #endif
 
@@ -496,14 +545,19 @@ constexpr bool kPairs = false;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 template <>
 constexpr bool kPairs<Q4_K> = true;
+template <>
+constexpr bool kPairs<Q6_K> = true;
 #endif
 
 // Rows a and b of F for one token: as two rows_dot calls, paired where the build has a kernel.
 template <typename F>
 inline void rows_dot2(const uint8_t* a, const uint8_t* b, int64_t K, const float* x, float* out) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  if constexpr (kPairs<F>) {
+  if constexpr (std::is_same_v<F, Q4_K>) {
     row_dot2_q4_k(a, b, K, x, out);
+    return;
+  } else if constexpr (std::is_same_v<F, Q6_K>) {
+    row_dot2_q6_k(a, b, K, x, out);
     return;
   }
 #endif
