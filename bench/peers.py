@@ -277,6 +277,7 @@ def _distinct_experts(path: Path, dtype: str, prompts: list[list[int]], tokens: 
     from hearth.engine import LLM, SamplingParams
     from hearth.engine.layers.moe import TopKRouter
 
+    before = os.environ.get("HEARTH_NATIVE_LAYERS")
     os.environ["HEARTH_NATIVE_LAYERS"] = "0"
     llm = LLM(str(path), dtype=dtype, max_model_len=n_ctx, max_num_seqs=len(prompts), prefix_caching=False)
     counts: list[int] = []
@@ -296,7 +297,10 @@ def _distinct_experts(path: Path, dtype: str, prompts: list[list[int]], tokens: 
             llm.engine.step()
     finally:
         TopKRouter.select = select
-        del os.environ["HEARTH_NATIVE_LAYERS"]
+        if before is None:
+            del os.environ["HEARTH_NATIVE_LAYERS"]
+        else:
+            os.environ["HEARTH_NATIVE_LAYERS"] = before
         llm.close()
     layers = len(llm.engine.model_config.moe_layer_ids)
     return [sum(counts[i : i + layers]) for i in range(0, len(counts) - layers + 1, layers)]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-from hearth.engine.quant.formats import FORMATS
+from hearth.engine.quant.formats import FORMATS, block_format, dequantize
 
 
 def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -22,3 +23,21 @@ def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> 
         blocks[:, 0] = rng.integers(117, 137, size=blocks.shape[0])
         blocks[:2, 0] = (0, 255)
     return blocks.reshape(rows, -1)
+
+
+def reference_experts(x, gu, dn, rows, weights, gu_fmt, dn_fmt, hidden, inter):
+    """The routed experts of x [T, H] by the torch decoders: each expert's rows decoded from its bank
+    row (gate and up rows first, in ``gu_fmt``; down rows in ``dn_fmt``), SiLU-gated, weighted, summed;
+    rows < 0 are left out."""
+    out = torch.zeros(x.shape[0], hidden)
+    gu_bytes = 2 * inter * block_format(gu_fmt).row_bytes(hidden)
+    dn_bytes = hidden * block_format(dn_fmt).row_bytes(inter)
+    for t in range(x.shape[0]):
+        for j, r in enumerate(rows[t].tolist()):
+            if r < 0:
+                continue
+            g_u = dequantize(gu[r, :gu_bytes].reshape(2 * inter, -1), gu_fmt, hidden)
+            d = dequantize(dn[r, :dn_bytes].reshape(hidden, -1), dn_fmt, inter)
+            gate, up = (x[t] @ g_u.T).chunk(2)
+            out[t] += (torch.nn.functional.silu(gate) * up) @ d.T * weights[t, j]
+    return out

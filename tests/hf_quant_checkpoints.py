@@ -69,7 +69,8 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, (exp + 127).to(torch.uint8)
 
 
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory's safetensors shards, by name."""
     out = {}
     for shard in sorted(path.glob("*.safetensors")):
         with safe_open(str(shard), "pt") as f:
@@ -102,7 +103,7 @@ def write_fp8(src: Path, dst: Path, fused_experts: bool = False, tile: tuple[int
     tensors (or, with ``fused_experts``, ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``down_proj`` with
     their ``_scale_inv``), the rest bf16. Weights in one shard, all scales in another."""
     weights, scales = {}, {}
-    for name, t in _tensors(src).items():
+    for name, t in read_tensors(src).items():
         if FP8_QUANTIZED.search(name):
             weights[name], scales[name + "_scale_inv"] = quantize_fp8(t, tile)
         else:
@@ -176,7 +177,7 @@ def mxfp4_reference(path: Path):
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     state = {}
-    tensors = _tensors(path)
+    tensors = read_tensors(path)
     for name, t in tensors.items():
         if name.endswith("_blocks"):
             base = name[: -len("_blocks")]

@@ -13,7 +13,7 @@ import torch
 
 from hearth.engine import kernels
 from hearth.engine.quant.formats import FORMATS, dequantize
-from tests.block_data import random_blocks
+from tests.block_data import random_blocks, reference_experts
 
 _base = kernels.cpu_decode_ops()
 pytestmark = pytest.mark.skipif(_base is None, reason="native kernels not available on this machine")
@@ -90,20 +90,6 @@ def test_dequantize_blocks_equals_the_torch_decoder(ops, name) -> None:
     torch.testing.assert_close(ops.dequantize_blocks(padded, name, k), ref, rtol=1e-6, atol=1e-7)
 
 
-def _reference_experts(x, gu, dn, rows, weights, gu_fmt, dn_fmt, hidden, inter):
-    out = torch.zeros(x.shape[0], hidden)
-    for t in range(x.shape[0]):
-        for j, r in enumerate(rows[t].tolist()):
-            if r < 0:
-                continue
-            g_u = dequantize(gu[r, : 2 * inter * FORMATS[gu_fmt].row_bytes(hidden)].reshape(2 * inter, -1),
-                             gu_fmt, hidden)
-            d = dequantize(dn[r, : hidden * FORMATS[dn_fmt].row_bytes(inter)].reshape(hidden, -1), dn_fmt, inter)
-            gate, up = (x[t] @ g_u.T).chunk(2)
-            out[t] += (torch.nn.functional.silu(gate) * up) @ d.T * weights[t, j]
-    return out
-
-
 @pytest.mark.parametrize("ops", BUILDS, ids=IDS)
 @pytest.mark.parametrize(("gu_fmt", "dn_fmt"), [(f, f) for f in sorted(FORMATS)] + [("q4_k", "q6_k"),
                                                                                         ("q8_0", "q4_0")])
@@ -123,7 +109,7 @@ def test_experts_blocks_equals_decoded_experts(ops, gu_fmt, dn_fmt) -> None:
         rows[0, 1] = -1  # computed elsewhere
         weights = torch.rand(t, 3, generator=g)
         got = ops.experts_blocks(x, gu, dn, rows, weights, gu_fmt, dn_fmt, inter)
-        _close(got, _reference_experts(x, gu, dn, rows, weights, gu_fmt, dn_fmt, hidden, inter))
+        _close(got, reference_experts(x, gu, dn, rows, weights, gu_fmt, dn_fmt, hidden, inter))
 
 
 @pytest.mark.parametrize("ops", BUILDS, ids=IDS)

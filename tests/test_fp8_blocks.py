@@ -10,7 +10,7 @@ import torch
 
 from hearth.engine.hf_quant import fp8_rows, mxfp4_rows
 from hearth.engine.quant.formats import FORMATS, HEARTH_FORMATS, block_format, dequantize
-from tests.block_data import random_blocks
+from tests.block_data import random_blocks, reference_experts
 from tests.test_block_kernels import BUILDS, IDS
 
 FP8 = HEARTH_FORMATS["fp8_e4m3"]
@@ -113,13 +113,5 @@ def test_fp8_experts_blocks_equals_decoded_experts(ops, gu_fmt, dn_fmt) -> None:
         rows = torch.randint(0, experts, (t, 3), generator=g)
         rows[0, 1] = -1  # computed elsewhere
         weights = torch.rand(t, 3, generator=g)
-        want = torch.zeros(t, hidden)
-        for i in range(t):
-            for j, r in enumerate(rows[i].tolist()):
-                if r < 0:
-                    continue
-                w_gu = dequantize(gu[r, :gu_bytes].reshape(2 * inter, -1), gu_fmt, hidden)
-                w_dn = dequantize(dn[r, :dn_bytes].reshape(hidden, -1), dn_fmt, inter)
-                gate, up = (x[i] @ w_gu.T).chunk(2)
-                want[i] += (torch.nn.functional.silu(gate) * up) @ w_dn.T * weights[i, j]
+        want = reference_experts(x, gu, dn, rows, weights, gu_fmt, dn_fmt, hidden, inter)
         _close(ops.experts_blocks(x, gu, dn, rows, weights, gu_fmt, dn_fmt, inter), want)

@@ -31,6 +31,7 @@ from tests.hf_quant_checkpoints import (
     fp8_reference,
     mxfp4_reference,
     quantize_fp8,
+    read_tensors,
     write_fp8,
     write_mxfp4,
 )
@@ -82,15 +83,6 @@ def test_quantized_checkpoint_matches_transformers(quantized, family, fmt) -> No
     assert model.lm_head.weight.dtype == model.model.embed_tokens.weight.dtype == torch.float32
 
 
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for shard in sorted(path.glob("*.safetensors")):
-        with safe_open(str(shard), "pt") as f:
-            names = f.keys()
-            out.update({k: f.get_tensor(k) for k in names})
-    return out
-
-
 @pytest.mark.skipif(not KERNELS, reason="no native kernels here: quantized weights are decoded at load")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_pool_holds_the_checkpoints_blocks(quantized, family) -> None:
@@ -99,7 +91,7 @@ def test_the_pool_holds_the_checkpoints_blocks(quantized, family) -> None:
     fp8, mx = load_model(quantized(family, "fp8")), load_model(quantized(family, "mxfp4"))
     cfg = fp8.config
     i, h, e = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
-    t8, t4 = _tensors(quantized(family, "fp8")), _tensors(quantized(family, "mxfp4"))
+    t8, t4 = read_tensors(quantized(family, "fp8")), read_tensors(quantized(family, "mxfp4"))
     layer, expert = 1, 3
     row = fp8.pool.layer_rows(layer) + expert
     prefix = f"model.layers.{layer}." + ("mlp.experts" if family == "qwen3_moe" else "block_sparse_moe.experts")
@@ -131,7 +123,7 @@ def test_fused_fp8_experts_load_as_the_per_expert_ones(quantized, tmp_path) -> N
     path = quantized("qwen3_moe", "fp8")
     src = path.parent / "qwen3_moe-float"
     fused = write_fp8(src, tmp_path / "fused", fused_experts=True)
-    assert "model.layers.0.mlp.experts.gate_up_proj_scale_inv" in _tensors(fused)
+    assert "model.layers.0.mlp.experts.gate_up_proj_scale_inv" in read_tensors(fused)
     a, b = load_model(path), load_model(fused)
     assert torch.equal(a.pool.gate_up, b.pool.gate_up) and torch.equal(a.pool.down, b.pool.down)
 
@@ -261,7 +253,7 @@ def test_rows_that_are_not_whole_blocks_are_refused(tmp_path) -> None:
     """Rows of 192 elements under weight_block_size [128, 128]: the last tile of each row is partial,
     which hearth's 128-element blocks cannot hold."""
     src, _ = float_checkpoint(tmp_path, "mixtral", hidden_size=192, intermediate_size=128, num_hidden_layers=1)
-    tensors = _tensors(src)
+    tensors = read_tensors(src)
     shards = {}
     for name, t in tensors.items():
         if name.endswith("self_attn.q_proj.weight"):

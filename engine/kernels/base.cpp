@@ -104,16 +104,6 @@ int copy_rows(char* dst, const int64_t* dst_rows, int64_t dst_len, const char* s
 // -- Python entry points (METH_FASTCALL; pointers and sizes as ints) -------------------------------
 PyObject* py_cpu_features(PyObject*, PyObject*) { return PyLong_FromLong(cpu_features()); }
 
-// A hash of the kernel sources this module was built from (set by setup.py), so that an editable
-// checkout whose sources changed since the last build falls back instead of running stale code.
-PyObject* py_source_hash(PyObject*, PyObject*) {
-#ifdef HEARTH_SOURCE_HASH
-  return PyUnicode_FromString(HEARTH_SOURCE_HASH);
-#else
-  return PyUnicode_FromString("");
-#endif
-}
-
 // cache_step(ids, n, slot_of, expert_of, num_slots, last_used, clock, qtable, q_len, stats, num_candidates,
 //            pair_slot, src, dst) -> q
 PyObject* py_cache_step(PyObject*, PyObject* const* args, Py_ssize_t n) {
@@ -142,7 +132,7 @@ PyObject* py_copy_rows(PyObject*, PyObject* const* args, Py_ssize_t n) {
 
 PyMethodDef methods[] = {
     {"cpu_features", py_cpu_features, METH_NOARGS, "feature bits of this CPU (see kernels/__init__.py)"},
-    {"source_hash", py_source_hash, METH_NOARGS, "hash of the sources this module was built from"},
+    {"source_hash", hearth::py_source_hash, METH_NOARGS, "hash of the sources this module was built from"},
     {"cache_step", hearth::fastcall(py_cache_step), METH_FASTCALL,
      "the expert cache's control step on host-memory tables"},
     {"copy_rows", hearth::fastcall(py_copy_rows), METH_FASTCALL,

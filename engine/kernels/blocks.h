@@ -9,8 +9,7 @@
 // not quantized: the result differs from fp32 on the reference's dequantized weights only in the
 // order of fp32 accumulation (and one fused rounding of q * scale + bias).
 //
-// The vector width follows the instruction set this translation unit is compiled for: 16 lanes with
-// AVX-512 (F + BW), 8 with AVX2 + FMA.
+// The vector width follows the instruction set this translation unit is compiled for (vec.h).
 #pragma once
 
 #include <type_traits>
@@ -18,42 +17,20 @@
 
 #include "fp8.h"
 #include "native.h"
+#include "vec.h"
 
 namespace hearth::blocks {
 
-// Sum of the 8 lanes (the float kernels of decode_avx2.cpp reduce with it too).
-inline float hsum8(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 0x55));
-  return _mm_cvtss_f32(lo);
-}
+using namespace hearth::vec;  // NOLINT: the lane-width vector all these kernels compute in
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr int kLanes = 16;
-using vf = __m512;
-inline vf zero() { return _mm512_setzero_ps(); }
-inline vf set1(float v) { return _mm512_set1_ps(v); }
-inline vf loadf(const float* p) { return _mm512_loadu_ps(p); }
-inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf widen(const int8_t* q) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
 }
-inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
-inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
 #else
-constexpr int kLanes = 8;
-using vf = __m256;
-inline vf zero() { return _mm256_setzero_ps(); }
-inline vf set1(float v) { return _mm256_set1_ps(v); }
-inline vf loadf(const float* p) { return _mm256_loadu_ps(p); }
-inline vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf widen(const int8_t* q) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
 }
-inline float hsum(vf v) { return hsum8(v); }
 #endif
 
 constexpr int kMaxTokens = 8;
@@ -539,18 +516,19 @@ inline void rows_dot_q8(const uint8_t* row, int64_t K, const Q8Row* xs, int M, f
 #endif
 }
 
-// Formats with a paired-row kernel for one token in this build (row_dot2_q4_k).
+// Formats whose one-token kernel in this build takes several rows at once (rows_dot_q4_k_1,
+// rows_dot_q6_k_1), their streams interleaved.
 template <typename F>
-constexpr bool kPairs = false;
+constexpr bool kInterleaves = false;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 template <>
-constexpr bool kPairs<Q4_K> = true;
+constexpr bool kInterleaves<Q4_K> = true;
 template <>
-constexpr bool kPairs<Q6_K> = true;
+constexpr bool kInterleaves<Q6_K> = true;
 #endif
 
 // R rows of F for one token (rows[r] their bytes): as R rows_dot calls, interleaved where the build
-// has a kernel for F (kPairs<F>).
+// has a kernel for F (kInterleaves<F>).
 template <typename F, int R>
 inline void rows_dot_n(const uint8_t* const* rows, int64_t K, const float* x, float* out) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -571,7 +549,7 @@ template <typename F>
 inline void rows_dot_range(const uint8_t* w, int64_t rb, int64_t r0, int64_t r1, int64_t K, const float* x,
                            float* out) {
   int64_t r = r0;
-  if constexpr (kPairs<F>) {
+  if constexpr (kInterleaves<F>) {
     // Four at a time for Q4_K; Q6_K's assembled quarters of four rows no longer fit the registers.
     for (; std::is_same_v<F, Q4_K> && r + 3 < r1; r += 4) {
       const uint8_t* rows[4] = {w + r * rb, w + (r + 1) * rb, w + (r + 2) * rb, w + (r + 3) * rb};
@@ -634,7 +612,7 @@ void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
       const int mt = static_cast<int>(std::min<int64_t>(kMaxTokens, M - m0));
       float dots[kMaxTokens];
       int64_t r = r0;
-      if (kPairs<F> && mt == 1) {  // one token: rows interleaved (out is [1, N] here)
+      if (kInterleaves<F> && mt == 1) {  // one token: rows interleaved (out is [1, N] here)
         rows_dot_range<F>(w, rb, r0, r1, K, rows[m0], out + m0 * N + r0);
         r = r1;
       }
@@ -661,11 +639,7 @@ inline void decode_row(const uint8_t* row, int64_t K, float* out) {
         const vf s = set1(u.scale[g]), bias = set1(u.bias[g]);
         for (int c = 0; c < F::kGroupElems / kLanes; ++c) {
           const int e = g * F::kGroupElems + c * kLanes;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-          _mm512_storeu_ps(o + e, fma(widen(u.q + e), s, bias));
-#else
-          _mm256_storeu_ps(o + e, fma(widen(u.q + e), s, bias));
-#endif
+          storef(o + e, fma(widen(u.q + e), s, bias));
         }
       }
     }
@@ -765,7 +739,7 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
       const Group& g = groups[r / (2 * I)];
       const int64_t rr = r % (2 * I);
       const uint8_t* w = gu + g.row * gu_stride + rr * gu_rb;
-      if (kPairs<FG> && !gq8 && g.count == 1) {  // a lone token's expert: its rows here interleaved
+      if (kInterleaves<FG> && !gq8 && g.count == 1) {  // a lone token's expert: its rows here interleaved
         const int64_t n = std::min(r1 - r, 2 * I - rr);
         rows_dot_range<FG>(gu + g.row * gu_stride, gu_rb, rr, rr + n, H, xrow[order[g.start] / k],
                            proj.data() + order[g.start] * 2 * I + rr);
@@ -799,7 +773,7 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
       const Group& g = groups[r / H];
       const int64_t rr = r % H;
       const uint8_t* w = dn + g.row * dn_stride + rr * dn_rb;
-      if (kPairs<FD> && !dq8 && g.count == 1) {  // a lone token's expert: its rows here interleaved
+      if (kInterleaves<FD> && !dq8 && g.count == 1) {  // a lone token's expert: its rows here interleaved
         const int64_t n = std::min(r1 - r, H - rr);
         rows_dot_range<FD>(dn + g.row * dn_stride, dn_rb, rr, rr + n, I, arow[order[g.start]],
                            y.data() + order[g.start] * H + rr);

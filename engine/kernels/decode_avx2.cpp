@@ -33,7 +33,7 @@ inline __m256 load8(const bf16* p) {
 }
 inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-inline float hsum(__m256 v) { return hearth::blocks::hsum8(v); }
+inline float hsum(__m256 v) { return hearth::vec::hsum8(v); }
 
 // Dot product of one weight row (K elements) with an fp32 vector.
 template <typename W>
@@ -88,7 +88,7 @@ inline float dot16(const W* w, const float* x, int64_t K) {
 #define HEARTH_DOT dot
 #endif
 
-inline float silu(float v) { return v / (1.0f + std::exp(-v)); }
+using hearth::blocks::silu;
 
 template <typename T>
 std::vector<float> to_floats(const T* p, int64_t n) {
@@ -384,17 +384,8 @@ PyObject* py_layer_desc_size(PyObject*, PyObject*) {
                        static_cast<Py_ssize_t>(sizeof(layer::StepDesc) / 8));
 }
 
-// The hash of the kernel sources this module was built from (see base.cpp's source_hash).
-PyObject* py_source_hash(PyObject*, PyObject*) {
-#ifdef HEARTH_SOURCE_HASH
-  return PyUnicode_FromString(HEARTH_SOURCE_HASH);
-#else
-  return PyUnicode_FromString("");
-#endif
-}
-
 PyMethodDef methods[] = {
-    {"source_hash", py_source_hash, METH_NOARGS, "hash of the sources this module was built from"},
+    {"source_hash", hearth::py_source_hash, METH_NOARGS, "hash of the sources this module was built from"},
     {"decode_layer", fastcall(py_decode_layer), METH_FASTCALL, "one decoder layer's decode step, in place"},
     {"layer_desc_size", py_layer_desc_size, METH_NOARGS, "int64 words of LayerDesc and StepDesc"},
     {"linear_decode", fastcall(py_linear_decode), METH_FASTCALL, "out = x @ w^T (+ bias) for a few tokens"},

@@ -11,21 +11,15 @@
 #pragma once
 
 #include "native.h"
+#include "vec.h"
 
 namespace hearth::fp8 {
 
 constexpr int kBlockElems = 128, kBlockBytes = 132;
 
+using namespace hearth::vec;  // NOLINT: the lane-width vector all the block kernels compute in
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr int kLanes = 16;
-using vf = __m512;
-inline vf zero() { return _mm512_setzero_ps(); }
-inline vf set1(float v) { return _mm512_set1_ps(v); }
-inline vf loadf(const float* p) { return _mm512_loadu_ps(p); }
-inline vf mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-inline vf fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf add(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
 // 16 e4m3 bytes -> their values times 2^-8: each byte into the high half of a 16-bit lane, shifted
 // right by one (arithmetic: the sign lands in bits 15 and 14) and bit 14 cleared.
 inline vf widen(const uint8_t* q) {
@@ -34,21 +28,6 @@ inline vf widen(const uint8_t* q) {
   return _mm512_cvtph_ps(bits);
 }
 #else
-constexpr int kLanes = 8;
-using vf = __m256;
-inline vf zero() { return _mm256_setzero_ps(); }
-inline vf set1(float v) { return _mm256_set1_ps(v); }
-inline vf loadf(const float* p) { return _mm256_loadu_ps(p); }
-inline vf mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-inline vf fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf add(vf a, vf b) { return _mm256_add_ps(a, b); }
-inline float hsum(vf v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 0x55));
-  return _mm_cvtss_f32(lo);
-}
 // 8 e4m3 bytes -> their values times 2^-8 (as the 16-lane widen, on the low 8 bytes).
 inline vf widen(const uint8_t* q) {
   const __m128i high = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
@@ -91,12 +70,7 @@ inline void decode_row(const uint8_t* row, int64_t K, float* out) {
     std::memcpy(&s, blk, 4);
     const vf scale = set1(s * 256.0f);
     for (int c = 0; c < kBlockElems / kLanes; ++c) {
-      const vf w = mul(widen(blk + 4 + c * kLanes), scale);
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-      _mm512_storeu_ps(out + b * kBlockElems + c * kLanes, w);
-#else
-      _mm256_storeu_ps(out + b * kBlockElems + c * kLanes, w);
-#endif
+      storef(out + b * kBlockElems + c * kLanes, mul(widen(blk + 4 + c * kLanes), scale));
     }
   }
 }

@@ -115,4 +115,15 @@ inline PyCFunction fastcall(F fn) {
 template <typename T>
 inline T* ptr(int64_t address) { return reinterpret_cast<T*>(static_cast<intptr_t>(address)); }
 
+// source_hash(): a hash of the kernel sources the module was built from (set by setup.py), so that an
+// editable checkout whose sources changed since the last build (or whose rebuild of one library
+// failed) falls back instead of running stale code. Every module exports it.
+inline PyObject* py_source_hash(PyObject*, PyObject*) {
+#ifdef HEARTH_SOURCE_HASH
+  return PyUnicode_FromString(HEARTH_SOURCE_HASH);
+#else
+  return PyUnicode_FromString("");
+#endif
+}
+
 }  // namespace hearth
