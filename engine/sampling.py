@@ -41,6 +41,15 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def greedy_token(logits: torch.Tensor) -> int:
+    """The index of the largest logit (the first on ties; the first NaN if any, as torch.argmax).
+    For CPU fp32 logits numpy's argmax: about 3 us for 32k logits on 2 cores where torch's takes
+    about 40 us, a visible share of a batched decode step."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return int(logits.numpy().argmax())
+    return int(torch.argmax(logits))
+
+
 def sample_token(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -51,7 +60,7 @@ def sample_token(
     """Pick the next token from one sequence's fp32 logits [V]."""
     logits = apply_penalties(logits, params, prompt, output)
     if params.greedy:
-        return int(torch.argmax(logits))
+        return greedy_token(logits)
     probs = torch.softmax(filter_logits(logits, params), dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 

@@ -5,12 +5,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hearth.engine.sampling import SamplingParams, apply_penalties, filter_logits, sample_token
+from hearth.engine.sampling import SamplingParams, apply_penalties, filter_logits, greedy_token, sample_token
 
 
 def test_greedy_picks_argmax():
     logits = torch.tensor([0.1, 2.0, -1.0, 1.9])
     assert sample_token(logits, SamplingParams(temperature=0), [], [], None) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_greedy_token_is_torch_argmax(dtype):
+    """numpy's argmax (the fp32 CPU path) and torch's agree on ties (first), NaN (first NaN), -inf
+    and a strided row."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(6, 32000, generator=gen).to(dtype)
+    rows[1, 100] = rows[1, 7] = rows[1].max() + 1  # a tie: the first wins
+    rows[2, 5] = rows[2, 9] = float("nan")
+    rows[3].fill_(float("-inf"))
+    rows[4, :] = 0.0
+    for row in [*rows, rows[5, ::2]]:
+        assert greedy_token(row) == int(torch.argmax(row))
 
 
 def test_repetition_penalty_follows_transformers_rule():

@@ -12,6 +12,7 @@
 // The vector width follows the instruction set this translation unit is compiled for (vec.h).
 #pragma once
 
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -718,13 +719,16 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
   }
   const int64_t G = static_cast<int64_t>(groups.size());
   const int64_t gu_rb = row_bytes<FG>(H), dn_rb = row_bytes<FD>(I);
-  std::vector<float> proj(pairs * 2 * I), act(pairs * I), y(pairs * H, 0.f);
-  // Each token's activations as FG's kernel reads them, and (below) each pair's gated product as FD's.
-  std::vector<float> xbuf(kPermutesX<FG> ? T * H : 0), abuf(kPermutesX<FD> ? pairs * I : 0);
-  std::vector<const float*> xrow(T);
-  for (int64_t t = 0; t < T; ++t) xrow[t] = prepare_x<FG>(x + t * H, H, xbuf.data() + (kPermutesX<FG> ? t * H : 0));
+  // Every pair's rows are written before they are read (pairs computed elsewhere are never read), so
+  // the scratch is left uninitialised: zeroing it cost more than the sort and grouping above.
+  const std::unique_ptr<float[]> proj(new float[pairs * 2 * I]), act(new float[pairs * I]), y(new float[pairs * H]);
   // The int8-activation mode (where the format has its kernel): tokens and gated products quantized.
   const bool gq8 = kQ8<FG> && q8, dq8 = kQ8<FD> && q8;
+  // Each token's activations as FG's kernel reads them, and (below) each pair's gated product as FD's.
+  std::vector<float> xbuf(kPermutesX<FG> && !gq8 ? T * H : 0), abuf(kPermutesX<FD> && !dq8 ? pairs * I : 0);
+  std::vector<const float*> xrow(T);
+  if (!gq8)
+    for (int64_t t = 0; t < T; ++t) xrow[t] = prepare_x<FG>(x + t * H, H, xbuf.data() + (kPermutesX<FG> ? t * H : 0));
   Q8Rows xq, aq;
   std::vector<Q8Row> xq_row(gq8 ? T : 0), aq_row(dq8 ? pairs : 0);
   if (gq8) {
@@ -742,7 +746,7 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
       if (kInterleaves<FG> && !gq8 && g.count == 1) {  // a lone token's expert: its rows here interleaved
         const int64_t n = std::min(r1 - r, 2 * I - rr);
         rows_dot_range<FG>(gu + g.row * gu_stride, gu_rb, rr, rr + n, H, xrow[order[g.start] / k],
-                           proj.data() + order[g.start] * 2 * I + rr);
+                           proj.get() + order[g.start] * 2 * I + rr);
         r += n - 1;
         continue;
       }
@@ -759,11 +763,11 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
   std::vector<const float*> arow(pairs);
   if (dq8) aq.resize(pairs, I);
   for (const int64_t p : order) {
-    silu_gate(proj.data() + p * 2 * I, I, act.data() + p * I);
+    silu_gate(proj.get() + p * 2 * I, I, act.get() + p * I);
     if (dq8)
-      aq.quantize(p, act.data() + p * I), aq_row[p] = aq.row(p);
+      aq.quantize(p, act.get() + p * I), aq_row[p] = aq.row(p);
     else
-      arow[p] = prepare_x<FD>(act.data() + p * I, I, abuf.data() + (kPermutesX<FD> ? p * I : 0));
+      arow[p] = prepare_x<FD>(act.get() + p * I, I, abuf.data() + (kPermutesX<FD> ? p * I : 0));
   }
   hearth::parallel_for(0, G * H, 32, threads, [&](int64_t r0, int64_t r1) {
     const float* xs[kMaxTokens];
@@ -776,7 +780,7 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
       if (kInterleaves<FD> && !dq8 && g.count == 1) {  // a lone token's expert: its rows here interleaved
         const int64_t n = std::min(r1 - r, H - rr);
         rows_dot_range<FD>(dn + g.row * dn_stride, dn_rb, rr, rr + n, I, arow[order[g.start]],
-                           y.data() + order[g.start] * H + rr);
+                           y.get() + order[g.start] * H + rr);
         r += n - 1;
         continue;
       }
@@ -796,7 +800,7 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
     for (int64_t j = 0; j < k; ++j) {
       if (rows[t * k + j] < 0) continue;
       const float w = weights[t * k + j];
-      const float* yj = y.data() + (t * k + j) * H;
+      const float* yj = y.get() + (t * k + j) * H;
       for (int64_t h = 0; h < H; ++h) o[h] += yj[h] * w;
     }
   }
