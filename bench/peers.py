@@ -365,26 +365,25 @@ def main() -> int:
     mk.add_argument("--out", type=Path, required=True)
     mk.add_argument("--quants", nargs="+", default=["q8_0", "q4_k_m"], choices=sorted(FTYPES))
     mk.add_argument("--threads", type=int, default=2)
-    rn = sub.add_parser("run", help="time llama.cpp and hearth on GGUF files, interleaved")
+    # The timing options run and batch share (their defaults for rounds and prompt differ).
+    timing = argparse.ArgumentParser(add_help=False)
+    timing.add_argument("--threads", type=int, default=2)
+    timing.add_argument("--tokens", type=int, default=64)
+    timing.add_argument("--dtype", default=None,
+                        help="hearth's compute dtype (default: bf16 for bf16 files, else fp32)")
+    timing.add_argument("--int8-activations", action="store_true",
+                        help="hearth's opt-in int8-activation mode (quantized files; run: as a third engine)")
+    timing.add_argument("--json", type=Path)
+    rn = sub.add_parser("run", parents=[timing], help="time llama.cpp and hearth on GGUF files, interleaved")
     rn.add_argument("files", type=Path, nargs="+")
-    rn.add_argument("--threads", type=int, default=2)
     rn.add_argument("--rounds", type=int, default=5)
     rn.add_argument("--prompt", type=int, default=512)
-    rn.add_argument("--tokens", type=int, default=64)
-    rn.add_argument("--dtype", default=None, help="hearth's compute dtype (default: bf16 for bf16 files, else fp32)")
-    rn.add_argument("--int8-activations", action="store_true",
-                    help="also time hearth in its opt-in int8-activation mode (quantized files)")
-    rn.add_argument("--json", type=Path)
-    bt = sub.add_parser("batch", help="hearth alone: N concurrent streams against one, and the bytes they read")
+    bt = sub.add_parser("batch", parents=[timing],
+                        help="hearth alone: N concurrent streams against one, and the bytes they read")
     bt.add_argument("file", type=Path)
     bt.add_argument("--streams", type=int, default=4)
-    bt.add_argument("--threads", type=int, default=2)
     bt.add_argument("--rounds", type=int, default=3)
     bt.add_argument("--prompt", type=int, default=16)
-    bt.add_argument("--tokens", type=int, default=64)
-    bt.add_argument("--dtype", default=None)
-    bt.add_argument("--int8-activations", action="store_true")
-    bt.add_argument("--json", type=Path)
     args = ap.parse_args()
     return {"make": make, "run": run, "batch": batch}[args.command](args)
 

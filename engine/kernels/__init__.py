@@ -1,7 +1,8 @@
 """Native CPU kernels, built when the package is installed, chosen at run time by CPU features.
 
 The extension modules (``_native_base`` on every machine, ``_native_avx2`` for AVX2 + FMA + F16C,
-``_native_avx512`` the same kernels with 16-lane block-quantized products for AVX-512) are
+``_native_avx512`` the same kernels with 16-lane block-quantized products for AVX-512,
+``_native_avx512vnni`` those plus the opt-in int8-activation kernels for AVX-512 VNNI) are
 plain C++ that takes tensors as data pointers and sizes, so they build without torch's headers and
 survive torch upgrades; see ``setup.py``. The decode library is imported only on a CPU that has its
 instructions (the widest one). :func:`cpu_decode_ops` returns the kernels this machine can run, or None where they
@@ -239,7 +240,8 @@ def cpu_decode_ops() -> NativeKernels | None:
             continue
         if decode is not None:
             return NativeKernels(base, decode, features)
-    log.warning("hearth: the AVX2 decode kernels are not built; using PyTorch kernels")
+    log.warning("hearth: no decode kernel library is built for these sources (%s); using PyTorch kernels",
+                ", ".join(names))
     return None
 
 

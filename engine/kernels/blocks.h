@@ -5,8 +5,9 @@
 // every weight is q * scale + bias; the unpacking is plain byte arithmetic on a few hundred bytes that
 // stay in L1 (the compiler vectorises it). The products then run in fp32 registers: each 16-element
 // group is widened, scaled once and multiplied into every token's accumulator, so a weight row is read
-// from memory once for all the tokens of a step. Nothing is dequantized to memory and activations are
-// not quantized: the result differs from fp32 on the reference's dequantized weights only in the
+// from memory once for all the tokens of a step. Nothing is dequantized to memory (except by
+// dequantize_impl, for prefill's GEMMs) and activations are not quantized (except in the opt-in int8
+// mode of q8.h): the result differs from fp32 on the reference's dequantized weights only in the
 // order of fp32 accumulation (and one fused rounding of q * scale + bias).
 //
 // The vector width follows the instruction set this translation unit is compiled for (vec.h).
@@ -244,14 +245,29 @@ inline __m512 k_scales16(const uint8_t* b) {
 // shifted per lane so that each 32-bit lane's low four bits are the nibble it needs. The lanes' elements
 // come in a fixed order other than the row's (see permute_q4_k), so the activations are permuted
 // to match once per call. Three instructions a 16 weights instead of the widening kernel's five.
-template <int M>
-inline void row_dot_q4_k(const uint8_t* row, int64_t K, const float* const* xs, float* out) {
-  vf acc[M][2];
-  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = zero();
+// The table lookup's constants: the tables' indices 0..15 and the per-lane shifts of the four weight
+// vectors of a chunk.
+struct Q4kLanes {
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i sh0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
   const __m512i sh1 = _mm512_add_epi32(sh0, _mm512_set1_epi32(16)), sh2 = _mm512_add_epi32(sh0, _mm512_set1_epi32(4));
   const __m512i sh3 = _mm512_add_epi32(sh0, _mm512_set1_epi32(20));
+};
+
+// The four weight vectors of a 64-element chunk (its 32 bytes broadcast to both halves of v) from the
+// tables of its two sub-blocks (la: the first, lb: the second).
+inline void q4_k_weights(const Q4kLanes& c, __m512i v, __m512 la, __m512 lb, vf w[4]) {
+  w[0] = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, c.sh0), la);
+  w[1] = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, c.sh1), la);
+  w[2] = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, c.sh2), lb);
+  w[3] = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, c.sh3), lb);
+}
+
+template <int M>
+inline void row_dot_q4_k(const uint8_t* row, int64_t K, const float* const* xs, float* out) {
+  vf acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = zero();
+  const Q4kLanes c;
   for (int64_t b = 0; b < K / Q4_K::kElems; ++b) {
     const uint8_t* blk = row + b * Q4_K::kBytes;
     prefetch_ahead(blk, Q4_K::kBytes);
@@ -260,20 +276,18 @@ inline void row_dot_q4_k(const uint8_t* row, int64_t K, const float* const* xs, 
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j)));
-      const __m512 la = fma(iota, _mm512_permutexvar_ps(_mm512_set1_epi32(2 * j), sb),
+      const __m512 la = fma(c.iota, _mm512_permutexvar_ps(_mm512_set1_epi32(2 * j), sb),
                             _mm512_permutexvar_ps(_mm512_set1_epi32(8 + 2 * j), sb));
-      const __m512 lb = fma(iota, _mm512_permutexvar_ps(_mm512_set1_epi32(2 * j + 1), sb),
+      const __m512 lb = fma(c.iota, _mm512_permutexvar_ps(_mm512_set1_epi32(2 * j + 1), sb),
                             _mm512_permutexvar_ps(_mm512_set1_epi32(9 + 2 * j), sb));
-      const vf w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh0), la);
-      const vf w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh1), la);
-      const vf w2 = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh2), lb);
-      const vf w3 = _mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh3), lb);
+      vf w[4];
+      q4_k_weights(c, v, la, lb, w);
       const int64_t e = base + 64 * j;
       for (int m = 0; m < M; ++m) {
-        acc[m][0] = fma(w0, loadf(xs[m] + e), acc[m][0]);
-        acc[m][1] = fma(w1, loadf(xs[m] + e + 16), acc[m][1]);
-        acc[m][0] = fma(w2, loadf(xs[m] + e + 32), acc[m][0]);
-        acc[m][1] = fma(w3, loadf(xs[m] + e + 48), acc[m][1]);
+        acc[m][0] = fma(w[0], loadf(xs[m] + e), acc[m][0]);
+        acc[m][1] = fma(w[1], loadf(xs[m] + e + 16), acc[m][1]);
+        acc[m][0] = fma(w[2], loadf(xs[m] + e + 32), acc[m][0]);
+        acc[m][1] = fma(w[3], loadf(xs[m] + e + 48), acc[m][1]);
       }
     }
   }
@@ -290,10 +304,7 @@ template <int R>
 inline void rows_dot_q4_k_1(const uint8_t* const* rows, int64_t K, const float* x, float* out) {
   vf acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero();
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i sh0 = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
-  const __m512i sh1 = _mm512_add_epi32(sh0, _mm512_set1_epi32(16)), sh2 = _mm512_add_epi32(sh0, _mm512_set1_epi32(4));
-  const __m512i sh3 = _mm512_add_epi32(sh0, _mm512_set1_epi32(20));
+  const Q4kLanes c;
   alignas(64) float sc[R][16];
   for (int64_t b = 0; b < K / Q4_K::kElems; ++b) {
     for (int r = 0; r < R; ++r) {
@@ -310,12 +321,14 @@ inline void rows_dot_q4_k_1(const uint8_t* const* rows, int64_t K, const float* 
       for (int r = 0; r < R; ++r) {
         const uint8_t* blk = rows[r] + b * Q4_K::kBytes;
         const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j)));
-        const __m512 la = fma(iota, set1(sc[r][2 * j]), set1(sc[r][8 + 2 * j]));
-        const __m512 lb = fma(iota, set1(sc[r][2 * j + 1]), set1(sc[r][9 + 2 * j]));
-        acc[r][0] = fma(_mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh0), la), x0, acc[r][0]);
-        acc[r][1] = fma(_mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh1), la), x1, acc[r][1]);
-        acc[r][0] = fma(_mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh2), lb), x2, acc[r][0]);
-        acc[r][1] = fma(_mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh3), lb), x3, acc[r][1]);
+        const __m512 la = fma(c.iota, set1(sc[r][2 * j]), set1(sc[r][8 + 2 * j]));
+        const __m512 lb = fma(c.iota, set1(sc[r][2 * j + 1]), set1(sc[r][9 + 2 * j]));
+        vf w[4];
+        q4_k_weights(c, v, la, lb, w);
+        acc[r][0] = fma(w[0], x0, acc[r][0]);
+        acc[r][1] = fma(w[1], x1, acc[r][1]);
+        acc[r][0] = fma(w[2], x2, acc[r][0]);
+        acc[r][1] = fma(w[3], x3, acc[r][1]);
       }
     }
   }
@@ -528,20 +541,15 @@ template <>
 constexpr bool kInterleaves<Q6_K> = true;
 #endif
 
-// R rows of F for one token (rows[r] their bytes): as R rows_dot calls, interleaved where the build
-// has a kernel for F (kInterleaves<F>).
+// R rows of F for one token (rows[r] their bytes), interleaved: kInterleaves<F> formats only.
 template <typename F, int R>
 inline void rows_dot_n(const uint8_t* const* rows, int64_t K, const float* x, float* out) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  if constexpr (std::is_same_v<F, Q4_K>) {
-    rows_dot_q4_k_1<R>(rows, K, x, out);
-    return;
-  } else if constexpr (std::is_same_v<F, Q6_K>) {
-    rows_dot_q6_k_1<R>(rows, K, x, out);
-    return;
-  }
+  if constexpr (std::is_same_v<F, Q4_K>) rows_dot_q4_k_1<R>(rows, K, x, out);
+  if constexpr (std::is_same_v<F, Q6_K>) rows_dot_q6_k_1<R>(rows, K, x, out);
+#else
+  (void)rows, (void)K, (void)x, (void)out;
 #endif
-  for (int r = 0; r < R; ++r) rows_dot<F>(rows[r], K, &x, 1, out + r);
 }
 
 // Rows r0 .. r1 - 1 of a weight (row r at w + r * rb) for one token into out[r - r0]: four at a time
@@ -551,11 +559,12 @@ inline void rows_dot_range(const uint8_t* w, int64_t rb, int64_t r0, int64_t r1,
                            float* out) {
   int64_t r = r0;
   if constexpr (kInterleaves<F>) {
-    // Four at a time for Q4_K; Q6_K's assembled quarters of four rows no longer fit the registers.
-    for (; std::is_same_v<F, Q4_K> && r + 3 < r1; r += 4) {
-      const uint8_t* rows[4] = {w + r * rb, w + (r + 1) * rb, w + (r + 2) * rb, w + (r + 3) * rb};
-      rows_dot_n<F, 4>(rows, K, x, out + (r - r0));
-    }
+    // Four at a time for Q4_K only: Q6_K's assembled quarters of four rows no longer fit the registers.
+    if constexpr (std::is_same_v<F, Q4_K>)
+      for (; r + 3 < r1; r += 4) {
+        const uint8_t* rows[4] = {w + r * rb, w + (r + 1) * rb, w + (r + 2) * rb, w + (r + 3) * rb};
+        rows_dot_n<F, 4>(rows, K, x, out + (r - r0));
+      }
     for (; r + 1 < r1; r += 2) {
       const uint8_t* rows[2] = {w + r * rb, w + (r + 1) * rb};
       rows_dot_n<F, 2>(rows, K, x, out + (r - r0));
@@ -588,37 +597,34 @@ template <typename F>
 void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int threads,
                  bool q8 = false) {
   const int64_t rb = row_bytes<F>(K);
-  if (kQ8<F> && q8) {  // the int8-activation mode: each token's row quantized once, then VNNI products
-    Q8Rows xq;
-    xq.resize(M, K);
-    std::vector<Q8Row> rows(M);
-    for (int64_t m = 0; m < M; ++m) xq.quantize(m, x + m * K), rows[m] = xq.row(m);
-    hearth::parallel_for(0, N, 16, threads, [&](int64_t r0, int64_t r1) {
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxTokens) {
-        const int mt = static_cast<int>(std::min<int64_t>(kMaxTokens, M - m0));
-        float dots[kMaxTokens];
-        for (int64_t r = r0; r < r1; ++r) {
-          rows_dot_q8<F>(w + r * rb, K, rows.data() + m0, mt, dots);
-          for (int m = 0; m < mt; ++m) out[(m0 + m) * N + r] = dots[m];
-        }
-      }
-    });
-    return;
-  }
-  std::vector<float> buf(kPermutesX<F> ? M * K : 0);
+  // Each token's row as F's kernel reads it: quantized once in the int8-activation mode (VNNI products),
+  // else x itself or its permutation.
+  const bool use_q8 = kQ8<F> && q8;
+  Q8Rows xq;
+  std::vector<Q8Row> qrows(use_q8 ? M : 0);
+  std::vector<float> buf(kPermutesX<F> && !use_q8 ? M * K : 0);
   std::vector<const float*> rows(M);
-  for (int64_t m = 0; m < M; ++m) rows[m] = prepare_x<F>(x + m * K, K, buf.data() + (kPermutesX<F> ? m * K : 0));
+  if (use_q8) xq.resize(M, K);
+  for (int64_t m = 0; m < M; ++m) {
+    if (use_q8)
+      xq.quantize(m, x + m * K), qrows[m] = xq.row(m);
+    else
+      rows[m] = prepare_x<F>(x + m * K, K, buf.data() + (kPermutesX<F> ? m * K : 0));
+  }
   hearth::parallel_for(0, N, 16, threads, [&](int64_t r0, int64_t r1) {
     for (int64_t m0 = 0; m0 < M; m0 += kMaxTokens) {
       const int mt = static_cast<int>(std::min<int64_t>(kMaxTokens, M - m0));
       float dots[kMaxTokens];
       int64_t r = r0;
-      if (kInterleaves<F> && mt == 1) {  // one token: rows interleaved (out is [1, N] here)
+      if (kInterleaves<F> && !use_q8 && mt == 1) {  // one token: rows interleaved (token m0's row of out)
         rows_dot_range<F>(w, rb, r0, r1, K, rows[m0], out + m0 * N + r0);
         r = r1;
       }
       for (; r < r1; ++r) {
-        rows_dot<F>(w + r * rb, K, rows.data() + m0, mt, dots);
+        if (use_q8)
+          rows_dot_q8<F>(w + r * rb, K, qrows.data() + m0, mt, dots);
+        else
+          rows_dot<F>(w + r * rb, K, rows.data() + m0, mt, dots);
         for (int m = 0; m < mt; ++m) out[(m0 + m) * N + r] = dots[m];
       }
     }
@@ -718,7 +724,6 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
     ++groups.back().count;
   }
   const int64_t G = static_cast<int64_t>(groups.size());
-  const int64_t gu_rb = row_bytes<FG>(H), dn_rb = row_bytes<FD>(I);
   // Every pair's rows are written before they are read (pairs computed elsewhere are never read), so
   // the scratch is left uninitialised: zeroing it cost more than the sort and grouping above.
   const std::unique_ptr<float[]> proj(new float[pairs * 2 * I]), act(new float[pairs * I]), y(new float[pairs * H]);
@@ -735,31 +740,40 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
     xq.resize(T, H);
     for (int64_t t = 0; t < T; ++t) xq.quantize(t, x + t * H), xq_row[t] = xq.row(t);
   }
-  hearth::parallel_for(0, G * 2 * I, 32, threads, [&](int64_t r0, int64_t r1) {
-    const float* xs[kMaxTokens];
-    Q8Row qs[kMaxTokens];
-    float dots[kMaxTokens];
-    for (int64_t r = r0; r < r1; ++r) {
-      const Group& g = groups[r / (2 * I)];
-      const int64_t rr = r % (2 * I);
-      const uint8_t* w = gu + g.row * gu_stride + rr * gu_rb;
-      if (kInterleaves<FG> && !gq8 && g.count == 1) {  // a lone token's expert: its rows here interleaved
-        const int64_t n = std::min(r1 - r, 2 * I - rr);
-        rows_dot_range<FG>(gu + g.row * gu_stride, gu_rb, rr, rr + n, H, xrow[order[g.start] / k],
-                           proj.get() + order[g.start] * 2 * I + rr);
-        r += n - 1;
-        continue;
+  // One pass over every group's R rows of K elements (format F = decltype(f); row rr of the group's
+  // expert at base + row * stride + rr * rb) into dst [pairs, R]: pair p's activations are x_of(p) (as
+  // F's kernel reads them) or, in the int8 mode, q_of(p). Threads run over (group, row).
+  auto pass = [&](auto f, const uint8_t* base, int64_t stride, int64_t R, int64_t K, bool use_q8, const auto& x_of,
+                  const auto& q_of, float* dst) {
+    using F = decltype(f);
+    const int64_t rb = row_bytes<F>(K);
+    hearth::parallel_for(0, G * R, 32, threads, [&](int64_t r0, int64_t r1) {
+      const float* xs[kMaxTokens];
+      Q8Row qs[kMaxTokens];
+      float dots[kMaxTokens];
+      for (int64_t r = r0; r < r1; ++r) {
+        const Group& g = groups[r / R];
+        const int64_t rr = r % R;
+        if (kInterleaves<F> && !use_q8 && g.count == 1) {  // a lone token's expert: its rows here interleaved
+          const int64_t n = std::min(r1 - r, R - rr), p = order[g.start];
+          rows_dot_range<F>(base + g.row * stride, rb, rr, rr + n, K, x_of(p), dst + p * R + rr);
+          r += n - 1;
+          continue;
+        }
+        const uint8_t* w = base + g.row * stride + rr * rb;
+        if (use_q8) {
+          for (int m = 0; m < g.count; ++m) qs[m] = q_of(order[g.start + m]);
+          rows_dot_q8<F>(w, K, qs, g.count, dots);
+        } else {
+          for (int m = 0; m < g.count; ++m) xs[m] = x_of(order[g.start + m]);
+          rows_dot<F>(w, K, xs, g.count, dots);
+        }
+        for (int m = 0; m < g.count; ++m) dst[order[g.start + m] * R + rr] = dots[m];
       }
-      if (gq8) {
-        for (int m = 0; m < g.count; ++m) qs[m] = xq_row[order[g.start + m] / k];
-        rows_dot_q8<FG>(w, H, qs, g.count, dots);
-      } else {
-        for (int m = 0; m < g.count; ++m) xs[m] = xrow[order[g.start + m] / k];
-        rows_dot<FG>(w, H, xs, g.count, dots);
-      }
-      for (int m = 0; m < g.count; ++m) proj[order[g.start + m] * 2 * I + rr] = dots[m];
-    }
-  });
+    });
+  };
+  pass(FG{}, gu, gu_stride, 2 * I, H, gq8, [&](int64_t p) { return xrow[p / k]; },
+       [&](int64_t p) { return xq_row[p / k]; }, proj.get());
   std::vector<const float*> arow(pairs);
   if (dq8) aq.resize(pairs, I);
   for (const int64_t p : order) {
@@ -769,31 +783,8 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
     else
       arow[p] = prepare_x<FD>(act.get() + p * I, I, abuf.data() + (kPermutesX<FD> ? p * I : 0));
   }
-  hearth::parallel_for(0, G * H, 32, threads, [&](int64_t r0, int64_t r1) {
-    const float* xs[kMaxTokens];
-    Q8Row qs[kMaxTokens];
-    float dots[kMaxTokens];
-    for (int64_t r = r0; r < r1; ++r) {
-      const Group& g = groups[r / H];
-      const int64_t rr = r % H;
-      const uint8_t* w = dn + g.row * dn_stride + rr * dn_rb;
-      if (kInterleaves<FD> && !dq8 && g.count == 1) {  // a lone token's expert: its rows here interleaved
-        const int64_t n = std::min(r1 - r, H - rr);
-        rows_dot_range<FD>(dn + g.row * dn_stride, dn_rb, rr, rr + n, I, arow[order[g.start]],
-                           y.get() + order[g.start] * H + rr);
-        r += n - 1;
-        continue;
-      }
-      if (dq8) {
-        for (int m = 0; m < g.count; ++m) qs[m] = aq_row[order[g.start + m]];
-        rows_dot_q8<FD>(w, I, qs, g.count, dots);
-      } else {
-        for (int m = 0; m < g.count; ++m) xs[m] = arow[order[g.start + m]];
-        rows_dot<FD>(w, I, xs, g.count, dots);
-      }
-      for (int m = 0; m < g.count; ++m) y[order[g.start + m] * H + rr] = dots[m];
-    }
-  });
+  pass(FD{}, dn, dn_stride, H, I, dq8, [&](int64_t p) { return arow[p]; }, [&](int64_t p) { return aq_row[p]; },
+       y.get());
   for (int64_t t = 0; t < T; ++t) {  // the k terms in order for every channel (vectorised over channels)
     float* o = out + t * H;
     std::fill(o, o + H, 0.f);

@@ -2,7 +2,8 @@
 // at memory speed, RMSNorm, and a whole MoE layer's routed experts for one token in one call. Built with
 // -mavx2 -mfma -mf16c; the dispatcher loads this library only on CPUs that have them. The same source
 // is built a second time for AVX-512 (decode_avx512.cpp), where the block-quantized kernels of blocks.h
-// use 16 lanes.
+// use 16 lanes, and a third for AVX-512 VNNI (decode_avx512vnni.cpp), which adds the opt-in
+// int8-activation kernels of q8.h.
 //
 // Numerics follow PyTorch's own low-precision kernels: products are accumulated in fp32 and every
 // intermediate tensor the reference materialises (projection outputs, the activation, the gated
@@ -392,7 +393,7 @@ PyMethodDef methods[] = {
     {"experts_decode", fastcall(py_experts_decode), METH_FASTCALL, "one token's routed experts, weighted and summed"},
     {"linear_blocks", fastcall(py_linear_blocks), METH_FASTCALL, "fp32 x @ W^T for block-quantized W"},
     {"experts_blocks", fastcall(py_experts_blocks), METH_FASTCALL,
-     "a few tokens' routed block-quantized experts (fp32 activations), weighted and summed"},
+     "a few tokens' routed block-quantized experts, weighted and summed"},
     {"dequantize_blocks", fastcall(py_dequantize_blocks), METH_FASTCALL, "rows of blocks decoded to fp32"},
     {"rms_norm", fastcall(py_rms_norm), METH_FASTCALL, "weight * round(x * rsqrt(mean(x^2) + eps))"},
     {nullptr, nullptr, 0, nullptr}};

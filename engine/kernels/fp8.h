@@ -37,6 +37,14 @@ inline vf widen(const uint8_t* q) {
 #endif
 
 // out[m] = row . xs[m] for M tokens, the row of K elements (K / 128 blocks).
+// A block's fp32 scale (its first 4 bytes) times 2^8: the widened e4m3 codes are 2^-8 of the values
+// (see widen).
+inline vf block_scale(const uint8_t* blk) {
+  float s;
+  std::memcpy(&s, blk, 4);
+  return set1(s * 256.0f);
+}
+
 template <int M>
 inline void row_dot_fp8(const uint8_t* row, int64_t K, const float* const* xs, float* out) {
   constexpr int kChunks = kBlockElems / kLanes;
@@ -48,9 +56,7 @@ inline void row_dot_fp8(const uint8_t* row, int64_t K, const float* const* xs, f
       _mm_prefetch(reinterpret_cast<const char*>(blk + 1024 + off), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(blk + 8192 + off), _MM_HINT_T1);
     }
-    float s;
-    std::memcpy(&s, blk, 4);
-    const vf scale = set1(s * 256.0f);
+    const vf scale = block_scale(blk);
     const uint8_t* q = blk + 4;
     const int64_t base = b * kBlockElems;
 #pragma GCC unroll 16
@@ -66,9 +72,7 @@ inline void row_dot_fp8(const uint8_t* row, int64_t K, const float* const* xs, f
 inline void decode_row(const uint8_t* row, int64_t K, float* out) {
   for (int64_t b = 0; b < K / kBlockElems; ++b) {
     const uint8_t* blk = row + b * kBlockBytes;
-    float s;
-    std::memcpy(&s, blk, 4);
-    const vf scale = set1(s * 256.0f);
+    const vf scale = block_scale(blk);
     for (int c = 0; c < kBlockElems / kLanes; ++c) {
       storef(out + b * kBlockElems + c * kLanes, mul(widen(blk + 4 + c * kLanes), scale));
     }

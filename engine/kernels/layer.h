@@ -142,18 +142,19 @@ void key_scores_nc(const float* q, int64_t groups, const float* kc, int64_t stri
   }
 }
 
-// key_scores_nc for the head widths in use (D a multiple of 16, at most 256).
-template <typename Slot>
+// key_scores_nc for a head width D = 16 NC with NC from this one up to 16 (D a multiple of 16, at most
+// 256); false for any other D.
+template <int NC = 1, typename Slot>
 bool key_scores16(const float* q, int64_t groups, int64_t D, const float* kc, int64_t stride, const Slot& slot,
                   int64_t n, float scale, float* scores) {
-  switch (D) {
-    case 64: key_scores_nc<4>(q, groups, kc, stride, slot, n, scale, scores); return true;
-    case 128: key_scores_nc<8>(q, groups, kc, stride, slot, n, scale, scores); return true;
-    case 256: key_scores_nc<16>(q, groups, kc, stride, slot, n, scale, scores); return true;
-    case 32: key_scores_nc<2>(q, groups, kc, stride, slot, n, scale, scores); return true;
-    case 96: key_scores_nc<6>(q, groups, kc, stride, slot, n, scale, scores); return true;
-    default: return false;
+  if (D == 16 * NC) {
+    key_scores_nc<NC>(q, groups, kc, stride, slot, n, scale, scores);
+    return true;
   }
+  if constexpr (NC < 16)
+    return key_scores16<NC + 1>(q, groups, D, kc, stride, slot, n, scale, scores);
+  else
+    return false;
 }
 
 // acc [groups, D] += sum over positions p of w[j, p] * value(p) for groups j0 .. j0 + JT - 1 and the

@@ -68,9 +68,9 @@ inline void row_dot_q4_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, floa
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps(), macc[m] = _mm256_setzero_ps();
   const __m512i shifts = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t b = 0; b < K / 256; ++b) {
-    const uint8_t* blk = row + b * 144;
-    prefetch_ahead(blk, 144);
+  for (int64_t b = 0; b < K / Q4_K::kElems; ++b) {
+    const uint8_t* blk = row + b * Q4_K::kBytes;
+    prefetch_ahead(blk, Q4_K::kBytes);
     const __m512 sb = k_scales16(blk);  // d*sc_g (lanes 0-7), -dmin*m_g (lanes 8-15)
     __m512 accb[M];
     for (int m = 0; m < M; ++m) accb[m] = _mm512_setzero_ps();
@@ -110,11 +110,10 @@ inline void row_dot_q6_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, floa
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
   const __m512i qh_shift_a = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2), qh_shift_b = _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6);
-  for (int64_t b = 0; b < K / 256; ++b) {
-    const uint8_t* blk = row + b * 210;
-    prefetch_ahead(blk, 210);
-    const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
-    const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(half_to_float(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+  for (int64_t b = 0; b < K / Q6_K::kElems; ++b) {
+    const uint8_t* blk = row + b * Q6_K::kBytes;
+    prefetch_ahead(blk, Q6_K::kBytes);
+    const __m512 scale = q6_scales(blk);
     __m512 accb[M];
     for (int m = 0; m < M; ++m) accb[m] = _mm512_setzero_ps();
 #pragma GCC unroll 2
