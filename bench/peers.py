@@ -198,7 +198,6 @@ def file_dtype(path: Path) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from hearth.engine.gguf_file import GGUFFile
     from hearth.engine.gguf_loader import load_gguf_config
     from hearth.engine.inspect import stored_summary
 
@@ -209,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
               "read_rate_gb_s": roofline / 1e9, "files": []}
     for path in args.files:
         dtype = args.dtype or file_dtype(path)
-        per_token = stored_summary(GGUFFile(path), load_gguf_config(path)[1])["bytes_per_decode_token"]
+        per_token = stored_summary(path, load_gguf_config(path)[1])["bytes_per_decode_token"]
         engines = ["llama.cpp", "hearth"] + (["hearth int8"] if args.int8_activations and dtype == "float32" else [])
         samples: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
         with contextlib.ExitStack() as stack:
@@ -273,13 +272,11 @@ def _distinct_experts(path: Path, dtype: str, prompts: list[list[int]], tokens: 
     """Per decode step, the distinct experts the batch routes to (summed over MoE layers), from a run
     with the module path (whose routers are visible from Python; the routing is the native path's)."""
     import os
+    from unittest import mock
 
-    from hearth.engine import LLM, SamplingParams
+    from hearth.engine import LLM
     from hearth.engine.layers.moe import TopKRouter
 
-    before = os.environ.get("HEARTH_NATIVE_LAYERS")
-    os.environ["HEARTH_NATIVE_LAYERS"] = "0"
-    llm = LLM(str(path), dtype=dtype, max_model_len=n_ctx, max_num_seqs=len(prompts), prefix_caching=False)
     counts: list[int] = []
     select = TopKRouter.select
 
@@ -289,19 +286,12 @@ def _distinct_experts(path: Path, dtype: str, prompts: list[list[int]], tokens: 
             counts.append(int(ids.unique().numel()))
         return ids, weights
 
-    TopKRouter.select = counted
-    try:
-        for prompt in prompts:
-            llm.engine.add_request(prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
-        while llm.engine.has_unfinished():
-            llm.engine.step()
-    finally:
-        TopKRouter.select = select
-        if before is None:
-            del os.environ["HEARTH_NATIVE_LAYERS"]
-        else:
-            os.environ["HEARTH_NATIVE_LAYERS"] = before
-        llm.close()
+    with mock.patch.dict(os.environ, {"HEARTH_NATIVE_LAYERS": "0"}), mock.patch.object(TopKRouter, "select", counted):
+        llm = LLM(str(path), dtype=dtype, max_model_len=n_ctx, max_num_seqs=len(prompts), prefix_caching=False)
+        try:
+            _decode_steps(llm.engine, prompts, tokens)
+        finally:
+            llm.close()
     layers = len(llm.engine.model_config.moe_layer_ids)
     return [sum(counts[i : i + layers]) for i in range(0, len(counts) - layers + 1, layers)]
 

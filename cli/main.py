@@ -173,16 +173,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _blocks_note(in_blocks: list[str], dtype: str) -> str:
-    """What stays in its quantized blocks at run time, for the dtype line of ``hearth inspect``."""
+    """What stays in its quantized blocks at run time, for the dtype line of ``hearth inspect``
+    (``in_blocks`` is empty where no native kernels run: see ``stored_summary``)."""
     if not in_blocks:
-        return "compute; no weight is stored in blocks"
-    from hearth.engine.kernels import cpu_decode_ops
+        from hearth.engine.kernels import cpu_decode_ops
 
+        if cpu_decode_ops() is None:
+            return "compute; no weight stays in its blocks here (no native kernels: blocks are decoded at load)"
+        return "compute; no weight stays in its blocks here"
     groups = in_blocks[0] if len(in_blocks) == 1 else f"{', '.join(in_blocks[:-1])} and {in_blocks[-1]}"
-    if dtype != "float32":
-        return f"compute; the block-quantized weights are decoded to {dtype} at load"
-    if cpu_decode_ops() is None:
-        return "compute; no native kernels here, so the block-quantized weights are decoded at load"
     return (f"compute; the block-quantized matrices of {groups} stay in their blocks, "
             f"everything else is {dtype}")
 

@@ -22,7 +22,7 @@ import math
 import os
 import shutil
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,17 +72,15 @@ class _Item:
     name: str  # the tensor's name (banks: for progress and messages)
     entry: dict  # its index fields besides shard and offset
     nbytes: int
-    chunks: Callable[[], Iterator[memoryview]]  # its bytes, in order
+    segments: list[memoryview]  # its bytes, in order (views: nothing is copied)
 
 
-def _whole(t: torch.Tensor) -> Callable[[], Iterator[memoryview]]:
-    return lambda: iter([_bytes_of(t)])
-
-
-def _row_prefixes(bank: torch.Tensor, r0: int, r1: int, used: int) -> Callable[[], Iterator[memoryview]]:
-    """The first ``used`` bytes of rows r0..r1 of a uint8 bank, copied ~one extent at a time."""
-    step = max(1, EXTENT // max(used, 1))
-    return lambda: (_bytes_of(bank[a : min(a + step, r1), :used].contiguous()) for a in range(r0, r1, step))
+def _row_segments(bank: torch.Tensor, r0: int, r1: int, used: int) -> list[memoryview]:
+    """The first ``used`` bytes of rows r0..r1 of a uint8 bank: one view where they fill the rows."""
+    flat, width = _bytes_of(bank), bank.shape[1]
+    if used == width:
+        return [flat[r0 * width : r1 * width]]
+    return [flat[r * width : r * width + used] for r in range(r0, r1)]
 
 
 def _items(loaded: LoadedModel, shard_bytes: int) -> list[_Item]:
@@ -96,7 +94,7 @@ def _items(loaded: LoadedModel, shard_bytes: int) -> list[_Item]:
         fmt = getattr(p, "block_format", None)
         if fmt is not None:
             entry["format"] = fmt.name
-        items.append(_Item(None, name, entry, t.nbytes, _whole(t)))
+        items.append(_Item(None, name, entry, t.nbytes, [_bytes_of(t)]))
     for bank in _BANKS:
         t = getattr(pool, bank)
         if pool.blocks is None:  # float banks: [rows, 2I, H] / [rows, H, I], pieces across layers
@@ -105,7 +103,7 @@ def _items(loaded: LoadedModel, shard_bytes: int) -> list[_Item]:
                 r1 = min(r0 + rows_per_piece, t.shape[0])
                 items.append(_Item(bank, f"expert bank {bank} rows {r0}..{r1}",
                                    {"shape": list(t[r0:r1].shape), "rows": [r0, r1]}, t[r0:r1].nbytes,
-                                   _whole(t[r0:r1])))
+                                   [_bytes_of(t[r0:r1])]))
             continue
         for layer in pool.moe_layer_ids:  # blocks: each layer's rows as wide as its formats make them
             blocks = pool.layer_blocks(layer)
@@ -116,7 +114,7 @@ def _items(loaded: LoadedModel, shard_bytes: int) -> list[_Item]:
                 r1 = min(r0 + rows_per_piece, base + pool.num_experts)
                 items.append(_Item(bank, f"expert bank {bank} rows {r0}..{r1}",
                                    {"shape": [r1 - r0, used], "rows": [r0, r1]}, (r1 - r0) * used,
-                                   _row_prefixes(t, r0, r1, used)))
+                                   _row_segments(t, r0, r1, used)))
     return items
 
 
@@ -140,25 +138,19 @@ def _plan(items: list[_Item], shard_bytes: int) -> list[list[tuple[_Item, int]]]
 
 def _write_item(f, item: _Item, offset: int, bar) -> list[list[int]]:
     """Write ``item`` at ``offset``; its extents [[offset, length, crc32], …] (cut every EXTENT bytes
-    from ``offset``, whatever the chunks' sizes)."""
+    from ``offset``, as the reader reads them)."""
+    if sum(len(seg) for seg in item.segments) != item.nbytes:
+        raise RuntimeError(f"FTW writer: '{item.name}' does not hold the {item.nbytes} bytes its entry says")
     f.seek(offset)
     extents: list[list[int]] = []
-    done, start, crc = 0, 0, 0
-    for chunk in item.chunks():
-        while len(chunk):
-            piece = chunk[: EXTENT - (done - start)]
+    spans = _extents(offset, item.nbytes)
+    for (start, length), pieces in zip(spans, _cut(item.segments, [n for _, n in spans]), strict=True):
+        crc = 0
+        for piece in pieces:
             f.write(piece)
             crc = zlib.crc32(piece, crc)
-            done += len(piece)
-            chunk = chunk[len(piece):]
             bar.update(len(piece))
-            if done - start == EXTENT:
-                extents.append([offset + start, EXTENT, crc])
-                start, crc = done, 0
-    if done > start:
-        extents.append([offset + start, done - start, crc])
-    if done != item.nbytes:
-        raise RuntimeError(f"FTW writer: '{item.name}' gave {done} bytes, expected {item.nbytes}")
+        extents.append([start, length, crc])
     return extents
 
 
@@ -430,9 +422,7 @@ def _plan_regions(index: dict, model: MoECausalLM, pool: ExpertPool, cfg, keep_d
                 continue
             region = _region(piece, (r1 - r0) * used, what, crcs)
             if t.dtype == torch.uint8:  # kept: each row's blocks at the start of its bank row
-                flat, width = _bytes_of(t), t.shape[1]
-                region.segments = ([flat[r0 * width : r1 * width]] if used == width else
-                                   [flat[r * width : r * width + used] for r in range(r0, r1)])
+                region.segments = _row_segments(t, r0, r1, used)
             elif bank == "gate_up":
                 region.decode = _decoder(t[r0:r1], blocks.gate_up, (r1 - r0) * 2 * i, h)
             else:

@@ -129,7 +129,7 @@ class _Stored:
     format: str  # a block format's name, or a dtype's
     nbytes: int
     rows: int  # the first dimension (an embedding's vocabulary)
-    in_blocks: bool  # stays in its blocks at run time (float32 compute, native kernels)
+    in_blocks: bool  # its format stays in blocks at run time (where native kernels run: _summary checks)
 
 
 def _summary(items: list[_Stored], cfg: ModelConfig, file_bytes: int) -> dict:
@@ -155,20 +155,19 @@ def _summary(items: list[_Stored], cfg: ModelConfig, file_bytes: int) -> dict:
 
 
 def stored_summary(path, cfg: ModelConfig) -> dict | None:
-    """A checkpoint as stored (see :func:`_summary`): a GGUF file (a path or a ``GGUFFile``), an FTW
-    directory, or a Hugging Face directory quantized as shipped (FP8, MXFP4); None for a plain
-    Hugging Face directory, whose weights are all in the dtype its config names."""
+    """A checkpoint as stored (see :func:`_summary`): a GGUF file, an FTW directory, or a Hugging Face
+    directory quantized as shipped (FP8, MXFP4); None for a plain Hugging Face directory, whose weights
+    are all in the dtype its config names."""
     from pathlib import Path
 
+    from hearth.engine.ftw import is_ftw
     from hearth.engine.gguf_file import GGUFFile
     from hearth.engine.gguf_loader import is_gguf
 
-    if isinstance(path, GGUFFile):
-        return _gguf_summary(path, cfg)
     if is_gguf(path):
         return _gguf_summary(GGUFFile(path), cfg)
     path = Path(path)
-    if (path / "ftw.json").is_file():
+    if is_ftw(path):
         return _ftw_summary(path, cfg)
     from hearth.engine.config import read_config_json
     from hearth.engine.hf_quant import quant_spec
@@ -178,37 +177,35 @@ def stored_summary(path, cfg: ModelConfig) -> dict | None:
 
 
 def _gguf_summary(f, cfg: ModelConfig) -> dict:
-    from hearth.engine.gguf_loader import _expert_blocks
-    from hearth.engine.kernels import BLOCK_KERNELS
+    from hearth.engine.gguf_loader import _expert_blocks, _kernel_format
 
     experts_in_blocks = _expert_blocks(f, cfg) is not None
     items = []
     for name, t in f.tensors.items():
         group = _group(name)
         fmt = t.format.name if t.quantized else str(t.format).removeprefix("torch.")
-        if group == "experts":
-            blocks = experts_in_blocks
-        else:  # a matrix (not the vector of a [1, H] gate) in a format the kernels read
-            blocks = t.quantized and t.format.name in BLOCK_KERNELS and len(t.shape) == 2
+        # The experts as their layers' banks; another tensor when it is a matrix (not the vector of a
+        # [1, H] gate) in a format the kernels read.
+        blocks = experts_in_blocks if group == "experts" else _kernel_format(t) is not None and len(t.shape) == 2
         items.append(_Stored(group, fmt, t.nbytes, t.shape[0], blocks))
     return _summary(items, cfg, f.path.stat().st_size)
 
 
 def _ftw_summary(path, cfg: ModelConfig) -> dict:
-    from hearth.engine.ftw import read_index
+    from hearth.engine.ftw import _BANKS, read_index
 
     index = read_index(path)
     items = []
     for name, entry in index["tensors"].items():
         dtype = entry.get("dtype", index["dtype"])
-        size = 1 if "format" in entry else torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        size = 1 if "format" in entry else getattr(torch, dtype).itemsize
         nbytes = size * math.prod(entry["shape"])
         items.append(_Stored(_hf_group(name), entry.get("format", dtype), nbytes, entry["shape"][0],
                              "format" in entry))
     banks = index["banks"]
     blocks = banks.get("blocks")
-    elem = torch.empty((), dtype=getattr(torch, index["dtype"])).element_size()
-    for bank in ("gate_up", "down"):
+    elem = getattr(torch, index["dtype"]).itemsize
+    for bank in _BANKS:
         for piece in banks[bank]:
             r0, _ = piece["rows"]
             if blocks is None:
@@ -245,17 +242,13 @@ def _hf_quant_summary(path, cfg: ModelConfig, spec) -> dict:
                 headers[name] = (sl.get_dtype(), list(sl.get_shape()))
     quantized = {}  # weight name -> its block format's name
     for name, (dtype, _) in headers.items():
-        if spec.method == "fp8" and dtype == "F8_E4M3":
-            quantized[name] = "fp8_e4m3"
-        elif spec.method == "mxfp4" and name.endswith("_blocks"):
-            quantized[name] = "mxfp4"
+        if (spec.method == "fp8" and dtype == "F8_E4M3") or (spec.method == "mxfp4" and name.endswith("_blocks")):
+            quantized[name] = spec.format.name
     items = []
     for name, (dtype, shape) in headers.items():
-        weight = name
-        if spec.method == "fp8" and name.endswith("_scale_inv"):
-            weight = name[: -len("_scale_inv")]
-        elif spec.method == "mxfp4" and name.endswith("_scales"):
-            weight = name[: -len("_scales")] + "_blocks"
+        weight = name  # a scale tensor counts with its weight
+        if name.endswith(spec.scale_suffix):
+            weight = name.removesuffix(spec.scale_suffix) + ("_blocks" if spec.method == "mxfp4" else "")
         canonical = family.map_name(weight.removesuffix("_blocks"))
         if not canonical or _IGNORED.search(canonical):
             continue

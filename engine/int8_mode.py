@@ -37,16 +37,11 @@ def enable(model, pool) -> int:
         log.warning("hearth: --int8-activations needs AVX-512 VNNI kernels; keeping fp32 activations")
         return 0
     marked = 0
-    for param in model.parameters():
-        fmt = getattr(param, "block_format", None)
+    for tensor in [*model.parameters(), *model.buffers()]:  # fused q/k/v weights are buffers
+        fmt = getattr(tensor, "block_format", None)
         if fmt is not None and fmt.name in FORMATS:
-            param.int8_activations = True
+            tensor.int8_activations = True
             marked += 1
-    for module in model.modules():  # fused q/k/v weights live beside the parameters
-        fused = getattr(module, "qkv_weight", None)
-        fmt = getattr(fused, "block_format", None)
-        if fmt is not None and fmt.name in FORMATS:
-            fused.int8_activations = True
     if pool.blocks is not None:
         for layer, blocks in pool.blocks.items():
             if {blocks.gate_up.name, blocks.down.name} & FORMATS:

@@ -230,8 +230,9 @@ def load_config(model_dir: str | Path, dtype: str | torch.dtype | None = None):
     if is_gguf(model_dir):
         return load_gguf_config(model_dir, dtype)
     model_dir = Path(model_dir)
-    if dtype in (None, "auto") and (model_dir / "ftw.json").is_file():
-        from hearth.engine.ftw import read_index
+    from hearth.engine.ftw import is_ftw, read_index
+
+    if dtype in (None, "auto") and is_ftw(model_dir):
 
         dtype = read_index(model_dir)["dtype"]  # an FTW directory computes in the dtype it stores
     raw = read_config_json(model_dir)

@@ -293,13 +293,13 @@ class NativeLayers:
 
 def _int8_activations(layer) -> bool:
     """Whether the layer's weights run in the int8-activation mode (engine/int8_mode.py)."""
-    tensors = [*layer.parameters(), getattr(getattr(layer, "_mixer", None), "qkv_weight", None)]
     mlp = layer.mlp
     if isinstance(mlp, MoEBlock) and type(mlp.backend) is LocalExpertBackend:
         blocks = mlp.backend.pool.layer_blocks(mlp.layer_idx)
         if blocks is not None and blocks.int8_activations:
             return True
-    return any(getattr(t, "int8_activations", False) for t in tensors if t is not None)
+    # The fused q/k/v weight's views (q/k/v_proj) are parameters, marked as it is.
+    return any(getattr(t, "int8_activations", False) for t in layer.parameters())
 
 
 def _decode_attention(attn: Attention, q: torch.Tensor, batch: ForwardBatch, keys: torch.Tensor,

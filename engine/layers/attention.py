@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hearth.engine import hugepages
 from hearth.engine.batch import LayerContext, SequenceSlice
 from hearth.engine.layers.linear import Projection
 from hearth.engine.layers.rope import apply_rotary
@@ -121,7 +122,9 @@ class Attention(nn.Module):
             return
         formats = {getattr(w, "block_format", w.dtype) for w in weights}
         if len(formats) == 1:
-            fused = torch.cat(weights)  # [q + 2kv, row bytes]: rows of blocks concatenate
+            # [q + 2kv, row bytes]: rows of blocks concatenate, into the buffer that stays (on huge pages)
+            fused = torch.cat(weights, out=hugepages.empty(sum(w.shape[0] for w in weights), weights[0].shape[1],
+                                                           dtype=torch.uint8))
             fused.block_format = formats.pop()
             self.qkv_weight = fused
             for proj, (lo, hi) in zip(projs, self._bounds(), strict=True):
