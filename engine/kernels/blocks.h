@@ -516,17 +516,36 @@ template <>
 constexpr bool kQ8<Q6_K> = true;
 #endif
 
-// The row products of F for M quantized activation rows (kQ8<F> formats only; nothing otherwise).
+// Rows [r0, r1) of a weight (row r at w + r * rb) times M quantized activation rows (kQ8<F> formats
+// only; nothing otherwise) into out[m][r - r0]. Sixteen rows at a time: each row's kernel leaves one
+// vector per token and transpose_sum16 sums sixteen of them in one go, where a reduction per row
+// costs as much as a third of a short row's products (the experts' down rows: one super-block).
+// A row's sum does not depend on its neighbours, so results do not depend on how rows are cut.
 template <typename F>
-inline void rows_dot_q8(const uint8_t* row, int64_t K, const Q8Row* xs, int M, float* out) {
+inline void rows_dot_q8_range(const uint8_t* w, int64_t rb, int64_t r0, int64_t r1, int64_t K, const Q8Row* xs,
+                              int M, float* const* out) {
 #ifdef HEARTH_Q8_ACTIVATIONS
   with_tokens(M, [&](auto m) {
     constexpr int kM = decltype(m)::value;
-    if constexpr (std::is_same_v<F, Q4_K>) row_dot_q4_k_q8<kM>(row, K, xs, out);
-    if constexpr (std::is_same_v<F, Q6_K>) row_dot_q6_k_q8<kM>(row, K, xs, out);
+    __m512 part[kM][16];  // [token][row of the sixteen]
+    for (int64_t r = r0; r < r1; r += 16) {
+      const int n = static_cast<int>(std::min<int64_t>(16, r1 - r));
+      for (int i = 0; i < 16; ++i) {
+        __m512 v[kM];
+        if (i < n) {
+          if constexpr (std::is_same_v<F, Q4_K>) row_acc_q4_k_q8<kM>(w + (r + i) * rb, K, xs, v);
+          if constexpr (std::is_same_v<F, Q6_K>) row_acc_q6_k_q8<kM>(w + (r + i) * rb, K, xs, v);
+        } else {
+          for (int t = 0; t < kM; ++t) v[t] = _mm512_setzero_ps();
+        }
+        for (int t = 0; t < kM; ++t) part[t][i] = v[t];
+      }
+      for (int t = 0; t < kM; ++t)
+        _mm512_mask_storeu_ps(out[t] + (r - r0), static_cast<__mmask16>((1u << n) - 1), vec::transpose_sum16(part[t]));
+    }
   });
 #else
-  (void)row, (void)K, (void)xs, (void)M, (void)out;
+  (void)w, (void)rb, (void)r0, (void)r1, (void)K, (void)xs, (void)M, (void)out;
 #endif
 }
 
@@ -616,15 +635,17 @@ void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
       const int mt = static_cast<int>(std::min<int64_t>(kMaxTokens, M - m0));
       float dots[kMaxTokens];
       int64_t r = r0;
-      if (kInterleaves<F> && !use_q8 && mt == 1) {  // one token: rows interleaved (token m0's row of out)
+      if (use_q8) {
+        float* outs[kMaxTokens];
+        for (int m = 0; m < mt; ++m) outs[m] = out + (m0 + m) * N + r0;
+        rows_dot_q8_range<F>(w, rb, r0, r1, K, qrows.data() + m0, mt, outs);
+        r = r1;
+      } else if (kInterleaves<F> && mt == 1) {  // one token: rows interleaved (token m0's row of out)
         rows_dot_range<F>(w, rb, r0, r1, K, rows[m0], out + m0 * N + r0);
         r = r1;
       }
       for (; r < r1; ++r) {
-        if (use_q8)
-          rows_dot_q8<F>(w + r * rb, K, qrows.data() + m0, mt, dots);
-        else
-          rows_dot<F>(w + r * rb, K, rows.data() + m0, mt, dots);
+        rows_dot<F>(w + r * rb, K, rows.data() + m0, mt, dots);
         for (int m = 0; m < mt; ++m) out[(m0 + m) * N + r] = dots[m];
       }
     }
@@ -748,27 +769,32 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
     using F = decltype(f);
     const int64_t rb = row_bytes<F>(K);
     hearth::parallel_for(0, G * R, 32, threads, [&](int64_t r0, int64_t r1) {
-      const float* xs[kMaxTokens];
-      Q8Row qs[kMaxTokens];
-      float dots[kMaxTokens];
-      for (int64_t r = r0; r < r1; ++r) {
-        const Group& g = groups[r / R];
-        const int64_t rr = r % R;
-        if (kInterleaves<F> && !use_q8 && g.count == 1) {  // a lone token's expert: its rows here interleaved
-          const int64_t n = std::min(r1 - r, R - rr), p = order[g.start];
-          rows_dot_range<F>(base + g.row * stride, rb, rr, rr + n, K, x_of(p), dst + p * R + rr);
-          r += n - 1;
+      // Group by group (one division per group, not per row: the down projection's rows are short);
+      // [rr, re) are the group's rows in this piece.
+      for (int64_t r = r0; r < r1;) {
+        const int64_t gi = r / R, rr = r - gi * R, re = std::min(R, r1 - gi * R);
+        const Group& g = groups[gi];
+        const uint8_t* w = base + g.row * stride;
+        float* out[kMaxTokens];  // row 0 of each pair's dst
+        for (int m = 0; m < g.count; ++m) out[m] = dst + order[g.start + m] * R;
+        r = gi * R + re;
+        if (kInterleaves<F> && !use_q8 && g.count == 1) {  // a lone token's expert: its rows interleaved
+          rows_dot_range<F>(w, rb, rr, re, K, x_of(order[g.start]), out[0] + rr);
           continue;
         }
-        const uint8_t* w = base + g.row * stride + rr * rb;
         if (use_q8) {
-          for (int m = 0; m < g.count; ++m) qs[m] = q_of(order[g.start + m]);
-          rows_dot_q8<F>(w, K, qs, g.count, dots);
-        } else {
-          for (int m = 0; m < g.count; ++m) xs[m] = x_of(order[g.start + m]);
-          rows_dot<F>(w, K, xs, g.count, dots);
+          Q8Row qs[kMaxTokens];
+          for (int m = 0; m < g.count; ++m) qs[m] = q_of(order[g.start + m]), out[m] += rr;
+          rows_dot_q8_range<F>(w, rb, rr, re, K, qs, g.count, out);
+          continue;
         }
-        for (int m = 0; m < g.count; ++m) dst[order[g.start + m] * R + rr] = dots[m];
+        const float* xs[kMaxTokens];
+        float dots[kMaxTokens];
+        for (int m = 0; m < g.count; ++m) xs[m] = x_of(order[g.start + m]);
+        for (int64_t row = rr; row < re; ++row) {
+          rows_dot<F>(w + row * rb, K, xs, g.count, dots);
+          for (int m = 0; m < g.count; ++m) out[m][row] = dots[m];
+        }
       }
     });
   };

@@ -19,6 +19,9 @@ namespace layer {
 
 using hearth::from_float;
 namespace blocks = hearth::blocks;
+#if defined(__AVX512F__)
+using hearth::vec::transpose_sum16;
+#endif
 
 // A projection: `rows` outputs of `cols` inputs, in the model dtype (fmt -1) or a block format (its
 // code; fp32 models only), with an optional bias (model dtype).
@@ -98,23 +101,6 @@ void rotate(T* x, int64_t tokens, int64_t heads, int64_t width, int64_t R, const
 }
 
 #if defined(__AVX512F__)
-// r[i] = the sum of v[i]'s 16 lanes, for 16 vectors at once: pairs of vectors are interleaved and
-// added, halving the count each round (about 3 instructions a sum instead of 8 for one reduction).
-inline __m512 transpose_sum16(const __m512* v) {
-  __m512 s8[8], s4[4], s2[2];
-  for (int i = 0; i < 8; ++i)
-    s8[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(s8[2 * i]), b = _mm512_castps_pd(s8[2 * i + 1]);
-    s4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int i = 0; i < 2; ++i)
-    s2[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2 * i], s4[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                          _mm512_shuffle_f32x4(s4[2 * i], s4[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s2[0], s2[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 // scores [groups, n] = q [groups, D] . keys of positions 0..n-1, times scale, for fp32 keys with D = 16 NC:
 // 16 positions at a time (the tail padded with a zero row), their lane-wise products summed by
 // transpose_sum16.

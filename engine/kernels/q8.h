@@ -56,13 +56,14 @@ struct Q8Rows {
   }
 };
 
-// Q4_K row . quantized activations for M tokens. Per 64-element chunk the 32 nibble bytes are
+// Q4_K row . quantized activations for M tokens, left as one vector per token whose 16 lanes sum
+// to the product (rows_dot_q8_range sums sixteen rows' vectors at once). Per 64-element chunk the 32 nibble bytes are
 // broadcast to both register halves and shifted by 0 (low half: the first sub-block) or 4 (high
 // half: the second), masked, and multiplied by the activations' 64 bytes in one vpdpbusd; the int32
 // lanes are scaled by their sub-block's d*sc. The mins come in once per super-block through the
 // activations' sums per 32. Per token: sum_b dx_b * (sum_g d*sc_g * sum(q x) - dmin*m_g * sum x).
 template <int M>
-inline void row_dot_q4_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, float* out) {
+inline void row_acc_q4_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, __m512* out) {
   __m512 acc[M];
   __m256 macc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps(), macc[m] = _mm256_setzero_ps();
@@ -96,16 +97,16 @@ inline void row_dot_q4_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, floa
                                 macc[m]);
     }
   }
-  for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(acc[m]) + hsum8(macc[m]);
+  for (int m = 0; m < M; ++m) out[m] = _mm512_add_ps(acc[m], _mm512_zextps256_ps512(macc[m]));
 }
 
-// Q6_K row . quantized activations for M tokens. Per 128 elements (half n of a super-block) the 6-bit
+// Q6_K row . quantized activations for M tokens, one vector per token as row_acc_q4_k_q8. Per 128 elements (half n of a super-block) the 6-bit
 // values, unsigned (0..63), are assembled in two registers of 64 bytes (quarters 0, 1 and quarters
 // 2, 3, each in the row's element order); each vpdpbusd lane (four elements) is scaled by its
 // 16-element group's d*sc. The -32 offset comes in once per super-block through the activations'
 // sums per 16: per token sum_b dx_b * (sum_g d*sc_g * (sum(q x) - 32 sum x)).
 template <int M>
-inline void row_dot_q6_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, float* out) {
+inline void row_acc_q6_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, __m512* out) {
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
@@ -146,7 +147,7 @@ inline void row_dot_q6_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, floa
                                acc[m]);
     }
   }
-  for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(acc[m]);
+  for (int m = 0; m < M; ++m) out[m] = acc[m];
 }
 #else
 // Builds without VNNI: the mode's types exist so that callers compile, and no format has a kernel.
