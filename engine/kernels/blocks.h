@@ -264,7 +264,7 @@ inline void q4_k_weights(const Q4kLanes& c, __m512i v, __m512 la, __m512 lb, vf 
 }
 
 template <int M>
-inline void row_dot_q4_k(const uint8_t* row, int64_t K, const float* const* xs, float* out) {
+inline void row_acc_q4_k(const uint8_t* row, int64_t K, const float* const* xs, vf* out) {
   vf acc[M][2];
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = zero();
   const Q4kLanes c;
@@ -291,17 +291,17 @@ inline void row_dot_q4_k(const uint8_t* row, int64_t K, const float* const* xs, 
       }
     }
   }
-  for (int m = 0; m < M; ++m) out[m] = hsum(add(acc[m][0], acc[m][1]));
+  for (int m = 0; m < M; ++m) out[m] = add(acc[m][0], acc[m][1]);
 }
 
-// R Q4_K rows for one token at once, each exactly as row_dot_q4_k<1> computes it (the same lookup
+// R Q4_K rows for one token at once, each exactly as row_acc_q4_k<1> computes it (the same lookup
 // tables, products and accumulators, so a row's result does not depend on its neighbours): the rows'
 // streams interleave, which keeps more of them in flight (from DRAM on 2 cores, against one row at a
 // time: two rows 1.07x and four 1.15x for rows of 1024 weights, 1.15x and 1.20x for the 256-weight
 // rows of expert down projections). The scales go through memory here (broadcast loads, no lane
 // permutes), with the same values.
 template <int R>
-inline void rows_dot_q4_k_1(const uint8_t* const* rows, int64_t K, const float* x, float* out) {
+inline void rows_acc_q4_k_1(const uint8_t* const* rows, int64_t K, const float* x, vf* out) {
   vf acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero();
   const Q4kLanes c;
@@ -332,10 +332,10 @@ inline void rows_dot_q4_k_1(const uint8_t* const* rows, int64_t K, const float* 
       }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(add(acc[r][0], acc[r][1]));
+  for (int r = 0; r < R; ++r) out[r] = add(acc[r][0], acc[r][1]);
 }
 
-// The activations in the lane order of row_dot_q4_k: per 64-element chunk (32 bytes: low nibbles are
+// The activations in the lane order of row_acc_q4_k: per 64-element chunk (32 bytes: low nibbles are
 // elements 0-31, high nibbles 32-63), four vectors of 16 whose lane i < 8 is byte 4i + s and lane
 // i >= 8 byte 4(i - 8) + s + 1, with s = 0, 2 for the low nibbles and again for the high ones.
 inline void permute_q4_k(const float* x, int64_t K, float* out) {
@@ -384,7 +384,7 @@ inline void q6_quarter(const Q6Half& h, int n, int q, __m512 scale, vf& w0, vf& 
 }
 
 template <int M>
-inline void row_dot_q6_k(const uint8_t* row, int64_t K, const float* const* xs, float* out) {
+inline void row_acc_q6_k(const uint8_t* row, int64_t K, const float* const* xs, vf* out) {
   vf acc[M][2];
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = zero();
   for (int64_t b = 0; b < K / Q6_K::kElems; ++b) {
@@ -407,13 +407,13 @@ inline void row_dot_q6_k(const uint8_t* row, int64_t K, const float* const* xs, 
       }
     }
   }
-  for (int m = 0; m < M; ++m) out[m] = hsum(add(acc[m][0], acc[m][1]));
+  for (int m = 0; m < M; ++m) out[m] = add(acc[m][0], acc[m][1]);
 }
 
-// R Q6_K rows for one token, each exactly as row_dot_q6_k<1> computes it, their streams interleaved
-// (see rows_dot_q4_k_1): 1.19x for the output projection with R = 2; R = 4 spills registers.
+// R Q6_K rows for one token, each exactly as row_acc_q6_k<1> computes it, their streams interleaved
+// (see rows_acc_q4_k_1): 1.19x for the output projection with R = 2; R = 4 spills registers.
 template <int R>
-inline void rows_dot_q6_k_1(const uint8_t* const* rows, int64_t K, const float* x, float* out) {
+inline void rows_acc_q6_k_1(const uint8_t* const* rows, int64_t K, const float* x, vf* out) {
   vf acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = zero();
   for (int64_t b = 0; b < K / Q6_K::kElems; ++b) {
@@ -441,7 +441,7 @@ inline void rows_dot_q6_k_1(const uint8_t* const* rows, int64_t K, const float* 
       }
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(add(acc[r][0], acc[r][1]));
+  for (int r = 0; r < R; ++r) out[r] = add(acc[r][0], acc[r][1]);
 }
 #endif
 
@@ -484,21 +484,12 @@ inline void with_tokens(int M, const Fn& fn) {
   }
 }
 
-// The row products of F for M tokens (1..kMaxTokens), in the register-unpacking kernels where
-// this build has one for F.
+// The row products of F for M tokens (1..kMaxTokens) with the generic kernels (fp8.h's for FP8): the
+// formats without AVX-512 kernels of their own (see rows_dot_range).
 template <typename F>
 inline void rows_dot(const uint8_t* row, int64_t K, const float* const* xs, int M, float* out) {
   with_tokens(M, [&](auto m) {
     constexpr int kM = decltype(m)::value;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    if constexpr (std::is_same_v<F, Q4_K>) {
-      row_dot_q4_k<kM>(row, K, xs, out);
-      return;
-    } else if constexpr (std::is_same_v<F, Q6_K>) {
-      row_dot_q6_k<kM>(row, K, xs, out);
-      return;
-    }
-#endif
     if constexpr (std::is_same_v<F, Fp8E4m3>)
       fp8::row_dot_fp8<kM>(row, K, xs, out);
     else
@@ -549,8 +540,9 @@ inline void rows_dot_q8_range(const uint8_t* w, int64_t rb, int64_t r0, int64_t 
 #endif
 }
 
-// Formats whose one-token kernel in this build takes several rows at once (rows_dot_q4_k_1,
-// rows_dot_q6_k_1), their streams interleaved.
+// Formats with AVX-512 kernels that leave one vector per row and token (row_acc_q4_k, row_acc_q6_k)
+// and, for one token, take several rows at once, their streams interleaved (rows_acc_q4_k_1,
+// rows_acc_q6_k_1).
 template <typename F>
 constexpr bool kInterleaves = false;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -560,36 +552,58 @@ template <>
 constexpr bool kInterleaves<Q6_K> = true;
 #endif
 
-// R rows of F for one token (rows[r] their bytes), interleaved: kInterleaves<F> formats only.
-template <typename F, int R>
-inline void rows_dot_n(const uint8_t* const* rows, int64_t K, const float* x, float* out) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  if constexpr (std::is_same_v<F, Q4_K>) rows_dot_q4_k_1<R>(rows, K, x, out);
-  if constexpr (std::is_same_v<F, Q6_K>) rows_dot_q6_k_1<R>(rows, K, x, out);
-#else
-  (void)rows, (void)K, (void)x, (void)out;
-#endif
-}
-
-// Rows r0 .. r1 - 1 of a weight (row r at w + r * rb) for one token into out[r - r0]: four at a time
-// (Q4_K), then two, then one, where F interleaves rows.
+// Rows [r0, r1) of a weight (row r at w + r * rb) times M activation rows xs (as F's kernel reads
+// them) into out[m][r - r0]. kInterleaves formats go sixteen rows at a time: their kernels leave one
+// vector per row and token, and transpose_sum16 sums sixteen rows' vectors in one go (a reduction per
+// row costs a tenth of a short row's products); a lone token's rows go four (Q4_K) or two (Q6_K) at a
+// time through the interleaved kernels. A row's sum depends on that row alone, so results do not
+// depend on how rows are cut into pieces nor on which other tokens share the step.
 template <typename F>
-inline void rows_dot_range(const uint8_t* w, int64_t rb, int64_t r0, int64_t r1, int64_t K, const float* x,
-                           float* out) {
-  int64_t r = r0;
+inline void rows_dot_range(const uint8_t* w, int64_t rb, int64_t r0, int64_t r1, int64_t K, const float* const* xs,
+                           int M, float* const* out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
   if constexpr (kInterleaves<F>) {
-    // Four at a time for Q4_K only: Q6_K's assembled quarters of four rows no longer fit the registers.
-    if constexpr (std::is_same_v<F, Q4_K>)
-      for (; r + 3 < r1; r += 4) {
-        const uint8_t* rows[4] = {w + r * rb, w + (r + 1) * rb, w + (r + 2) * rb, w + (r + 3) * rb};
-        rows_dot_n<F, 4>(rows, K, x, out + (r - r0));
+    constexpr bool q4 = std::is_same_v<F, Q4_K>;
+    with_tokens(M, [&](auto m) {
+      constexpr int kM = decltype(m)::value;
+      vf part[kM][16];  // [token][row of the sixteen]
+      for (int64_t r = r0; r < r1; r += 16) {
+        const int n = static_cast<int>(std::min<int64_t>(16, r1 - r));
+        int i = 0;
+        if constexpr (kM == 1) {
+          constexpr int R = q4 ? 4 : 2;  // Q6_K's assembled quarters of four rows no longer fit the registers
+          for (; i + R <= n; i += R) {
+            const uint8_t* rows[R];
+            for (int j = 0; j < R; ++j) rows[j] = w + (r + i + j) * rb;
+            if constexpr (q4) rows_acc_q4_k_1<R>(rows, K, xs[0], part[0] + i);
+            else rows_acc_q6_k_1<R>(rows, K, xs[0], part[0] + i);
+          }
+          if constexpr (q4)
+            for (; i + 2 <= n; i += 2) {
+              const uint8_t* rows[2] = {w + (r + i) * rb, w + (r + i + 1) * rb};
+              rows_acc_q4_k_1<2>(rows, K, xs[0], part[0] + i);
+            }
+        }
+        for (; i < n; ++i) {
+          vf v[kM];
+          if constexpr (q4) row_acc_q4_k<kM>(w + (r + i) * rb, K, xs, v);
+          else row_acc_q6_k<kM>(w + (r + i) * rb, K, xs, v);
+          for (int t = 0; t < kM; ++t) part[t][i] = v[t];
+        }
+        for (; i < 16; ++i)
+          for (int t = 0; t < kM; ++t) part[t][i] = zero();
+        for (int t = 0; t < kM; ++t)
+          _mm512_mask_storeu_ps(out[t] + (r - r0), static_cast<__mmask16>((1u << n) - 1), transpose_sum16(part[t]));
       }
-    for (; r + 1 < r1; r += 2) {
-      const uint8_t* rows[2] = {w + r * rb, w + (r + 1) * rb};
-      rows_dot_n<F, 2>(rows, K, x, out + (r - r0));
-    }
+    });
+    return;
   }
-  for (; r < r1; ++r) rows_dot<F>(w + r * rb, K, &x, 1, out + (r - r0));
+#endif
+  float dots[kMaxTokens];
+  for (int64_t r = r0; r < r1; ++r) {
+    rows_dot<F>(w + r * rb, K, xs, M, dots);
+    for (int m = 0; m < M; ++m) out[m][r - r0] = dots[m];
+  }
 }
 
 // Calls fn(F{}) for the format code (see kCode); false for an unknown code.
@@ -633,21 +647,12 @@ void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   hearth::parallel_for(0, N, 16, threads, [&](int64_t r0, int64_t r1) {
     for (int64_t m0 = 0; m0 < M; m0 += kMaxTokens) {
       const int mt = static_cast<int>(std::min<int64_t>(kMaxTokens, M - m0));
-      float dots[kMaxTokens];
-      int64_t r = r0;
-      if (use_q8) {
-        float* outs[kMaxTokens];
-        for (int m = 0; m < mt; ++m) outs[m] = out + (m0 + m) * N + r0;
+      float* outs[kMaxTokens];
+      for (int m = 0; m < mt; ++m) outs[m] = out + (m0 + m) * N + r0;
+      if (use_q8)
         rows_dot_q8_range<F>(w, rb, r0, r1, K, qrows.data() + m0, mt, outs);
-        r = r1;
-      } else if (kInterleaves<F> && mt == 1) {  // one token: rows interleaved (token m0's row of out)
-        rows_dot_range<F>(w, rb, r0, r1, K, rows[m0], out + m0 * N + r0);
-        r = r1;
-      }
-      for (; r < r1; ++r) {
-        rows_dot<F>(w + r * rb, K, rows.data() + m0, mt, dots);
-        for (int m = 0; m < mt; ++m) out[(m0 + m) * N + r] = dots[m];
-      }
+      else
+        rows_dot_range<F>(w, rb, r0, r1, K, rows.data() + m0, mt, outs);
     }
   });
 }
@@ -778,22 +783,14 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
         float* out[kMaxTokens];  // row 0 of each pair's dst
         for (int m = 0; m < g.count; ++m) out[m] = dst + order[g.start + m] * R;
         r = gi * R + re;
-        if (kInterleaves<F> && !use_q8 && g.count == 1) {  // a lone token's expert: its rows interleaved
-          rows_dot_range<F>(w, rb, rr, re, K, x_of(order[g.start]), out[0] + rr);
-          continue;
-        }
         if (use_q8) {
           Q8Row qs[kMaxTokens];
           for (int m = 0; m < g.count; ++m) qs[m] = q_of(order[g.start + m]), out[m] += rr;
           rows_dot_q8_range<F>(w, rb, rr, re, K, qs, g.count, out);
-          continue;
-        }
-        const float* xs[kMaxTokens];
-        float dots[kMaxTokens];
-        for (int m = 0; m < g.count; ++m) xs[m] = x_of(order[g.start + m]);
-        for (int64_t row = rr; row < re; ++row) {
-          rows_dot<F>(w + row * rb, K, xs, g.count, dots);
-          for (int m = 0; m < g.count; ++m) out[m][row] = dots[m];
+        } else {
+          const float* xs[kMaxTokens];
+          for (int m = 0; m < g.count; ++m) xs[m] = x_of(order[g.start + m]), out[m] += rr;
+          rows_dot_range<F>(w, rb, rr, re, K, xs, g.count, out);
         }
       }
     });
