@@ -90,6 +90,9 @@ class NativeLayers:
         # roundings the module path (and transformers) share bit for bit.
         self.native_attention = self.dtype == torch.float32
         self.layers: list[tuple[torch.Tensor, bool] | None] = [self._describe(layer) for layer in model.model.layers]
+        # Every layer whole and native (fp32): one call runs them all (decode_layers).
+        whole = self.native_attention and all(d is not None and d[1] for d in self.layers)
+        self._all = torch.tensor([d[0].data_ptr() for d in self.layers], dtype=torch.int64) if whole else None
         self._attention = [getattr(layer, "_mixer", None) for layer in model.model.layers]
         self._mlp = [layer.mlp for layer in model.model.layers]
 
@@ -252,6 +255,17 @@ class NativeLayers:
                   "slots": slots.data_ptr(), "ctx_len": ctx.data_ptr(), "first_slot": first.data_ptr(),
                   "table": table.data_ptr(), "table_stride": stride, "block_size": batch.block_size}
         return _Step(_pack(values, STEP_FIELDS), batch, keep)
+
+    def run_all(self, h: torch.Tensor, step: _Step) -> bool:
+        """Every layer's decode step on ``h`` [T, H] in place, in one native call: True when the model
+        runs whole natively, else False (nothing ran; the caller goes layer by layer with :meth:`run`)."""
+        if self._all is None:
+            return False
+        rc = self._ops._decode.decode_layers(self._all.data_ptr(), len(self.layers), step.desc.data_ptr(),
+                                             h.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"decode_layers failed ({rc})")
+        return True
 
     def run(self, index: int, h: torch.Tensor, step: _Step) -> bool | None:
         """Layer ``index``'s decode step on ``h`` [T, H] in place: True when it ran whole, False when

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
     __import__("hearth.engine.kernels", fromlist=["cpu_decode_ops"]).cpu_decode_ops() is None,
     reason="native kernels not available on this machine")
 
-_RUN = NativeLayers.run
+_RUN, _RUN_ALL = NativeLayers.run, NativeLayers.run_all
 PROMPTS = [[5, 17, 33, 99, 100, 3, 7], [300, 12, 12, 250, 8, 9, 10, 11, 12, 13, 14, 15, 16], list(range(40, 75))]
 
 
@@ -36,7 +36,14 @@ def _run(path, monkeypatch, native: bool, steps: int = 12, **options):
             counts[ran] += 1
         return ran
 
+    def counted_all(self, h, step):
+        ran = _RUN_ALL(self, h, step)
+        if ran:
+            counts[True] += len(self.layers)
+        return ran
+
     monkeypatch.setattr(NativeLayers, "run", counted)
+    monkeypatch.setattr(NativeLayers, "run_all", counted_all)
     llm = LLM(str(path), **options)
     logits = record_logits(llm)
     outs = llm.generate(PROMPTS, greedy(steps))

@@ -379,6 +379,29 @@ PyObject* py_decode_layer(PyObject*, PyObject* const* args, Py_ssize_t n) {
   return PyLong_FromLong(rc);
 }
 
+// decode_layers(descs, n, step_desc, h, threads): n whole layers one after another on h (descs: an int64
+// array of LayerDesc addresses), in one call: a step of a model whose every layer runs natively pays
+// for one crossing from Python and one release of the GIL instead of one per layer. Returns 0, or -1
+// for an unknown dtype.
+PyObject* py_decode_layers(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  int64_t a[5];
+  if (!hearth::int_args(args, n, 5, a, "decode_layers")) return nullptr;
+  const int64_t* descs = ptr<const int64_t>(a[0]);
+  const auto& s = *ptr<const layer::StepDesc>(a[2]);
+  const int threads = static_cast<int>(a[4]);
+  int rc = 0;
+  Py_BEGIN_ALLOW_THREADS
+  for (int64_t i = 0; i < a[1] && rc == 0; ++i) {
+    const auto& d = *ptr<const layer::LayerDesc>(descs[i]);
+    rc = by_dtype(static_cast<int>(d.dtype), [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      layer::run<T>(d, s, ptr<T>(a[3]), threads);
+    });
+  }
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(rc);
+}
+
 // The sizes in int64 words of LayerDesc and StepDesc, which the Python side fills.
 PyObject* py_layer_desc_size(PyObject*, PyObject*) {
   return Py_BuildValue("(nn)", static_cast<Py_ssize_t>(sizeof(layer::LayerDesc) / 8),
@@ -388,6 +411,7 @@ PyObject* py_layer_desc_size(PyObject*, PyObject*) {
 PyMethodDef methods[] = {
     {"source_hash", hearth::py_source_hash, METH_NOARGS, "hash of the sources this module was built from"},
     {"decode_layer", fastcall(py_decode_layer), METH_FASTCALL, "one decoder layer's decode step, in place"},
+    {"decode_layers", fastcall(py_decode_layers), METH_FASTCALL, "whole decoder layers' decode step, in place"},
     {"layer_desc_size", py_layer_desc_size, METH_NOARGS, "int64 words of LayerDesc and StepDesc"},
     {"linear_decode", fastcall(py_linear_decode), METH_FASTCALL, "out = x @ w^T (+ bias) for a few tokens"},
     {"experts_decode", fastcall(py_experts_decode), METH_FASTCALL, "one token's routed experts, weighted and summed"},

@@ -88,7 +88,8 @@ class MoECausalLM(nn.Module):
         ctx = LayerContext(batch, kv, states, self.model.rotary(batch.positions, h.dtype))
         native = self.native_layers(kv) if h.is_cpu else None
         step = native.step(batch, ctx.rope) if native is not None else None
-        for index, layer in enumerate(self.model.layers):
+        layers = self.model.layers if step is None or not native.run_all(h, step) else ()
+        for index, layer in enumerate(layers):
             ran = native.run(index, h, step) if step is not None else None
             if ran is None:
                 h = layer(h, ctx)
