@@ -85,8 +85,49 @@ inline float dot16(const W* w, const float* x, int64_t K) {
   return s;
 }
 #define HEARTH_DOT dot16
+
+// out[m] = dot16(w, xs[m], K) for M tokens at once, each token's products and sums in exactly dot16's
+// order (so bit for bit the same): the row's vectors are loaded and widened once for all the tokens,
+// and the 2M independent accumulator chains keep the FMA units busy where one token's two chains wait
+// on the FMA latency.
+template <int M, typename W>
+inline void dots16(const W* w, const float* const* xs, int64_t K, float* out) {
+  __m512 b0[M], b1[M];
+  for (int m = 0; m < M; ++m) b0[m] = b1[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + 1024, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + k) + 8192, _MM_HINT_T1);
+    const __m512 w0 = load16(w + k), w1 = load16(w + k + 16);
+    for (int m = 0; m < M; ++m) {
+      b0[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xs[m] + k), b0[m]);
+      b1[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xs[m] + k + 16), b1[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    const float* x = xs[m];
+    __m256 a0 = _mm512_castps512_ps256(b0[m]), a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b0[m]), 1));
+    __m256 a2 = _mm512_castps512_ps256(b1[m]), a3 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b1[m]), 1));
+    int64_t j = k;
+    for (; j + 8 <= K; j += 8) a0 = _mm256_fmadd_ps(load8(w + j), _mm256_loadu_ps(x + j), a0);
+    float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; j < K; ++j) s += to_float(w[j]) * x[j];
+    out[m] = s;
+  }
+}
+
+// dots16 for a run-time token count M (1..8).
+template <typename W>
+inline void dots(const W* w, const float* const* xs, int64_t K, int M, float* out) {
+  hearth::blocks::with_tokens(M, [&](auto m) { dots16<decltype(m)::value>(w, xs, K, out); });
+}
 #else
 #define HEARTH_DOT dot
+
+template <typename W>
+inline void dots(const W* w, const float* const* xs, int64_t K, int M, float* out) {
+  for (int m = 0; m < M; ++m) out[m] = dot(w, xs[m], K);
+}
 #endif
 
 using hearth::blocks::silu;
@@ -106,11 +147,15 @@ void linear_impl(const T* x, int64_t M, int64_t K, const T* w, int64_t N, const 
   const auto xf = to_floats(x, M * K);
   const auto bf = bias != nullptr ? to_floats(bias, N) : std::vector<float>();
   hearth::parallel_for(0, N, 16, threads, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t m = 0; m < M; ++m) {
-        float s = HEARTH_DOT(w + r * K, xf.data() + m * K, K);
-        if (!bf.empty()) s += bf[r];
-        out[m * N + r] = hearth::from_float<T>(s);
+    const float* xs[hearth::blocks::kMaxTokens];
+    float s[hearth::blocks::kMaxTokens];
+    for (int64_t m0 = 0; m0 < M; m0 += hearth::blocks::kMaxTokens) {
+      const int mt = static_cast<int>(std::min<int64_t>(hearth::blocks::kMaxTokens, M - m0));
+      for (int m = 0; m < mt; ++m) xs[m] = xf.data() + (m0 + m) * K;
+      for (int64_t r = r0; r < r1; ++r) {
+        dots(w + r * K, xs, K, mt, s);
+        for (int m = 0; m < mt; ++m)
+          out[(m0 + m) * N + r] = hearth::from_float<T>(bf.empty() ? s[m] : s[m] + bf[r]);
       }
     }
   });
