@@ -348,23 +348,14 @@ inline void permute_q4_k(const float* x, int64_t K, float* out) {
   }
 }
 
-// Q6_K with AVX-512, the 6-bit values assembled in registers: per 128 elements two 32-byte loads of
-// low nibbles and one of high bit pairs give four 32-element quarters (scales per 16 elements).
-// The same products and accumulators, in the same order, as the generic row_dot<Q6_K, M>.
-struct Q6Half {
-  __m256i lows[4];  // quarter q: low nibbles of ql0 / ql1, then their high nibbles
-  __m256i qh;       // high bit pairs: bits 2q..2q+1 for quarter q
-};
-
-inline Q6Half q6_half(const uint8_t* blk, int n) {
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
-  const __m256i ql0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * n));
-  const __m256i ql1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * n + 32));
-  return {{_mm256_and_si256(ql0, low4), _mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
-           _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4)},
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * n))};
-}
-
+// Q6_K with AVX-512. Per half of a super-block (128 elements) one 64-byte load of low nibbles and
+// one 32-byte load of high bit pairs give the 6-bit values u of two 64-element pairs of quarters
+// (quarters 0|1 and 2|3), one per byte, in two registers (the int8 mode's assembly, kernels/q8.h).
+// Each register's 32-bit lanes then give four vectors of 16 weights, byte k of every lane (one shift,
+// one mask) converted and scaled: w = u * s - 32 s in one fused rounding, the same value as the
+// reference's (u - 32) * s. About two thirds of the instructions of widening each quarter's bytes
+// (a lane permute and a sign extension per 16 weights); the lanes' elements come in a fixed order
+// other than the row's, so each call permutes the activations once to match (permute_q6_k).
 // The 16 scales d * sc of a super-block, in a register (each broadcast by a lane permute: a store and
 // sixteen narrow reloads stall on store forwarding).
 inline __m512 q6_scales(const uint8_t* blk) {
@@ -372,15 +363,42 @@ inline __m512 q6_scales(const uint8_t* blk) {
   return _mm512_mul_ps(set1(half_to_float(blk + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
 }
 
-// Quarter q of half n as two vectors of weights (elements 0-15 and 16-31 of the quarter).
-inline void q6_quarter(const Q6Half& h, int n, int q, __m512 scale, vf& w0, vf& w1) {
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(h.qh, 2 * q), _mm256_set1_epi8(0x03));
-  const __m256i v = _mm256_sub_epi8(_mm256_or_si256(h.lows[q], _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
-  const int g = 8 * n + 2 * q;  // the scales of elements 0-15 and 16-31 of this quarter
-  w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v))),
-                     _mm512_permutexvar_ps(_mm512_set1_epi32(g), scale));
-  w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1))),
-                     _mm512_permutexvar_ps(_mm512_set1_epi32(g + 1), scale));
+struct Q6Pair {
+  __m512i u;      // 64 six-bit values: bytes 0-31 the first quarter of the pair, 32-63 the second
+  __m512 s, neg;  // per lane (four of each 16-element group): the scale d * sc and -32 times it
+};
+
+// Quarters 2p, 2p + 1 of half n of block blk; scale: q6_scales(blk).
+inline Q6Pair q6_pair(const uint8_t* blk, int n, int p, __m512 scale) {
+  const __m512i ql = _mm512_loadu_si512(blk + 64 * n);
+  const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * n)));
+  const __m512i shift = p == 0 ? _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2) : _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6);
+  const __m512i hi = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(qh, shift), _mm512_set1_epi8(0x03)), 4);
+  const __m512i lo = p == 0 ? ql : _mm512_srli_epi16(ql, 4);
+  const int g = 8 * n + 4 * p;  // lanes 0-3, 4-7, 8-11, 12-15: groups g .. g + 3
+  const __m512 s = _mm512_permutexvar_ps(
+      _mm512_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2, g + 2, g + 3, g + 3, g + 3, g + 3),
+      scale);
+  return {_mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi8(0x0F)), hi), s,
+          _mm512_mul_ps(s, _mm512_set1_ps(-32.0f))};
+}
+
+// The weights of byte k of every 32-bit lane of a pair: lane i < 8 is element 4i + k of the first
+// quarter, lane i >= 8 element 4(i - 8) + k of the second.
+template <int k>
+inline __m512 q6_plane(const Q6Pair& q) {
+  __m512i v = q.u;
+  if constexpr (k > 0) v = _mm512_srli_epi32(v, 8 * k);
+  if constexpr (k < 3) v = _mm512_and_si512(v, _mm512_set1_epi32(0xFF));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), q.s, q.neg);
+}
+
+// acc[k & 1] += plane k of pair q times the activations at x (16 each, in permute_q6_k's order).
+inline void q6_pair_products(const Q6Pair& q, const float* x, vf* acc) {
+  acc[0] = fma(q6_plane<0>(q), loadf(x), acc[0]);
+  acc[1] = fma(q6_plane<1>(q), loadf(x + 16), acc[1]);
+  acc[0] = fma(q6_plane<2>(q), loadf(x + 32), acc[0]);
+  acc[1] = fma(q6_plane<3>(q), loadf(x + 48), acc[1]);
 }
 
 template <int M>
@@ -391,27 +409,18 @@ inline void row_acc_q6_k(const uint8_t* row, int64_t K, const float* const* xs, 
     const uint8_t* blk = row + b * Q6_K::kBytes;
     prefetch_ahead(blk, Q6_K::kBytes);
     const __m512 scale = q6_scales(blk);
-    const int64_t base = b * Q6_K::kElems;
-#pragma GCC unroll 2
-    for (int n = 0; n < 2; ++n) {
-      const Q6Half h = q6_half(blk, n);
 #pragma GCC unroll 4
-      for (int q = 0; q < 4; ++q) {
-        vf w0, w1;
-        q6_quarter(h, n, q, scale, w0, w1);
-        const int64_t e = base + 128 * n + 32 * q;
-        for (int m = 0; m < M; ++m) {
-          acc[m][0] = fma(w0, loadf(xs[m] + e), acc[m][0]);
-          acc[m][1] = fma(w1, loadf(xs[m] + e + 16), acc[m][1]);
-        }
-      }
+    for (int h = 0; h < 4; ++h) {  // half h / 2, pair h % 2
+      const Q6Pair q = q6_pair(blk, h / 2, h % 2, scale);
+      const int64_t e = b * Q6_K::kElems + 64 * h;
+      for (int m = 0; m < M; ++m) q6_pair_products(q, xs[m] + e, acc[m]);
     }
   }
   for (int m = 0; m < M; ++m) out[m] = add(acc[m][0], acc[m][1]);
 }
 
 // R Q6_K rows for one token, each exactly as row_acc_q6_k<1> computes it, their streams interleaved
-// (see rows_acc_q4_k_1): 1.19x for the output projection with R = 2; R = 4 spills registers.
+// (see rows_acc_q4_k_1).
 template <int R>
 inline void rows_acc_q6_k_1(const uint8_t* const* rows, int64_t K, const float* x, vf* out) {
   vf acc[R][2];
@@ -423,25 +432,21 @@ inline void rows_acc_q6_k_1(const uint8_t* const* rows, int64_t K, const float* 
       prefetch_ahead(blk, Q6_K::kBytes);
       scale[r] = q6_scales(blk);
     }
-    const int64_t base = b * Q6_K::kElems;
-#pragma GCC unroll 2
-    for (int n = 0; n < 2; ++n) {
-      Q6Half h[R];
-      for (int r = 0; r < R; ++r) h[r] = q6_half(rows[r] + b * Q6_K::kBytes, n);
 #pragma GCC unroll 4
-      for (int k = 0; k < 4; ++k) {
-        const int64_t e = base + 128 * n + 32 * k;
-        const vf x0 = loadf(x + e), x1 = loadf(x + e + 16);
-        for (int r = 0; r < R; ++r) {
-          vf w0, w1;
-          q6_quarter(h[r], n, k, scale[r], w0, w1);
-          acc[r][0] = fma(w0, x0, acc[r][0]);
-          acc[r][1] = fma(w1, x1, acc[r][1]);
-        }
-      }
+    for (int h = 0; h < 4; ++h) {
+      const float* xe = x + b * Q6_K::kElems + 64 * h;
+      for (int r = 0; r < R; ++r) q6_pair_products(q6_pair(rows[r] + b * Q6_K::kBytes, h / 2, h % 2, scale[r]), xe, acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = add(acc[r][0], acc[r][1]);
+}
+
+// The activations in the lane order of row_acc_q6_k: per 64 elements (a pair of quarters), four
+// vectors of 16 (k = 0..3) whose lane i < 8 is element 4i + k and lane i >= 8 element 32 + 4(i - 8) + k.
+inline void permute_q6_k(const float* x, int64_t K, float* out) {
+  for (int64_t c = 0; c < K / 64; ++c)
+    for (int k = 0; k < 4; ++k)
+      for (int i = 0; i < 16; ++i) out[64 * c + 16 * k + i] = x[64 * c + 32 * (i / 8) + 4 * (i % 8) + k];
 }
 #endif
 
@@ -454,6 +459,8 @@ constexpr bool kPermutesX = false;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 template <>
 constexpr bool kPermutesX<Q4_K> = true;
+template <>
+constexpr bool kPermutesX<Q6_K> = true;
 #endif
 
 // x [K] as the kernel of F reads it: x itself, or its permutation written to buf [K].
@@ -461,7 +468,8 @@ template <typename F>
 inline const float* prepare_x(const float* x, int64_t K, float* buf) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   if constexpr (kPermutesX<F>) {
-    permute_q4_k(x, K, buf);
+    if constexpr (std::is_same_v<F, Q4_K>) permute_q4_k(x, K, buf);
+    if constexpr (std::is_same_v<F, Q6_K>) permute_q6_k(x, K, buf);
     return buf;
   }
 #endif
