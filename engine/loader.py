@@ -233,7 +233,6 @@ def load_config(model_dir: str | Path, dtype: str | torch.dtype | None = None):
     from hearth.engine.ftw import is_ftw, read_index
 
     if dtype in (None, "auto") and is_ftw(model_dir):
-
         dtype = read_index(model_dir)["dtype"]  # an FTW directory computes in the dtype it stores
     raw = read_config_json(model_dir)
     if quant_spec(raw, model_dir) is not None and dtype in (None, "auto"):

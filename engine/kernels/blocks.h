@@ -516,33 +516,42 @@ template <>
 constexpr bool kQ8<Q6_K> = true;
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Rows [r0, r1) sixteen at a time for kM tokens: fill(r, n, part) leaves the per-token vectors of rows
+// r .. r + n - 1 (n <= 16) in part[t][0 .. n); the rest are zeroed, and transpose_sum16 sums each
+// row's vector into out[t][row - r0]. A row's sum comes from its own vector alone (whatever its
+// neighbours), so results do not depend on how rows are cut into pieces nor on the other tokens.
+template <int kM, typename Fill>
+inline void sum16_rows(int64_t r0, int64_t r1, float* const* out, const Fill& fill) {
+  __m512 part[kM][16];  // [token][row of the sixteen]
+  for (int64_t r = r0; r < r1; r += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, r1 - r));
+    fill(r, n, part);
+    for (int i = n; i < 16; ++i)
+      for (int t = 0; t < kM; ++t) part[t][i] = _mm512_setzero_ps();
+    for (int t = 0; t < kM; ++t)
+      _mm512_mask_storeu_ps(out[t] + (r - r0), static_cast<__mmask16>((1u << n) - 1), transpose_sum16(part[t]));
+  }
+}
+#endif
+
 // Rows [r0, r1) of a weight (row r at w + r * rb) times M quantized activation rows (kQ8<F> formats
-// only; nothing otherwise) into out[m][r - r0]. Sixteen rows at a time: each row's kernel leaves one
-// vector per token and transpose_sum16 sums sixteen of them in one go, where a reduction per row
-// costs as much as a third of a short row's products (the experts' down rows: one super-block).
-// A row's sum does not depend on its neighbours, so results do not depend on how rows are cut.
+// only; nothing otherwise) into out[m][r - r0], sixteen rows at a time (sum16_rows: a reduction per
+// row costs as much as a third of a short row's products, the experts' one-super-block down rows).
 template <typename F>
 inline void rows_dot_q8_range(const uint8_t* w, int64_t rb, int64_t r0, int64_t r1, int64_t K, const Q8Row* xs,
                               int M, float* const* out) {
 #ifdef HEARTH_Q8_ACTIVATIONS
   with_tokens(M, [&](auto m) {
     constexpr int kM = decltype(m)::value;
-    __m512 part[kM][16];  // [token][row of the sixteen]
-    for (int64_t r = r0; r < r1; r += 16) {
-      const int n = static_cast<int>(std::min<int64_t>(16, r1 - r));
-      for (int i = 0; i < 16; ++i) {
+    sum16_rows<kM>(r0, r1, out, [&](int64_t r, int n, __m512 (*part)[16]) {
+      for (int i = 0; i < n; ++i) {
         __m512 v[kM];
-        if (i < n) {
-          if constexpr (std::is_same_v<F, Q4_K>) row_acc_q4_k_q8<kM>(w + (r + i) * rb, K, xs, v);
-          if constexpr (std::is_same_v<F, Q6_K>) row_acc_q6_k_q8<kM>(w + (r + i) * rb, K, xs, v);
-        } else {
-          for (int t = 0; t < kM; ++t) v[t] = _mm512_setzero_ps();
-        }
+        if constexpr (std::is_same_v<F, Q4_K>) row_acc_q4_k_q8<kM>(w + (r + i) * rb, K, xs, v);
+        if constexpr (std::is_same_v<F, Q6_K>) row_acc_q6_k_q8<kM>(w + (r + i) * rb, K, xs, v);
         for (int t = 0; t < kM; ++t) part[t][i] = v[t];
       }
-      for (int t = 0; t < kM; ++t)
-        _mm512_mask_storeu_ps(out[t] + (r - r0), static_cast<__mmask16>((1u << n) - 1), vec::transpose_sum16(part[t]));
-    }
+    });
   });
 #else
   (void)w, (void)rb, (void)r0, (void)r1, (void)K, (void)xs, (void)M, (void)out;
@@ -562,11 +571,9 @@ constexpr bool kInterleaves<Q6_K> = true;
 #endif
 
 // Rows [r0, r1) of a weight (row r at w + r * rb) times M activation rows xs (as F's kernel reads
-// them) into out[m][r - r0]. kInterleaves formats go sixteen rows at a time: their kernels leave one
-// vector per row and token, and transpose_sum16 sums sixteen rows' vectors in one go (a reduction per
-// row costs a tenth of a short row's products); a lone token's rows go eight (Q4_K) or four (Q6_K) at a
-// time through the interleaved kernels. A row's sum depends on that row alone, so results do not
-// depend on how rows are cut into pieces nor on which other tokens share the step.
+// them) into out[m][r - r0]. kInterleaves formats go sixteen rows at a time (sum16_rows: a reduction
+// per row costs a tenth of a short row's products); a lone token's rows go eight (Q4_K) or four
+// (Q6_K) at a time through the interleaved kernels.
 template <typename F>
 inline void rows_dot_range(const uint8_t* w, int64_t rb, int64_t r0, int64_t r1, int64_t K, const float* const* xs,
                            int M, float* const* out) {
@@ -575,9 +582,7 @@ inline void rows_dot_range(const uint8_t* w, int64_t rb, int64_t r0, int64_t r1,
     constexpr bool q4 = std::is_same_v<F, Q4_K>;
     with_tokens(M, [&](auto m) {
       constexpr int kM = decltype(m)::value;
-      vf part[kM][16];  // [token][row of the sixteen]
-      for (int64_t r = r0; r < r1; r += 16) {
-        const int n = static_cast<int>(std::min<int64_t>(16, r1 - r));
+      sum16_rows<kM>(r0, r1, out, [&](int64_t r, int n, vf (*part)[16]) {
         int i = 0;
         if constexpr (kM == 1) {  // R rows at a time, R = 8 (Q4_K only), 4, then 2
           auto interleaved = [&](auto rc) {
@@ -599,11 +604,7 @@ inline void rows_dot_range(const uint8_t* w, int64_t rb, int64_t r0, int64_t r1,
           else row_acc_q6_k<kM>(w + (r + i) * rb, K, xs, v);
           for (int t = 0; t < kM; ++t) part[t][i] = v[t];
         }
-        for (; i < 16; ++i)
-          for (int t = 0; t < kM; ++t) part[t][i] = zero();
-        for (int t = 0; t < kM; ++t)
-          _mm512_mask_storeu_ps(out[t] + (r - r0), static_cast<__mmask16>((1u << n) - 1), transpose_sum16(part[t]));
-      }
+      });
     });
     return;
   }

@@ -65,37 +65,17 @@ inline __m512 load16(const bf16* p) {
 }
 inline __m512 load16(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
-template <typename W>
-inline float dot16(const W* w, const float* x, int64_t K) {
-  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    // Rows are contiguous: fetching ahead (into L1 1 KiB ahead, into L2 8 KiB ahead) keeps more
-    // lines in flight than the hardware prefetcher alone (decode is bound by how fast weights stream in).
-    _mm_prefetch(reinterpret_cast<const char*>(w + k) + 1024, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + k) + 8192, _MM_HINT_T1);
-    b0 = _mm512_fmadd_ps(load16(w + k), _mm512_loadu_ps(x + k), b0);
-    b1 = _mm512_fmadd_ps(load16(w + k + 16), _mm512_loadu_ps(x + k + 16), b1);
-  }
-  __m256 a0 = _mm512_castps512_ps256(b0), a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b0), 1));
-  __m256 a2 = _mm512_castps512_ps256(b1), a3 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b1), 1));
-  for (; k + 8 <= K; k += 8) a0 = _mm256_fmadd_ps(load8(w + k), _mm256_loadu_ps(x + k), a0);
-  float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-  for (; k < K; ++k) s += to_float(w[k]) * x[k];
-  return s;
-}
-#define HEARTH_DOT dot16
-
-// out[m] = dot16(w, xs[m], K) for M tokens at once, each token's products and sums in exactly dot16's
-// order (so bit for bit the same): the row's vectors are loaded and widened once for all the tokens,
-// and the 2M independent accumulator chains keep the FMA units busy where one token's two chains wait
-// on the FMA latency.
+// out[m] = row w . xs[m] for M tokens at once, each token's as described above: the row's vectors are
+// loaded and widened once for all the tokens, and the 2M independent accumulator chains keep the FMA
+// units busy where one token's two chains wait on the FMA latency.
 template <int M, typename W>
 inline void dots16(const W* w, const float* const* xs, int64_t K, float* out) {
   __m512 b0[M], b1[M];
   for (int m = 0; m < M; ++m) b0[m] = b1[m] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
+    // Rows are contiguous: fetching ahead (into L1 1 KiB ahead, into L2 8 KiB ahead) keeps more
+    // lines in flight than the hardware prefetcher alone (decode is bound by how fast weights stream in).
     _mm_prefetch(reinterpret_cast<const char*>(w + k) + 1024, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w + k) + 8192, _MM_HINT_T1);
     const __m512 w0 = load16(w + k), w1 = load16(w + k + 16);
@@ -115,6 +95,15 @@ inline void dots16(const W* w, const float* const* xs, int64_t K, float* out) {
     out[m] = s;
   }
 }
+
+// One token (HEARTH_DOT in this build).
+template <typename W>
+inline float dot16(const W* w, const float* x, int64_t K) {
+  float s;
+  dots16<1>(w, &x, K, &s);
+  return s;
+}
+#define HEARTH_DOT dot16
 
 // dots16 for a run-time token count M (1..8).
 template <typename W>

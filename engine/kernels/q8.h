@@ -56,9 +56,9 @@ struct Q8Rows {
   }
 };
 
-// Q4_K row . quantized activations for M tokens, left as one vector per token whose 16 lanes sum
-// to the product (rows_dot_q8_range sums sixteen rows' vectors at once). Per 64-element chunk the 32 nibble bytes are
-// broadcast to both register halves and shifted by 0 (low half: the first sub-block) or 4 (high
+// Q4_K row . quantized activations for M tokens, left as one vector per token whose 16 lanes sum to
+// the product (rows_dot_q8_range sums sixteen rows' vectors at once). Per 64-element chunk the 32
+// nibble bytes are broadcast to both register halves and shifted by 0 (low half: the first sub-block) or 4 (high
 // half: the second), masked, and multiplied by the activations' 64 bytes in one vpdpbusd; the int32
 // lanes are scaled by their sub-block's d*sc. The mins come in once per super-block through the
 // activations' sums per 32. Per token: sum_b dx_b * (sum_g d*sc_g * sum(q x) - dmin*m_g * sum x).
@@ -100,8 +100,8 @@ inline void row_acc_q4_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, __m5
   for (int m = 0; m < M; ++m) out[m] = _mm512_add_ps(acc[m], _mm512_zextps256_ps512(macc[m]));
 }
 
-// Q6_K row . quantized activations for M tokens, one vector per token as row_acc_q4_k_q8. Per 128 elements (half n of a super-block) the 6-bit
-// values, unsigned (0..63), are assembled in two registers of 64 bytes (quarters 0, 1 and quarters
+// Q6_K row . quantized activations for M tokens, one vector per token as row_acc_q4_k_q8. Per 128
+// elements (half n of a super-block) the 6-bit values, unsigned (0..63), are assembled in two registers of 64 bytes (quarters 0, 1 and quarters
 // 2, 3, each in the row's element order); each vpdpbusd lane (four elements) is scaled by its
 // 16-element group's d*sc. The -32 offset comes in once per super-block through the activations'
 // sums per 16: per token sum_b dx_b * (sum_g d*sc_g * (sum(q x) - 32 sum x)).
@@ -109,8 +109,6 @@ template <int M>
 inline void row_acc_q6_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, __m512* out) {
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(0x03);
-  const __m512i qh_shift_a = _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2), qh_shift_b = _mm512_setr_epi64(4, 4, 4, 4, 6, 6, 6, 6);
   for (int64_t b = 0; b < K / Q6_K::kElems; ++b) {
     const uint8_t* blk = row + b * Q6_K::kBytes;
     prefetch_ahead(blk, Q6_K::kBytes);
@@ -119,26 +117,15 @@ inline void row_acc_q6_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, __m5
     for (int m = 0; m < M; ++m) accb[m] = _mm512_setzero_ps();
 #pragma GCC unroll 2
     for (int n = 0; n < 2; ++n) {
-      const __m512i ql = _mm512_loadu_si512(blk + 64 * n);  // quarter 0 | quarter 1 low nibbles, 2 | 3 high
-      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * n)));
-      const __m512i hi01 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(qh, qh_shift_a), two), 4);
-      const __m512i hi23 = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(qh, qh_shift_b), two), 4);
-      const __m512i u01 = _mm512_or_si512(_mm512_and_si512(ql, low4), hi01);
-      const __m512i u23 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4), hi23);
-      const int g = 8 * n;  // groups g..g+3 (u01) and g+4..g+7 (u23), four lanes each
-      const __m512 s01 = _mm512_permutexvar_ps(
-          _mm512_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2, g + 2, g + 3, g + 3, g + 3, g + 3),
-          scale);
-      const __m512 s23 = _mm512_permutexvar_ps(
-          _mm512_setr_epi32(g + 4, g + 4, g + 4, g + 4, g + 5, g + 5, g + 5, g + 5, g + 6, g + 6, g + 6, g + 6, g + 7,
-                            g + 7, g + 7, g + 7),
-          scale);
+      // The 6-bit values of quarters 0|1 and 2|3 in the row's order, and their groups' scales per
+      // four lanes (one vpdpbusd lane: four elements), as blocks.h's fp32 Q6_K kernel assembles them.
+      const Q6Pair a = q6_pair(blk, n, 0, scale), c = q6_pair(blk, n, 1, scale);
       for (int m = 0; m < M; ++m) {
         const int8_t* xq = xs[m].q + 256 * b + 128 * n;
-        const __m512i p01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u01, _mm512_loadu_si512(xq));
-        const __m512i p23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u23, _mm512_loadu_si512(xq + 64));
-        accb[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p01), s01, accb[m]);
-        accb[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p23), s23, accb[m]);
+        const __m512i p01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), a.u, _mm512_loadu_si512(xq));
+        const __m512i p23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c.u, _mm512_loadu_si512(xq + 64));
+        accb[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p01), a.s, accb[m]);
+        accb[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p23), c.s, accb[m]);
       }
     }
     for (int m = 0; m < M; ++m) {

@@ -88,12 +88,12 @@ class MoECausalLM(nn.Module):
         ctx = LayerContext(batch, kv, states, self.model.rotary(batch.positions, h.dtype))
         native = self.native_layers(kv) if h.is_cpu else None
         step = native.step(batch, ctx.rope) if native is not None else None
-        layers = self.model.layers if step is None or not native.run_all(h, step) else ()
-        for index, layer in enumerate(layers):
-            ran = native.run(index, h, step) if step is not None else None
-            if ran is None:
-                h = layer(h, ctx)
-            elif not ran:  # attention ran natively; the feed-forward is the module's
-                h = h + layer.mlp(layer.post_attention_layernorm(h), ctx)
+        if step is None or not native.run_all(h, step):  # layer by layer, natively where each can
+            for index, layer in enumerate(self.model.layers):
+                ran = native.run(index, h, step) if step is not None else None
+                if ran is None:
+                    h = layer(h, ctx)
+                elif not ran:  # attention ran natively; the feed-forward is the module's
+                    h = h + layer.mlp(layer.post_attention_layernorm(h), ctx)
         h = self.model.norm(h.index_select(0, batch.logits_indices))
         return linear(h, self.lm_head.weight).float()
