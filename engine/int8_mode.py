@@ -2,10 +2,12 @@
 
 llama.cpp's CPU kernels quantize each activation row to int8 (one scale per 256 elements) before
 multiplying it with K-quant weights. hearth's default keeps activations in fp32, so that a quantized
-model matches its reference within fp32 rounding. This mode does what llama.cpp does for the formats
-that have its kernel (Q4_K and Q6_K, on CPUs with AVX-512 VNNI): for decode steps of up to 8 tokens,
-projections and experts in those formats multiply int8 activations with their weights (vpdpbusd), about
-twice as fast per weight as the fp32 kernels. Every other weight, and prefill, keeps fp32 activations.
+model matches its reference within 1e-6 relative (on CPUs with AVX-512 VNNI, fp32 activations meet
+Q4_K and Q6_K weights split into three int8 pieces, 21 bits of each block; see kernels/q8.h). This
+mode does what llama.cpp does for the formats that have that kernel: for decode steps of up to 8
+tokens, projections and experts in those formats multiply one int8 piece with their weights
+(vpdpbusd), about 1.25x as fast per step as three pieces and twice as fast as the fp32 kernels. Every
+other weight, and prefill, keeps fp32 activations.
 
 What it costs in accuracy is measured in ``tests/test_int8_mode.py`` and stated in
 docs/quantization.md. ``hearth serve --int8-activations`` (``EngineConfig(int8_activations=True)``)

@@ -6,13 +6,16 @@
 // stay in L1 (the compiler vectorises it). The products then run in fp32 registers: each 16-element
 // group is widened, scaled once and multiplied into every token's accumulator, so a weight row is read
 // from memory once for all the tokens of a step. Nothing is dequantized to memory (except by
-// dequantize_impl, for prefill's GEMMs) and activations are not quantized (except in the opt-in int8
-// mode of q8.h): the result differs from fp32 on the reference's dequantized weights only in the
-// order of fp32 accumulation (and one fused rounding of q * scale + bias).
+// dequantize_impl, for prefill's GEMMs) and activations are not quantized: the result differs from
+// fp32 on the reference's dequantized weights only in the order of fp32 accumulation (and one fused
+// rounding of q * scale + bias). The exceptions are the formats with a VNNI kernel (q8.h: Q4_K and
+// Q6_K) where the build has VNNI: there fp32 activations are split into three int8 pieces (about 1e-6
+// relative; see split_activations), or in the opt-in int8 mode quantized to one.
 //
 // The vector width follows the instruction set this translation unit is compiled for (vec.h).
 #pragma once
 
+#include <cstdlib>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -506,6 +509,19 @@ inline void rows_dot(const uint8_t* row, int64_t K, const float* const* xs, int 
   });
 }
 
+// fp32 activations meeting a format with a VNNI kernel (kQ8) go through that kernel split into three
+// int8 pieces (Q8Rows::quantize, split): about 21 bits of each 256-element block's largest magnitude,
+// an error near 1e-6 of a product's largest output where the fp32 kernels' is 2e-7, and the products
+// at the int8 kernels' instruction count (a Q4_K_M decode step 5.9 -> 4.7 ms). On by default;
+// HEARTH_SPLIT_ACTIVATIONS=0 keeps the fp32 kernels (read once per process).
+inline bool split_activations() {
+  static const bool on = [] {
+    const char* v = std::getenv("HEARTH_SPLIT_ACTIVATIONS");
+    return v == nullptr || v[0] != '0';
+  }();
+  return on;
+}
+
 // Formats with an int8-activation kernel in this build (the opt-in mode of q8.h).
 template <typename F>
 constexpr bool kQ8 = false;
@@ -542,17 +558,24 @@ template <typename F>
 inline void rows_dot_q8_range(const uint8_t* w, int64_t rb, int64_t r0, int64_t r1, int64_t K, const Q8Row* xs,
                               int M, float* const* out) {
 #ifdef HEARTH_Q8_ACTIVATIONS
-  with_tokens(M, [&](auto m) {
-    constexpr int kM = decltype(m)::value;
-    sum16_rows<kM>(r0, r1, out, [&](int64_t r, int n, __m512 (*part)[16]) {
-      for (int i = 0; i < n; ++i) {
-        __m512 v[kM];
-        if constexpr (std::is_same_v<F, Q4_K>) row_acc_q4_k_q8<kM>(w + (r + i) * rb, K, xs, v);
-        if constexpr (std::is_same_v<F, Q6_K>) row_acc_q6_k_q8<kM>(w + (r + i) * rb, K, xs, v);
-        for (int t = 0; t < kM; ++t) part[t][i] = v[t];
-      }
+  auto run = [&](auto pieces) {
+    constexpr int P = decltype(pieces)::value;
+    with_tokens(M, [&](auto m) {
+      constexpr int kM = decltype(m)::value;
+      sum16_rows<kM>(r0, r1, out, [&](int64_t r, int n, __m512 (*part)[16]) {
+        for (int i = 0; i < n; ++i) {
+          __m512 v[kM];
+          if constexpr (std::is_same_v<F, Q4_K>) row_acc_q4_k_q8<kM, P>(w + (r + i) * rb, K, xs, v);
+          if constexpr (std::is_same_v<F, Q6_K>) row_acc_q6_k_q8<kM, P>(w + (r + i) * rb, K, xs, v);
+          for (int t = 0; t < kM; ++t) part[t][i] = v[t];
+        }
+      });
     });
-  });
+  };
+  if (xs[0].q2 != nullptr)
+    run(std::integral_constant<int, 3>{});
+  else
+    run(std::integral_constant<int, 1>{});
 #else
   (void)w, (void)rb, (void)r0, (void)r1, (void)K, (void)xs, (void)M, (void)out;
 #endif
@@ -640,14 +663,15 @@ template <typename F>
 void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* out, int threads,
                  bool q8 = false) {
   const int64_t rb = row_bytes<F>(K);
-  // Each token's row as F's kernel reads it: quantized once in the int8-activation mode (VNNI products),
-  // else x itself or its permutation.
-  const bool use_q8 = kQ8<F> && q8;
+  // Each token's row as F's kernel reads it: quantized once for the VNNI products (one int8 piece in the
+  // int8-activation mode, three for fp32 activations), else x itself or its permutation.
+  const bool split = kQ8<F> && !q8 && split_activations();
+  const bool use_q8 = kQ8<F> && (q8 || split);
   Q8Rows xq;
   std::vector<Q8Row> qrows(use_q8 ? M : 0);
   std::vector<float> buf(kPermutesX<F> && !use_q8 ? M * K : 0);
   std::vector<const float*> rows(M);
-  if (use_q8) xq.resize(M, K);
+  if (use_q8) xq.resize(M, K, split);
   for (int64_t m = 0; m < M; ++m) {
     if (use_q8)
       xq.quantize(m, x + m * K), qrows[m] = xq.row(m);
@@ -763,8 +787,10 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
   // Every pair's rows are written before they are read (pairs computed elsewhere are never read), so
   // the scratch is left uninitialised: zeroing it cost more than the sort and grouping above.
   const std::unique_ptr<float[]> proj(new float[pairs * 2 * I]), act(new float[pairs * I]), y(new float[pairs * H]);
-  // The int8-activation mode (where the format has its kernel): tokens and gated products quantized.
-  const bool gq8 = kQ8<FG> && q8, dq8 = kQ8<FD> && q8;
+  // Where the format has a VNNI kernel: tokens and gated products quantized, in one piece (the
+  // int8-activation mode) or three (fp32 activations, split_activations).
+  const bool split = !q8 && split_activations();
+  const bool gq8 = kQ8<FG> && (q8 || split), dq8 = kQ8<FD> && (q8 || split);
   // Each token's activations as FG's kernel reads them, and (below) each pair's gated product as FD's.
   std::vector<float> xbuf(kPermutesX<FG> && !gq8 ? T * H : 0), abuf(kPermutesX<FD> && !dq8 ? pairs * I : 0);
   std::vector<const float*> xrow(T);
@@ -773,7 +799,7 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
   Q8Rows xq, aq;
   std::vector<Q8Row> xq_row(gq8 ? T : 0), aq_row(dq8 ? pairs : 0);
   if (gq8) {
-    xq.resize(T, H);
+    xq.resize(T, H, split);
     for (int64_t t = 0; t < T; ++t) xq.quantize(t, x + t * H), xq_row[t] = xq.row(t);
   }
   // One pass over every group's R rows of K elements (format F = decltype(f); row rr of the group's
@@ -808,7 +834,7 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
   pass(FG{}, gu, gu_stride, 2 * I, H, gq8, [&](int64_t p) { return xrow[p / k]; },
        [&](int64_t p) { return xq_row[p / k]; }, proj.get());
   std::vector<const float*> arow(pairs);
-  if (dq8) aq.resize(pairs, I);
+  if (dq8) aq.resize(pairs, I, split);
   for (const int64_t p : order) {
     silu_gate(proj.get() + p * 2 * I, I, act.get() + p * I);
     if (dq8)
