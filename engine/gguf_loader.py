@@ -9,8 +9,10 @@ Quantized weights stay in their blocks, from file to kernel, when the native ker
 formats (:data:`~hearth.engine.kernels.BLOCK_KERNELS`) with float32 activations (the default for
 GGUF, as llama.cpp computes quantized models): experts in the pool (one expert a bank row, each
 layer in its own formats) unless a shared-memory pool or the expert hierarchy needs float experts,
-and the dense projections, the output projection and the embedding table. Everything else (norms,
-the router, float tensors) is decoded to the compute dtype at load; see docs/quantization.md.
+and the dense projections, the output projection and the embedding table. bf16 tensors stay as
+stored in the same way, as hearth's ``bf16`` blocks (fp32 activations times bf16 weights: a bf16 file
+takes its own size in memory, not twice it). Everything else (norms, the router, f32 and f16
+tensors) is decoded to the compute dtype at load; see docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from hearth.engine.gguf_file import ARCHITECTURES, GGUFError, GGUFFile
 from hearth.engine.gguf_writer import unpermute_rope_rows
 from hearth.engine.models import build_model, family_for
 from hearth.engine.ops import block_weight
-from hearth.engine.quant.formats import BlockFormat
+from hearth.engine.quant.formats import HEARTH_FORMATS, BlockFormat
+
+BF16_BLOCKS = HEARTH_FORMATS["bf16"]  # a bf16 tensor kept as stored when computed in fp32
 
 _EXPERT_PARTS = ("gate", "up", "down")
 
@@ -132,10 +136,20 @@ def blocks_can_stay(cfg, kernels: bool = True) -> bool:
 
 
 def _kernel_format(t) -> BlockFormat | None:
+    """The blocks a tensor stays in, where a kernel computes them: its own format, or hearth's bf16
+    blocks for a bf16 tensor (its bytes as stored; rows of whole 32-element blocks)."""
     from hearth.engine.kernels import BLOCK_KERNELS
 
     fmt = t.format
+    if fmt == torch.bfloat16 and t.shape[-1] % BF16_BLOCKS.block_elems == 0:
+        fmt = BF16_BLOCKS
     return fmt if isinstance(fmt, BlockFormat) and fmt.name in BLOCK_KERNELS else None
+
+
+def _stored_rows(t, reorder=lambda x: x) -> torch.Tensor:
+    """A tensor kept in blocks as uint8 rows of its stored bytes (bf16 values viewed as bytes)."""
+    raw = reorder(t.raw())
+    return raw.contiguous().view(torch.uint8) if raw.dtype == torch.bfloat16 else raw
 
 
 def _expert_blocks(f: GGUFFile, cfg) -> dict[int, ExpertBlocks] | None:
@@ -166,7 +180,7 @@ def _load_dense(f: GGUFFile, name: str, param: torch.nn.Parameter, model, keep_b
     if fmt is None:
         param.data.copy_(reorder(t.dequantized().reshape(param.shape)))
         return
-    raw = reorder(t.raw())
+    raw = _stored_rows(t, reorder)
     blocks = hugepages.empty(*raw.shape, dtype=raw.dtype).copy_(raw)  # a copy: the file's map can close
     replace_parameter(model, param, block_weight(blocks, fmt))
 
@@ -197,7 +211,7 @@ def _fill_experts(f: GGUFFile, name: str, pool: ExpertPool, cfg, layer: int, par
     rows = slice(pool.layer_rows(layer), pool.layer_rows(layer) + e)
     blocks = pool.layer_blocks(layer)
     if blocks is not None:  # as stored: each expert's rows of blocks at the start of its bank row
-        raw = t.raw().reshape(e, -1)  # [E, rows * row bytes]
+        raw = _stored_rows(t).reshape(e, -1)  # [E, rows * row bytes]
         if part == "down":
             pool.down[rows, : raw.shape[1]].copy_(raw)
         else:  # gate rows first, then up rows

@@ -92,7 +92,7 @@ def assert_same_outputs(src, ftw, steps: int = 8) -> None:
         assert list(ta) == list(tb) and torch.equal(la, lb)
 
 
-@pytest.mark.parametrize("fmt", ["q4_k_m", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_k_m", "q8_0", "bf16"])
 def test_gguf_to_ftw_keeps_the_blocks(gguf_ftw, fmt) -> None:
     src, ftw = gguf_ftw(fmt)
     index = read_index(ftw)
@@ -109,8 +109,7 @@ def test_gguf_to_ftw_keeps_the_blocks(gguf_ftw, fmt) -> None:
             assert [b["down"] for b in formats.values()] == ["q4_k", "q4_k", "q6_k"]
             assert loaded.model.model.layers[2].self_attn.qkv_weight is None
         assert loaded.pool.gate_up.dtype == torch.uint8 and loaded.pool.blocks == gguf.pool.blocks
-        assert index["tensors"]["model.layers.0.self_attn.q_proj.weight"]["format"] == ("q4_k" if fmt == "q4_k_m"
-                                                                                         else "q8_0")
+        assert index["tensors"]["model.layers.0.self_attn.q_proj.weight"]["format"] == {"q4_k_m": "q4_k"}.get(fmt, fmt)
         assert loaded.model.lm_head.weight.dtype == torch.uint8
     assert_same_model(gguf, loaded)
     assert_same_outputs(src, ftw)

@@ -32,7 +32,8 @@ FEATURE_AVX512_VNNI = 1 << 3
 FEATURE_AMX = 1 << 4
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Block formats the native kernels compute in their blocks, with their codes in blocks.h.
-BLOCK_CODES = MappingProxyType({"q8_0": 0, "q4_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "mxfp4": 5, "fp8_e4m3": 6})
+BLOCK_CODES = MappingProxyType({"q8_0": 0, "q4_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "mxfp4": 5, "fp8_e4m3": 6,
+                               "bf16": 7})
 BLOCK_KERNELS = frozenset(BLOCK_CODES)
 _HERE = Path(__file__).resolve().parent
 

@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16w.h"
 #include "fp8.h"
 #include "native.h"
 #include "vec.h"
@@ -119,6 +120,11 @@ struct Mxfp4 {
 // hearth's FP8 e4m3 blocks (an fp32 scale, 128 e4m3 bytes): computed by fp8.h's row_dot_fp8.
 struct Fp8E4m3 {
   static constexpr int kElems = fp8::kBlockElems, kBytes = fp8::kBlockBytes, kCode = 6;
+};
+
+// hearth's bf16 blocks (32 bf16 values, a bf16 file's weights as stored): computed by bf16w.h's row_dot_bf16.
+struct Bf16 {
+  static constexpr int kElems = bf16w::kBlockElems, kBytes = bf16w::kBlockBytes, kCode = 7;
 };
 
 // The 8 (scale, min) pairs of a Q4_K / Q5_K super-block as weight = q * d*sc - dmin*m: the 6-bit
@@ -496,7 +502,8 @@ inline void with_tokens(int M, const Fn& fn) {
   }
 }
 
-// The row products of F for M tokens (1..kMaxTokens) with the generic kernels (fp8.h's for FP8): the
+// The row products of F for M tokens (1..kMaxTokens) with the generic kernels (fp8.h's for FP8,
+// bf16w.h's for bf16): the
 // formats without AVX-512 kernels of their own (see rows_dot_range).
 template <typename F>
 inline void rows_dot(const uint8_t* row, int64_t K, const float* const* xs, int M, float* out) {
@@ -504,6 +511,8 @@ inline void rows_dot(const uint8_t* row, int64_t K, const float* const* xs, int 
     constexpr int kM = decltype(m)::value;
     if constexpr (std::is_same_v<F, Fp8E4m3>)
       fp8::row_dot_fp8<kM>(row, K, xs, out);
+    else if constexpr (std::is_same_v<F, Bf16>)
+      bf16w::row_dot_bf16<kM>(row, K, xs, out);
     else
       row_dot<F, kM>(row, K, xs, out);
   });
@@ -650,6 +659,7 @@ inline bool by_format(int code, const Fn& fn) {
     case Q6_K::kCode: fn(Q6_K{}); return true;
     case Mxfp4::kCode: fn(Mxfp4{}); return true;
     case Fp8E4m3::kCode: fn(Fp8E4m3{}); return true;
+    case Bf16::kCode: fn(Bf16{}); return true;
     default: return false;
   }
 }
@@ -697,6 +707,8 @@ template <typename F>
 inline void decode_row(const uint8_t* row, int64_t K, float* out) {
   if constexpr (std::is_same_v<F, Fp8E4m3>) {
     fp8::decode_row(row, K, out);
+  } else if constexpr (std::is_same_v<F, Bf16>) {
+    bf16w::decode_row(row, K, out);
   } else {
     Unpacked<F::kElems, F::kGroupElems> u;
     for (int64_t b = 0; b < K / F::kElems; ++b) {

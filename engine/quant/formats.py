@@ -28,6 +28,8 @@ at load, never written to GGUF files):
   x = s·q. A checkpoint's 128×128 tile scales (``weight_scale_inv``) are copied into the blocks of
   every row the tile covers, so the repacking loses nothing and a row of blocks stands alone (rows
   concatenate, as q/k/v fusion and the expert banks need).
+- ``bf16``: 32 elements: 32 bfloat16 values (64 bytes), no scale. A bf16 GGUF tensor's bytes as
+  stored, so that a bf16 file computed with fp32 activations keeps its weights at their size.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ FORMATS = MappingProxyType({f.name: f for f in (
 # hearth's own layouts, for checkpoints' formats that GGML has no type for (see the module docstring).
 HEARTH_FORMATS = MappingProxyType({f.name: f for f in (
     BlockFormat("fp8_e4m3", 128, 132, -1),
+    BlockFormat("bf16", 32, 64, -1),
 )})
 
 
@@ -170,5 +173,9 @@ def _fp8_e4m3(b: torch.Tensor) -> torch.Tensor:
     return scale * b[:, 4:].contiguous().view(torch.float8_e4m3fn).float()
 
 
+def _bf16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.bfloat16).float()
+
+
 _DECODERS = MappingProxyType({"q8_0": _q8_0, "q4_0": _q4_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k,
-                              "mxfp4": _mxfp4, "fp8_e4m3": _fp8_e4m3})
+                              "mxfp4": _mxfp4, "fp8_e4m3": _fp8_e4m3, "bf16": _bf16})
