@@ -71,7 +71,7 @@ class NativeKernels:
     def linear_blocks(self, x: torch.Tensor, w: torch.Tensor, fmt: str, int8: bool = False) -> torch.Tensor:
         """y fp32 [M, N] = x fp32 [M, K] @ W^T for W uint8 [N, K / elems * bytes] in block format
         ``fmt`` (read in its blocks; every 8 tokens share one pass over W). Formats with a VNNI kernel in
-        this library (Q4_K, Q6_K) take x in three int8 pieces (about 1e-6 relative; off with
+        this library (Q4_K, Q5_K, Q6_K) take x in three int8 pieces (about 1e-6 relative; off with
         ``HEARTH_SPLIT_ACTIVATIONS=0``). ``int8``: the int8-activation mode, one piece, for those formats
         (others keep fp32 activations)."""
         code = BLOCK_CODES[fmt]

@@ -518,7 +518,7 @@ inline void rows_dot(const uint8_t* row, int64_t K, const float* const* xs, int 
   });
 }
 
-// fp32 activations meeting a format with a VNNI kernel (kQ8) go through that kernel split into three
+// fp32 activations meeting a format with a VNNI kernel (kQ8: Q4_K, Q5_K, Q6_K) go through that kernel split into three
 // int8 pieces (Q8Rows::quantize, split): about 21 bits of each 256-element block's largest magnitude,
 // an error near 1e-6 of a product's largest output where the fp32 kernels' is 2e-7, and the products
 // at the int8 kernels' instruction count (a Q4_K_M decode step 5.9 -> 4.7 ms). On by default;
@@ -531,7 +531,7 @@ inline bool split_activations() {
   return on;
 }
 
-// Formats with an int8-activation kernel in this build (the opt-in mode of q8.h).
+// Formats with a VNNI kernel in this build (q8.h: the int8 mode, and fp32 activations in three pieces).
 template <typename F>
 constexpr bool kQ8 = false;
 #ifdef HEARTH_Q8_ACTIVATIONS
@@ -539,6 +539,8 @@ template <>
 constexpr bool kQ8<Q4_K> = true;
 template <>
 constexpr bool kQ8<Q6_K> = true;
+template <>
+constexpr bool kQ8<Q5_K> = true;
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -574,7 +576,8 @@ inline void rows_dot_q8_range(const uint8_t* w, int64_t rb, int64_t r0, int64_t 
       sum16_rows<kM>(r0, r1, out, [&](int64_t r, int n, __m512 (*part)[16]) {
         for (int i = 0; i < n; ++i) {
           __m512 v[kM];
-          if constexpr (std::is_same_v<F, Q4_K>) row_acc_q4_k_q8<kM, P>(w + (r + i) * rb, K, xs, v);
+          if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>)
+            row_acc_k_q8<F, kM, P>(w + (r + i) * rb, K, xs, v);
           if constexpr (std::is_same_v<F, Q6_K>) row_acc_q6_k_q8<kM, P>(w + (r + i) * rb, K, xs, v);
           for (int t = 0; t < kM; ++t) part[t][i] = v[t];
         }

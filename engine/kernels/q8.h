@@ -99,30 +99,41 @@ inline __m512 piece_products(__m512i w, const Q8Row& x, int64_t at) {
 template <int P>
 constexpr float kPieceScale = P == 3 ? 1.0f / 16384.0f : 1.0f;
 
-// Q4_K row . quantized activations for M tokens, left as one vector per token whose 16 lanes sum to
-// the product (rows_dot_q8_range sums sixteen rows' vectors at once). Per 64-element chunk the 32
-// nibble bytes are broadcast to both register halves and shifted by 0 (low half: the first sub-block) or 4 (high
-// half: the second), masked, and multiplied by the activations' 64 bytes in one vpdpbusd; the int32
-// lanes are scaled by their sub-block's d*sc. The mins come in once per super-block through the
-// activations' sums per 32. Per token: sum_b dx_b * (sum_g d*sc_g * sum(q x) - dmin*m_g * sum x).
-template <int M, int P = 1>
-inline void row_acc_q4_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, __m512* out) {
+// Q4_K or Q5_K row (F) . quantized activations for M tokens, left as one vector per token whose 16
+// lanes sum to the product (rows_dot_q8_range sums sixteen rows' vectors at once). Per 64-element
+// chunk the 32 nibble bytes are broadcast to both register halves and shifted by 0 (low half: the
+// first sub-block) or 4 (high half: the second) and masked; Q5_K's fifth bits (bit 2j or 2j + 1 of its
+// 32 high-bit bytes) are rotated to bit 4 of each byte and joined in. The 64 weight bytes meet the
+// activations' 64 bytes in one vpdpbusd per piece; the int32 lanes are scaled by their sub-block's
+// d*sc. The mins come in once per super-block through the activations' sums per 32. Per token:
+// sum_b dx_b * (sum_g d*sc_g * sum(q x) - dmin*m_g * sum x).
+template <typename F, int M, int P = 1>
+inline void row_acc_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, __m512* out) {
+  constexpr bool q5 = std::is_same_v<F, Q5_K>;
+  constexpr int kQs = q5 ? 48 : 16;  // where the nibbles start (Q5_K's high bits come first)
   __m512 acc[M];
   __m256 macc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps(), macc[m] = _mm256_setzero_ps();
   const __m512i shifts = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t b = 0; b < K / Q4_K::kElems; ++b) {
-    const uint8_t* blk = row + b * Q4_K::kBytes;
-    prefetch_ahead(blk, Q4_K::kBytes);
+  for (int64_t b = 0; b < K / F::kElems; ++b) {
+    const uint8_t* blk = row + b * F::kBytes;
+    prefetch_ahead(blk, F::kBytes);
     const __m512 sb = k_scales16(blk);  // d*sc_g (lanes 0-7), -dmin*m_g (lanes 8-15)
     const __m512 sp = _mm512_mul_ps(sb, _mm512_set1_ps(kPieceScale<P>));  // the products' scales
+    __m512i qh = _mm512_setzero_si512();
+    if constexpr (q5) qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)));
     __m512 accb[M];
     for (int m = 0; m < M; ++m) accb[m] = _mm512_setzero_ps();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * j)));
-      const __m512i w = _mm512_and_si512(_mm512_srlv_epi64(v, shifts), low4);
+      const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kQs + 32 * j)));
+      __m512i w = _mm512_and_si512(_mm512_srlv_epi64(v, shifts), low4);
+      if constexpr (q5) {  // bit 2j (low half) or 2j + 1 (high half) of each byte to bit 4: a rotation in 64 bits
+        const __m512i rot = _mm512_setr_epi64((4 - 2 * j) & 63, (4 - 2 * j) & 63, (4 - 2 * j) & 63, (4 - 2 * j) & 63,
+                                              (3 - 2 * j) & 63, (3 - 2 * j) & 63, (3 - 2 * j) & 63, (3 - 2 * j) & 63);
+        w = _mm512_or_si512(w, _mm512_and_si512(_mm512_rolv_epi64(qh, rot), _mm512_set1_epi8(0x10)));
+      }
       const __m512 s = _mm512_permutexvar_ps(
           _mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1,
                             2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1),
@@ -140,7 +151,7 @@ inline void row_acc_q4_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, __m5
   for (int m = 0; m < M; ++m) out[m] = _mm512_add_ps(acc[m], _mm512_zextps256_ps512(macc[m]));
 }
 
-// Q6_K row . quantized activations for M tokens, one vector per token as row_acc_q4_k_q8. Per 128
+// Q6_K row . quantized activations for M tokens, one vector per token as row_acc_k_q8. Per 128
 // elements (half n of a super-block) the 6-bit values, unsigned (0..63), are assembled in two registers of 64 bytes (quarters 0, 1 and quarters
 // 2, 3, each in the row's element order); each vpdpbusd lane (four elements) is scaled by its
 // 16-element group's d*sc. The -32 offset comes in once per super-block through the activations'
