@@ -22,7 +22,7 @@ import logging
 from hearth.engine.kernels import cpu_decode_ops
 
 log = logging.getLogger(__name__)
-FORMATS = frozenset({"q4_k", "q5_k", "q6_k"})  # the formats with an int8-activation kernel
+FORMATS = frozenset({"q4_k", "q5_k", "q6_k", "q8_0"})  # the formats with an int8-activation kernel
 
 
 def available() -> bool:

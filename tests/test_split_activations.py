@@ -1,5 +1,5 @@
 """fp32 activations on the VNNI kernels in three int8 pieces (kernels/q8.h; the default where the
-kernel library has AVX-512 VNNI, for Q4_K, Q5_K and Q6_K weights).
+kernel library has AVX-512 VNNI, for Q4_K, Q5_K, Q6_K and Q8_0 weights).
 
 - Against the fp64 product of the dequantized weights, on heavy-tailed activations: within 5e-6 of the
   largest output (measured 0.8-1.4e-6; the fp32 kernels 0.9-1.6e-7).
@@ -44,7 +44,7 @@ def _error(fmt: str, m: int) -> float:
     return float((ours - ref).abs().max() / ref.abs().max())
 
 
-@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "q8_0"])
 def test_products_within_the_stated_error(fmt):
     if os.environ.get("HEARTH_SPLIT_ACTIVATIONS", "1") == "0":
         pytest.skip("three-piece activations turned off in this process")
@@ -52,7 +52,7 @@ def test_products_within_the_stated_error(fmt):
         assert 0 < _error(fmt, m) < 5e-6
 
 
-@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "q8_0"])
 def test_a_token_does_not_depend_on_the_others(fmt):
     ops = cpu_decode_ops()
     w = torch.from_numpy(random_blocks(fmt, 48, _K, np.random.default_rng(3)))
@@ -64,7 +64,7 @@ def test_a_token_does_not_depend_on_the_others(fmt):
 
 def test_the_switch_keeps_the_fp32_kernels():
     code = ("from tests.test_split_activations import _error; "
-            "print(max(_error(f, m) for f in ('q4_k', 'q5_k', 'q6_k') for m in (1, 3)))")
+            "print(max(_error(f, m) for f in ('q4_k', 'q5_k', 'q6_k', 'q8_0') for m in (1, 3)))")
     root = Path(__file__).resolve().parents[1]
     errors = {}
     for value in ("0", "1"):

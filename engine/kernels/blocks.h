@@ -518,7 +518,7 @@ inline void rows_dot(const uint8_t* row, int64_t K, const float* const* xs, int 
   });
 }
 
-// fp32 activations meeting a format with a VNNI kernel (kQ8: Q4_K, Q5_K, Q6_K) go through that kernel split into three
+// fp32 activations meeting a format with a VNNI kernel (kQ8: Q4_K, Q5_K, Q6_K, Q8_0) go through that kernel split into three
 // int8 pieces (Q8Rows::quantize, split): about 21 bits of each 256-element block's largest magnitude,
 // an error near 1e-6 of a product's largest output where the fp32 kernels' is 2e-7, and the products
 // at the int8 kernels' instruction count (a Q4_K_M decode step 5.9 -> 4.7 ms). On by default;
@@ -541,6 +541,8 @@ template <>
 constexpr bool kQ8<Q6_K> = true;
 template <>
 constexpr bool kQ8<Q5_K> = true;
+template <>
+constexpr bool kQ8<Q8_0> = true;
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -579,6 +581,7 @@ inline void rows_dot_q8_range(const uint8_t* w, int64_t rb, int64_t r0, int64_t 
           if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>)
             row_acc_k_q8<F, kM, P>(w + (r + i) * rb, K, xs, v);
           if constexpr (std::is_same_v<F, Q6_K>) row_acc_q6_k_q8<kM, P>(w + (r + i) * rb, K, xs, v);
+          if constexpr (std::is_same_v<F, Q8_0>) row_acc_q8_0_q8<kM, P>(w + (r + i) * rb, K, xs, v);
           for (int t = 0; t < kM; ++t) part[t][i] = v[t];
         }
       });
@@ -678,8 +681,9 @@ void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   const int64_t rb = row_bytes<F>(K);
   // Each token's row as F's kernel reads it: quantized once for the VNNI products (one int8 piece in the
   // int8-activation mode, three for fp32 activations), else x itself or its permutation.
-  const bool split = kQ8<F> && !q8 && split_activations();
-  const bool use_q8 = kQ8<F> && (q8 || split);
+  // (The activations are quantized per 256 elements: Q8_0 rows of other lengths keep fp32.)
+  const bool split = kQ8<F> && !q8 && split_activations() && K % 256 == 0;
+  const bool use_q8 = kQ8<F> && (q8 || split) && K % 256 == 0;
   Q8Rows xq;
   std::vector<Q8Row> qrows(use_q8 ? M : 0);
   std::vector<float> buf(kPermutesX<F> && !use_q8 ? M * K : 0);
@@ -805,7 +809,7 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
   // Where the format has a VNNI kernel: tokens and gated products quantized, in one piece (the
   // int8-activation mode) or three (fp32 activations, split_activations).
   const bool split = !q8 && split_activations();
-  const bool gq8 = kQ8<FG> && (q8 || split), dq8 = kQ8<FD> && (q8 || split);
+  const bool gq8 = kQ8<FG> && (q8 || split) && H % 256 == 0, dq8 = kQ8<FD> && (q8 || split) && I % 256 == 0;
   // Each token's activations as FG's kernel reads them, and (below) each pair's gated product as FD's.
   std::vector<float> xbuf(kPermutesX<FG> && !gq8 ? T * H : 0), abuf(kPermutesX<FD> && !dq8 ? pairs * I : 0);
   std::vector<const float*> xrow(T);

@@ -84,7 +84,8 @@ struct Q8Rows {
 
 // The int32 lanes of w (unsigned) times activation bytes at x, as fp32: for one piece (P = 1) the
 // products, for a split row (P = 3) the three pieces joined in the integers as 128^2 p1 + 128 p2 + p3
-// (at most 4 * 63 * 127 * 128^2 * 1.01 < 2^31), so the caller scales these lanes by 1 / 128^2 more.
+// (at most 4 * 255 * 127 * 128^2 * 1.004 < 2^31 with Q8_0's offset weight bytes, the largest), so the
+// caller scales these lanes by 1 / 128^2 more.
 template <int P>
 inline __m512 piece_products(__m512i w, const Q8Row& x, int64_t at) {
   __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(x.q + at));
@@ -145,6 +146,50 @@ inline void row_acc_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, __m512*
       const __m512 dx = _mm512_set1_ps(xs[m].d[b]);
       acc[m] = _mm512_fmadd_ps(accb[m], dx, acc[m]);
       macc[m] = _mm256_fmadd_ps(mins, _mm256_mul_ps(_mm256_loadu_ps(xs[m].sum32 + 8 * b), _mm512_castps512_ps256(dx)),
+                                macc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = _mm512_add_ps(acc[m], _mm512_zextps256_ps512(macc[m]));
+}
+
+// Q8_0 row . quantized activations for M tokens, one vector per token as row_acc_k_q8. Per 64
+// elements (two blocks) the 64 signed weight bytes are offset by 128 (a sign-bit flip) to make
+// vpdpbusd's unsigned operand, and each int32 lane is scaled by its block's d; the offset comes back
+// out once per 256 elements through the activations' sums per 32: per token
+// sum_b dx_b * sum_i d_i * (sum((q + 128) x) - 128 sum x) over the eight blocks i of 256 elements.
+template <int M, int P = 1>
+inline void row_acc_q8_0_q8(const uint8_t* row, int64_t K, const Q8Row* xs, __m512* out) {
+  __m512 acc[M];
+  __m256 macc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps(), macc[m] = _mm256_setzero_ps();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* blk = row + b * 8 * Q8_0::kBytes;  // eight blocks of 34 bytes
+    prefetch_ahead(blk, 8 * Q8_0::kBytes);
+    alignas(32) float dv[8];
+    for (int i = 0; i < 8; ++i) dv[i] = half_to_float(blk + i * Q8_0::kBytes);
+    const __m256 d8 = _mm256_load_ps(dv);
+    const __m512 sp = _mm512_mul_ps(_mm512_castps256_ps512(d8), _mm512_set1_ps(kPieceScale<P>));
+    __m512 accb[M];
+    for (int m = 0; m < M; ++m) accb[m] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* b0 = blk + 2 * j * Q8_0::kBytes + 2;
+      const __m512i v = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + Q8_0::kBytes)), 1);
+      const __m512i w = _mm512_xor_si512(v, flip);
+      const __m512 s = _mm512_permutexvar_ps(
+          _mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+                            2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1),
+          sp);
+      for (int m = 0; m < M; ++m) accb[m] = _mm512_fmadd_ps(piece_products<P>(w, xs[m], 256 * b + 64 * j), s, accb[m]);
+    }
+    const __m256 off = _mm256_mul_ps(d8, _mm256_set1_ps(-128.0f));
+    for (int m = 0; m < M; ++m) {
+      const __m512 dx = _mm512_set1_ps(xs[m].d[b]);
+      acc[m] = _mm512_fmadd_ps(accb[m], dx, acc[m]);
+      macc[m] = _mm256_fmadd_ps(off, _mm256_mul_ps(_mm256_loadu_ps(xs[m].sum32 + 8 * b), _mm512_castps512_ps256(dx)),
                                 macc[m]);
     }
   }
