@@ -41,3 +41,25 @@ def reference_experts(x, gu, dn, rows, weights, gu_fmt, dn_fmt, hidden, inter):
             gate, up = (x[t] @ g_u.T).chunk(2)
             out[t] += (torch.nn.functional.silu(gate) * up) @ d.T * weights[t, j]
     return out
+
+
+def expert_banks(gate_up_rows: torch.Tensor, down_rows: torch.Tensor,
+                 experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bank tensors [experts, bytes] holding each expert's gate/up rows and down rows of blocks, wider
+    than one expert (as a pool whose widest layer uses a larger format)."""
+    gu_bytes, dn_bytes = gate_up_rows.numel() // experts, down_rows.numel() // experts
+    gu = torch.zeros(experts, gu_bytes + 64, dtype=torch.uint8)
+    dn = torch.zeros(experts, dn_bytes + 96, dtype=torch.uint8)
+    gu[:, :gu_bytes] = gate_up_rows.reshape(experts, -1)
+    dn[:, :dn_bytes] = down_rows.reshape(experts, -1)
+    return gu, dn
+
+
+def routed_tokens(hidden: int, experts: int, seed: int = 4):
+    """(x [T, H], bank rows [T, 3], weights [T, 3]) for 1, 4 and 11 tokens, one pair computed elsewhere (-1)."""
+    g = torch.Generator().manual_seed(seed)
+    for t in (1, 4, 11):
+        x = torch.randn(t, hidden, generator=g)
+        rows = torch.randint(0, experts, (t, 3), generator=g)
+        rows[0, 1] = -1  # computed elsewhere
+        yield x, rows, torch.rand(t, 3, generator=g)

@@ -11,7 +11,7 @@ import torch
 
 from hearth.engine import LLM, SamplingParams
 from hearth.engine.quant.formats import HEARTH_FORMATS, dequantize
-from tests.block_data import reference_experts
+from tests.block_data import expert_banks, reference_experts, routed_tokens
 from tests.gguf_checkpoints import write_gguf
 from tests.test_block_kernels import BUILDS, IDS
 
@@ -51,17 +51,8 @@ def test_linear_blocks_equals_the_widened_weights(ops) -> None:
 @pytest.mark.parametrize("ops", BUILDS, ids=IDS)
 def test_experts_blocks_equals_decoded_experts(ops) -> None:
     hidden, inter, experts = 256, 384, 5
-    gu_bytes, dn_bytes = 2 * inter * BF16.row_bytes(hidden), hidden * BF16.row_bytes(inter)
-    gu = torch.zeros(experts, gu_bytes + 64, dtype=torch.uint8)  # banks wider than one expert
-    dn = torch.zeros(experts, dn_bytes + 96, dtype=torch.uint8)
-    gu[:, :gu_bytes] = bf16_rows(experts * 2 * inter, hidden, 2).reshape(experts, -1)
-    dn[:, :dn_bytes] = bf16_rows(experts * hidden, inter, 3).reshape(experts, -1)
-    g = torch.Generator().manual_seed(4)
-    for t in (1, 4, 11):
-        x = torch.randn(t, hidden, generator=g)
-        rows = torch.randint(0, experts, (t, 3), generator=g)
-        rows[0, 1] = -1  # computed elsewhere
-        weights = torch.rand(t, 3, generator=g)
+    gu, dn = expert_banks(bf16_rows(experts * 2 * inter, hidden, 2), bf16_rows(experts * hidden, inter, 3), experts)
+    for x, rows, weights in routed_tokens(hidden, experts):
         want = reference_experts(x, gu, dn, rows, weights, "bf16", "bf16", hidden, inter)
         _close(ops.experts_blocks(x, gu, dn, rows, weights, "bf16", "bf16", inter), want, 1e-5)
 

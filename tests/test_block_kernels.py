@@ -13,7 +13,7 @@ import torch
 
 from hearth.engine import kernels
 from hearth.engine.quant.formats import FORMATS, dequantize
-from tests.block_data import random_blocks, reference_experts
+from tests.block_data import expert_banks, random_blocks, reference_experts, routed_tokens
 
 _base = kernels.cpu_decode_ops()
 pytestmark = pytest.mark.skipif(_base is None, reason="native kernels not available on this machine")
@@ -95,19 +95,9 @@ def test_dequantize_blocks_equals_the_torch_decoder(ops, name) -> None:
                                                                                         ("q8_0", "q4_0")])
 def test_experts_blocks_equals_decoded_experts(ops, gu_fmt, dn_fmt) -> None:
     hidden, inter, experts = 256, 512, 6
-    gu_bytes = 2 * inter * FORMATS[gu_fmt].row_bytes(hidden)
-    dn_bytes = hidden * FORMATS[dn_fmt].row_bytes(inter)
-    # Banks wider than one expert (a pool whose widest layer uses a larger format).
-    gu = torch.zeros(experts, gu_bytes + 64, dtype=torch.uint8)
-    dn = torch.zeros(experts, dn_bytes + 96, dtype=torch.uint8)
-    gu[:, :gu_bytes] = _rows(gu_fmt, experts * 2 * inter, hidden, 2).reshape(experts, -1)
-    dn[:, :dn_bytes] = _rows(dn_fmt, experts * hidden, inter, 3).reshape(experts, -1)
-    g = torch.Generator().manual_seed(4)
-    for t in (1, 4, 11):
-        x = torch.randn(t, hidden, generator=g)
-        rows = torch.randint(0, experts, (t, 3), generator=g)
-        rows[0, 1] = -1  # computed elsewhere
-        weights = torch.rand(t, 3, generator=g)
+    gu, dn = expert_banks(_rows(gu_fmt, experts * 2 * inter, hidden, 2), _rows(dn_fmt, experts * hidden, inter, 3),
+                          experts)
+    for x, rows, weights in routed_tokens(hidden, experts):
         got = ops.experts_blocks(x, gu, dn, rows, weights, gu_fmt, dn_fmt, inter)
         _close(got, reference_experts(x, gu, dn, rows, weights, gu_fmt, dn_fmt, hidden, inter))
 

@@ -10,7 +10,7 @@ import torch
 
 from hearth.engine.hf_quant import fp8_rows, mxfp4_rows
 from hearth.engine.quant.formats import FORMATS, HEARTH_FORMATS, block_format, dequantize
-from tests.block_data import random_blocks, reference_experts
+from tests.block_data import expert_banks, random_blocks, reference_experts, routed_tokens
 from tests.test_block_kernels import BUILDS, IDS
 
 FP8 = HEARTH_FORMATS["fp8_e4m3"]
@@ -101,17 +101,8 @@ def _rows(name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
                                                 ("q4_k", "fp8_e4m3")])
 def test_fp8_experts_blocks_equals_decoded_experts(ops, gu_fmt, dn_fmt) -> None:
     hidden, inter, experts = 256, 384, 5
-    gu_bytes = 2 * inter * block_format(gu_fmt).row_bytes(hidden)
-    dn_bytes = hidden * block_format(dn_fmt).row_bytes(inter)
-    gu = torch.zeros(experts, gu_bytes + 64, dtype=torch.uint8)  # banks wider than one expert
-    dn = torch.zeros(experts, dn_bytes + 96, dtype=torch.uint8)
-    gu[:, :gu_bytes] = _rows(gu_fmt, experts * 2 * inter, hidden, 2).reshape(experts, -1)
-    dn[:, :dn_bytes] = _rows(dn_fmt, experts * hidden, inter, 3).reshape(experts, -1)
-    g = torch.Generator().manual_seed(4)
-    for t in (1, 4, 11):
-        x = torch.randn(t, hidden, generator=g)
-        rows = torch.randint(0, experts, (t, 3), generator=g)
-        rows[0, 1] = -1  # computed elsewhere
-        weights = torch.rand(t, 3, generator=g)
+    gu, dn = expert_banks(_rows(gu_fmt, experts * 2 * inter, hidden, 2), _rows(dn_fmt, experts * hidden, inter, 3),
+                          experts)
+    for x, rows, weights in routed_tokens(hidden, experts):
         want = reference_experts(x, gu, dn, rows, weights, gu_fmt, dn_fmt, hidden, inter)
         _close(ops.experts_blocks(x, gu, dn, rows, weights, gu_fmt, dn_fmt, inter), want)

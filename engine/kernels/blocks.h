@@ -578,10 +578,10 @@ inline void rows_dot_q8_range(const uint8_t* w, int64_t rb, int64_t r0, int64_t 
       sum16_rows<kM>(r0, r1, out, [&](int64_t r, int n, __m512 (*part)[16]) {
         for (int i = 0; i < n; ++i) {
           __m512 v[kM];
-          if constexpr (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>)
+          if constexpr (std::is_same_v<F, Q6_K>)
+            row_acc_q6_k_q8<kM, P>(w + (r + i) * rb, K, xs, v);
+          else
             row_acc_k_q8<F, kM, P>(w + (r + i) * rb, K, xs, v);
-          if constexpr (std::is_same_v<F, Q6_K>) row_acc_q6_k_q8<kM, P>(w + (r + i) * rb, K, xs, v);
-          if constexpr (std::is_same_v<F, Q8_0>) row_acc_q8_0_q8<kM, P>(w + (r + i) * rb, K, xs, v);
           for (int t = 0; t < kM; ++t) part[t][i] = v[t];
         }
       });

@@ -100,41 +100,71 @@ inline __m512 piece_products(__m512i w, const Q8Row& x, int64_t at) {
 template <int P>
 constexpr float kPieceScale = P == 3 ? 1.0f / 16384.0f : 1.0f;
 
-// Q4_K or Q5_K row (F) . quantized activations for M tokens, left as one vector per token whose 16
-// lanes sum to the product (rows_dot_q8_range sums sixteen rows' vectors at once). Per 64-element
-// chunk the 32 nibble bytes are broadcast to both register halves and shifted by 0 (low half: the
-// first sub-block) or 4 (high half: the second) and masked; Q5_K's fifth bits (bit 2j or 2j + 1 of its
-// 32 high-bit bytes) are rotated to bit 4 of each byte and joined in. The 64 weight bytes meet the
-// activations' 64 bytes in one vpdpbusd per piece; the int32 lanes are scaled by their sub-block's
-// d*sc. The mins come in once per super-block through the activations' sums per 32. Per token:
-// sum_b dx_b * (sum_g d*sc_g * sum(q x) - dmin*m_g * sum x).
+// A 256-element stretch of a Q4_K / Q5_K / Q8_0 row: its bytes, the scale of each 32 elements (lanes
+// 0-7) and their offset (lanes 8-15) as weight = q * scale + offset: d*sc and -dmin*m for the K-quants,
+// d and -128 d for Q8_0's eight blocks (whose bytes the kernel takes offset by 128).
+template <typename F>
+constexpr int64_t kStretchBytes = std::is_same_v<F, Q8_0> ? 8 * Q8_0::kBytes : F::kBytes;
+
+template <typename F>
+inline __m512 stretch_scales(const uint8_t* blk) {
+  if constexpr (std::is_same_v<F, Q8_0>) {
+    alignas(32) float dv[8];
+    for (int i = 0; i < 8; ++i) dv[i] = half_to_float(blk + i * Q8_0::kBytes);
+    const __m256 d = _mm256_load_ps(dv);
+    return _mm512_insertf32x8(_mm512_castps256_ps512(d), _mm256_mul_ps(d, _mm256_set1_ps(-128.0f)), 1);
+  } else {
+    return k_scales16(blk);
+  }
+}
+
+// The 64 unsigned weight bytes of chunk j (elements 64j .. 64j + 63) of a stretch: Q4_K's nibbles
+// broadcast to both register halves, shifted by 0 (low half: the first sub-block) or 4 (high half: the
+// second) and masked; Q5_K's the same with each byte's fifth bit (bit 2j or 2j + 1 of its 32 high-bit
+// bytes qh) rotated to bit 4 and joined in; Q8_0's two blocks with the sign bit flipped (q + 128).
+template <typename F>
+inline __m512i chunk_bytes(const uint8_t* blk, int j, __m512i qh) {
+  if constexpr (std::is_same_v<F, Q8_0>) {
+    const uint8_t* q = blk + 2 * j * Q8_0::kBytes + 2;
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
+                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + Q8_0::kBytes)), 1);
+    return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    constexpr bool q5 = std::is_same_v<F, Q5_K>;
+    const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (q5 ? 48 : 16) + 32 * j)));
+    __m512i w = _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4)), _mm512_set1_epi8(0x0F));
+    if constexpr (q5) {  // a rotation in 64 bits: bit 4 - s of each byte to bit 4 of the same byte
+      const __m512i rot = _mm512_setr_epi64((4 - 2 * j) & 63, (4 - 2 * j) & 63, (4 - 2 * j) & 63, (4 - 2 * j) & 63,
+                                            (3 - 2 * j) & 63, (3 - 2 * j) & 63, (3 - 2 * j) & 63, (3 - 2 * j) & 63);
+      w = _mm512_or_si512(w, _mm512_and_si512(_mm512_rolv_epi64(qh, rot), _mm512_set1_epi8(0x10)));
+    }
+    return w;
+  }
+}
+
+// Q4_K, Q5_K or Q8_0 row (F) . quantized activations for M tokens, left as one vector per token whose
+// 16 lanes sum to the product (rows_dot_q8_range sums sixteen rows' vectors at once). Each chunk's 64
+// weight bytes (chunk_bytes) meet the activations' 64 bytes in one vpdpbusd per piece; the int32 lanes
+// are scaled by their 32 elements' scale. The offsets come in once per stretch through the
+// activations' sums per 32. Per token: sum_b dx_b * (sum_g scale_g * sum(q x) + offset_g * sum x).
 template <typename F, int M, int P = 1>
 inline void row_acc_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, __m512* out) {
-  constexpr bool q5 = std::is_same_v<F, Q5_K>;
-  constexpr int kQs = q5 ? 48 : 16;  // where the nibbles start (Q5_K's high bits come first)
   __m512 acc[M];
   __m256 macc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps(), macc[m] = _mm256_setzero_ps();
-  const __m512i shifts = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t b = 0; b < K / F::kElems; ++b) {
-    const uint8_t* blk = row + b * F::kBytes;
-    prefetch_ahead(blk, F::kBytes);
-    const __m512 sb = k_scales16(blk);  // d*sc_g (lanes 0-7), -dmin*m_g (lanes 8-15)
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* blk = row + b * kStretchBytes<F>;
+    prefetch_ahead(blk, kStretchBytes<F>);
+    const __m512 sb = stretch_scales<F>(blk);  // scales (lanes 0-7), offsets (lanes 8-15)
     const __m512 sp = _mm512_mul_ps(sb, _mm512_set1_ps(kPieceScale<P>));  // the products' scales
     __m512i qh = _mm512_setzero_si512();
-    if constexpr (q5) qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)));
+    if constexpr (std::is_same_v<F, Q5_K>)
+      qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16)));
     __m512 accb[M];
     for (int m = 0; m < M; ++m) accb[m] = _mm512_setzero_ps();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kQs + 32 * j)));
-      __m512i w = _mm512_and_si512(_mm512_srlv_epi64(v, shifts), low4);
-      if constexpr (q5) {  // bit 2j (low half) or 2j + 1 (high half) of each byte to bit 4: a rotation in 64 bits
-        const __m512i rot = _mm512_setr_epi64((4 - 2 * j) & 63, (4 - 2 * j) & 63, (4 - 2 * j) & 63, (4 - 2 * j) & 63,
-                                              (3 - 2 * j) & 63, (3 - 2 * j) & 63, (3 - 2 * j) & 63, (3 - 2 * j) & 63);
-        w = _mm512_or_si512(w, _mm512_and_si512(_mm512_rolv_epi64(qh, rot), _mm512_set1_epi8(0x10)));
-      }
+      const __m512i w = chunk_bytes<F>(blk, j, qh);
       const __m512 s = _mm512_permutexvar_ps(
           _mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1,
                             2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1),
@@ -146,50 +176,6 @@ inline void row_acc_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, __m512*
       const __m512 dx = _mm512_set1_ps(xs[m].d[b]);
       acc[m] = _mm512_fmadd_ps(accb[m], dx, acc[m]);
       macc[m] = _mm256_fmadd_ps(mins, _mm256_mul_ps(_mm256_loadu_ps(xs[m].sum32 + 8 * b), _mm512_castps512_ps256(dx)),
-                                macc[m]);
-    }
-  }
-  for (int m = 0; m < M; ++m) out[m] = _mm512_add_ps(acc[m], _mm512_zextps256_ps512(macc[m]));
-}
-
-// Q8_0 row . quantized activations for M tokens, one vector per token as row_acc_k_q8. Per 64
-// elements (two blocks) the 64 signed weight bytes are offset by 128 (a sign-bit flip) to make
-// vpdpbusd's unsigned operand, and each int32 lane is scaled by its block's d; the offset comes back
-// out once per 256 elements through the activations' sums per 32: per token
-// sum_b dx_b * sum_i d_i * (sum((q + 128) x) - 128 sum x) over the eight blocks i of 256 elements.
-template <int M, int P = 1>
-inline void row_acc_q8_0_q8(const uint8_t* row, int64_t K, const Q8Row* xs, __m512* out) {
-  __m512 acc[M];
-  __m256 macc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps(), macc[m] = _mm256_setzero_ps();
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t b = 0; b < K / 256; ++b) {
-    const uint8_t* blk = row + b * 8 * Q8_0::kBytes;  // eight blocks of 34 bytes
-    prefetch_ahead(blk, 8 * Q8_0::kBytes);
-    alignas(32) float dv[8];
-    for (int i = 0; i < 8; ++i) dv[i] = half_to_float(blk + i * Q8_0::kBytes);
-    const __m256 d8 = _mm256_load_ps(dv);
-    const __m512 sp = _mm512_mul_ps(_mm512_castps256_ps512(d8), _mm512_set1_ps(kPieceScale<P>));
-    __m512 accb[M];
-    for (int m = 0; m < M; ++m) accb[m] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const uint8_t* b0 = blk + 2 * j * Q8_0::kBytes + 2;
-      const __m512i v = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + Q8_0::kBytes)), 1);
-      const __m512i w = _mm512_xor_si512(v, flip);
-      const __m512 s = _mm512_permutexvar_ps(
-          _mm512_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1,
-                            2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1),
-          sp);
-      for (int m = 0; m < M; ++m) accb[m] = _mm512_fmadd_ps(piece_products<P>(w, xs[m], 256 * b + 64 * j), s, accb[m]);
-    }
-    const __m256 off = _mm256_mul_ps(d8, _mm256_set1_ps(-128.0f));
-    for (int m = 0; m < M; ++m) {
-      const __m512 dx = _mm512_set1_ps(xs[m].d[b]);
-      acc[m] = _mm512_fmadd_ps(accb[m], dx, acc[m]);
-      macc[m] = _mm256_fmadd_ps(off, _mm256_mul_ps(_mm256_loadu_ps(xs[m].sum32 + 8 * b), _mm512_castps512_ps256(dx)),
                                 macc[m]);
     }
   }
