@@ -187,6 +187,15 @@ def read_rate(seconds: float = 2.0) -> float:
     return best
 
 
+def has_int8_kernels(path: Path) -> bool:
+    """Whether any of the file's tensors is in a format the int8-activation mode computes (a bf16 file's
+    weights are not: the mode would change nothing)."""
+    from hearth.engine import int8_mode
+    from hearth.engine.gguf_file import GGUFFile
+
+    return any(t.quantized and t.format.name in int8_mode.FORMATS for t in GGUFFile(path).tensors.values())
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -201,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
     for path in args.files:
         dtype = args.dtype or "float32"  # GGUF's default (bf16 weights stay bf16 blocks)
         per_token = stored_summary(path, load_gguf_config(path)[1])["bytes_per_decode_token"]
-        engines = ["llama.cpp", "hearth"] + (["hearth int8"] if args.int8_activations and dtype == "float32" else [])
+        int8 = args.int8_activations and dtype == "float32" and has_int8_kernels(path)
+        engines = ["llama.cpp", "hearth"] + (["hearth int8"] if int8 else [])
         samples: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
         with contextlib.ExitStack() as stack:
             runs = {"llama.cpp": stack.enter_context(llama_cpp_runner(path, args.threads, n_ctx))}

@@ -8,8 +8,10 @@ import torch
 from hearth.engine.quant.formats import FORMATS, block_format, dequantize
 
 
-def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random bytes with sane scale fields (fp16 scales in a small range, E8M0 near 127)."""
+def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator, extremes: bool = True) -> np.ndarray:
+    """Random bytes with sane scale fields (fp16 scales in a small range, E8M0 near 127; with
+    ``extremes``, MXFP4's first two blocks take the smallest and largest exponents, 0 and 255, whose
+    products may overflow)."""
     fmt = FORMATS[name]
     blocks = rng.integers(0, 256, size=(rows * cols // fmt.block_elems, fmt.block_bytes), dtype=np.uint8)
     scale = rng.uniform(-0.05, 0.05, size=(blocks.shape[0], 2)).astype(np.float16).view(np.uint8)
@@ -21,7 +23,8 @@ def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> 
         blocks[:, 208:210] = scale[:, 0:2]
     else:  # mxfp4: exponents near 1, and the extremes
         blocks[:, 0] = rng.integers(117, 137, size=blocks.shape[0])
-        blocks[:2, 0] = (0, 255)
+        if extremes:
+            blocks[:2, 0] = (0, 255)
     return blocks.reshape(rows, -1)
 
 

@@ -36,7 +36,7 @@ def _exact_int8_rows(m: int, k: int, seed: int) -> torch.Tensor:
 def test_linear_equals_the_fp32_kernel_on_exact_activations(fmt):
     ops = cpu_decode_ops()
     k, n = 1024, 48
-    w = torch.from_numpy(random_blocks(fmt, n, k, np.random.default_rng(5)))
+    w = torch.from_numpy(random_blocks(fmt, n, k, np.random.default_rng(5), extremes=False))
     for m in (1, 2, 5, 8, 11):
         x = _exact_int8_rows(m, k, m)
         assert max_rel_error(ops.linear_blocks(x, w, fmt, int8=True), ops.linear_blocks(x, w, fmt)) < 1e-5

@@ -1,5 +1,5 @@
 """fp32 activations on the VNNI kernels in three int8 pieces (kernels/q8.h; the default where the
-kernel library has AVX-512 VNNI, for Q4_K, Q5_K, Q6_K and Q8_0 weights).
+kernel library has AVX-512 VNNI, for the GGML formats' weights).
 
 - Against the fp64 product of the dequantized weights, on heavy-tailed activations: within 5e-6 of the
   largest output (measured 0.8-1.4e-6; the fp32 kernels 0.9-1.6e-7).
@@ -38,13 +38,13 @@ def _heavy_tailed(m: int, seed: int) -> torch.Tensor:
 def _error(fmt: str, m: int) -> float:
     """max |ours - fp64 reference| / max |reference| of linear_blocks on m tokens."""
     ops = cpu_decode_ops()
-    w = torch.from_numpy(random_blocks(fmt, 80, _K, np.random.default_rng(7)))
+    w = torch.from_numpy(random_blocks(fmt, 80, _K, np.random.default_rng(7), extremes=False))
     ref = _heavy_tailed(m, m).double() @ ops.dequantize_blocks(w, fmt, _K).double().T
     ours = ops.linear_blocks(_heavy_tailed(m, m), w, fmt).double()
     return float((ours - ref).abs().max() / ref.abs().max())
 
 
-@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "mxfp4"])
 def test_products_within_the_stated_error(fmt):
     if os.environ.get("HEARTH_SPLIT_ACTIVATIONS", "1") == "0":
         pytest.skip("three-piece activations turned off in this process")
@@ -52,10 +52,10 @@ def test_products_within_the_stated_error(fmt):
         assert 0 < _error(fmt, m) < 5e-6
 
 
-@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "mxfp4"])
 def test_a_token_does_not_depend_on_the_others(fmt):
     ops = cpu_decode_ops()
-    w = torch.from_numpy(random_blocks(fmt, 48, _K, np.random.default_rng(3)))
+    w = torch.from_numpy(random_blocks(fmt, 48, _K, np.random.default_rng(3), extremes=False))
     x = _heavy_tailed(5, 11)
     together = ops.linear_blocks(x, w, fmt)
     for i in range(5):
@@ -64,7 +64,7 @@ def test_a_token_does_not_depend_on_the_others(fmt):
 
 def test_the_switch_keeps_the_fp32_kernels():
     code = ("from tests.test_split_activations import _error; "
-            "print(max(_error(f, m) for f in ('q4_k', 'q5_k', 'q6_k', 'q8_0') for m in (1, 3)))")
+            "print(max(_error(f, m) for f in ('q4_k', 'q5_k', 'q6_k', 'q8_0', 'q4_0', 'mxfp4') for m in (1, 3)))")
     root = Path(__file__).resolve().parents[1]
     errors = {}
     for value in ("0", "1"):
@@ -74,3 +74,13 @@ def test_the_switch_keeps_the_fp32_kernels():
         assert run.returncode == 0, run.stderr
         errors[value] = float(run.stdout.strip())
     assert errors["0"] < 3e-7 < errors["1"] < 5e-6
+
+
+def test_a_nan_stays_in_its_token():
+    """A NaN activation makes its own token's outputs NaN (as fp32 products would) and no other's."""
+    ops = cpu_decode_ops()
+    w = torch.from_numpy(random_blocks("q4_k", 32, _K, np.random.default_rng(4)))
+    x = _heavy_tailed(2, 5)
+    x[0, 300] = float("nan")
+    out = ops.linear_blocks(x, w, "q4_k")
+    assert out[0].isnan().all() and out[1].isfinite().all()

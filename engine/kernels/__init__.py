@@ -51,7 +51,7 @@ class NativeKernels:
     def __init__(self, base: ModuleType, decode: ModuleType, features: int) -> None:
         self.features = features
         self._base, self._decode = base, decode
-        # The int8-activation kernels (Q4_K, Q6_K) are in the VNNI library only.
+        # The int8-activation kernels (the GGML formats) are in the VNNI library only.
         self.int8_activations = decode.__name__.endswith("vnni")
 
     def linear_decode(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,10 +70,10 @@ class NativeKernels:
 
     def linear_blocks(self, x: torch.Tensor, w: torch.Tensor, fmt: str, int8: bool = False) -> torch.Tensor:
         """y fp32 [M, N] = x fp32 [M, K] @ W^T for W uint8 [N, K / elems * bytes] in block format
-        ``fmt`` (read in its blocks; every 8 tokens share one pass over W). Formats with a VNNI kernel in
-        this library (Q4_K, Q5_K, Q6_K) take x in three int8 pieces (about 1e-6 relative; off with
-        ``HEARTH_SPLIT_ACTIVATIONS=0``). ``int8``: the int8-activation mode, one piece, for those formats
-        (others keep fp32 activations)."""
+        ``fmt`` (read in its blocks; every 8 tokens share one pass over W). Where this library has VNNI,
+        the GGML formats with K a multiple of 256 take x in three int8 pieces (about 1e-6 relative;
+        ``HEARTH_SPLIT_ACTIVATIONS=0`` keeps fp32). ``int8``: the int8-activation mode, one piece, for
+        those (others keep fp32 activations)."""
         code = BLOCK_CODES[fmt]
         if x.dtype != torch.float32 or x.dim() != 2 or w.dtype != torch.uint8 or w.dim() != 2 \
                 or not (w.is_cpu and w.is_contiguous()) or w.shape[1] != _row_bytes(fmt, x.shape[1]):

@@ -8,9 +8,9 @@
 // from memory once for all the tokens of a step. Nothing is dequantized to memory (except by
 // dequantize_impl, for prefill's GEMMs) and activations are not quantized: the result differs from
 // fp32 on the reference's dequantized weights only in the order of fp32 accumulation (and one fused
-// rounding of q * scale + bias). The exceptions are the formats with a VNNI kernel (q8.h: Q4_K and
-// Q6_K) where the build has VNNI: there fp32 activations are split into three int8 pieces (about 1e-6
-// relative; see split_activations), or in the opt-in int8 mode quantized to one.
+// rounding of q * scale + bias). The exception is the build with VNNI, where the GGML formats' rows
+// of a length that is a multiple of 256 go through q8.h's kernels: fp32 activations split into three
+// int8 pieces (about 1e-6 relative; see split_activations), or in the opt-in int8 mode quantized to one.
 //
 // The vector width follows the instruction set this translation unit is compiled for (vec.h).
 #pragma once
@@ -518,7 +518,7 @@ inline void rows_dot(const uint8_t* row, int64_t K, const float* const* xs, int 
   });
 }
 
-// fp32 activations meeting a format with a VNNI kernel (kQ8: Q4_K, Q5_K, Q6_K, Q8_0) go through that kernel split into three
+// fp32 activations meeting a format with a VNNI kernel (kQ8: the GGML formats) go through that kernel split into three
 // int8 pieces (Q8Rows::quantize, split): about 21 bits of each 256-element block's largest magnitude,
 // an error near 1e-6 of a product's largest output where the fp32 kernels' is 2e-7, and the products
 // at the int8 kernels' instruction count (a Q4_K_M decode step 5.9 -> 4.7 ms). On by default;
@@ -543,6 +543,10 @@ template <>
 constexpr bool kQ8<Q5_K> = true;
 template <>
 constexpr bool kQ8<Q8_0> = true;
+template <>
+constexpr bool kQ8<Q4_0> = true;
+template <>
+constexpr bool kQ8<Mxfp4> = true;
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)

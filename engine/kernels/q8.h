@@ -1,4 +1,4 @@
-// Activations quantized to int8 per 256 elements and multiplied with Q4_K / Q6_K weights by AVX-512
+// Activations quantized to int8 per 256 elements and multiplied with block weights by AVX-512
 // VNNI (vpdpbusd: 64 unsigned weight bytes times 64 signed activation bytes, summed in fours into 16
 // int32 lanes), in two uses:
 // - the int8-activation mode (opt-in): one piece, as llama.cpp's CPU kernels do (its Q8_K), every
@@ -6,6 +6,7 @@
 //   error);
 // - fp32 activations (the default): three pieces, x ~ d * (q1 + q2 / 128 + q3 / 128^2), which keep
 //   about 21 bits of the block's largest magnitude; the three products are joined in the integers.
+// The weights: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and MXFP4, rows of a length that is a multiple of 256.
 // Either needs far fewer instructions per weight than the fp32-activation kernels of blocks.h (a
 // vpdpbusd covers 64 weights; the fp32 kernels take a table lookup and a multiply-add per 16).
 // Included by blocks.h inside hearth::blocks; compiled only where the build targets VNNI.
@@ -53,9 +54,19 @@ struct Q8Rows {
     for (int64_t b = 0; b < K / 256; ++b) {
       const float* xb = x + 256 * b;
       __m512 amax = _mm512_setzero_ps();
-      for (int i = 0; i < 256; i += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
+      __mmask16 nan = 0;
+      for (int i = 0; i < 256; i += 16) {
+        const __m512 v = _mm512_loadu_ps(xb + i);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+      }
       const float m = _mm512_reduce_max_ps(amax);
-      const float scale = m / 127.0f, inv = m > 0.f ? 127.0f / m : 0.f;
+      // A block holding a NaN gets d = NaN, so that every product using it is NaN, as fp32's would be
+      // (the max above skips NaNs); one whose largest magnitude is below 1e-30 (where 127 / m and the
+      // pieces' 128^2 * 127 / m would overflow) counts as zeros.
+      const bool zeros = !(m >= 1e-30f);
+      const float scale = nan ? std::nanf("") : zeros ? 0.f : m / 127.0f;
+      const float inv = nan || zeros ? 0.f : 127.0f / m;
       d[r * K / 256 + b] = scale;
       for (int i = 0; i < 256; i += 16) {
         const __m512 xv = _mm512_loadu_ps(xb + i);
@@ -100,19 +111,41 @@ inline __m512 piece_products(__m512i w, const Q8Row& x, int64_t at) {
 template <int P>
 constexpr float kPieceScale = P == 3 ? 1.0f / 16384.0f : 1.0f;
 
-// A 256-element stretch of a Q4_K / Q5_K / Q8_0 row: its bytes, the scale of each 32 elements (lanes
-// 0-7) and their offset (lanes 8-15) as weight = q * scale + offset: d*sc and -dmin*m for the K-quants,
-// d and -128 d for Q8_0's eight blocks (whose bytes the kernel takes offset by 128).
+// A 256-element stretch of a Q4_K / Q5_K row (one super-block) or of a Q8_0 / Q4_0 / MXFP4 row (eight
+// 32-element blocks): its bytes, the scale of each 32 elements (lanes 0-7) and their offset (lanes 8-15),
+// weight = q * scale + offset with q the unsigned byte the kernel multiplies: d*sc and -dmin*m for the
+// K-quants; for the 32-element formats the block's scale and -z times it, z what makes their signed
+// values unsigned (Q8_0: 128, a sign-bit flip; Q4_0: 8, its nibbles as they are; MXFP4: 12, added by
+// the table that reads its E2M1 codes as doubled integers).
 template <typename F>
-constexpr int64_t kStretchBytes = std::is_same_v<F, Q8_0> ? 8 * Q8_0::kBytes : F::kBytes;
+constexpr int64_t kStretchBytes = F::kElems == 32 ? 8 * F::kBytes : F::kBytes;
+
+// z of the 32-element formats (see above).
+template <typename F>
+constexpr float kZero = std::is_same_v<F, Q8_0> ? 128.0f : std::is_same_v<F, Q4_0> ? 8.0f : 12.0f;
+
+// The scales of the eight 32-element blocks of a stretch: their fp16 d widened together, or MXFP4's
+// E8M0 exponents as 2^(e - 128) (half the scale, the table's values being doubled; e8m0_half's value,
+// subnormals included, by vscalefps).
+template <typename F>
+inline __m256 block_scales8(const uint8_t* blk) {
+  constexpr int S = F::kBytes;
+  if constexpr (std::is_same_v<F, Mxfp4>) {
+    const __m256i e = _mm256_setr_epi32(blk[0], blk[S], blk[2 * S], blk[3 * S], blk[4 * S], blk[5 * S], blk[6 * S],
+                                        blk[7 * S]);
+    return _mm256_scalef_ps(_mm256_set1_ps(1.0f), _mm256_cvtepi32_ps(_mm256_sub_epi32(e, _mm256_set1_epi32(128))));
+  } else {
+    uint16_t h[8];
+    for (int i = 0; i < 8; ++i) std::memcpy(h + i, blk + i * S, 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+  }
+}
 
 template <typename F>
 inline __m512 stretch_scales(const uint8_t* blk) {
-  if constexpr (std::is_same_v<F, Q8_0>) {
-    alignas(32) float dv[8];
-    for (int i = 0; i < 8; ++i) dv[i] = half_to_float(blk + i * Q8_0::kBytes);
-    const __m256 d = _mm256_load_ps(dv);
-    return _mm512_insertf32x8(_mm512_castps256_ps512(d), _mm256_mul_ps(d, _mm256_set1_ps(-128.0f)), 1);
+  if constexpr (F::kElems == 32) {
+    const __m256 d = block_scales8<F>(blk);
+    return _mm512_insertf32x8(_mm512_castps256_ps512(d), _mm256_mul_ps(d, _mm256_set1_ps(-kZero<F>)), 1);
   } else {
     return k_scales16(blk);
   }
@@ -121,7 +154,9 @@ inline __m512 stretch_scales(const uint8_t* blk) {
 // The 64 unsigned weight bytes of chunk j (elements 64j .. 64j + 63) of a stretch: Q4_K's nibbles
 // broadcast to both register halves, shifted by 0 (low half: the first sub-block) or 4 (high half: the
 // second) and masked; Q5_K's the same with each byte's fifth bit (bit 2j or 2j + 1 of its 32 high-bit
-// bytes qh) rotated to bit 4 and joined in; Q8_0's two blocks with the sign bit flipped (q + 128).
+// bytes qh) rotated to bit 4 and joined in; Q8_0's two blocks with the sign bit flipped (q + 128); Q4_0's
+// and MXFP4's two blocks of 16 nibble bytes, each broadcast to two 128-bit lanes (low nibbles then high:
+// the block's element order), MXFP4's codes through a byte table to doubled value + 12.
 template <typename F>
 inline __m512i chunk_bytes(const uint8_t* blk, int j, __m512i qh) {
   if constexpr (std::is_same_v<F, Q8_0>) {
@@ -129,6 +164,19 @@ inline __m512i chunk_bytes(const uint8_t* blk, int j, __m512i qh) {
     const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + Q8_0::kBytes)), 1);
     return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else if constexpr (std::is_same_v<F, Q4_0> || std::is_same_v<F, Mxfp4>) {
+    constexpr int kQs = std::is_same_v<F, Q4_0> ? 2 : 1;
+    const uint8_t* q = blk + 2 * j * F::kBytes + kQs;
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + F::kBytes));
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(a)), _mm256_broadcastsi128_si256(b), 1);
+    const __m512i n = _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)), _mm512_set1_epi8(0x0F));
+    if constexpr (std::is_same_v<F, Q4_0>) {
+      return n;
+    } else {  // kMxfp4Values + 12
+      const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+      return _mm512_shuffle_epi8(table, n);
+    }
   } else {
     constexpr bool q5 = std::is_same_v<F, Q5_K>;
     const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (q5 ? 48 : 16) + 32 * j)));
@@ -142,7 +190,7 @@ inline __m512i chunk_bytes(const uint8_t* blk, int j, __m512i qh) {
   }
 }
 
-// Q4_K, Q5_K or Q8_0 row (F) . quantized activations for M tokens, left as one vector per token whose
+// Q4_K, Q5_K, Q8_0, Q4_0 or MXFP4 row (F) . quantized activations for M tokens, left as one vector per token whose
 // 16 lanes sum to the product (rows_dot_q8_range sums sixteen rows' vectors at once). Each chunk's 64
 // weight bytes (chunk_bytes) meet the activations' 64 bytes in one vpdpbusd per piece; the int32 lanes
 // are scaled by their 32 elements' scale. The offsets come in once per stretch through the
