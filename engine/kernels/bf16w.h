@@ -16,17 +16,13 @@ constexpr int kBlockElems = 32, kBlockBytes = 64;
 using namespace hearth::vec;  // NOLINT: the lane-width vector all the block kernels compute in
 
 // kLanes bf16 values at p (2 * kLanes bytes) widened to fp32.
+inline vf widen(const uint8_t* p) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-inline vf widen(const uint8_t* p) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
+  return widen_bf16x16(p);
 #else
-inline vf widen(const uint8_t* p) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
+  return widen_bf16x8(p);
 #endif
+}
 
 // out[m] = row . xs[m] for M tokens, the row of K elements (a multiple of 32).
 template <int M>

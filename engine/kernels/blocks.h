@@ -531,22 +531,14 @@ inline bool split_activations() {
   return on;
 }
 
-// Formats with a VNNI kernel in this build (q8.h: the int8 mode, and fp32 activations in three pieces).
+// Formats with a VNNI kernel in this build (q8.h: the int8 mode, and fp32 activations in three pieces):
+// the GGML formats, where the build has VNNI.
+#ifdef HEARTH_Q8_ACTIVATIONS
+template <typename F>
+constexpr bool kQ8 = !std::is_same_v<F, Fp8E4m3> && !std::is_same_v<F, Bf16>;
+#else
 template <typename F>
 constexpr bool kQ8 = false;
-#ifdef HEARTH_Q8_ACTIVATIONS
-template <>
-constexpr bool kQ8<Q4_K> = true;
-template <>
-constexpr bool kQ8<Q6_K> = true;
-template <>
-constexpr bool kQ8<Q5_K> = true;
-template <>
-constexpr bool kQ8<Q8_0> = true;
-template <>
-constexpr bool kQ8<Q4_0> = true;
-template <>
-constexpr bool kQ8<Mxfp4> = true;
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -584,7 +576,7 @@ inline void rows_dot_q8_range(const uint8_t* w, int64_t rb, int64_t r0, int64_t 
           __m512 v[kM];
           if constexpr (std::is_same_v<F, Q6_K>)
             row_acc_q6_k_q8<kM, P>(w + (r + i) * rb, K, xs, v);
-          else
+          else if constexpr (kQ8<F>)  // (no code for the formats without the kernel: callers never get here)
             row_acc_k_q8<F, kM, P>(w + (r + i) * rb, K, xs, v);
           for (int t = 0; t < kM; ++t) part[t][i] = v[t];
         }

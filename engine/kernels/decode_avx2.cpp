@@ -28,10 +28,7 @@ using hearth::round_to;
 using hearth::to_float;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {
-  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-}
+inline __m256 load8(const bf16* p) { return hearth::vec::widen_bf16x8(p); }
 inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 inline float hsum(__m256 v) { return hearth::vec::hsum8(v); }
@@ -59,10 +56,7 @@ inline float dot(const W* w, const float* x, int64_t K) {
 // 8-lane kernel's order. Half the instructions, the same rounding (tests hold the engine to
 // transformers bit for bit in bf16 greedy decoding).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
+inline __m512 load16(const bf16* p) { return hearth::vec::widen_bf16x16(p); }
 inline __m512 load16(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 // out[m] = row w . xs[m] for M tokens at once, each token's as described above: the row's vectors are

@@ -16,6 +16,19 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
+// bf16 values widened to fp32, exactly (each one's 16 bits as the fp32's high half): 8 from p, and
+// with AVX-512 16.
+inline __m256 widen_bf16x8(const void* p) {
+  const __m128i v = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+#if defined(__AVX512F__)
+inline __m512 widen_bf16x16(const void* p) {
+  const __m256i v = _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 constexpr int kLanes = 16;
 using vf = __m512;
