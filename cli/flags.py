@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from hearth.config import EngineConfig, ServingConfig, leaves, option_name, type_parts
+from hearth.config import EngineConfig, ServingConfig, is_loopback, leaves, option_name, type_parts
 
 _GROUPS = {"": "engine", "scheduler": "scheduler", "kv_cache": "KV cache", "checkpoints": "state checkpoints",
            "experts": "expert hierarchy"}
@@ -97,10 +97,12 @@ def engine_config(args: argparse.Namespace, **extra: Any) -> EngineConfig:
 
 def serving_config(args: argparse.Namespace, **extra: Any) -> ServingConfig:
     """The validated :class:`ServingConfig` of the parsed flags (plus ``extra`` settings); the key
-    defaults to ``$HEARTH_API_KEY``. Warns when it listens beyond this machine without a key."""
+    defaults to ``$HEARTH_API_KEY``. Warns when it listens beyond this machine without one (only
+    possible with ``--insecure-no-auth``)."""
     names = {option_name(f) for f in dataclasses.fields(ServingConfig)}
     given = {k: v for k, v in vars(args).items() if k in names and v is not None}
     serving = ServingConfig.from_options(**{"api_key": os.environ.get("HEARTH_API_KEY") or None, **given, **extra})
-    if serving.host not in ("127.0.0.1", "localhost", "::1") and not serving.api_key:
-        print(f"hearth: warning: listening on {serving.host}, beyond this machine, without --api-key", file=sys.stderr)
+    if not is_loopback(serving.host) and not serving.api_key:
+        print(f"hearth: warning: --insecure-no-auth: anyone who can reach {serving.host} may use this server",
+              file=sys.stderr)
     return serving

@@ -32,7 +32,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         asyncio.run(_serve(state, serving, started))
     finally:
-        state.client.close()
+        state.close()
     return 0
 
 

@@ -344,10 +344,15 @@ class EngineConfig(Section):
 class ServingConfig(Section):
     """Where and how ``hearth serve`` (and the cluster's router) listen."""
 
-    host: str = option("127.0.0.1", "address to listen on (0.0.0.0 opens it to the network: use --api-key)")
+    host: str = option("127.0.0.1", "address to listen on (HTTP and gRPC; beyond loopback it needs --api-key)")
     port: int = option(8000, "HTTP port", minimum=0)
     grpc_port: int | None = option(50051, "gRPC port (0 disables gRPC)", minimum=0)
     api_key: str | None = option(None, "require this key (default: $HEARTH_API_KEY, else none)")
+    insecure_no_auth: bool = option(False, "serve a non-loopback --host without an API key (refused otherwise)")
+    max_body_bytes: int = option(8 << 20, "largest request body (e.g. 8MiB); larger ones get 413", minimum=1024,
+                                 name="max_body_size", parse=parse_bytes)
+    intake_timeout: float = option(30.0, "seconds to parse, render and tokenize one request before it gets 503",
+                                   minimum=0.1)
     model_names: tuple[str, ...] = option((), "name clients use for the model (repeatable; default: the "
                                               "directory name)", name="served_model_name", metavar="NAME")
     max_waiting: int = option(64, "requests that may wait beyond those running; more get 429/529", name="max_queue",
@@ -359,6 +364,21 @@ class ServingConfig(Section):
     def validate(self) -> None:
         if self.grpc_port == 0:
             object.__setattr__(self, "grpc_port", None)
+        if not is_loopback(self.host) and not self.api_key and not self.insecure_no_auth:
+            raise ConfigError(f"refusing to listen on {self.host} (beyond this machine) without an API key: give "
+                              "--api-key KEY or HEARTH_API_KEY, or --insecure-no-auth to serve it open")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
+    import ipaddress
+
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
 
 
 # -- walking the tree ---------------------------------------------------------------------------

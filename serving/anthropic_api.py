@@ -25,25 +25,37 @@ router = APIRouter()
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> dict[str, int]:
     state = request.app.state.hearth
-    body = parse_body(CountTokensRequest, await request.body())
-    state.check_model(body.model)
-    return {"input_tokens": len(_render(state, body, check_length=False).ids)}  # counted even when too long
+    raw = await request.body()
+
+    def prepare() -> int:  # on an intake thread
+        body = parse_body(CountTokensRequest, raw)
+        state.check_model(body.model)
+        return len(_render(state, body, check_length=False).ids)  # counted even when too long
+
+    return {"input_tokens": await state.prepare(prepare)}
 
 
 @router.post("/v1/messages")
 async def messages(request: Request):
     state = request.app.state.hearth
-    body = parse_body(MessagesRequest, await request.body())
-    state.check_model(body.model)
-    prompt = _render(state, body)
+    raw, session_id = await request.body(), request.headers.get("x-session-id")
+
+    def prepare():  # on an intake thread
+        body = parse_body(MessagesRequest, raw)
+        state.check_model(body.model)
+        prompt = _render(state, body)
+        frontend = state.frontend
+        message_id = f"msg_{uuid.uuid4().hex[:24]}"
+        max_tokens = frontend.max_tokens(body.max_tokens, len(prompt.ids), "max_tokens", message_id)
+        params = frontend.sampling(max_tokens, body.stop_sequences, temperature=body.temperature, top_p=body.top_p,
+                                   top_k=body.top_k, grammar=prompt.grammar)
+        opening = [{"role": "system", "content": body.model_dump(mode="json").get("system")}] if body.system else []
+        opening += [m.model_dump(mode="json") for m in body.messages]
+        return body, prompt, max_tokens, GenerateRequest(message_id, prompt.ids, params,
+                                                         session_key(session_id, opening))
+
+    body, prompt, max_tokens, gen = await state.prepare(prepare)
     frontend = state.frontend
-    message_id = f"msg_{uuid.uuid4().hex[:24]}"
-    max_tokens = frontend.max_tokens(body.max_tokens, len(prompt.ids), "max_tokens", message_id)
-    params = frontend.sampling(max_tokens, body.stop_sequences, temperature=body.temperature, top_p=body.top_p,
-                               top_k=body.top_k, grammar=prompt.grammar)
-    opening = [{"role": "system", "content": body.model_dump(mode="json").get("system")}] if body.system else []
-    opening += [m.model_dump(mode="json") for m in body.messages]
-    gen = GenerateRequest(message_id, prompt.ids, params, session_key(request.headers.get("x-session-id"), opening))
     stream = stream_reply(state, gen, frontend.parser(prompt), "anthropic", "messages")
     headers = clamp_headers(body.max_tokens, max_tokens)
     if body.stream:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -20,20 +23,41 @@ from hearth.serving.responses_format import ResponseStore
 
 log = logging.getLogger("hearth.serving")
 _OPEN_PATHS = {"/health", "/"}
+R = TypeVar("R")
 
 
 class ServerState:
     """What the handlers share: the engine client, the tokenizer-side frontend, metrics, settings."""
 
     def __init__(self, client: Any, model_names: list[str] | None = None, api_key: str | None = None,
-                 tool_parser: str | None = None) -> None:
+                 tool_parser: str | None = None, max_body_bytes: int = 8 << 20, intake_timeout: float = 30.0) -> None:
         self.client = client
         self.model_names = model_names or [client.model.name]
         self.api_key = api_key
         self.tool_parser = tool_parser
+        self.max_body_bytes = max_body_bytes
+        self.intake_timeout = intake_timeout
         self.metrics = ServerMetrics(client)
         self.responses = ResponseStore()  # stored /v1/responses results, for previous_response_id
         self._frontend: ModelFrontend | None = None
+        # Parsing, template rendering and tokenization run here, off the event loop: a large or slow
+        # request then delays only itself, never /health or the streams of others.
+        self._intake = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hearth-intake")
+
+    def close(self) -> None:
+        """Stop the engine client and the intake threads (a request still being prepared is dropped)."""
+        self._intake.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
+
+    async def prepare(self, fn: Callable[[], R]) -> R:
+        """``fn()`` (a request's parsing, rendering and tokenization) on an intake thread; a 503 when
+        it takes longer than the intake timeout (the thread finishes on its own; its result is dropped)."""
+        future = asyncio.get_running_loop().run_in_executor(self._intake, fn)
+        try:
+            return await asyncio.wait_for(future, self.intake_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(503, f"preparing the request took longer than {self.intake_timeout:g} s "
+                                "(the server is busy, or the request is very large)") from None
 
     @property
     def model_name(self) -> str:
@@ -93,7 +117,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(responses_api.router)
-    app.add_middleware(AuthAndAccessLog, state=state)
+    app.add_middleware(BodyLimit, limit=state.max_body_bytes)
+    app.add_middleware(AuthAndAccessLog, state=state)  # outermost: the key is checked before a body is read
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -101,7 +126,10 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        return rejected(request, APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
+        response = rejected(request, APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
+        if exc.headers:  # a 405's Allow
+            response.headers.update(exc.headers)
+        return response
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
@@ -162,3 +190,55 @@ class AuthAndAccessLog:
 def _authorized(scope: dict, key: str) -> bool:
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
     return key_matches(headers.get("authorization", ""), headers.get("x-api-key"), key)
+
+
+class BodyLimit:
+    """Pure ASGI middleware: a request body is read here, at most ``limit`` bytes of it, before the
+    handler runs; a larger one gets 413 in its API's format as soon as its length is known (from
+    ``Content-Length`` before any byte is read, else once the bytes received pass the limit)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        if length is not None and (not length.isdigit() or len(length) > 18):
+            await error_response(path, APIError(400, "Content-Length: not a byte count"))(scope, receive, send)
+            return
+        if length is not None and int(length) > self.limit:
+            await self._too_large(path, scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before its body arrived
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await self._too_large(path, scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # later calls watch for the client disconnecting
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, path: str, scope: dict, receive: Any, send: Any) -> None:
+        error = APIError(413, f"the request body is larger than this server's limit of {self.limit} bytes "
+                              "(hearth serve --max-body-size)")
+        log.info("rejected: %s", error.message, extra={"fields": {"path": path, "status": 413}})
+        await error_response(path, error)(scope, receive, send)

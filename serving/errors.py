@@ -18,17 +18,30 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
                    503: "api_error", 529: "overloaded_error"}
 
 
+MAX_NESTING = 100  # levels of arrays and objects a request body may nest
+MAX_DIGITS = 20  # digits of an integer in a request body (int64 needs 19)
+_MESSAGE_CHARS, _PARAM_CHARS = 1000, 200  # what an error repeats of the request, at most
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, saying how many were left out (errors that quote a
+    client's value never send a megabyte back)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
 class APIError(Exception):
     """An error answered to the client: HTTP status, a message naming the field, the field."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  anthropic_message: str | None = None) -> None:
+        message = clip(message, _MESSAGE_CHARS)
         super().__init__(message)
         self.status = status
         self.message = message
-        self.param = param
+        self.param = None if param is None else clip(param, _PARAM_CHARS)
         self.code = code  # OpenAI's machine-readable code (``context_length_exceeded``), if any
-        self.anthropic_message = anthropic_message or message  # where Anthropic clients expect other words
+        # where Anthropic clients expect other words
+        self.anthropic_message = clip(anthropic_message, _MESSAGE_CHARS) if anthropic_message else message
 
     def openai_body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": OPENAI_TYPES.get(self.status, "invalid_request_error"),
@@ -80,11 +93,7 @@ def parse_body(model: type[M], raw: bytes) -> M:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise APIError(400, f"the request body is not valid UTF-8 (byte {exc.start})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") \
-            from None
+    data = loads_bounded(text, "the request body")
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
@@ -93,6 +102,45 @@ def parse_body(model: type[M], raw: bytes) -> M:
         raise APIError(400, "the request body contains an unpaired UTF-16 surrogate escape (invalid Unicode)") \
             from None
     return validate_as(model, data)
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_DIGITS:
+        raise APIError(400, f"a number in the request has more than {MAX_DIGITS} digits")
+    return int(digits)
+
+
+def loads_bounded(text: str, what: str, field: str | None = None) -> Any:
+    """JSON text parsed with bounds a hostile client cannot get past: at most :data:`MAX_NESTING`
+    levels of arrays and objects, integers of at most :data:`MAX_DIGITS` digits. Each violation is a
+    400 naming ``what`` (and ``field``)."""
+    try:
+        data = json.loads(text, parse_int=_bounded_int)
+    except json.JSONDecodeError as exc:
+        raise APIError(400, f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
+                       field) from None
+    except RecursionError:
+        data = deep = True
+    else:
+        deep = _depth_exceeds(data, MAX_NESTING)
+    if deep:
+        raise APIError(400, f"{what} nests arrays and objects more than {MAX_NESTING} levels deep", field)
+    return data
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists and dicts deeper than ``limit`` (iterative: any depth is safe)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = item.values()
+        elif not isinstance(item, list):
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in item if isinstance(child, (dict, list)))
+    return False
 
 
 def validate_as(model: type[M], data: Any, where: str = "") -> M:

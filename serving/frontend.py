@@ -8,15 +8,16 @@ only ever see token ids.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from jinja2.exceptions import TemplateError
+
 from hearth.engine.sampling import SamplingParams
 from hearth.serving.constraints import GrammarBuilder, check_grammar
-from hearth.serving.errors import APIError, context_overflow
+from hearth.serving.errors import APIError, context_overflow, loads_bounded
 from hearth.serving.parsers import THINK_CLOSE, THINK_OPEN, OutputParser, choose_tool_parser
 
 log = logging.getLogger("hearth.serving")
@@ -97,13 +98,17 @@ class ModelFrontend:
             raise APIError(400, "this model has no chat template; use /v1/completions with a raw prompt", "messages")
         messages = place_system_messages(messages, self.mid_system)
         use_tools = bool(tools) and mode.mode != "none"
+        template_kwargs = check_template_kwargs(template_kwargs)
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools if use_tools else None, tokenize=False, add_generation_prompt=True,
-                **(template_kwargs or {}),
+                **template_kwargs,
             )
         except Exception as exc:  # noqa: BLE001 - template errors (raise_exception, bad roles) are client errors
-            raise APIError(400, f"{messages_field}: the chat template rejected the conversation ({exc})",
+            # The template's own words (raise_exception) are for the client; anything else would quote
+            # the renderer's internals.
+            detail = f" ({exc})" if type(exc) is TemplateError else ""
+            raise APIError(400, f"{messages_field}: the chat template rejected the conversation{detail}",
                            messages_field) from None
         thinking = THINK_CLOSE if self.reasoning and text.rstrip().endswith(THINK_OPEN) else None
         prefix, grammar = "", None
@@ -205,14 +210,31 @@ def tool_json(name: str, description: str | None, parameters: dict[str, Any] | N
     return {"type": "function", "function": fn}
 
 
+# What a client may pass to the chat template (``chat_template_kwargs``): the switches templates
+# document, each with the type it takes. The template itself comes from the model or the operator.
+TEMPLATE_KWARGS: dict[str, type | tuple[type, ...]] = {"enable_thinking": bool, "thinking": bool,
+                                                       "reasoning_effort": str}
+
+
+def check_template_kwargs(kwargs: dict[str, Any] | None, field: str = "chat_template_kwargs") -> dict[str, Any]:
+    """The client's template switches, checked: any key not in :data:`TEMPLATE_KWARGS` (a client's own
+    ``chat_template`` included) or a value of the wrong type is a 400."""
+    for key, value in (kwargs or {}).items():
+        kind = TEMPLATE_KWARGS.get(key)
+        if kind is None:
+            raise APIError(400, f"{field}.{key}: not accepted (accepted: {', '.join(TEMPLATE_KWARGS)}; the chat "
+                                "template is the model's)", f"{field}.{key}")
+        if not isinstance(value, kind) or (isinstance(value, str) and len(value) > 32):
+            raise APIError(400, f"{field}.{key}: must be a {getattr(kind, '__name__', 'value')}"
+                                f"{' of at most 32 characters' if kind is str else ''}", f"{field}.{key}")
+    return dict(kwargs or {})
+
+
 def parse_arguments(arguments: str | dict[str, Any], field: str) -> dict[str, Any]:
     """Tool-call arguments of a past assistant turn, as the dict chat templates expect."""
     if isinstance(arguments, dict):
         return arguments
-    try:
-        value = json.loads(arguments) if arguments.strip() else {}
-    except json.JSONDecodeError:
-        raise APIError(400, f"{field}: arguments must be a JSON object string", field) from None
+    value = loads_bounded(arguments, f"{field}: the arguments string", field) if arguments.strip() else {}
     if not isinstance(value, dict):
         raise APIError(400, f"{field}: arguments must be a JSON object", field)
     return value

@@ -29,7 +29,8 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
     async def Generate(self, request: hearth_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         try:
             self._authorize(context)
-            gen = self._request(request, context)
+            meta = dict(context.invocation_metadata() or ())
+            gen = await self.state.prepare(lambda: self._request(request, meta))  # tokenized off the loop
             async for _, chunk in stream_reply(self.state, gen, None, "openai", "grpc"):
                 reply = hearth_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text)
                 for lp in chunk.logprobs or ():
@@ -67,7 +68,7 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
             hearth_pb2.HealthResponse.FAILED if error is not None else hearth_pb2.HealthResponse.LOADING)
         return hearth_pb2.HealthResponse(status=status, model=self.state.model_name, error=str(error or ""))
 
-    def _request(self, request: hearth_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> GenerateRequest:
+    def _request(self, request: hearth_pb2.GenerateRequest, meta: dict[str, Any]) -> GenerateRequest:
         state = self.state
         state.check_model(request.model)
         frontend = state.frontend
@@ -82,8 +83,8 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
         params.stop_token_ids = list(s.stop_token_ids)
         if s.HasField("skip_special_tokens"):
             params.skip_special_tokens = s.skip_special_tokens
-        header = dict(context.invocation_metadata() or ()).get("x-session-id")
-        return GenerateRequest(f"grpc-{uuid.uuid4().hex}", ids, params, session_key(header, prompt_ids=ids))
+        return GenerateRequest(f"grpc-{uuid.uuid4().hex}", ids, params,
+                               session_key(meta.get("x-session-id"), prompt_ids=ids))
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         key = self.state.api_key

@@ -55,31 +55,37 @@ async def list_models(request: Request) -> dict[str, Any]:
         for name in state.model_names]}
 
 
-async def _open(request: Request, model: type[B]) -> tuple[Any, B]:
-    """The server state and the validated body, for a served model."""
-    state = request.app.state.hearth
-    body = parse_body(model, await request.body())
+def _open(state: Any, raw: bytes, model: type[B]) -> B:
+    """The validated body, for a served model."""
+    body = parse_body(model, raw)
     state.check_model(body.model)
-    return state, body
+    return body
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
-    state, body = await _open(request, ChatCompletionRequest)
-    if body.top_logprobs is not None and not body.logprobs:
-        raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
-    tools, mode = _tools(body)
-    messages = [_message(m, i) for i, m in enumerate(body.messages)]
-    prompt = state.frontend.render_chat(messages, tools, mode, body.chat_template_kwargs,
-                                        json_schema=response_schema(body.response_format),
-                                        schema_field="response_format.json_schema.schema")
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    requested = body.max_completion_tokens or body.max_tokens
-    params = _sampling(state, body, prompt.ids, requested,
-                       "max_completion_tokens" if body.max_completion_tokens else "max_tokens", request_id,
-                       logprobs=(body.top_logprobs or 0) if body.logprobs else None, grammar=prompt.grammar)
-    session = session_key(request.headers.get("x-session-id"), messages)
-    gens = samples(GenerateRequest(request_id, prompt.ids, params, session), body.n)
+    state = request.app.state.hearth
+    raw, session_id = await request.body(), request.headers.get("x-session-id")
+
+    def prepare():  # on an intake thread
+        body = _open(state, raw, ChatCompletionRequest)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+        tools, mode = _tools(body)
+        messages = [_message(m, i) for i, m in enumerate(body.messages)]
+        prompt = state.frontend.render_chat(messages, tools, mode, body.chat_template_kwargs,
+                                            json_schema=response_schema(body.response_format),
+                                            schema_field="response_format.json_schema.schema")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        requested = body.max_completion_tokens or body.max_tokens
+        params = _sampling(state, body, prompt.ids, requested,
+                           "max_completion_tokens" if body.max_completion_tokens else "max_tokens", request_id,
+                           logprobs=(body.top_logprobs or 0) if body.logprobs else None, grammar=prompt.grammar)
+        session = session_key(session_id, messages)
+        return body, prompt, request_id, requested, params, samples(GenerateRequest(request_id, prompt.ids, params,
+                                                                                    session), body.n)
+
+    body, prompt, request_id, requested, params, gens = await state.prepare(prepare)
     stream = fan_out(state, gens, [state.frontend.parser(prompt) for _ in gens], "openai", "chat")
     headers = clamp_headers(requested, params.max_tokens)
     logprobs = LogprobFormat(state.frontend.token_text) if body.logprobs else None
@@ -94,20 +100,26 @@ async def chat_completions(request: Request):
 
 @router.post("/v1/completions")
 async def completions(request: Request):
-    state, body = await _open(request, CompletionRequest)
-    if body.echo or body.suffix:
-        raise APIError(400, "echo and suffix are not supported", "echo" if body.echo else "suffix")
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        if len(prompt) != 1:
-            raise APIError(400, "prompt: give one prompt per request (use n for several samples)", "prompt")
-        prompt = prompt[0]
-    ids = state.frontend.prompt_ids(prompt, "prompt")
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    params = _sampling(state, body, ids, body.max_tokens, "max_tokens", request_id, default_tokens=16,
-                       logprobs=body.logprobs)
-    gens = samples(GenerateRequest(request_id, ids, params,
-                                   session_key(request.headers.get("x-session-id"), prompt_ids=ids)), body.n)
+    state = request.app.state.hearth
+    raw, session_id = await request.body(), request.headers.get("x-session-id")
+
+    def prepare():  # on an intake thread
+        body = _open(state, raw, CompletionRequest)
+        if body.echo or body.suffix:
+            raise APIError(400, "echo and suffix are not supported", "echo" if body.echo else "suffix")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "prompt: give one prompt per request (use n for several samples)", "prompt")
+            prompt = prompt[0]
+        ids = state.frontend.prompt_ids(prompt, "prompt")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        params = _sampling(state, body, ids, body.max_tokens, "max_tokens", request_id, default_tokens=16,
+                           logprobs=body.logprobs)
+        return body, request_id, params, samples(GenerateRequest(request_id, ids, params,
+                                                                 session_key(session_id, prompt_ids=ids)), body.n)
+
+    body, request_id, params, gens = await state.prepare(prepare)
     stream = fan_out(state, gens, [None] * len(gens), "openai", "completions")
     headers = clamp_headers(body.max_tokens, params.max_tokens)
     logprobs = LogprobFormat(state.frontend.token_text) if body.logprobs is not None else None

@@ -51,25 +51,32 @@ _MEDIA = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
 async def create_response(request: Request) -> JSONResponse | StreamingResponse:
     """Create a response: JSON, or a stream of events with ``stream: true``."""
     state = request.app.state.hearth
-    body = parse_body(ResponsesRequest, await request.body())
-    state.check_model(body.model)
-    history = _history(state, body.previous_response_id)
-    conversation = history + _input_messages(body)
-    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
-    tools, mode, namespaces = _tools(body)
-    fmt = body.text.format if body.text is not None else None
-    schema = response_schema(ResponseFormat(type=fmt.type, json_schema=fmt.as_json_schema()),
-                             "text.format") if fmt else None
-    kwargs = {"enable_thinking": False} if body.reasoning and body.reasoning.effort in ("none", "minimal") else None
+    raw, session_id = await request.body(), request.headers.get("x-session-id")
+
+    def prepare():  # on an intake thread
+        body = parse_body(ResponsesRequest, raw)
+        state.check_model(body.model)
+        history = _history(state, body.previous_response_id)
+        conversation = history + _input_messages(body)
+        messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
+        tools, mode, namespaces = _tools(body)
+        fmt = body.text.format if body.text is not None else None
+        schema = response_schema(ResponseFormat(type=fmt.type, json_schema=fmt.as_json_schema()),
+                                 "text.format") if fmt else None
+        effort = body.reasoning.effort if body.reasoning else None
+        kwargs = {"enable_thinking": False} if effort in ("none", "minimal") else None
+        frontend = state.frontend
+        prompt = frontend.render_chat(messages, tools, mode, kwargs, json_schema=schema,
+                                      schema_field="text.format.schema", messages_field="input")
+        head = ResponseHead(new_id("resp"), state.model_name, _echo(body))
+        max_tokens = frontend.max_tokens(body.max_output_tokens, len(prompt.ids), "max_output_tokens", head.id)
+        params = frontend.sampling(max_tokens, None, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                                   grammar=prompt.grammar)
+        gen = GenerateRequest(f"resp-{uuid.uuid4().hex}", prompt.ids, params, session_key(session_id, conversation))
+        return body, conversation, namespaces, prompt, head, max_tokens, gen
+
+    body, conversation, namespaces, prompt, head, max_tokens, gen = await state.prepare(prepare)
     frontend = state.frontend
-    prompt = frontend.render_chat(messages, tools, mode, kwargs, json_schema=schema,
-                                  schema_field="text.format.schema", messages_field="input")
-    head = ResponseHead(new_id("resp"), state.model_name, _echo(body))
-    max_tokens = frontend.max_tokens(body.max_output_tokens, len(prompt.ids), "max_output_tokens", head.id)
-    params = frontend.sampling(max_tokens, None, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                               grammar=prompt.grammar)
-    gen = GenerateRequest(f"resp-{uuid.uuid4().hex}", prompt.ids, params,
-                          session_key(request.headers.get("x-session-id"), conversation))
     stream = stream_reply(state, gen, frontend.parser(prompt), "openai", "responses")
     headers = clamp_headers(body.max_output_tokens, max_tokens)
     if body.stream:

@@ -35,7 +35,8 @@ def build_state(model: str | Path, engine: EngineConfig, serving: ServingConfig,
     names = list(serving.model_names) or [Path(model).name]
     client = InProcessEngineClient(model, factory, names[0], serving.max_waiting,
                                    functools.partial(describe_model, model, engine))
-    return ServerState(client, names, serving.api_key, serving.tool_parser)
+    return ServerState(client, names, serving.api_key, serving.tool_parser, serving.max_body_bytes,
+                       serving.intake_timeout)
 
 
 def describe_model(model: str | Path, engine: EngineConfig) -> tuple[int, int]:
@@ -59,7 +60,8 @@ async def serve_async(state: ServerState, options: ServingConfig, started: threa
     http = _Uvicorn(config)
     grpc_server = None
     if options.grpc_port is not None:
-        grpc_server = grpc.aio.server()
+        size = options.max_body_bytes  # the HTTP body limit holds for gRPC messages too
+        grpc_server = grpc.aio.server(options=[("grpc.max_receive_message_length", size)])
         add_service(grpc_server, state)
         grpc_server.add_insecure_port(f"{_grpc_host(options.host)}:{options.grpc_port}")
         await grpc_server.start()
@@ -132,7 +134,7 @@ class BackgroundServer:
         if self._stop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(timeout=30)
-        self.state.client.close()
+        self.state.close()
 
     def __enter__(self) -> BackgroundServer:
         return self.start()
