@@ -357,6 +357,10 @@ class ServingConfig(Section):
                                               "directory name)", name="served_model_name", metavar="NAME")
     max_waiting: int = option(64, "requests that may wait beyond those running; more get 429/529", name="max_queue",
                               minimum=0)
+    max_queued_tokens: int | None = option(None, "prompt tokens that may wait to start; more get 429/529 (default: "
+                                                 "no bound beyond --max-queue)", minimum=1)
+    max_queue_wait: float = option(60.0, "a request whose estimated wait to start is longer gets 429/529 at once, "
+                                         "with Retry-After (0: no bound)", minimum=0)
     tool_parser: Literal["hermes", "qwen3_coder", "none"] | None = option(
         None, "tool-call format (default: chosen from the model family and chat template)")
     log_format: Literal["json", "text"] = option("json", "log lines on stderr")

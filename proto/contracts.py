@@ -22,7 +22,11 @@ from typing import Any, Protocol
 
 
 class EngineOverloaded(Exception):
-    """The request queue is full; the client should retry later (429 / 529)."""
+    """The request queue is full; the client should retry later (429 / 529), after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class EngineNotReady(Exception):

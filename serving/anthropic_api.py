@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from hearth.proto.contracts import GenerateRequest
 from hearth.serving.anthropic_schema import CountTokensRequest, Message, MessagesRequest
@@ -17,7 +17,7 @@ from hearth.serving.frontend import OMITTED, RenderedPrompt, ToolMode, tool_json
 from hearth.serving.generation import Reply, collect, stream_reply
 from hearth.serving.parsers import Event
 from hearth.serving.session import session_key
-from hearth.serving.transport import clamp_headers, prepend, primed, run_unless_disconnected, sse
+from hearth.serving.transport import clamp_headers, event_stream, prepend, primed, run_unless_disconnected, sse
 
 router = APIRouter()
 
@@ -60,8 +60,7 @@ async def messages(request: Request):
     headers = clamp_headers(body.max_tokens, max_tokens)
     if body.stream:
         stream = await primed(request, stream)
-        return StreamingResponse(_events(state, gen.request_id, len(prompt.ids), stream),
-                                 media_type="text/event-stream", headers=headers)
+        return event_stream(_events(state, gen.request_id, len(prompt.ids), stream), headers)
     reply = await run_unless_disconnected(request, collect(stream))
     return JSONResponse(_message_response(state, gen.request_id, reply), headers=headers)
 

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hearth.serving import anthropic_api, openai_api, responses_api
+from hearth.serving import anthropic_api, openai_api, openapi, responses_api
 from hearth.serving.errors import APIError, key_matches
 from hearth.serving.frontend import ModelFrontend
 from hearth.serving.metrics import ServerMetrics
@@ -96,7 +96,7 @@ def protocol_of(path: str) -> str:
 
 def error_response(path: str, error: APIError) -> JSONResponse:
     body = error.anthropic_body() if protocol_of(path) == "anthropic" else error.openai_body()
-    headers = {"retry-after": "1"} if error.status in (429, 503, 529) else None
+    headers = {"retry-after": str(error.retry_after)} if error.status in (429, 503, 529) else None
     return JSONResponse(body, status_code=error.status, headers=headers)
 
 
@@ -117,6 +117,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(responses_api.router)
+    openapi.install(app)
     app.add_middleware(BodyLimit, limit=state.max_body_bytes)
     app.add_middleware(AuthAndAccessLog, state=state)  # outermost: the key is checked before a body is read
 

@@ -20,10 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from hearth.proto.contracts import EngineNotReady, EngineOverloaded, GenerateRequest, GenerationChunk, ModelInfo
+from hearth.serving.admission import AdmissionLimits, Backlog, refusal
 
 log = logging.getLogger("hearth.serving")
 _STATS_PERIOD_S = 0.25  # engine statistics are refreshed at most this often while it runs
-_SPEED_EWMA = 0.3  # weight of the newest finished request in the decode-speed average
+_SPEED_EWMA = 0.3  # weight of the newest finished request in the moving averages
+
+
+def _ewma(average: float, value: float) -> float:
+    """A moving average (the first value starts it)."""
+    return value if not average else _SPEED_EWMA * value + (1 - _SPEED_EWMA) * average
 
 
 @dataclass
@@ -41,10 +47,18 @@ class InProcessEngineClient:
     """
 
     def __init__(self, model_path: str | Path, engine_factory: Callable[[], Any], served_name: str | None = None,
-                 max_waiting: int = 64, describe: Callable[[], tuple[int, int]] | None = None) -> None:
+                 max_waiting: int = 64, describe: Callable[[], tuple[int, int]] | None = None,
+                 limits: AdmissionLimits | None = None) -> None:
         self.model_path = str(model_path)
         self.model = ModelInfo(served_name or Path(model_path).name, self.model_path, 0, 0, int(time.time()))
-        self.max_waiting = max_waiting
+        self.limits = limits or AdmissionLimits(max_waiting)
+        self.max_waiting = self.limits.max_waiting
+        # Admitted requests that have not produced a token yet, their prompt tokens, and the measured
+        # prompt speed and time a request holds a slot: what admission estimates a wait from.
+        self._waiting = 0
+        self._waiting_tokens = 0
+        self._prefill_tok_s = 0.0
+        self._service_s = 0.0
         self.engine: Any = None
         self.load_error: BaseException | None = None
         self._factory = engine_factory
@@ -78,31 +92,59 @@ class InProcessEngineClient:
         if not self.ready:
             raise EngineNotReady("the model is still loading" if self.load_error is None
                                  else f"the model failed to load: {self.load_error}")
-        running = self.engine.config.scheduler.max_num_seqs
+        tokens = len(request.prompt_ids)
         with self._lock:
-            if self._in_flight >= running + self.max_waiting:
-                raise EngineOverloaded(f"{self._in_flight} requests are in flight; the queue holds "
-                                       f"{self.max_waiting} beyond the {running} running")
+            refused = refusal(self.backlog(), tokens, self.limits)
+            if refused is not None:
+                raise EngineOverloaded(refused.reason, refused.retry_after_s)
             self._in_flight += 1
+            self._waiting += 1
+            self._waiting_tokens += tokens
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.request_id] = stream
         self._commands.put(("add", request))
-        finished = False
+        finished = started = False
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if not started:
+                    started = True
+                    self._started(tokens)
+                if item.finished:
+                    self._measure(item)
                 yield item
                 if item.finished:
                     finished = True
                     return
         finally:
             self._streams.pop(request.request_id, None)
+            if not started:
+                self._started(tokens)
             with self._lock:
                 self._in_flight -= 1
             if not finished:
                 self._commands.put(("abort", request.request_id))
+
+    def backlog(self) -> Backlog:
+        """What waits ahead of a new request now (call with ``_lock`` held)."""
+        slots = self.engine.config.scheduler.max_num_seqs
+        return Backlog(slots, self._in_flight - self._waiting, self._waiting, self._waiting_tokens,
+                       self._prefill_tok_s, self._service_s)
+
+    def _started(self, tokens: int) -> None:
+        with self._lock:
+            self._waiting -= 1
+            self._waiting_tokens -= tokens
+
+    def _measure(self, chunk: GenerationChunk) -> None:
+        """Fold a finished request's prompt speed and slot time into the admission estimates."""
+        m, timings = chunk.metrics, chunk.timings
+        if timings.get("prompt_n", 0) >= 32 and timings.get("prompt_per_second", 0.0) > 0:
+            self._prefill_tok_s = _ewma(self._prefill_tok_s, timings["prompt_per_second"])
+        if m.finished and (m.first_scheduled or m.arrival):
+            self._service_s = _ewma(self._service_s, max(m.finished - (m.first_scheduled or m.arrival), 0.0))
 
     def stats(self) -> dict[str, Any]:
         """The latest engine statistics (published by the engine thread after each step), with the
@@ -198,8 +240,7 @@ class InProcessEngineClient:
             self._deliver(out.request_id, chunk)
             speed = chunk.timings.get("predicted_per_second", 0.0)
             if speed > 0:
-                self._decode_tok_s = speed if not self._decode_tok_s else (
-                    _SPEED_EWMA * speed + (1 - _SPEED_EWMA) * self._decode_tok_s)
+                self._decode_tok_s = _ewma(self._decode_tok_s, speed)
         now = time.monotonic()
         if now - self._stats_time > _STATS_PERIOD_S or any(out.finished for out in outputs):
             self._publish_stats()

@@ -33,8 +33,9 @@ class APIError(Exception):
     """An error answered to the client: HTTP status, a message naming the field, the field."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 anthropic_message: str | None = None) -> None:
+                 anthropic_message: str | None = None, retry_after: int = 1) -> None:
         message = clip(message, _MESSAGE_CHARS)
+        self.retry_after = retry_after  # seconds, sent as Retry-After with 429, 503 and 529
         super().__init__(message)
         self.status = status
         self.message = message
@@ -71,9 +72,10 @@ def key_matches(authorization: str, x_api_key: str | None, key: str) -> bool:
     return bool(given) and hmac.compare_digest(given.encode(), key.encode())
 
 
-def overloaded(protocol: str, detail: str) -> APIError:
+def overloaded(protocol: str, detail: str, retry_after: int = 1) -> APIError:
     """The bounded queue is full: 429 for OpenAI clients, 529 ``overloaded_error`` for Anthropic."""
-    return APIError(529 if protocol == "anthropic" else 429, f"the server is overloaded, retry later ({detail})")
+    return APIError(529 if protocol == "anthropic" else 429, f"the server is overloaded, retry later ({detail})",
+                    retry_after=retry_after)
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "dict", "list", "bytes"})

@@ -80,7 +80,7 @@ async def stream_reply(app_state: Any, request: GenerateRequest, parser: OutputP
     except EngineOverloaded as exc:
         status = "rejected"
         metrics.rejected.inc()
-        raise overloaded(protocol, str(exc)) from None
+        raise overloaded(protocol, str(exc), getattr(exc, "retry_after", 1)) from None
     except EngineNotReady as exc:
         status = "loading"
         raise APIError(503, str(exc)) from None

@@ -8,7 +8,7 @@ import uuid
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from hearth.proto.contracts import GenerateRequest
 from hearth.serving.errors import APIError, check_json_schema, parse_body
@@ -29,7 +29,7 @@ from hearth.serving.openai_schema import (
     SamplingFields,
 )
 from hearth.serving.session import session_key
-from hearth.serving.transport import clamp_headers, primed, run_unless_disconnected
+from hearth.serving.transport import clamp_headers, event_stream, primed, run_unless_disconnected
 
 router = APIRouter()
 
@@ -92,8 +92,8 @@ async def chat_completions(request: Request):
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = await primed(request, stream)
-        return StreamingResponse(chat_events(state.model_name, request_id, stream, body.n, include_usage, logprobs),
-                                 media_type="text/event-stream", headers=headers)
+        return event_stream(chat_events(state.model_name, request_id, stream, body.n, include_usage, logprobs),
+                            headers)
     replies = await run_unless_disconnected(request, collect_samples(stream, body.n))
     return JSONResponse(chat_response(state.model_name, request_id, replies, logprobs), headers=headers)
 
@@ -126,9 +126,8 @@ async def completions(request: Request):
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = await primed(request, stream)
-        return StreamingResponse(completion_events(state.model_name, request_id, stream, body.n, include_usage,
-                                                   body.return_token_ids, logprobs),
-                                 media_type="text/event-stream", headers=headers)
+        return event_stream(completion_events(state.model_name, request_id, stream, body.n, include_usage,
+                                              body.return_token_ids, logprobs), headers)
     replies = await run_unless_disconnected(request, collect_samples(stream, body.n))
     return JSONResponse(completion_response(state.model_name, request_id, replies, logprobs, body.return_token_ids),
                         headers=headers)

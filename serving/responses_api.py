@@ -40,7 +40,7 @@ from hearth.serving.responses_schema import (
     ResponsesRequest,
 )
 from hearth.serving.session import session_key
-from hearth.serving.transport import clamp_headers, primed, run_unless_disconnected
+from hearth.serving.transport import clamp_headers, event_stream, primed, run_unless_disconnected
 
 router = APIRouter()
 log = logging.getLogger("hearth.serving")
@@ -81,8 +81,7 @@ async def create_response(request: Request) -> JSONResponse | StreamingResponse:
     headers = clamp_headers(body.max_output_tokens, max_tokens)
     if body.stream:
         stream = await primed(request, stream)
-        return StreamingResponse(_events(state, head, body.store, conversation, stream, namespaces),
-                                 media_type="text/event-stream", headers=headers)
+        return event_stream(_events(state, head, body.store, conversation, stream, namespaces), headers)
     reply = await run_unless_disconnected(request, collect(stream))
     return JSONResponse(_finish(state, head, reply, output_items(reply, namespaces), body.store, conversation),
                         headers=headers)

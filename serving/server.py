@@ -18,6 +18,7 @@ import grpc
 import uvicorn
 
 from hearth.config import EngineConfig, ServingConfig
+from hearth.serving.admission import AdmissionLimits
 from hearth.serving.app import ServerState, create_app
 from hearth.serving.client import InProcessEngineClient
 from hearth.serving.grpc_service import add_service
@@ -33,8 +34,9 @@ def build_state(model: str | Path, engine: EngineConfig, serving: ServingConfig,
         return LLMEngine(model, engine, show_progress=show_progress, logits_processors=logits_processors)
 
     names = list(serving.model_names) or [Path(model).name]
+    limits = AdmissionLimits(serving.max_waiting, serving.max_queued_tokens, serving.max_queue_wait or None)
     client = InProcessEngineClient(model, factory, names[0], serving.max_waiting,
-                                   functools.partial(describe_model, model, engine))
+                                   functools.partial(describe_model, model, engine), limits)
     return ServerState(client, names, serving.api_key, serving.tool_parser, serving.max_body_bytes,
                        serving.intake_timeout)
 

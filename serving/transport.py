@@ -8,9 +8,12 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 T = TypeVar("T")
 _DISCONNECT_POLL_S = 0.25
+_PRIME_WAIT_S = 1.0  # how long a stream's start may wait for its first item before the response starts
+KEEPALIVE_S = 5.0  # the longest a stream stays silent: then an SSE comment goes out
 
 
 def clamp_headers(requested: int | None, used: int) -> dict[str, str] | None:
@@ -43,11 +46,68 @@ async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             task.cancel()
 
 
-async def primed(request: Request, stream: AsyncIterator[T]) -> AsyncIterator[T]:
-    """Start ``stream`` before the response does, so admission errors (queue full, bad prompt)
-    still become a proper status code; then yield everything, the first item included."""
-    first = await run_unless_disconnected(request, anext(stream))
-    return prepend(first, stream)
+async def primed(request: Request, stream: AsyncIterator[T], wait: float = _PRIME_WAIT_S) -> AsyncIterator[T]:
+    """Start ``stream`` before the response does, so that an error in its first ``wait`` seconds
+    (queue full, a prompt the engine refuses) still becomes a proper status code; then yield
+    everything, the first item included. A stream with nothing yet after ``wait`` (queued behind
+    other requests) starts anyway: :func:`event_stream` keeps its connection alive until it runs."""
+    loop = asyncio.get_running_loop()
+    first = asyncio.ensure_future(anext(stream))
+    deadline = loop.time() + wait
+    try:
+        while not first.done() and loop.time() < deadline:
+            await asyncio.wait({first}, timeout=min(_DISCONNECT_POLL_S, max(deadline - loop.time(), 0.0)))
+            if not first.done() and await request.is_disconnected():
+                raise asyncio.CancelledError("client disconnected")
+    except BaseException:
+        first.cancel()
+        raise
+    if first.done():
+        return prepend(first.result(), stream)
+    return _after(first, stream)
+
+
+async def _after(first: asyncio.Future, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    """What ``first`` resolves to, then everything ``rest`` yields (``first`` cancelled if the
+    consumer leaves before it resolves)."""
+    try:
+        item = await first
+    finally:
+        if not first.done():
+            first.cancel()
+    yield item
+    async for item in rest:
+        yield item
+
+
+async def keep_alive(events: AsyncIterator[str], interval: float = KEEPALIVE_S) -> AsyncIterator[str]:
+    """``events`` (server-sent event text), with an SSE comment line whenever ``interval`` seconds
+    pass without one: a request queued behind others, or waiting on a long prefill, keeps its
+    connection and the client's read timeout alive (SSE clients ignore comments)."""
+    it = aiter(events)
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield ": keep-alive\n\n"
+                continue
+            task, pending = pending, None
+            try:
+                item = task.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
+
+
+def event_stream(events: AsyncIterator[str], headers: dict[str, str] | None = None) -> StreamingResponse:
+    """The streaming response of ``events``, kept alive (:func:`keep_alive`)."""
+    return StreamingResponse(keep_alive(events, KEEPALIVE_S), media_type="text/event-stream", headers=headers)
 
 
 async def prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:

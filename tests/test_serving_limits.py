@@ -11,14 +11,15 @@ import pytest
 import requests
 
 from hearth.config import ConfigError, ServingConfig
-from tests.serving_helpers import running_server
+from tests.serving_helpers import running_server, wait_until
 
 LIMIT = 64 << 10
 
 
 @pytest.fixture(scope="module")
 def limited(agent_checkpoint):
-    with running_server(agent_checkpoint, {"max_model_len": 2048}, max_body_bytes=LIMIT, intake_timeout=1.0) as srv:
+    with running_server(agent_checkpoint, {"max_model_len": 2048, "max_num_seqs": 2}, max_body_bytes=LIMIT,
+                        intake_timeout=1.0) as srv:
         yield srv
 
 
@@ -131,3 +132,89 @@ def test_the_network_needs_a_key():
         assert ServingConfig(host=host, insecure_no_auth=True).insecure_no_auth
     for host in ("127.0.0.1", "127.0.0.5", "::1", "localhost"):
         assert ServingConfig(host=host).api_key is None
+
+
+def test_openapi_declares_every_request_body(limited):
+    doc = requests.get(limited.url + "/openapi.json", timeout=10).json()
+    schemas = doc["components"]["schemas"]
+    posts = {path: ops["post"] for path, ops in doc["paths"].items() if "post" in ops and path != "/v1/embeddings"}
+    assert set(posts) == {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                          "/v1/messages/count_tokens"}
+    for path, op in posts.items():
+        ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref.split("/")[-1] in schemas, path
+    assert "messages" in schemas["ChatCompletionRequest"]["required"]
+    refs: list[str] = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            refs.extend(v for k, v in node.items() if k == "$ref")
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(doc)
+    assert refs and all(r.split("/")[-1] in schemas for r in refs)  # every reference resolves
+
+
+def test_a_queued_stream_starts_at_once_and_is_kept_alive(limited, monkeypatch):
+    from hearth.serving import transport
+
+    monkeypatch.setattr(transport, "KEEPALIVE_S", 0.3)
+    stall = limited.state.client.call(lambda engine: time.sleep(2.5))  # the engine thread is busy for 2.5 s
+    start = time.monotonic()
+    with requests.post(limited.url + "/v1/chat/completions", json=chat_body(stream=True, max_tokens=3),
+                       stream=True, timeout=30) as r:
+        assert r.status_code == 200 and time.monotonic() - start < 2.0  # headers while still queued
+        lines = [line for line in r.iter_lines(decode_unicode=True) if line]
+    stall.result(10)
+    comments = [line for line in lines if line.startswith(":")]
+    data = [line for line in lines if line.startswith("data:")]
+    assert len(comments) >= 2 and lines.index(comments[0]) < lines.index(data[1])  # (data[0]: the role delta)
+    assert data[-1] == "data: [DONE]" and len(data) >= 3
+    for protocol in ("openai", "anthropic"):  # the SDKs read past the comments
+        stall = limited.state.client.call(lambda engine: time.sleep(1.0))
+        if protocol == "openai":
+            import openai
+
+            client = openai.OpenAI(base_url=limited.url + "/v1", api_key="unused", max_retries=0)
+            chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                         max_tokens=3, stream=True))
+            assert chunks and chunks[-1].choices[0].finish_reason is not None
+        else:
+            import anthropic
+
+            client = anthropic.Anthropic(base_url=limited.url, api_key="unused", max_retries=0)
+            with client.messages.stream(model="tiny", max_tokens=3,
+                                        messages=[{"role": "user", "content": "hi"}]) as stream:
+                assert stream.get_final_message().stop_reason in ("max_tokens", "end_turn")
+        stall.result(10)
+
+
+def test_a_request_that_would_wait_too_long_gets_429_at_once(limited, monkeypatch):
+    from hearth.serving.admission import AdmissionLimits
+
+    client = limited.state.client
+    slots = client.engine.config.scheduler.max_num_seqs
+    monkeypatch.setattr(client, "limits", AdmissionLimits(max_waiting=64, max_wait_s=1.0))
+    monkeypatch.setattr(client, "_service_s", 30.0)  # as if requests had held their slots for 30 s
+    stall = client.call(lambda engine: time.sleep(4))
+    first: list[requests.Response] = []
+    threads = [threading.Thread(target=lambda: first.append(post(limited, "/v1/chat/completions", chat_body())))
+               for _ in range(slots)]  # they fill the slots (not started yet: the engine is stalled)
+    for thread in threads:
+        thread.start()
+    assert wait_until(lambda: client.stats()["in_flight"] == slots, 3)
+    start = time.monotonic()
+    r = post(limited, "/v1/chat/completions", chat_body())
+    assert r.status_code == 429 and time.monotonic() - start < 1.0
+    assert "estimated wait" in r.json()["error"]["message"] and int(r.headers["retry-after"]) >= 29
+    messages = [{"role": "user", "content": "x"}]
+    r = post(limited, "/v1/messages", {"model": "tiny", "max_tokens": 2, "messages": messages})
+    assert r.status_code == 529 and r.json()["error"]["type"] == "overloaded_error"
+    stall.result(10)
+    for thread in threads:
+        thread.join(30)
+    assert len(first) == slots and all(f.status_code == 200 for f in first)

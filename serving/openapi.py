@@ -1,0 +1,57 @@
+"""The OpenAPI document with the request bodies the handlers parse themselves.
+
+The handlers read their bodies as bytes (strict parsing with errors in each API's own shape, see
+``errors.parse_body``), so FastAPI cannot see them; here each body model's JSON Schema is put into
+``components.schemas`` and referenced from its operation, so that schema-driven clients and fuzzers
+see what every endpoint takes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from hearth.serving.anthropic_schema import CountTokensRequest, MessagesRequest
+from hearth.serving.openai_schema import ChatCompletionRequest, CompletionRequest
+from hearth.serving.responses_schema import ResponsesRequest
+
+# (path, method) -> the model its body is validated as.
+REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
+    ("/v1/chat/completions", "post"): ChatCompletionRequest,
+    ("/v1/completions", "post"): CompletionRequest,
+    ("/v1/responses", "post"): ResponsesRequest,
+    ("/v1/messages", "post"): MessagesRequest,
+    ("/v1/messages/count_tokens", "post"): CountTokensRequest,
+}
+_REF = "#/components/schemas/{model}"
+
+
+def with_request_bodies(document: dict[str, Any], bodies: dict[tuple[str, str], type[BaseModel]]) -> dict[str, Any]:
+    """``document`` (an OpenAPI dict) with a required JSON ``requestBody`` on each listed operation."""
+    # One pass over all the models: pydantic names apart the models of the same name from different
+    # modules (the OpenAI and Responses APIs both have a TextPart).
+    refs, defs = models_json_schema([(model, "validation") for model in dict.fromkeys(bodies.values())],
+                                    ref_template=_REF)
+    document.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+    for (path, method), model in bodies.items():
+        operation = document.get("paths", {}).get(path, {}).get(method)
+        if operation is not None:
+            operation["requestBody"] = {"required": True, "content": {
+                "application/json": {"schema": refs[(model, "validation")]}}}
+    return document
+
+
+def install(app: FastAPI) -> None:
+    """Serve the completed document at ``/openapi.json`` (built once, on first request)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version=app.version, description=app.description,
+                                   routes=app.routes)
+            app.openapi_schema = with_request_bodies(document, REQUEST_BODIES)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
