@@ -241,6 +241,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def num_unfinished(self) -> int:
+        """Requests running or waiting to run."""
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
     @property
     def expert_control(self) -> ExpertControl | None:
         """The expert hierarchy's control interface (None without one): call between steps."""

@@ -91,6 +91,7 @@ class GenerateRequest:
     prompt_ids: list[int]
     params: SamplingParams
     session_key: str | None = None
+    tenant: str = ""  # whose request (a session, a client address): free slots go to tenants in turn
 
 
 @dataclass

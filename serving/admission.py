@@ -4,12 +4,18 @@ Pure functions over a frozen snapshot (:class:`Backlog`), so that the policy is 
 engine. A request is refused at once (429 / 529 with ``Retry-After``) when the queue is full by
 count, when the prompt tokens waiting would pass a bound, or when its estimated wait to start is
 longer than the server's limit: a client learns in milliseconds that it should retry, instead of
-timing out after minutes in a queue it could not see."""
+timing out after minutes in a queue it could not see. Admitted requests then wait in a
+:class:`FairQueue`, which hands free slots to their tenants in turn."""
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -67,3 +73,41 @@ def refusal(backlog: Backlog, prompt_tokens: int, limits: AdmissionLimits) -> Re
         return Refusal(f"the estimated wait to start is {wait:.0f} s, over this server's {limits.max_wait_s:g} s",
                        max(1, min(60, math.ceil(wait - limits.max_wait_s))))
     return None
+
+
+class FairQueue(Generic[T]):
+    """Requests waiting for a slot, taken round-robin over their tenants (an API key, a session, a
+    client address): one tenant's 64 requests wait behind each other, not in front of another
+    tenant's one. Within a tenant, first come first served. Owned by one thread."""
+
+    def __init__(self) -> None:
+        self._queues: OrderedDict[str, deque[T]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def __bool__(self) -> bool:
+        return bool(self._queues)
+
+    def push(self, tenant: str, item: T) -> None:
+        self._queues.setdefault(tenant, deque()).append(item)
+
+    def pop(self) -> T:
+        """The next item: the first of the tenant whose turn it is (that tenant's turn then passes)."""
+        tenant, queue = next(iter(self._queues.items()))
+        item = queue.popleft()
+        del self._queues[tenant]
+        if queue:
+            self._queues[tenant] = queue  # to the back of the rotation
+        return item
+
+    def remove(self, match: Callable[[T], bool]) -> bool:
+        """Drop the first item ``match`` accepts (a request aborted while it waits); whether one was."""
+        for tenant, queue in self._queues.items():
+            for item in queue:
+                if match(item):
+                    queue.remove(item)
+                    if not queue:
+                        del self._queues[tenant]
+                    return True
+        return False

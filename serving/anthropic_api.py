@@ -16,7 +16,7 @@ from hearth.serving.errors import APIError, check_json_schema, parse_body
 from hearth.serving.frontend import OMITTED, RenderedPrompt, ToolMode, tool_json, tool_mode
 from hearth.serving.generation import Reply, collect, stream_reply
 from hearth.serving.parsers import Event
-from hearth.serving.session import session_key
+from hearth.serving.session import session_key, tenant_key
 from hearth.serving.transport import clamp_headers, event_stream, prepend, primed, run_unless_disconnected, sse
 
 router = APIRouter()
@@ -39,6 +39,7 @@ async def count_tokens(request: Request) -> dict[str, int]:
 async def messages(request: Request):
     state = request.app.state.hearth
     raw, session_id = await request.body(), request.headers.get("x-session-id")
+    tenant = tenant_key(session_id, request.client.host if request.client else None)
 
     def prepare():  # on an intake thread
         body = parse_body(MessagesRequest, raw)
@@ -52,7 +53,7 @@ async def messages(request: Request):
         opening = [{"role": "system", "content": body.model_dump(mode="json").get("system")}] if body.system else []
         opening += [m.model_dump(mode="json") for m in body.messages]
         return body, prompt, max_tokens, GenerateRequest(message_id, prompt.ids, params,
-                                                         session_key(session_id, opening))
+                                                         session_key(session_id, opening), tenant)
 
     body, prompt, max_tokens, gen = await state.prepare(prepare)
     frontend = state.frontend

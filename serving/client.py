@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hearth.proto.contracts import EngineNotReady, EngineOverloaded, GenerateRequest, GenerationChunk, ModelInfo
-from hearth.serving.admission import AdmissionLimits, Backlog, refusal
+from hearth.serving.admission import AdmissionLimits, Backlog, FairQueue, refusal
 
 log = logging.getLogger("hearth.serving")
 _STATS_PERIOD_S = 0.25  # engine statistics are refreshed at most this often while it runs
@@ -57,6 +57,7 @@ class InProcessEngineClient:
         # prompt speed and time a request holds a slot: what admission estimates a wait from.
         self._waiting = 0
         self._waiting_tokens = 0
+        self._held: FairQueue[GenerateRequest] = FairQueue()  # admitted, given to the engine as slots free
         self._prefill_tok_s = 0.0
         self._service_s = 0.0
         self.engine: Any = None
@@ -192,7 +193,7 @@ class InProcessEngineClient:
     def _loop(self) -> None:
         engine = self.engine
         while not self._stopping:
-            block = not engine.has_unfinished()
+            block = not engine.has_unfinished() and not self._held
             try:
                 while True:
                     cmd, arg = self._commands.get(block=block)
@@ -202,6 +203,7 @@ class InProcessEngineClient:
                     self._apply(cmd, arg)
             except queue.Empty:
                 pass
+            self._feed()
             if engine.has_unfinished():
                 self._step()
 
@@ -215,16 +217,24 @@ class InProcessEngineClient:
             self._publish_stats()
             return
         if cmd == "abort":
-            self.engine.abort(arg)
+            if not self._held.remove(lambda r: r.request_id == arg):
+                self.engine.abort(arg)
             self._publish_stats()
             return
-        request: GenerateRequest = arg
-        if request.request_id not in self._streams:
-            return  # the client left before the engine saw the request
-        try:
-            self.engine.add_request(request.prompt_ids, request.params, request.request_id)
-        except ValueError as exc:
-            self._deliver(request.request_id, exc)
+        self._held.push(arg.tenant, arg)
+
+    def _feed(self) -> None:
+        """Give the engine held requests while it has free slots, the tenants in turn (a request
+        waits here rather than in the engine's queue, so that free slots are shared fairly)."""
+        slots = self.engine.config.scheduler.max_num_seqs
+        while self._held and self.engine.num_unfinished() < slots:
+            request = self._held.pop()
+            if request.request_id not in self._streams:
+                continue  # the client left before the engine saw the request
+            try:
+                self.engine.add_request(request.prompt_ids, request.params, request.request_id)
+            except ValueError as exc:
+                self._deliver(request.request_id, exc)
 
     def _step(self) -> None:
         try:

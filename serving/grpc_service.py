@@ -11,7 +11,7 @@ from hearth.proto import hearth_pb2, hearth_pb2_grpc
 from hearth.proto.contracts import GenerateRequest
 from hearth.serving.errors import APIError, key_matches
 from hearth.serving.generation import stream_reply
-from hearth.serving.session import session_key
+from hearth.serving.session import session_key, tenant_key
 
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
           404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -30,6 +30,7 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
         try:
             self._authorize(context)
             meta = dict(context.invocation_metadata() or ())
+            meta["peer"] = context.peer()
             gen = await self.state.prepare(lambda: self._request(request, meta))  # tokenized off the loop
             async for _, chunk in stream_reply(self.state, gen, None, "openai", "grpc"):
                 reply = hearth_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text)
@@ -84,7 +85,8 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
         if s.HasField("skip_special_tokens"):
             params.skip_special_tokens = s.skip_special_tokens
         return GenerateRequest(f"grpc-{uuid.uuid4().hex}", ids, params,
-                               session_key(meta.get("x-session-id"), prompt_ids=ids))
+                               session_key(meta.get("x-session-id"), prompt_ids=ids),
+                               tenant_key(meta.get("x-session-id"), meta.get("peer", "").rsplit(":", 1)[0]))
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         key = self.state.api_key

@@ -28,7 +28,7 @@ from hearth.serving.openai_schema import (
     ResponseFormat,
     SamplingFields,
 )
-from hearth.serving.session import session_key
+from hearth.serving.session import session_key, tenant_key
 from hearth.serving.transport import clamp_headers, event_stream, primed, run_unless_disconnected
 
 router = APIRouter()
@@ -66,6 +66,7 @@ def _open(state: Any, raw: bytes, model: type[B]) -> B:
 async def chat_completions(request: Request):
     state = request.app.state.hearth
     raw, session_id = await request.body(), request.headers.get("x-session-id")
+    tenant = tenant_key(session_id, request.client.host if request.client else None)
 
     def prepare():  # on an intake thread
         body = _open(state, raw, ChatCompletionRequest)
@@ -83,7 +84,7 @@ async def chat_completions(request: Request):
                            logprobs=(body.top_logprobs or 0) if body.logprobs else None, grammar=prompt.grammar)
         session = session_key(session_id, messages)
         return body, prompt, request_id, requested, params, samples(GenerateRequest(request_id, prompt.ids, params,
-                                                                                    session), body.n)
+                                                                                    session, tenant), body.n)
 
     body, prompt, request_id, requested, params, gens = await state.prepare(prepare)
     stream = fan_out(state, gens, [state.frontend.parser(prompt) for _ in gens], "openai", "chat")
@@ -102,6 +103,7 @@ async def chat_completions(request: Request):
 async def completions(request: Request):
     state = request.app.state.hearth
     raw, session_id = await request.body(), request.headers.get("x-session-id")
+    tenant = tenant_key(session_id, request.client.host if request.client else None)
 
     def prepare():  # on an intake thread
         body = _open(state, raw, CompletionRequest)
@@ -116,8 +118,8 @@ async def completions(request: Request):
         request_id = f"cmpl-{uuid.uuid4().hex}"
         params = _sampling(state, body, ids, body.max_tokens, "max_tokens", request_id, default_tokens=16,
                            logprobs=body.logprobs)
-        return body, request_id, params, samples(GenerateRequest(request_id, ids, params,
-                                                                 session_key(session_id, prompt_ids=ids)), body.n)
+        gen = GenerateRequest(request_id, ids, params, session_key(session_id, prompt_ids=ids), tenant)
+        return body, request_id, params, samples(gen, body.n)
 
     body, request_id, params, gens = await state.prepare(prepare)
     stream = fan_out(state, gens, [None] * len(gens), "openai", "completions")

@@ -39,7 +39,7 @@ from hearth.serving.responses_schema import (
     MessageItem,
     ResponsesRequest,
 )
-from hearth.serving.session import session_key
+from hearth.serving.session import session_key, tenant_key
 from hearth.serving.transport import clamp_headers, event_stream, primed, run_unless_disconnected
 
 router = APIRouter()
@@ -52,6 +52,7 @@ async def create_response(request: Request) -> JSONResponse | StreamingResponse:
     """Create a response: JSON, or a stream of events with ``stream: true``."""
     state = request.app.state.hearth
     raw, session_id = await request.body(), request.headers.get("x-session-id")
+    tenant = tenant_key(session_id, request.client.host if request.client else None)
 
     def prepare():  # on an intake thread
         body = parse_body(ResponsesRequest, raw)
@@ -72,7 +73,8 @@ async def create_response(request: Request) -> JSONResponse | StreamingResponse:
         max_tokens = frontend.max_tokens(body.max_output_tokens, len(prompt.ids), "max_output_tokens", head.id)
         params = frontend.sampling(max_tokens, None, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                                    grammar=prompt.grammar)
-        gen = GenerateRequest(f"resp-{uuid.uuid4().hex}", prompt.ids, params, session_key(session_id, conversation))
+        gen = GenerateRequest(f"resp-{uuid.uuid4().hex}", prompt.ids, params, session_key(session_id, conversation),
+                              tenant)
         return body, conversation, namespaces, prompt, head, max_tokens, gen
 
     body, conversation, namespaces, prompt, head, max_tokens, gen = await state.prepare(prepare)

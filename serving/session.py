@@ -39,3 +39,11 @@ def session_key(header: str | None, messages: list[dict[str, Any]] | None = None
     if messages:
         return conversation_key(messages)
     return prefix_key(prompt_ids or [])
+
+
+def tenant_key(header: str | None, host: str | None) -> str:
+    """Whose request it is, for fair admission: the client's ``x-session-id`` when it sends one,
+    else the address it connects from."""
+    if header and header.strip():
+        return CLIENT_KEY + header.strip()[:256]
+    return "addr:" + (host or "")

@@ -30,3 +30,19 @@ def test_refusals():
     first = Backlog(slots=4, running=4, waiting=0, waiting_tokens=0, prefill_tok_s=10.0, service_s=600.0)
     assert refusal(first, 20_000, limits) is None  # the first in line is never refused on tokens or wait
     assert refusal(slow, 100, AdmissionLimits(max_waiting=8)) is None
+
+
+def test_fair_queue_takes_tenants_in_turn():
+    from hearth.serving.admission import FairQueue
+
+    q: FairQueue[str] = FairQueue()
+    for i in range(4):
+        q.push("a", f"a{i}")
+    q.push("b", "b0")
+    q.push("c", "c0")
+    q.push("b", "b1")
+    assert len(q) == 7
+    assert q.remove(lambda item: item == "a2") and not q.remove(lambda item: item == "zz")
+    order = [q.pop() for _ in range(len(q))]
+    assert order == ["a0", "b0", "c0", "a1", "b1", "a3"]
+    assert not q

@@ -218,3 +218,30 @@ def test_a_request_that_would_wait_too_long_gets_429_at_once(limited, monkeypatc
     for thread in threads:
         thread.join(30)
     assert len(first) == slots and all(f.status_code == 200 for f in first)
+
+
+def test_free_slots_go_to_tenants_in_turn(limited):
+    client = limited.state.client
+    slots = client.engine.config.scheduler.max_num_seqs
+    done: list[str] = []
+
+    def ask(name: str, tenant: str) -> None:
+        r = requests.post(limited.url + "/v1/completions", timeout=60, headers={"x-session-id": tenant},
+                          json={"model": "tiny", "prompt": "hello", "max_tokens": 12, "ignore_eos": True})
+        assert r.status_code == 200
+        done.append(name)
+
+    stall = client.call(lambda engine: time.sleep(1.5))  # all of them are admitted before any runs
+    threads = [threading.Thread(target=ask, args=(f"a{i}", "busy-client")) for i in range(2 * slots)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)
+    assert wait_until(lambda: client.stats()["in_flight"] == 2 * slots, 5)
+    threads.append(threading.Thread(target=ask, args=("b", "other-client")))
+    threads[-1].start()
+    stall.result(10)
+    for thread in threads:
+        thread.join(60)
+    assert len(done) == 2 * slots + 1
+    # "b" came last but got the second free slot: it is not queued behind all of "busy-client"'s requests
+    assert done.index("b") < slots + 1, done
