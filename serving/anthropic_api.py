@@ -32,7 +32,7 @@ async def count_tokens(request: Request) -> dict[str, int]:
         state.check_model(body.model)
         return len(_render(state, body, check_length=False).ids)  # counted even when too long
 
-    return {"input_tokens": await state.prepare(prepare)}
+    return {"input_tokens": await state.prepare(prepare, len(raw))}
 
 
 @router.post("/v1/messages")
@@ -55,7 +55,7 @@ async def messages(request: Request):
         return body, prompt, max_tokens, GenerateRequest(message_id, prompt.ids, params,
                                                          session_key(session_id, opening), tenant)
 
-    body, prompt, max_tokens, gen = await state.prepare(prepare)
+    body, prompt, max_tokens, gen = await state.prepare(prepare, len(raw))
     frontend = state.frontend
     stream = stream_reply(state, gen, frontend.parser(prompt), "anthropic", "messages")
     headers = clamp_headers(body.max_tokens, max_tokens)

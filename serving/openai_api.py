@@ -86,7 +86,7 @@ async def chat_completions(request: Request):
         return body, prompt, request_id, requested, params, samples(GenerateRequest(request_id, prompt.ids, params,
                                                                                     session, tenant), body.n)
 
-    body, prompt, request_id, requested, params, gens = await state.prepare(prepare)
+    body, prompt, request_id, requested, params, gens = await state.prepare(prepare, len(raw))
     stream = fan_out(state, gens, [state.frontend.parser(prompt) for _ in gens], "openai", "chat")
     headers = clamp_headers(requested, params.max_tokens)
     logprobs = LogprobFormat(state.frontend.token_text) if body.logprobs else None
@@ -121,7 +121,7 @@ async def completions(request: Request):
         gen = GenerateRequest(request_id, ids, params, session_key(session_id, prompt_ids=ids), tenant)
         return body, request_id, params, samples(gen, body.n)
 
-    body, request_id, params, gens = await state.prepare(prepare)
+    body, request_id, params, gens = await state.prepare(prepare, len(raw))
     stream = fan_out(state, gens, [None] * len(gens), "openai", "completions")
     headers = clamp_headers(body.max_tokens, params.max_tokens)
     logprobs = LogprobFormat(state.frontend.token_text) if body.logprobs is not None else None

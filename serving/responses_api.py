@@ -77,7 +77,7 @@ async def create_response(request: Request) -> JSONResponse | StreamingResponse:
                               tenant)
         return body, conversation, namespaces, prompt, head, max_tokens, gen
 
-    body, conversation, namespaces, prompt, head, max_tokens, gen = await state.prepare(prepare)
+    body, conversation, namespaces, prompt, head, max_tokens, gen = await state.prepare(prepare, len(raw))
     frontend = state.frontend
     stream = stream_reply(state, gen, frontend.parser(prompt), "openai", "responses")
     headers = clamp_headers(body.max_output_tokens, max_tokens)
