@@ -265,5 +265,6 @@ class InProcessEngineClient:
 
     def _publish_stats(self) -> None:
         stats = self.engine.stats()  # read here, in the engine's thread, not when Prometheus scrapes
+        stats["waiting"] = stats.get("waiting", 0) + len(self._held)  # admitted, held for a fair turn
         with self._lock:
             self._stats = stats
