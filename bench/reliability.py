@@ -15,9 +15,12 @@ one table row each:
 - ``disconnect-storm``: 40 streams dropped after their first bytes -> requests in flight back to 0;
 - ``soak`` (``--soak-minutes``, 0 skips it): concurrency 4 -> resident memory growth after warm-up
   and errors;
+- ``schema-fuzz`` (``--fuzz-minutes``, 0 skips it): schemathesis against ``/openapi.json`` -> no
+  server error, no response that breaks its declared schema;
 - ``kill-9``: the server killed mid-stream and restarted -> ready within 1.5x the first cold start.
 
-    python bench/reliability.py [--model DIR] [--soak-minutes 30] [--json bench/out/reliability.json]
+    python bench/reliability.py [--model DIR] [--soak-minutes 30] [--fuzz-minutes 10 --schemathesis PATH/st]
+                                [--json bench/out/reliability.json]
 """
 
 from __future__ import annotations
@@ -314,6 +317,18 @@ def soak(server: Server, model: str, minutes: float, warmup_s: float = 60) -> di
             "rss_max_mb": max(after), "growth": growth, "errors": len(errors), "holds": growth < 0.05 and not errors}
 
 
+def schema_fuzz(server: Server, st: str, minutes: float) -> dict:
+    """Schemathesis (its ``st`` command, installed apart: it is not a dependency of hearth) against
+    ``/openapi.json`` for ``minutes``: server errors and responses that break the declared schemas."""
+    checks = "not_a_server_error,response_schema_conformance,content_type_conformance"
+    run = subprocess.run([st, "run", server.url + "/openapi.json", "--checks", checks, "--max-time",
+                          str(int(minutes * 60)), "--workers", "2", "--request-timeout", str(int(READ_TIMEOUT))],
+                         capture_output=True, text=True, timeout=minutes * 60 + 600)
+    tail = [line for line in run.stdout.splitlines() if line.strip()][-12:]
+    return {"row": "schema-fuzz", "minutes": minutes, "exit": run.returncode, "alive": server.alive(),
+            "summary": " | ".join(tail[-4:]), "holds": run.returncode == 0 and server.alive()}
+
+
 def kill_9(server: Server, model: str, cold_start_s: float) -> dict:
     thread = threading.Thread(target=stream_chat, args=(server, model, 2000))
     thread.start()
@@ -331,6 +346,8 @@ def main() -> int:
     ap.add_argument("--model", help="checkpoint to serve (default: the demo model)")
     ap.add_argument("--soak-minutes", type=float, default=0.0, help="0 skips the soak")
     ap.add_argument("--hostile-seconds", type=float, default=20.0)
+    ap.add_argument("--fuzz-minutes", type=float, default=0.0, help="schemathesis run (0 skips it)")
+    ap.add_argument("--schemathesis", default="st", help="its command (pip install schemathesis, in a venv of its own)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     server = Server(args.model, [])
@@ -345,13 +362,16 @@ def main() -> int:
         if args.soak_minutes > 0:
             rows.append(soak(server, model, args.soak_minutes))
             print(json.dumps(rows[-1]), flush=True)
+        if args.fuzz_minutes > 0:
+            rows.append(schema_fuzz(server, args.schemathesis, args.fuzz_minutes))
+            print(json.dumps(rows[-1]), flush=True)
         rows.append(kill_9(server, model, cold))
     finally:
         server.stop()
     print(f"\n{'check':<18} holds  figures")
     for row in rows:
         figures = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
-                            if k not in ("row", "holds", "failures"))
+                            if k not in ("row", "holds", "failures", "summary"))
         print(f"{row['row']:<18} {'yes' if row['holds'] else 'NO':<6} {figures}")
     emit({"rows": rows, "pid": os.getpid()}, args.json)
     return 0 if all(r["holds"] for r in rows) else 1

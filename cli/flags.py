@@ -102,7 +102,7 @@ def serving_config(args: argparse.Namespace, **extra: Any) -> ServingConfig:
     names = {option_name(f) for f in dataclasses.fields(ServingConfig)}
     given = {k: v for k, v in vars(args).items() if k in names and v is not None}
     serving = ServingConfig.from_options(**{"api_key": os.environ.get("HEARTH_API_KEY") or None, **given, **extra})
-    if not is_loopback(serving.host) and not serving.api_key:
+    if not is_loopback(serving.host) and not serving.api_keys():
         print(f"hearth: warning: --insecure-no-auth: anyone who can reach {serving.host} may use this server",
               file=sys.stderr)
     return serving

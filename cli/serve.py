@@ -16,6 +16,8 @@ from hearth.config import ServingConfig
 from hearth.engine.demo import DEMO_NAME, demo_model_dir
 from hearth.serving.server import build_state, configure_logging, serve_async
 
+STILL_LOADING_S = 30.0  # how often a start that is not ready yet reports where it is
+
 
 def run_serve(args: argparse.Namespace) -> int:
     model = Path(args.model) if args.model else demo_model_dir()
@@ -51,7 +53,7 @@ def _announce(state, options: ServingConfig, model: Path, started: threading.Eve
     host = "127.0.0.1" if options.host in ("0.0.0.0", "::") else options.host
     base = f"http://{host}:{options.port}"
     name = state.model_name
-    key = "<your key>" if options.api_key else "unused"
+    key = "<your key>" if options.api_keys() else "unused"
     lines = [
         f"hearth: serving '{name}' from {model}",
         f"  OpenAI API     {base}/v1    (OPENAI_BASE_URL={base}/v1)",
@@ -67,7 +69,13 @@ def _announce(state, options: ServingConfig, model: Path, started: threading.Eve
         lines.insert(1, "  (the demo model is small and was trained on Python's standard library: it writes Python)")
     print("\n".join(lines), file=sys.stderr, flush=True)
     try:
-        state.client.wait_ready()
+        while True:  # a load that takes long says so, so that a stuck start is never silent
+            try:
+                state.client.wait_ready(STILL_LOADING_S)
+                break
+            except TimeoutError:
+                phase = getattr(state.client, "phase", "loading")
+                print(f"hearth: still {phase} after {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     except Exception as exc:  # noqa: BLE001 - reported, and /health says "failed"
         print(f"hearth: error: loading failed: {exc}", file=sys.stderr, flush=True)
     else:

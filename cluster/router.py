@@ -244,7 +244,7 @@ class RouterActor:
         self.started = time.time()
         self.client = RouterEngineClient(config.model, list(config.replicas), config.health_interval_s)
         serving = config.serving
-        state = ServerState(self.client, list(serving.model_names) or [config.model.name], serving.api_key,
+        state = ServerState(self.client, list(serving.model_names) or [config.model.name], serving.api_keys(),
                             serving.tool_parser, serving.max_body_bytes, serving.intake_timeout)
         self.server = BackgroundServer(state, serving, on_loop_start=self.client.start)
         self.server.start()

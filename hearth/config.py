@@ -348,6 +348,8 @@ class ServingConfig(Section):
     port: int = option(8000, "HTTP port", minimum=0)
     grpc_port: int | None = option(50051, "gRPC port (0 disables gRPC)", minimum=0)
     api_key: str | None = option(None, "require this key (default: $HEARTH_API_KEY, else none)")
+    api_key_file: str | None = option(None, "a file of accepted API keys, one per line ('#' starts a comment), "
+                                            "besides --api-key", metavar="PATH")
     insecure_no_auth: bool = option(False, "serve a non-loopback --host without an API key (refused otherwise)")
     max_body_bytes: int = option(8 << 20, "largest request body (e.g. 8MiB); larger ones get 413", minimum=1024,
                                  name="max_body_size", parse=parse_bytes)
@@ -368,9 +370,24 @@ class ServingConfig(Section):
     def validate(self) -> None:
         if self.grpc_port == 0:
             object.__setattr__(self, "grpc_port", None)
-        if not is_loopback(self.host) and not self.api_key and not self.insecure_no_auth:
+        if not is_loopback(self.host) and not self.api_keys() and not self.insecure_no_auth:
             raise ConfigError(f"refusing to listen on {self.host} (beyond this machine) without an API key: give "
                               "--api-key KEY or HEARTH_API_KEY, or --insecure-no-auth to serve it open")
+
+
+    def api_keys(self) -> tuple[str, ...]:
+        """Every accepted key: ``api_key`` and the lines of ``api_key_file`` (read now)."""
+        keys = [self.api_key] if self.api_key else []
+        if self.api_key_file:
+            try:
+                text = Path(self.api_key_file).read_text()
+            except OSError as exc:
+                raise ConfigError(f"--api-key-file {self.api_key_file}: {exc.strerror or exc}") from None
+            found = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+            if not any(found):
+                raise ConfigError(f"--api-key-file {self.api_key_file}: no keys in it")
+            keys += [k for k in found if k]
+        return tuple(keys)
 
 
 def is_loopback(host: str) -> bool:

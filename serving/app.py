@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,7 @@ _TRIM_AFTER_BYTES = 1 << 20  # a request body this large gets its memory returne
 class ServerState:
     """What the handlers share: the engine client, the tokenizer-side frontend, metrics, settings."""
 
-    def __init__(self, client: Any, model_names: list[str] | None = None, api_key: str | None = None,
+    def __init__(self, client: Any, model_names: list[str] | None = None, api_key: str | tuple[str, ...] | None = None,
                  tool_parser: str | None = None, max_body_bytes: int = 8 << 20, intake_timeout: float = 30.0) -> None:
         self.client = client
         self.model_names = model_names or [client.model.name]
@@ -41,6 +42,7 @@ class ServerState:
         self.metrics = ServerMetrics(client)
         self.responses = ResponseStore()  # stored /v1/responses results, for previous_response_id
         self._frontend: ModelFrontend | None = None
+        self._frontend_lock = threading.Lock()
         # Parsing, template rendering and tokenization run here, off the event loop: a large or slow
         # request then delays only itself, never /health or the streams of others.
         self._intake = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hearth-intake")
@@ -75,17 +77,25 @@ class ServerState:
 
     @property
     def frontend(self) -> ModelFrontend:
+        """The tokenizer side, built by the first request that needs it (one at a time: the intake
+        threads would otherwise import and build it together, and transformers' lazy imports are not
+        safe to race)."""
         if self._frontend is None:
-            self.check_ready()
-            from hearth.engine.loader import load_config
-            from hearth.engine.tokenizer import load_tokenizer
-
-            path = Path(self.client.model.path)
-            _, cfg = load_config(path)
-            model = self.client.model
-            self._frontend = ModelFrontend(load_tokenizer(path), cfg.architecture, model.max_model_len,
-                                           model.vocab_size, self.tool_parser)
+            with self._frontend_lock:
+                if self._frontend is None:
+                    self._frontend = self._build_frontend()
         return self._frontend
+
+    def _build_frontend(self) -> ModelFrontend:
+        self.check_ready()
+        from hearth.engine.loader import load_config
+        from hearth.engine.tokenizer import load_tokenizer
+
+        path = Path(self.client.model.path)
+        _, cfg = load_config(path)
+        model = self.client.model
+        return ModelFrontend(load_tokenizer(path), cfg.architecture, model.max_model_len, model.vocab_size,
+                             self.tool_parser)
 
     def check_ready(self) -> None:
         if not self.client.ready:
@@ -145,7 +155,8 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
         log.exception("unexpected error on %s", request.url.path)
-        return error_response(request.url.path, APIError(500, f"internal error: {type(exc).__name__}"))
+        # The client learns that it failed, not how: the details (and the traceback) are in the log.
+        return error_response(request.url.path, APIError(500, "internal error (logged on the server)"))
 
     @app.get("/health")
     async def health():
@@ -198,7 +209,7 @@ class AuthAndAccessLog:
                 "ms": round((time.perf_counter() - start) * 1e3, 2)}})
 
 
-def _authorized(scope: dict, key: str) -> bool:
+def _authorized(scope: dict, key: str | tuple[str, ...]) -> bool:
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
     return key_matches(headers.get("authorization", ""), headers.get("x-api-key"), key)
 

@@ -73,6 +73,7 @@ class InProcessEngineClient:
         self._decode_tok_s = 0.0
         self._loaded = threading.Event()
         self._stopping = False
+        self.phase = "starting"  # what loading is doing (reported while a start takes long)
         self._thread = threading.Thread(target=self._run, name="hearth-engine", daemon=True)
         self._thread.start()
 
@@ -172,13 +173,16 @@ class InProcessEngineClient:
     # -- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            self.phase = "reading the model's config"
             if self._describe is not None:
                 self.model = ModelInfo(self.model.name, self.model_path, *self._describe(), self.model.created)
+            self.phase = "loading the weights and building the engine"
             self.engine = self._factory()
             cfg = self.engine.model_config
             self.model = ModelInfo(self.model.name, self.model_path, self.engine.max_model_len, cfg.vocab_size,
                                    self.model.created)
             self._publish_stats()
+            self.phase = "ready"
         except BaseException as exc:  # noqa: BLE001 - reported through /health and every request
             log.exception("loading %s failed", self.model_path)
             self.load_error = exc
@@ -239,11 +243,12 @@ class InProcessEngineClient:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - fail the running requests, keep serving
+        except Exception:  # noqa: BLE001 - fail the running requests, keep serving
             log.exception("engine step failed")
             for rid in list(self._streams):
                 self.engine.abort(rid)
-                self._deliver(rid, RuntimeError(f"the engine failed: {exc}"))
+                self._deliver(rid, RuntimeError("the engine failed during a step (the details are in the server log); "
+                                                "this request is lost, retry it"))
             return
         for out in outputs:
             chunk = out.chunk

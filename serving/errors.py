@@ -65,11 +65,15 @@ def context_overflow(prompt_tokens: int, context: int, field: str) -> APIError:
         anthropic_message=f"prompt is too long: {prompt_tokens} tokens > {context - 1} maximum")
 
 
-def key_matches(authorization: str, x_api_key: str | None, key: str) -> bool:
-    """Whether a request carries the API key (``Authorization: Bearer KEY`` or ``x-api-key: KEY``)."""
+def key_matches(authorization: str, x_api_key: str | None, key: str | tuple[str, ...]) -> bool:
+    """Whether a request carries the API key, or one of the keys (``Authorization: Bearer KEY`` or
+    ``x-api-key: KEY``). Every key is compared, each in constant time."""
     bearer = authorization[7:] if authorization.lower().startswith("bearer ") else ""
-    given = x_api_key or bearer
-    return bool(given) and hmac.compare_digest(given.encode(), key.encode())
+    given = (x_api_key or bearer).encode()
+    found = False
+    for k in (key,) if isinstance(key, str) else key:
+        found |= hmac.compare_digest(given, k.encode())
+    return bool(given) and found
 
 
 def overloaded(protocol: str, detail: str, retry_after: int = 1) -> APIError:

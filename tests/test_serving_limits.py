@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -163,11 +164,11 @@ def test_a_queued_stream_starts_at_once_and_is_kept_alive(limited, monkeypatch):
     from hearth.serving import transport
 
     monkeypatch.setattr(transport, "KEEPALIVE_S", 0.3)
-    stall = limited.state.client.call(lambda engine: time.sleep(2.5))  # the engine thread is busy for 2.5 s
+    stall = limited.state.client.call(lambda engine: time.sleep(4))  # the engine thread is busy for 4 s
     start = time.monotonic()
     with requests.post(limited.url + "/v1/chat/completions", json=chat_body(stream=True, max_tokens=3),
                        stream=True, timeout=30) as r:
-        assert r.status_code == 200 and time.monotonic() - start < 2.0  # headers while still queued
+        assert r.status_code == 200 and time.monotonic() - start < 3.5  # headers while still queued
         lines = [line for line in r.iter_lines(decode_unicode=True) if line]
     stall.result(10)
     comments = [line for line in lines if line.startswith(":")]
@@ -209,7 +210,7 @@ def test_a_request_that_would_wait_too_long_gets_429_at_once(limited, monkeypatc
     assert wait_until(lambda: client.stats()["in_flight"] == slots, 3)
     start = time.monotonic()
     r = post(limited, "/v1/chat/completions", chat_body())
-    assert r.status_code == 429 and time.monotonic() - start < 1.0
+    assert r.status_code == 429 and time.monotonic() - start < 2.0  # at once, not after the 4 s stall
     assert "estimated wait" in r.json()["error"]["message"] and int(r.headers["retry-after"]) >= 29
     messages = [{"role": "user", "content": "x"}]
     r = post(limited, "/v1/messages", {"model": "tiny", "max_tokens": 2, "messages": messages})
@@ -245,3 +246,53 @@ def test_free_slots_go_to_tenants_in_turn(limited):
     assert len(done) == 2 * slots + 1
     # "b" came last but got the second free slot: it is not queued behind all of "busy-client"'s requests
     assert done.index("b") < slots + 1, done
+
+
+def test_several_keys_from_a_key_file(agent_checkpoint, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nalpha-key\n\nbeta-key  # the laptop\n")
+    assert ServingConfig(api_key="main", api_key_file=str(keys)).api_keys() == ("main", "alpha-key", "beta-key")
+    assert ServingConfig(host="0.0.0.0", api_key_file=str(keys)).host == "0.0.0.0"  # a key file is a key
+    (tmp_path / "empty").write_text("# nothing\n")
+    with pytest.raises(ConfigError, match="no keys"):
+        ServingConfig(host="0.0.0.0", api_key_file=str(tmp_path / "empty"))
+    with running_server(agent_checkpoint, {"max_model_len": 512}, api_key_file=str(keys)) as srv:
+        for key, status in (("alpha-key", 200), ("beta-key", 200), ("gamma", 401), ("alpha", 401)):
+            r = requests.post(srv.url + "/v1/chat/completions", json=chat_body(), timeout=60,
+                              headers={"authorization": f"Bearer {key}"})
+            assert r.status_code == status, key
+        assert requests.get(srv.url + "/health", timeout=10).status_code == 200  # open
+
+
+def test_a_slow_start_reports_where_it_is(capsys):
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from hearth.cli import serve
+
+    waits = iter([TimeoutError(), TimeoutError(), None])
+
+    def wait_ready(timeout=None):
+        outcome = next(waits)
+        if outcome is not None:
+            raise outcome
+
+    client = SimpleNamespace(wait_ready=wait_ready, phase="loading the weights and building the engine",
+                             model=SimpleNamespace(max_model_len=4096))
+    state = SimpleNamespace(client=client, model_name="tiny")
+    started = threading.Event()
+    started.set()
+    with mock.patch.object(serve, "STILL_LOADING_S", 0.01):
+        serve._announce(state, ServingConfig(), serve.Path("/models/tiny"), started)
+    err = capsys.readouterr().err
+    assert err.count("still loading the weights and building the engine after") == 2 and "model ready" in err
+
+
+def test_concurrent_first_requests_share_one_frontend(agent_checkpoint):
+    with running_server(agent_checkpoint, {"max_model_len": 512}) as srv:  # nothing built before these
+        with ThreadPoolExecutor(8) as pool:
+            statuses = list(pool.map(lambda i: post(srv, "/v1/chat/completions" if i % 2 else "/v1/completions",
+                                                    chat_body() if i % 2 else {"model": "tiny", "prompt": "x",
+                                                                               "max_tokens": 2}).status_code,
+                                     range(8)))
+        assert statuses == [200] * 8
