@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -137,7 +137,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(responses_api.router)
-    openapi.install(app)
+    openapi.install(app, state.model_names)
     app.add_middleware(BodyLimit, limit=state.max_body_bytes)
     app.add_middleware(AuthAndAccessLog, state=state)  # outermost: the key is checked before a body is read
 
@@ -167,7 +167,7 @@ def create_app(state: ServerState) -> FastAPI:
         body = {"status": "loading"} if error is None else {"status": "failed", "error": str(error)}
         return JSONResponse(body, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format, so documented
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -29,13 +29,20 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
 _REF = "#/components/schemas/{model}"
 
 
-def with_request_bodies(document: dict[str, Any], bodies: dict[tuple[str, str], type[BaseModel]]) -> dict[str, Any]:
-    """``document`` (an OpenAPI dict) with a required JSON ``requestBody`` on each listed operation."""
+def with_request_bodies(document: dict[str, Any], bodies: dict[tuple[str, str], type[BaseModel]],
+                        model_names: list[str] | None = None) -> dict[str, Any]:
+    """``document`` (an OpenAPI dict) with a required JSON ``requestBody`` on each listed operation;
+    each body's ``model`` lists the names served here (others get 404)."""
     # One pass over all the models: pydantic names apart the models of the same name from different
     # modules (the OpenAI and Responses APIs both have a TextPart).
     refs, defs = models_json_schema([(model, "validation") for model in dict.fromkeys(bodies.values())],
                                     ref_template=_REF)
-    document.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+    schemas = document.setdefault("components", {}).setdefault("schemas", {})
+    schemas.update(defs.get("$defs", {}))
+    for model in bodies.values():
+        field = schemas.get(model.__name__, {}).get("properties", {}).get("model")
+        if field is not None and model_names:
+            field["enum"] = list(model_names)
     for (path, method), model in bodies.items():
         operation = document.get("paths", {}).get(path, {}).get(method)
         if operation is not None:
@@ -44,14 +51,14 @@ def with_request_bodies(document: dict[str, Any], bodies: dict[tuple[str, str], 
     return document
 
 
-def install(app: FastAPI) -> None:
+def install(app: FastAPI, model_names: list[str] | None = None) -> None:
     """Serve the completed document at ``/openapi.json`` (built once, on first request)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             document = get_openapi(title=app.title, version=app.version, description=app.description,
                                    routes=app.routes)
-            app.openapi_schema = with_request_bodies(document, REQUEST_BODIES)
+            app.openapi_schema = with_request_bodies(document, REQUEST_BODIES, model_names)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

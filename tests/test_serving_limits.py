@@ -145,6 +145,8 @@ def test_openapi_declares_every_request_body(limited):
         ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert ref.split("/")[-1] in schemas, path
     assert "messages" in schemas["ChatCompletionRequest"]["required"]
+    assert schemas["MessagesRequest"]["properties"]["model"]["enum"] == ["tiny"]  # the names served here
+    assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     refs: list[str] = []
 
     def walk(node):
