@@ -310,19 +310,37 @@ class LLMEngine:
             self.scheduler.add_checkpoint(req, position, snapshot, (plan or {})[req.request_id][position])
         outputs = []
         for row, req in enumerate(sampled):
-            row_logits = logits[row]
-            for processor in self.logits_processors:
-                row_logits = processor(req.prompt_ids, req.output_ids, row_logits)
-            if req.matcher is not None:
-                row_logits = req.matcher.mask(row_logits, logits[row])
-            token = sample_token(row_logits, req.params, req.prompt_ids, req.output_ids, req.generator)
-            req.output_ids.append(token)
-            if req.matcher is not None:
-                req.grammar_done = req.matcher.advance(token)
-            logprob = token_logprob(logits[row], token, req.params.logprobs) if req.params.logprobs is not None \
-                else None
+            try:
+                token, logprob = self._pick(req, logits[row])
+            except Exception:  # noqa: BLE001 - one request's sampler or grammar fails alone
+                log.exception("sampling request %s failed; it ends with finish_reason 'error'", req.request_id)
+                outputs.append(self._failed(req))
+                continue
             outputs.append(self._after_token(req, token, logprob))
         return outputs
+
+    def _pick(self, req: Request, raw: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+        """The next token of ``req`` from its raw logits [V] (processors, grammar, sampler), appended."""
+        row_logits = raw
+        for processor in self.logits_processors:
+            row_logits = processor(req.prompt_ids, req.output_ids, row_logits)
+        if req.matcher is not None:
+            row_logits = req.matcher.mask(row_logits, raw)
+        token = sample_token(row_logits, req.params, req.prompt_ids, req.output_ids, req.generator)
+        req.output_ids.append(token)
+        if req.matcher is not None:
+            req.grammar_done = req.matcher.advance(token)
+        logprob = token_logprob(raw, token, req.params.logprobs) if req.params.logprobs is not None else None
+        return token, logprob
+
+    def _failed(self, req: Request) -> RequestOutput:
+        """End ``req`` with finish_reason "error" (the others in the step go on)."""
+        state = self._text.pop(req.request_id)
+        self._requests.pop(req.request_id, None)
+        self.scheduler.finish(req, "error")
+        state.metrics.finished = time.time()
+        chunk = GenerationChunk(req.request_id, [], "", True, "error", None, replace(state.metrics))
+        return RequestOutput(req.prompt_ids, list(req.output_ids), state.text[:state.emitted], chunk)
 
     def _after_token(self, req: Request, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
         state = self._text[req.request_id]

@@ -15,8 +15,12 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[i
         seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
         if seen.numel():
             picked = logits[seen]
-            picked = torch.where(picked < 0, picked * params.repetition_penalty, picked / params.repetition_penalty)
-            logits = logits.index_copy(0, seen, picked)
+            penalised = torch.where(picked < 0, picked * params.repetition_penalty, picked / params.repetition_penalty)
+            # An extreme penalty (1e-300, 1e300) overflows to +-inf, and a row of +inf samples NaN:
+            # keep the finite logits finite (a -inf from a grammar mask stays -inf).
+            big = torch.finfo(logits.dtype).max
+            penalised = torch.where(picked.isfinite(), penalised.clamp(-big, big), picked)
+            logits = logits.index_copy(0, seen, penalised)
     if output and (params.presence_penalty or params.frequency_penalty):
         ids, counts = torch.tensor(output, dtype=torch.long).unique(return_counts=True)
         penalty = params.frequency_penalty * counts.float() + params.presence_penalty
@@ -25,8 +29,14 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[i
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p masking. ``logits``: [V] fp32."""
-    logits = logits / params.temperature
+    """Temperature, then top-k, top-p and min-p masking. ``logits``: [V] fp32, with a finite maximum.
+
+    Every mask keeps the likeliest token, so that any valid parameters (a temperature or top-p of
+    5e-324 included) give a distribution to sample from rather than NaN."""
+    # Shifted so the largest is 0 (softmax does not change): a tiny temperature then divides into
+    # 0 and -inf, never +inf; the best stays 0 where the temperature rounds to 0 in fp32 (0/0).
+    shifted = logits - logits.max()
+    logits = torch.where(shifted == 0, shifted, shifted / params.temperature)
     if params.top_k and params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -34,6 +44,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_logits, order = torch.sort(logits, descending=True)
         cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
         drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the token crossing top_p
+        drop[0] = False  # a top_p below fp32's smallest number compares as 0
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     if params.min_p > 0:
         probs = torch.softmax(logits, dim=-1)
@@ -59,8 +70,8 @@ def sample_token(
 ) -> int:
     """Pick the next token from one sequence's fp32 logits [V]."""
     logits = apply_penalties(logits, params, prompt, output)
-    if params.greedy:
-        return greedy_token(logits)
+    if params.greedy or not bool(torch.isfinite(logits.max())):
+        return greedy_token(logits)  # (a NaN or +inf logit is the model's, and sampling cannot use it)
     probs = torch.softmax(filter_logits(logits, params), dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 

@@ -16,6 +16,7 @@ them on the wire; ``tests/test_contracts.py`` keeps the two in step.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -61,11 +62,11 @@ class SamplingParams:
             self.stop = [self.stop]
         checks = [
             (self.max_tokens >= 1, "max_tokens must be at least 1"),
-            (self.temperature >= 0, "temperature must be >= 0"),
+            (0 <= self.temperature < math.inf, "temperature must be >= 0 and finite"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (self.top_k >= 0, "top_k must be >= 0 (0 disables it)"),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (0 < self.repetition_penalty < math.inf, "repetition_penalty must be > 0 and finite"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
             (all(s for s in self.stop), "stop strings must be non-empty"),
@@ -144,7 +145,7 @@ class GenerationChunk:
     token_ids: list[int]
     text: str
     finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort
+    finish_reason: str | None = None  # stop | length | abort | error (this request alone failed)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it, if any
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them

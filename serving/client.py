@@ -252,6 +252,10 @@ class InProcessEngineClient:
             return
         for out in outputs:
             chunk = out.chunk
+            if chunk.finish_reason == "error":  # this request alone failed (its sampler or grammar)
+                self._deliver(out.request_id, RuntimeError("generating this request failed (the details are in "
+                                                           "the server log); retry it"))
+                continue
             self._deliver(out.request_id, chunk)
             speed = chunk.timings.get("predicted_per_second", 0.0)
             if speed > 0:

@@ -27,6 +27,8 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/messages/count_tokens", "post"): CountTokensRequest,
 }
 _REF = "#/components/schemas/{model}"
+# Operations that answer ``"stream": true`` with server-sent events.
+STREAMING = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
 
 
 def with_request_bodies(document: dict[str, Any], bodies: dict[tuple[str, str], type[BaseModel]],
@@ -48,6 +50,10 @@ def with_request_bodies(document: dict[str, Any], bodies: dict[tuple[str, str], 
         if operation is not None:
             operation["requestBody"] = {"required": True, "content": {
                 "application/json": {"schema": refs[(model, "validation")]}}}
+            if path in STREAMING:
+                ok = operation.setdefault("responses", {}).setdefault("200", {"description": "Successful Response"})
+                ok.setdefault("content", {"application/json": {"schema": {}}})["text/event-stream"] = {
+                    "schema": {"type": "string", "description": "server-sent events, when the body asks to stream"}}
     return document
 
 

@@ -59,7 +59,9 @@ def test_min_p_is_relative_to_the_best_token():
 
 def test_temperature_sharpens():
     logits = torch.tensor([1.0, 2.0])
-    assert torch.allclose(filter_logits(logits, SamplingParams(temperature=0.5)), torch.tensor([2.0, 4.0]))
+    # up to a constant, which softmax ignores
+    assert torch.allclose(filter_logits(logits, SamplingParams(temperature=0.5)).softmax(-1),
+                          torch.tensor([2.0, 4.0]).softmax(-1))
 
 
 def test_seeded_sampling_repeats_and_follows_distribution():
@@ -79,6 +81,8 @@ def test_seeded_sampling_repeats_and_follows_distribution():
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
         ({"min_p": 2}, "min_p"),
         ({"stop": [""]}, "stop"),
     ],
@@ -120,3 +124,48 @@ def test_logprobs_are_the_log_softmax_of_the_engines_logits_and_match_transforme
     assert [lp.token_id for lp in got] == tokens
     ref = [float(torch.log_softmax(row.float(), -1)[t]) for row, t in zip(ref_logits, tokens, strict=True)]
     assert max(abs(a.logprob - b) for a, b in zip(got, ref, strict=True)) <= 1e-4
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"temperature": 5e-324}, {"top_p": 5e-324}, {"min_p": 1.0}, {"repetition_penalty": 5e-324},
+    {"repetition_penalty": 1e300}, {"temperature": 2.0, "top_p": 5e-324, "min_p": 1.0, "top_k": 1},
+    {"temperature": 1e-30, "repetition_penalty": 1e-30, "presence_penalty": 2, "frequency_penalty": -2},
+])
+def test_extreme_valid_params_still_sample(kwargs):
+    """Any parameters the contract accepts give a token, never a NaN distribution (a sampler error
+    fails the whole engine step, every running request with it)."""
+    params = SamplingParams(seed=0, **kwargs)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.tensor([3.0, -1.0, 2.5, -40.0, 0.0, float("-inf")])
+    for output in ([], [0, 2, 1]):
+        token = sample_token(logits, params, [0, 1, 3], output, gen)
+        assert 0 <= token < 5
+    # the best token survives every mask: a vanishing temperature or top-p becomes greedy
+    if kwargs.get("repetition_penalty", 1.0) == 1.0:
+        assert sample_token(logits, params, [], [], gen) == 0
+
+
+def test_a_request_whose_sampling_fails_ends_alone(checkpoint):
+    """A logits processor (or grammar, or sampler) that raises for one request ends that request
+    with finish_reason "error" in the same step as the others, which go on to their full length."""
+    from hearth.engine.llm import LLM
+
+    path, _ = checkpoint("qwen3_moe")
+    llm = LLM(path)
+    engine = llm.engine
+
+    def fail_one(prompt, output, logits):
+        if prompt[0] == 7 and len(output) == 2:
+            raise RuntimeError("processor bug")
+        return logits
+
+    engine.logits_processors = (fail_one,)
+    bad = engine.add_request([7, 9, 13], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    good = engine.add_request([5, 9, 13], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = (out.chunk.finish_reason, len(out.token_ids))
+    assert finished == {bad: ("error", 2), good: ("length", 6)}
+    assert engine.num_unfinished() == 0 and not engine._requests  # nothing left behind

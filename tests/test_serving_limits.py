@@ -147,6 +147,8 @@ def test_openapi_declares_every_request_body(limited):
     assert "messages" in schemas["ChatCompletionRequest"]["required"]
     assert schemas["MessagesRequest"]["properties"]["model"]["enum"] == ["tiny"]  # the names served here
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    for path in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):
+        assert set(posts[path]["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
     refs: list[str] = []
 
     def walk(node):
@@ -298,3 +300,35 @@ def test_concurrent_first_requests_share_one_frontend(agent_checkpoint):
                                                                                "max_tokens": 2}).status_code,
                                      range(8)))
         assert statuses == [200] * 8
+
+
+def test_extreme_sampling_values_are_served_and_a_failing_request_fails_alone(limited, monkeypatch):
+    """Valid but extreme sampling values (found by the schema fuzzer: each made the sampler raise,
+    which failed the whole engine step) get tokens; a request whose sampling does raise ends with an
+    error of its own while the one beside it completes."""
+    extremes = [{"top_p": 5e-324}, {"repetition_penalty": 5e-324, "temperature": 1}, {"temperature": 1e-300},
+                {"min_p": 1, "temperature": 2}]
+    with ThreadPoolExecutor(len(extremes)) as pool:
+        replies = list(pool.map(lambda extra: post(limited, "/v1/chat/completions", chat_body(**extra)), extremes))
+    assert [r.status_code for r in replies] == [200] * len(extremes), [r.text for r in replies]
+    r = post(limited, "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 2, "top_p": 5e-324,
+                                          "repetition_penalty": 5e-324})
+    assert r.status_code == 200, r.text
+
+    from hearth.engine import llm_engine
+
+    real = llm_engine.sample_token
+
+    def failing(logits, params, prompt, output, generator):
+        if params.presence_penalty == 1.5:  # the marked request
+            raise RuntimeError("a sampler bug")
+        return real(logits, params, prompt, output, generator)
+
+    monkeypatch.setattr(llm_engine, "sample_token", failing)
+    with ThreadPoolExecutor(2) as pool:
+        bad = pool.submit(post, limited, "/v1/chat/completions", chat_body(presence_penalty=1.5, max_tokens=8))
+        good = pool.submit(post, limited, "/v1/chat/completions", chat_body(max_tokens=8))
+        bad, good = bad.result(), good.result()
+    assert good.status_code == 200 and good.json()["choices"][0]["message"] is not None
+    assert bad.status_code == 500 and "a sampler bug" not in bad.text and "retry" in bad.json()["error"]["message"]
+    assert requests.get(limited.url + "/health", timeout=10).status_code == 200
