@@ -29,6 +29,10 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
 _REF = "#/components/schemas/{model}"
 # Operations that answer ``"stream": true`` with server-sent events.
 STREAMING = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
+# One server-sent event (before OpenAPI 3.2 a stream's ``schema`` describes each event): ``data`` is
+# the API's JSON chunk (or ``[DONE]``), ``event`` its type where the API names one.
+SSE_EVENT = {"type": "object", "description": "one server-sent event, when the body asks to stream", "properties": {
+    "event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
 def with_request_bodies(document: dict[str, Any], bodies: dict[tuple[str, str], type[BaseModel]],
@@ -52,8 +56,8 @@ def with_request_bodies(document: dict[str, Any], bodies: dict[tuple[str, str], 
                 "application/json": {"schema": refs[(model, "validation")]}}}
             if path in STREAMING:
                 ok = operation.setdefault("responses", {}).setdefault("200", {"description": "Successful Response"})
-                ok.setdefault("content", {"application/json": {"schema": {}}})["text/event-stream"] = {
-                    "schema": {"type": "string", "description": "server-sent events, when the body asks to stream"}}
+                content = ok.setdefault("content", {"application/json": {"schema": {}}})
+                content["text/event-stream"] = {"schema": SSE_EVENT}
     return document
 
 
