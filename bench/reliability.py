@@ -353,24 +353,28 @@ def main() -> int:
     ap.add_argument("--hostile-seconds", type=float, default=20.0)
     ap.add_argument("--fuzz-minutes", type=float, default=0.0, help="schemathesis run (0 skips it)")
     ap.add_argument("--schemathesis", default="st", help="its command (pip install schemathesis, in a venv of its own)")
+    ap.add_argument("--only", help="comma-separated rows to run (default: all), e.g. schema-fuzz,kill-9")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    wanted = set(args.only.split(",")) if args.only else None
     server = Server(args.model, [])
     cold = server.start()
     model = requests.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
     rows = []
     try:
-        for check in (lambda: bad_input(server, model), lambda: hostile_together(server, model, args.hostile_seconds),
-                      lambda: overload(server, model), lambda: disconnect_storm(server, model)):
-            rows.append(check())
-            print(json.dumps(rows[-1]), flush=True)
+        checks = [("bad-input", lambda: bad_input(server, model)),
+                  ("hostile-together", lambda: hostile_together(server, model, args.hostile_seconds)),
+                  ("overload", lambda: overload(server, model)),
+                  ("disconnect-storm", lambda: disconnect_storm(server, model))]
         if args.soak_minutes > 0:
-            rows.append(soak(server, model, args.soak_minutes))
-            print(json.dumps(rows[-1]), flush=True)
+            checks.append(("soak", lambda: soak(server, model, args.soak_minutes)))
         if args.fuzz_minutes > 0:
-            rows.append(schema_fuzz(server, args.schemathesis, args.fuzz_minutes))
-            print(json.dumps(rows[-1]), flush=True)
-        rows.append(kill_9(server, model, cold))
+            checks.append(("schema-fuzz", lambda: schema_fuzz(server, args.schemathesis, args.fuzz_minutes)))
+        checks.append(("kill-9", lambda: kill_9(server, model, cold)))
+        for name, check in checks:
+            if wanted is None or name in wanted:
+                rows.append(check())
+                print(json.dumps(rows[-1]), flush=True)
     finally:
         server.stop()
     print(f"\n{'check':<18} holds  figures")
