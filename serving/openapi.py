@@ -1,4 +1,5 @@
-"""The OpenAPI document with the request bodies the handlers parse themselves.
+"""The OpenAPI document with the request bodies the handlers parse themselves and the response
+bodies they build (``response_schema``).
 
 The handlers read their bodies as bytes (strict parsing with errors in each API's own shape, see
 ``errors.parse_body``), so FastAPI cannot see them; here each body model's JSON Schema is put into
@@ -16,6 +17,7 @@ from pydantic.json_schema import models_json_schema
 
 from hearth.serving.anthropic_schema import CountTokensRequest, MessagesRequest
 from hearth.serving.openai_schema import ChatCompletionRequest, CompletionRequest
+from hearth.serving.response_schema import ANTHROPIC_ERROR, HEALTH, OPENAI_ERROR, RESPONSE_BODIES, SSE_EVENT
 from hearth.serving.responses_schema import ResponsesRequest
 
 # (path, method) -> the model its body is validated as.
@@ -29,10 +31,6 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
 _REF = "#/components/schemas/{model}"
 # Operations that answer ``"stream": true`` with server-sent events.
 STREAMING = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
-# One server-sent event (before OpenAPI 3.2 a stream's ``schema`` describes each event): ``data`` is
-# the API's JSON chunk (or ``[DONE]``), ``event`` its type where the API names one.
-SSE_EVENT = {"type": "object", "description": "one server-sent event, when the body asks to stream", "properties": {
-    "event": {"type": "string"}, "data": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
 def with_request_bodies(document: dict[str, Any], bodies: dict[tuple[str, str], type[BaseModel]],
@@ -54,10 +52,26 @@ def with_request_bodies(document: dict[str, Any], bodies: dict[tuple[str, str], 
         if operation is not None:
             operation["requestBody"] = {"required": True, "content": {
                 "application/json": {"schema": refs[(model, "validation")]}}}
-            if path in STREAMING:
-                ok = operation.setdefault("responses", {}).setdefault("200", {"description": "Successful Response"})
-                content = ok.setdefault("content", {"application/json": {"schema": {}}})
-                content["text/event-stream"] = {"schema": SSE_EVENT}
+    return document
+
+
+def with_response_bodies(document: dict[str, Any], bodies: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+    """``document`` with each listed operation's 200 body (JSON, and server-sent events where it
+    streams) and its error body in the API's own shape (``default``: every 4xx and 5xx)."""
+    for (path, method), schema in bodies.items():
+        operation = document.get("paths", {}).get(path, {}).get(method)
+        if operation is None:
+            continue
+        responses = operation.setdefault("responses", {})
+        content = {"application/json": {"schema": schema}}
+        if path in STREAMING:
+            content["text/event-stream"] = {"schema": SSE_EVENT}
+        responses["200"] = {"description": "Successful Response", "content": content}
+        responses.pop("422", None)  # FastAPI's own validation shape: this server answers in the API's
+        error = ANTHROPIC_ERROR if path.startswith("/v1/messages") else OPENAI_ERROR
+        if path == "/health":
+            error = HEALTH  # 503 while loading or after a failed load
+        responses["default"] = {"description": "An error", "content": {"application/json": {"schema": error}}}
     return document
 
 
@@ -68,7 +82,8 @@ def install(app: FastAPI, model_names: list[str] | None = None) -> None:
         if app.openapi_schema is None:
             document = get_openapi(title=app.title, version=app.version, description=app.description,
                                    routes=app.routes)
-            app.openapi_schema = with_request_bodies(document, REQUEST_BODIES, model_names)
+            document = with_request_bodies(document, REQUEST_BODIES, model_names)
+            app.openapi_schema = with_response_bodies(document, RESPONSE_BODIES)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

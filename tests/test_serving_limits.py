@@ -149,6 +149,34 @@ def test_openapi_declares_every_request_body(limited):
     assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     for path in ("/v1/chat/completions", "/v1/responses", "/v1/messages"):
         assert set(posts[path]["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    # answers checked against the declared response bodies (what the schema fuzzer does at length)
+    import jsonschema
+
+    def body_schema(path, method="post", status="200"):
+        return doc["paths"][path][method]["responses"][status]["content"]["application/json"]["schema"]
+
+    r = post(limited, "/v1/chat/completions", chat_body(logprobs=True, top_logprobs=2))
+    jsonschema.validate(r.json(), body_schema("/v1/chat/completions"))
+    r = post(limited, "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 2})
+    jsonschema.validate(r.json(), body_schema("/v1/completions"))
+    r = post(limited, "/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 2})
+    jsonschema.validate(r.json(), body_schema("/v1/responses"))
+    jsonschema.validate(requests.get(limited.url + f"/v1/responses/{r.json()['id']}", timeout=10).json(),
+                        body_schema("/v1/responses/{response_id}", "get"))
+    said = [{"role": "user", "content": "x"}]
+    r = post(limited, "/v1/messages", {"model": "tiny", "max_tokens": 2, "messages": said})
+    jsonschema.validate(r.json(), body_schema("/v1/messages"))
+    r = post(limited, "/v1/messages/count_tokens", {"model": "tiny", "messages": said})
+    jsonschema.validate(r.json(), body_schema("/v1/messages/count_tokens"))
+    for headers in ({}, {"anthropic-version": "2023-06-01"}):
+        models = requests.get(limited.url + "/v1/models", headers=headers, timeout=10).json()
+        jsonschema.validate(models, body_schema("/v1/models", "get"))
+    r = post(limited, "/v1/messages", {"model": "tiny"})
+    jsonschema.validate(r.json(), body_schema("/v1/messages", status="default"))
+    r = post(limited, "/v1/chat/completions", {"model": "nope", "messages": []})
+    jsonschema.validate(r.json(), body_schema("/v1/chat/completions", status="default"))
+    with pytest.raises(jsonschema.ValidationError):  # the schemas do constrain
+        jsonschema.validate({"object": "chat.completion"}, body_schema("/v1/chat/completions"))
     refs: list[str] = []
 
     def walk(node):
