@@ -263,15 +263,17 @@ def run(args: argparse.Namespace) -> int:
 
 # -- batch -------------------------------------------------------------------------------------
 
-def _decode_steps(engine, prompts: list[list[int]], tokens: int) -> tuple[list[float], int]:
+def _decode_steps(engine, prompts: list[list[int]], tokens: int, flush=None) -> tuple[list[float], int]:
     """Seconds of each pure decode step while ``prompts`` decode together (prefill steps left out), and
-    the tokens those steps produced."""
+    the tokens those steps produced; ``flush`` (untimed) runs before each step."""
     from hearth.engine import SamplingParams
 
     for prompt in prompts:
         engine.add_request(prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
     times, produced = [], 0
     while engine.has_unfinished():
+        if flush is not None:
+            flush()
         prefilling = any(r.num_computed < r.num_tokens - 1 for r in engine._requests.values())
         start = time.perf_counter()
         outs = engine.step()
@@ -331,12 +333,22 @@ def batch(args: argparse.Namespace) -> int:
     blocks = engine.pool.blocks or {}
     expert_bytes = statistics.mean(b.gate_up_bytes + b.down_bytes for b in blocks.values()) if blocks \
         else engine.pool.expert_bytes
+    flush = None
+    if args.flush_cache:
+        # Read a buffer twice the last-level cache before each step, so that every step reads its
+        # weights from DRAM, as a model much larger than the cache does (a model that nearly fits, as
+        # the ~1B shape in a 480 MiB L3, keeps part of one stream's experts there between tokens).
+        scratch = torch.ones(max(2 * last_level_cache(), 256 << 20) // 4, dtype=torch.float32)
+
+        def flush() -> None:
+            scratch.sum()
+
     _decode_steps(engine, prompts[:1], 8)  # warm-up
     one, many = [], []
     for _ in range(args.rounds):
-        times, n = _decode_steps(engine, prompts[:1], args.tokens)
+        times, n = _decode_steps(engine, prompts[:1], args.tokens, flush)
         one.append(n / sum(times))
-        times, n = _decode_steps(engine, prompts, args.tokens)
+        times, n = _decode_steps(engine, prompts, args.tokens, flush)
         many.append((n / sum(times), statistics.median(times)))
     llm.close()
     experts = statistics.median(_distinct_experts(path, dtype, prompts, args.tokens, n_ctx))
@@ -345,7 +357,8 @@ def batch(args: argparse.Namespace) -> int:
     step_bytes = dense + experts * expert_bytes
     one_bytes = dense + experts_one * expert_bytes  # per token of one stream
     result = {"file": str(path), "streams": args.streams, "threads": args.threads, "rounds": args.rounds,
-              "int8_activations": args.int8_activations, "read_rate_gb_s": roofline / 1e9,
+              "int8_activations": args.int8_activations, "flush_cache": args.flush_cache,
+              "read_rate_gb_s": roofline / 1e9,
               "one_stream_tok_s": statistics.median(one), "aggregate_tok_s": statistics.median(t for t, _ in many),
               "distinct_experts_per_step": experts, "bytes_per_step": step_bytes,
               "bytes_per_s": step_bytes / step, "roofline_share": step_bytes / step / roofline,
@@ -356,7 +369,8 @@ def batch(args: argparse.Namespace) -> int:
     result["one_stream_bytes_per_s"] = one_bytes * result["one_stream_tok_s"]
     result["one_stream_roofline_share"] = result["one_stream_bytes_per_s"] / roofline
     print(f"\n{Path(path).name}: {args.streams} streams vs 1, {args.threads} threads, median of {args.rounds} rounds"
-          f"{' (int8 activations)' if args.int8_activations else ''}")
+          f"{' (int8 activations)' if args.int8_activations else ''}"
+          f"{', cache flushed before each step' if args.flush_cache else ''}")
     print(f"  one stream {result['one_stream_tok_s']:.1f} tok/s; {args.streams} streams "
           f"{result['aggregate_tok_s']:.1f} tok/s aggregate ({result['speedup']:.2f}x)")
     print(f"  a batched step reads {step_bytes / 1e6:.0f} MB ({experts:.0f} distinct experts + dense weights): "
@@ -398,6 +412,8 @@ def main() -> int:
     bt.add_argument("--streams", type=int, default=4)
     bt.add_argument("--rounds", type=int, default=3)
     bt.add_argument("--prompt", type=int, default=16)
+    bt.add_argument("--flush-cache", action="store_true",
+                    help="evict the last-level cache before each step (untimed): weights from DRAM, as a large model's")
     args = ap.parse_args()
     return {"make": make, "run": run, "batch": batch}[args.command](args)
 

@@ -65,11 +65,16 @@ def context_overflow(prompt_tokens: int, context: int, field: str) -> APIError:
         anthropic_message=f"prompt is too long: {prompt_tokens} tokens > {context - 1} maximum")
 
 
+def presented_key(authorization: str, x_api_key: str | None) -> str:
+    """The key a request presents (``x-api-key: KEY``, else ``Authorization: Bearer KEY``), or ""."""
+    bearer = authorization[7:] if authorization.lower().startswith("bearer ") else ""
+    return x_api_key or bearer
+
+
 def key_matches(authorization: str, x_api_key: str | None, key: str | tuple[str, ...]) -> bool:
     """Whether a request carries the API key, or one of the keys (``Authorization: Bearer KEY`` or
     ``x-api-key: KEY``). Every key is compared, each in constant time."""
-    bearer = authorization[7:] if authorization.lower().startswith("bearer ") else ""
-    given = (x_api_key or bearer).encode()
+    given = presented_key(authorization, x_api_key).encode()
     found = False
     for k in (key,) if isinstance(key, str) else key:
         found |= hmac.compare_digest(given, k.encode())

@@ -11,7 +11,7 @@ from hearth.proto import hearth_pb2, hearth_pb2_grpc
 from hearth.proto.contracts import GenerateRequest
 from hearth.serving.errors import APIError, key_matches
 from hearth.serving.generation import stream_reply
-from hearth.serving.session import session_key, tenant_key
+from hearth.serving.session import request_tenant, session_key
 
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
           404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -86,7 +86,7 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
             params.skip_special_tokens = s.skip_special_tokens
         return GenerateRequest(f"grpc-{uuid.uuid4().hex}", ids, params,
                                session_key(meta.get("x-session-id"), prompt_ids=ids),
-                               tenant_key(meta.get("x-session-id"), meta.get("peer", "").rsplit(":", 1)[0]))
+                               request_tenant(meta, meta.get("peer", "").rsplit(":", 1)[0], self.state.api_key))
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         key = self.state.api_key

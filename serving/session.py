@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from typing import Any
+
+from hearth.serving.errors import presented_key
 
 PREFIX_KEY_TOKENS = 256  # raw prompts: the session is identified by this many leading tokens
 CLIENT_KEY = "id:"  # session keys the client gave start with this
@@ -41,9 +44,20 @@ def session_key(header: str | None, messages: list[dict[str, Any]] | None = None
     return prefix_key(prompt_ids or [])
 
 
-def tenant_key(header: str | None, host: str | None) -> str:
-    """Whose request it is, for fair admission: the client's ``x-session-id`` when it sends one,
-    else the address it connects from."""
+def tenant_key(header: str | None, host: str | None, api_key: str | None = None) -> str:
+    """Whose request it is, for fair admission: the API key it was let in with (given only where the
+    server holds several keys, one per person or program), else the client's ``x-session-id`` when
+    it sends one, else the address it connects from. A key is kept only as a hash."""
+    if api_key:
+        return "key:" + hashlib.blake2b(api_key.encode(), digest_size=12).hexdigest()
     if header and header.strip():
         return CLIENT_KEY + header.strip()[:256]
     return "addr:" + (host or "")
+
+
+def request_tenant(headers: Mapping[str, str], host: str | None, keys: str | tuple[str, ...] | None) -> str:
+    """:func:`tenant_key` of a request's headers (HTTP headers or gRPC metadata, lower-case names)
+    on a server holding ``keys``."""
+    several = isinstance(keys, tuple) and len(keys) > 1
+    key = presented_key(headers.get("authorization", ""), headers.get("x-api-key")) if several else None
+    return tenant_key(headers.get("x-session-id"), host, key)

@@ -46,3 +46,21 @@ def test_fair_queue_takes_tenants_in_turn():
     order = [q.pop() for _ in range(len(q))]
     assert order == ["a0", "b0", "c0", "a1", "b1", "a3"]
     assert not q
+
+
+def test_tenants_are_keys_where_the_server_holds_several_then_sessions_then_addresses():
+    from hearth.serving.session import request_tenant
+
+    alice = {"authorization": "Bearer alpha-key", "x-session-id": "s1"}
+    alice2 = {"x-api-key": "alpha-key", "x-session-id": "s2"}
+    bob = {"authorization": "Bearer beta-key", "x-session-id": "s1"}
+    keys = ("alpha-key", "beta-key")
+    # several keys: one tenant per key, whatever sessions it opens; the key is not kept in clear
+    assert request_tenant(alice, "10.0.0.1", keys) == request_tenant(alice2, "10.0.0.2", keys)
+    assert request_tenant(alice, "10.0.0.1", keys) != request_tenant(bob, "10.0.0.1", keys)
+    assert "alpha-key" not in request_tenant(alice, "10.0.0.1", keys)
+    # one shared key (or none): sessions, else addresses
+    for single in (("alpha-key",), ()):
+        assert request_tenant(alice, "10.0.0.1", single) != request_tenant(alice2, "10.0.0.1", single)
+        assert request_tenant(alice, "10.0.0.1", single) == request_tenant(bob, "10.0.0.9", single)
+        assert request_tenant({}, "10.0.0.1", single) != request_tenant({}, "10.0.0.2", single)
