@@ -66,10 +66,20 @@ def fuzz_server(agent_checkpoint):
 
 
 def test_fuzzed_bodies_never_get_5xx(fuzz_server):
+    fuzz(fuzz_server, 600, derandomize=True)
+
+
+@pytest.mark.slow
+def test_a_long_random_fuzz_never_gets_5xx(fuzz_server):
+    """The long fuzz (``-m slow``): 6000 bodies from a fresh seed each run."""
+    fuzz(fuzz_server, 6000, derandomize=False)
+
+
+def fuzz(fuzz_server, examples: int, derandomize: bool) -> None:
     session = requests.Session()
     seen: dict[int, int] = {}
 
-    @settings(max_examples=600, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=examples, deadline=None, derandomize=derandomize, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(bodies)
     def check(case):
@@ -84,7 +94,7 @@ def test_fuzzed_bodies_never_get_5xx(fuzz_server):
 
     check()
     print("status counts:", seen)
-    assert sum(seen.values()) >= 500
+    assert sum(seen.values()) >= examples * 5 // 6
     assert seen.get(200, 0) > 20 and sum(v for k, v in seen.items() if 400 <= k < 500) > 200, seen
     ok = session.post(fuzz_server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
                       timeout=30)
