@@ -374,7 +374,6 @@ class ServingConfig(Section):
             raise ConfigError(f"refusing to listen on {self.host} (beyond this machine) without an API key: give "
                               "--api-key KEY or HEARTH_API_KEY, or --insecure-no-auth to serve it open")
 
-
     def api_keys(self) -> tuple[str, ...]:
         """Every accepted key: ``api_key`` and the lines of ``api_key_file`` (read now)."""
         keys = [self.api_key] if self.api_key else []

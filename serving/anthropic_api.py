@@ -16,7 +16,7 @@ from hearth.serving.errors import APIError, check_json_schema, parse_body
 from hearth.serving.frontend import OMITTED, RenderedPrompt, ToolMode, tool_json, tool_mode
 from hearth.serving.generation import Reply, collect, stream_reply
 from hearth.serving.parsers import Event
-from hearth.serving.session import request_tenant, session_key
+from hearth.serving.session import session_key
 from hearth.serving.transport import clamp_headers, event_stream, prepend, primed, run_unless_disconnected, sse
 
 router = APIRouter()
@@ -39,7 +39,7 @@ async def count_tokens(request: Request) -> dict[str, int]:
 async def messages(request: Request):
     state = request.app.state.hearth
     raw, session_id = await request.body(), request.headers.get("x-session-id")
-    tenant = request_tenant(request.headers, request.client.host if request.client else None, state.api_key)
+    tenant = state.tenant(request)
 
     def prepare():  # on an intake thread
         body = parse_body(MessagesRequest, raw)

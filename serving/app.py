@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -17,10 +18,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hearth.serving import anthropic_api, openai_api, openapi, responses_api
-from hearth.serving.errors import APIError, key_matches
+from hearth.serving.errors import APIError, key_matches, protocol_of
 from hearth.serving.frontend import ModelFrontend
 from hearth.serving.metrics import ServerMetrics
 from hearth.serving.responses_format import ResponseStore
+from hearth.serving.session import request_tenant
 
 log = logging.getLogger("hearth.serving")
 _OPEN_PATHS = {"/health", "/"}
@@ -71,6 +73,10 @@ class ServerState:
             raise APIError(503, f"preparing the request took longer than {self.intake_timeout:g} s "
                                 "(the server is busy, or the request is very large)") from None
 
+    def tenant(self, request: Request) -> str:
+        """Whose request it is, for the fair turns of admission (:func:`session.request_tenant`)."""
+        return request_tenant(request.headers, request.client.host if request.client else None, self.api_key)
+
     @property
     def model_name(self) -> str:
         return self.model_names[0]
@@ -108,10 +114,6 @@ class ServerState:
         if name not in self.model_names and name != self.client.model.path:
             raise APIError(404, f"model: '{name}' is not served here (this server serves "
                                 f"{', '.join(repr(n) for n in self.model_names)})", "model")
-
-
-def protocol_of(path: str) -> str:
-    return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
 def error_response(path: str, error: APIError) -> JSONResponse:
@@ -218,16 +220,22 @@ def release_memory() -> None:
     """Hand the heap's free pages back to the system (glibc's malloc_trim over every arena; nothing
     elsewhere). Parsing and tokenizing a body of megabytes takes hundreds of megabytes for a moment,
     in an intake thread's own arena, which glibc would otherwise keep for good."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, looked up once (finding the C library runs ``ldconfig``), or None."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
+        return ctypes.CDLL(name).malloc_trim if name else None
     except (OSError, AttributeError):  # not glibc
-        trim = None
-    if trim is not None:
-        trim(0)
+        return None
 
 
 class BodyLimit:

@@ -41,9 +41,10 @@ class _Stream:
 class InProcessEngineClient:
     """Runs an :class:`~engine.llm_engine.LLMEngine` in a background thread of this process.
 
-    ``max_waiting`` bounds the requests queued beyond those the engine runs at once; a request
-    over that bound raises :class:`EngineOverloaded`. Loading happens in the thread too, so a
-    server can answer ``/health`` ("loading") while the weights are read.
+    ``limits`` (default: ``max_waiting`` requests queued beyond those the engine runs at once) say
+    when a request is refused with :class:`EngineOverloaded` (``serving/admission.py``). Loading
+    happens in the thread too, so a server can answer ``/health`` ("loading") while the weights are
+    read.
     """
 
     def __init__(self, model_path: str | Path, engine_factory: Callable[[], Any], served_name: str | None = None,
@@ -52,7 +53,6 @@ class InProcessEngineClient:
         self.model_path = str(model_path)
         self.model = ModelInfo(served_name or Path(model_path).name, self.model_path, 0, 0, int(time.time()))
         self.limits = limits or AdmissionLimits(max_waiting)
-        self.max_waiting = self.limits.max_waiting
         # Admitted requests that have not produced a token yet, their prompt tokens, and the measured
         # prompt speed and time a request holds a slot: what admission estimates a wait from.
         self._waiting = 0

@@ -29,6 +29,11 @@ def clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
+def protocol_of(path: str) -> str:
+    """The API a path belongs to, whose error shape its answers take: "anthropic" or "openai"."""
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
 class APIError(Exception):
     """An error answered to the client: HTTP status, a message naming the field, the field."""
 
@@ -130,11 +135,11 @@ def loads_bounded(text: str, what: str, field: str | None = None) -> Any:
     except json.JSONDecodeError as exc:
         raise APIError(400, f"{what} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
                        field) from None
-    except RecursionError:
-        data = deep = True
+    except RecursionError:  # nested past the interpreter's own limit
+        too_deep = True
     else:
-        deep = _depth_exceeds(data, MAX_NESTING)
-    if deep:
+        too_deep = _depth_exceeds(data, MAX_NESTING)
+    if too_deep:
         raise APIError(400, f"{what} nests arrays and objects more than {MAX_NESTING} levels deep", field)
     return data
 

@@ -212,8 +212,7 @@ def tool_json(name: str, description: str | None, parameters: dict[str, Any] | N
 
 # What a client may pass to the chat template (``chat_template_kwargs``): the switches templates
 # document, each with the type it takes. The template itself comes from the model or the operator.
-TEMPLATE_KWARGS: dict[str, type | tuple[type, ...]] = {"enable_thinking": bool, "thinking": bool,
-                                                       "reasoning_effort": str}
+TEMPLATE_KWARGS: dict[str, type] = {"enable_thinking": bool, "thinking": bool, "reasoning_effort": str}
 
 
 def check_template_kwargs(kwargs: dict[str, Any] | None, field: str = "chat_template_kwargs") -> dict[str, Any]:
@@ -225,7 +224,7 @@ def check_template_kwargs(kwargs: dict[str, Any] | None, field: str = "chat_temp
             raise APIError(400, f"{field}.{key}: not accepted (accepted: {', '.join(TEMPLATE_KWARGS)}; the chat "
                                 "template is the model's)", f"{field}.{key}")
         if not isinstance(value, kind) or (isinstance(value, str) and len(value) > 32):
-            raise APIError(400, f"{field}.{key}: must be a {getattr(kind, '__name__', 'value')}"
+            raise APIError(400, f"{field}.{key}: must be a {kind.__name__}"
                                 f"{' of at most 32 characters' if kind is str else ''}", f"{field}.{key}")
     return dict(kwargs or {})
 

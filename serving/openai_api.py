@@ -28,7 +28,7 @@ from hearth.serving.openai_schema import (
     ResponseFormat,
     SamplingFields,
 )
-from hearth.serving.session import request_tenant, session_key
+from hearth.serving.session import session_key
 from hearth.serving.transport import clamp_headers, event_stream, primed, run_unless_disconnected
 
 router = APIRouter()
@@ -66,7 +66,7 @@ def _open(state: Any, raw: bytes, model: type[B]) -> B:
 async def chat_completions(request: Request):
     state = request.app.state.hearth
     raw, session_id = await request.body(), request.headers.get("x-session-id")
-    tenant = request_tenant(request.headers, request.client.host if request.client else None, state.api_key)
+    tenant = state.tenant(request)
 
     def prepare():  # on an intake thread
         body = _open(state, raw, ChatCompletionRequest)
@@ -103,7 +103,7 @@ async def chat_completions(request: Request):
 async def completions(request: Request):
     state = request.app.state.hearth
     raw, session_id = await request.body(), request.headers.get("x-session-id")
-    tenant = request_tenant(request.headers, request.client.host if request.client else None, state.api_key)
+    tenant = state.tenant(request)
 
     def prepare():  # on an intake thread
         body = _open(state, raw, CompletionRequest)

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from hearth.serving.anthropic_schema import CountTokensRequest, MessagesRequest
+from hearth.serving.errors import protocol_of
 from hearth.serving.openai_schema import ChatCompletionRequest, CompletionRequest
 from hearth.serving.response_schema import ANTHROPIC_ERROR, HEALTH, OPENAI_ERROR, RESPONSE_BODIES, SSE_EVENT
 from hearth.serving.responses_schema import ResponsesRequest
@@ -68,7 +69,7 @@ def with_response_bodies(document: dict[str, Any], bodies: dict[tuple[str, str],
             content["text/event-stream"] = {"schema": SSE_EVENT}
         responses["200"] = {"description": "Successful Response", "content": content}
         responses.pop("422", None)  # FastAPI's own validation shape: this server answers in the API's
-        error = ANTHROPIC_ERROR if path.startswith("/v1/messages") else OPENAI_ERROR
+        error = ANTHROPIC_ERROR if protocol_of(path) == "anthropic" else OPENAI_ERROR
         if path == "/health":
             error = HEALTH  # 503 while loading or after a failed load
         responses["default"] = {"description": "An error", "content": {"application/json": {"schema": error}}}

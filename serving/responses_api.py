@@ -39,7 +39,7 @@ from hearth.serving.responses_schema import (
     MessageItem,
     ResponsesRequest,
 )
-from hearth.serving.session import request_tenant, session_key
+from hearth.serving.session import session_key
 from hearth.serving.transport import clamp_headers, event_stream, primed, run_unless_disconnected
 
 router = APIRouter()
@@ -52,7 +52,7 @@ async def create_response(request: Request) -> JSONResponse | StreamingResponse:
     """Create a response: JSON, or a stream of events with ``stream: true``."""
     state = request.app.state.hearth
     raw, session_id = await request.body(), request.headers.get("x-session-id")
-    tenant = request_tenant(request.headers, request.client.host if request.client else None, state.api_key)
+    tenant = state.tenant(request)
 
     def prepare():  # on an intake thread
         body = parse_body(ResponsesRequest, raw)

@@ -35,8 +35,8 @@ def build_state(model: str | Path, engine: EngineConfig, serving: ServingConfig,
 
     names = list(serving.model_names) or [Path(model).name]
     limits = AdmissionLimits(serving.max_waiting, serving.max_queued_tokens, serving.max_queue_wait or None)
-    client = InProcessEngineClient(model, factory, names[0], serving.max_waiting,
-                                   functools.partial(describe_model, model, engine), limits)
+    client = InProcessEngineClient(model, factory, names[0], describe=functools.partial(describe_model, model, engine),
+                                   limits=limits)
     return ServerState(client, names, serving.api_keys(), serving.tool_parser, serving.max_body_bytes,
                        serving.intake_timeout)
 
