@@ -314,8 +314,11 @@ def soak(server: Server, model: str, minutes: float, warmup_s: float = 60) -> di
         w.join(120)
     after = [rss for t, rss in samples if t >= warmup_s] or [samples[-1][1]]
     growth = (after[-1] - after[0]) / after[0]
+    # The curve, one sample a minute, so that a rise can be told from a plateau.
+    curve = [round(rss, 1) for _, rss in samples[11::12]]  # (a sample every 5 s)
     return {"row": "soak", "minutes": minutes, "rss_start_mb": after[0], "rss_end_mb": after[-1],
-            "rss_max_mb": max(after), "growth": growth, "errors": len(errors), "holds": growth < 0.05 and not errors}
+            "rss_max_mb": max(after), "growth": growth, "errors": len(errors), "rss_per_minute_mb": curve,
+            "holds": growth < 0.05 and not errors}
 
 
 def schema_fuzz(server: Server, st: str, minutes: float) -> dict:
@@ -392,7 +395,7 @@ def main() -> int:
     print(f"\n{'check':<18} holds  figures")
     for row in rows:
         figures = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
-                            if k not in ("row", "holds", "failures", "summary"))
+                            if k not in ("row", "holds", "failures", "summary", "rss_per_minute_mb"))
         print(f"{row['row']:<18} {'yes' if row['holds'] else 'NO':<6} {figures}")
     emit({"rows": rows, "pid": os.getpid()}, args.json)
     return 0 if all(r["holds"] for r in rows) else 1
