@@ -19,7 +19,7 @@ of CI.
 
     python bench/peers.py make --model DIR --llama-cpp ~/src/llama.cpp --out /tmp/peer [--quants q8_0 q4_k_m]
     python bench/peers.py run /tmp/peer/*.gguf [--threads 2] [--rounds 5] [--json bench/out/peers.json]
-    python bench/peers.py batch /tmp/peer/model-Q4_K_M.gguf [--streams 4]   # hearth alone: batched decode
+    python bench/peers.py batch /tmp/peer/model-Q4_K_M.gguf [--streams 4] [--peer]   # batched decode (peers_batch.py)
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hearth  # noqa: E402,F401 - before torch: hearth's OpenMP defaults apply to the process
-from bench.common import emit, synthetic_prompt  # noqa: E402
+from bench.common import emit, read_rate, synthetic_prompt  # noqa: E402
 
 # llama.cpp's file types (llama.h, enum llama_ftype) by the names its quantize tool takes.
 FTYPES = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q4_k_s": 14, "q5_k_m": 17, "q5_k_s": 16, "q6_k": 18}
@@ -173,31 +173,6 @@ def hearth_runner(path: Path, dtype: str, n_ctx: int, pp_chunk: int, int8_activa
         llm.close()
 
 
-def read_rate(seconds: float = 2.0) -> float:
-    """Bytes per second this machine streams from memory on all the threads torch uses (a sum over
-    a 1 GiB buffer, best of several)."""
-    import torch
-
-    buf = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
-    best, end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        start = time.perf_counter()
-        buf.sum()
-        best = max(best, buf.nbytes / (time.perf_counter() - start))
-    return best
-
-
-def last_level_cache() -> int:
-    """Bytes of CPU 0's largest cache level (Linux sysfs; 0 where unknown)."""
-    sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        with contextlib.suppress(OSError, ValueError):
-            text = (index / "size").read_text().strip()
-            unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
-            sizes.append(int(text.rstrip("KMG")) * unit)
-    return max(sizes, default=0)
-
-
 def has_int8_kernels(path: Path) -> bool:
     """Whether any of the file's tensors is in a format the int8-activation mode computes (a bf16 file's
     weights are not: the mode would change nothing)."""
@@ -261,129 +236,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- batch -------------------------------------------------------------------------------------
-
-def _decode_steps(engine, prompts: list[list[int]], tokens: int, flush=None) -> tuple[list[float], int]:
-    """Seconds of each pure decode step while ``prompts`` decode together (prefill steps left out), and
-    the tokens those steps produced; ``flush`` (untimed) runs before each step."""
-    from hearth.engine import SamplingParams
-
-    for prompt in prompts:
-        engine.add_request(prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
-    times, produced = [], 0
-    while engine.has_unfinished():
-        if flush is not None:
-            flush()
-        prefilling = any(r.num_computed < r.num_tokens - 1 for r in engine._requests.values())
-        start = time.perf_counter()
-        outs = engine.step()
-        if not prefilling:
-            times.append(time.perf_counter() - start)
-            produced += len(outs)
-    return times, produced
-
-
-def _distinct_experts(path: Path, dtype: str, prompts: list[list[int]], tokens: int, n_ctx: int) -> list[int]:
-    """Per decode step, the distinct experts the batch routes to (summed over MoE layers), from a run
-    with the module path (whose routers are visible from Python; the routing is the native path's)."""
-    import os
-    from unittest import mock
-
-    from hearth.engine import LLM
-    from hearth.engine.layers.moe import TopKRouter
-
-    counts: list[int] = []
-    select = TopKRouter.select
-
-    def counted(self, logits):
-        ids, weights = select(self, logits)
-        if logits.shape[0] == len(prompts):  # a decode step of the whole batch
-            counts.append(int(ids.unique().numel()))
-        return ids, weights
-
-    with mock.patch.dict(os.environ, {"HEARTH_NATIVE_LAYERS": "0"}), mock.patch.object(TopKRouter, "select", counted):
-        llm = LLM(str(path), dtype=dtype, max_model_len=n_ctx, max_num_seqs=len(prompts), prefix_caching=False)
-        try:
-            _decode_steps(llm.engine, prompts, tokens)
-        finally:
-            llm.close()
-    layers = len(llm.engine.model_config.moe_layer_ids)
-    return [sum(counts[i : i + layers]) for i in range(0, len(counts) - layers + 1, layers)]
-
-
-def batch(args: argparse.Namespace) -> int:
-    """Aggregate decode of ``--streams`` concurrent sequences against one, interleaved in rounds, and
-    the bytes per second the batched steps read (dense weights + the distinct experts each step
-    touches) as a share of the measured memory read rate."""
-    import torch
-
-    from hearth.engine import LLM
-
-    torch.set_num_threads(args.threads)
-    roofline = read_rate()
-    path = args.file
-    dtype = args.dtype or "float32"  # GGUF's default (bf16 weights stay bf16 blocks)
-    n_ctx = args.prompt + args.tokens + 64
-    llm = LLM(str(path), dtype=dtype, max_model_len=n_ctx, max_num_seqs=args.streams, prefix_caching=False,
-              int8_activations=args.int8_activations)
-    engine = llm.engine
-    vocab = engine.model_config.vocab_size
-    prompts = [synthetic_prompt(vocab, args.prompt, salt) for salt in range(args.streams)]
-    dense = sum(p.nbytes for n, p in engine.runner.model.named_parameters() if "embed_tokens" not in n)
-    blocks = engine.pool.blocks or {}
-    expert_bytes = statistics.mean(b.gate_up_bytes + b.down_bytes for b in blocks.values()) if blocks \
-        else engine.pool.expert_bytes
-    flush = None
-    if args.flush_cache:
-        # Read a buffer twice the last-level cache before each step, so that every step reads its
-        # weights from DRAM, as a model much larger than the cache does (a model that nearly fits, as
-        # the ~1B shape in a 480 MiB L3, keeps part of one stream's experts there between tokens).
-        scratch = torch.ones(max(2 * last_level_cache(), 256 << 20) // 4, dtype=torch.float32)
-
-        def flush() -> None:
-            scratch.sum()
-
-    _decode_steps(engine, prompts[:1], 8)  # warm-up
-    one, many = [], []
-    for _ in range(args.rounds):
-        times, n = _decode_steps(engine, prompts[:1], args.tokens, flush)
-        one.append(n / sum(times))
-        times, n = _decode_steps(engine, prompts, args.tokens, flush)
-        many.append((n / sum(times), statistics.median(times)))
-    llm.close()
-    experts = statistics.median(_distinct_experts(path, dtype, prompts, args.tokens, n_ctx))
-    experts_one = statistics.median(_distinct_experts(path, dtype, prompts[:1], args.tokens, n_ctx))
-    step = statistics.median(t for _, t in many)
-    step_bytes = dense + experts * expert_bytes
-    one_bytes = dense + experts_one * expert_bytes  # per token of one stream
-    result = {"file": str(path), "streams": args.streams, "threads": args.threads, "rounds": args.rounds,
-              "int8_activations": args.int8_activations, "flush_cache": args.flush_cache,
-              "read_rate_gb_s": roofline / 1e9,
-              "one_stream_tok_s": statistics.median(one), "aggregate_tok_s": statistics.median(t for t, _ in many),
-              "distinct_experts_per_step": experts, "bytes_per_step": step_bytes,
-              "bytes_per_s": step_bytes / step, "roofline_share": step_bytes / step / roofline,
-              "last_level_cache_bytes": last_level_cache()}
-    result["speedup"] = result["aggregate_tok_s"] / result["one_stream_tok_s"]
-    # One stream's rate against the same roofline: above 1 where a large last-level cache holds part
-    # of the weights from one token to the next (the roofline is read from a 1 GiB buffer, from DRAM).
-    result["one_stream_bytes_per_s"] = one_bytes * result["one_stream_tok_s"]
-    result["one_stream_roofline_share"] = result["one_stream_bytes_per_s"] / roofline
-    print(f"\n{Path(path).name}: {args.streams} streams vs 1, {args.threads} threads, median of {args.rounds} rounds"
-          f"{' (int8 activations)' if args.int8_activations else ''}"
-          f"{', cache flushed before each step' if args.flush_cache else ''}")
-    print(f"  one stream {result['one_stream_tok_s']:.1f} tok/s; {args.streams} streams "
-          f"{result['aggregate_tok_s']:.1f} tok/s aggregate ({result['speedup']:.2f}x)")
-    print(f"  a batched step reads {step_bytes / 1e6:.0f} MB ({experts:.0f} distinct experts + dense weights): "
-          f"{result['bytes_per_s'] / 1e9:.1f} GB/s, {100 * result['roofline_share']:.0f} % of the measured "
-          f"{roofline / 1e9:.1f} GB/s")
-    llc = result["last_level_cache_bytes"]
-    print(f"  one stream reads {one_bytes / 1e6:.0f} MB per token: {result['one_stream_bytes_per_s'] / 1e9:.1f} GB/s, "
-          f"{100 * result['one_stream_roofline_share']:.0f} % of it"
-          + (f" (last-level cache {llc >> 20} MiB)" if llc else ""))
-    emit(result, args.json)
-    return 0
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -414,8 +266,13 @@ def main() -> int:
     bt.add_argument("--prompt", type=int, default=16)
     bt.add_argument("--flush-cache", action="store_true",
                     help="evict the last-level cache before each step (untimed): weights from DRAM, as a large model's")
+    bt.add_argument("--peer", action="store_true", help="llama.cpp decodes the same streams in the same rounds")
     args = ap.parse_args()
-    return {"make": make, "run": run, "batch": batch}[args.command](args)
+    if args.command == "batch":
+        from bench.peers_batch import batch
+
+        return batch(args)
+    return {"make": make, "run": run}[args.command](args)
 
 
 if __name__ == "__main__":
