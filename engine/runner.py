@@ -20,7 +20,7 @@ def build_batch(
     captures = captures or {}
     token_ids: list[int] = []
     positions: list[int] = []
-    slots: list[torch.Tensor] = []
+    slots: list[int] = []
     sequences: list[SequenceSlice] = []
     logits_rows: list[int] = []
     sampled: list[Request] = []
@@ -34,15 +34,16 @@ def build_batch(
                                        req.state_slot, offsets))
         token_ids += req.tokens[start:end]
         positions += range(start, end)
-        new_slots = (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)[start:end]
-        slots.append(new_slots)
+        # Each new token's cache slot: its position's block times the block size, plus the offset
+        # (Python ints: a decode step's one token per sequence costs a few torch calls otherwise).
+        slots += (table[p // block_size] * block_size + p % block_size for p in range(start, end))
         if end == req.num_tokens:
             logits_rows.append(len(token_ids) - 1)
             sampled.append(req)
     batch = ForwardBatch(
         token_ids=torch.tensor(token_ids, dtype=torch.long),
         positions=torch.tensor(positions, dtype=torch.long),
-        slot_mapping=torch.cat(slots),
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
         sequences=sequences,
         logits_indices=torch.tensor(logits_rows, dtype=torch.long),
         block_size=block_size,
