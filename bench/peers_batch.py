@@ -119,7 +119,7 @@ def _expert_kernel_rate(engine, tokens: int, passes: int, flush) -> float:
     return read / spent
 
 
-def _llama_cpp_batch_worker(conn, path: str, threads: int, streams: int, flush_cache: bool) -> None:
+def _llama_cpp_batch_worker(conn, path: str, threads: int, streams: int, n_ctx: int, flush_cache: bool) -> None:
     """llama.cpp in a process of its own: answers (n, prompt_len, tokens) with (tok/s, median step
     seconds) for n streams decoding together, greedy, through its batch API."""
     import llama_cpp as ll
@@ -128,11 +128,13 @@ def _llama_cpp_batch_worker(conn, path: str, threads: int, streams: int, flush_c
     ll.llama_backend_init()
     model = ll.llama_model_load_from_file(path.encode(), ll.llama_model_default_params())
     params = ll.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 2048, 512, 512, streams
+    # The sequences share one KV cache: n_ctx holds all of them, and one batch holds all their prompts.
+    capacity = max(512, n_ctx)
+    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = capacity, capacity, 512, streams
     params.n_threads = params.n_threads_batch = threads
     ctx = ll.llama_init_from_model(model, params)
     vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
-    batch = ll.llama_batch_init(512, 0, streams)
+    batch = ll.llama_batch_init(capacity, 0, streams)
     scratch = np.ones(max(2 * last_level_cache(), 256 << 20) // 4, dtype=np.float32) if flush_cache else None
 
     def decode(items: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, logits)
@@ -174,7 +176,8 @@ def _llama_cpp_batch(path: Path, args: argparse.Namespace):
     spawn = multiprocessing.get_context("spawn")
     parent, child = spawn.Pipe()
     proc = spawn.Process(target=_llama_cpp_batch_worker,
-                         args=(child, str(path), args.threads, args.streams, args.flush_cache), daemon=True)
+                         args=(child, str(path), args.threads, args.streams,
+                               args.streams * (args.prompt + args.tokens) + 64, args.flush_cache), daemon=True)
     proc.start()
     if parent.recv() != "ready":
         raise SystemExit(f"llama.cpp could not load {path}")
