@@ -45,3 +45,30 @@ def last_level_cache() -> int:
             unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
             sizes.append(int(text.rstrip("KMG")) * unit)
     return max(sizes, default=0)
+
+
+@contextlib.contextmanager
+def worker_process(target, *args, failure: str):
+    """``target(conn, *args)`` in a spawned process of its own (a peer engine whose OpenMP runtime must
+    not share this process's): it sends "ready", then answers each job it receives until None. Yields
+    ``ask(job) -> answer``; stops the process on exit. ``failure`` is the message when it never gets ready."""
+    import multiprocessing
+
+    spawn = multiprocessing.get_context("spawn")
+    parent, child = spawn.Pipe()
+    proc = spawn.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    if parent.recv() != "ready":
+        raise SystemExit(failure)
+
+    def ask(job):
+        parent.send(job)
+        return parent.recv()
+
+    try:
+        yield ask
+    finally:
+        parent.send(None)
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()

@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hearth  # noqa: E402,F401 - before torch: hearth's OpenMP defaults apply to the process
-from bench.common import emit, read_rate, synthetic_prompt  # noqa: E402
+from bench.common import emit, read_rate, synthetic_prompt, worker_process  # noqa: E402
 
 # llama.cpp's file types (llama.h, enum llama_ftype) by the names its quantize tool takes.
 FTYPES = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q4_k_s": 14, "q5_k_m": 17, "q5_k_s": 16, "q6_k": 18}
@@ -123,26 +123,9 @@ def _llama_cpp_worker(conn, path: str, threads: int, n_ctx: int) -> None:
 @contextlib.contextmanager
 def llama_cpp_runner(path: Path, threads: int, n_ctx: int):
     """run(prompt, pp, tg) -> {"pp", "tg"} tok/s with llama.cpp, in a worker process."""
-    import multiprocessing
-
-    parent, child = multiprocessing.get_context("spawn").Pipe()
-    proc = multiprocessing.get_context("spawn").Process(target=_llama_cpp_worker,
-                                                        args=(child, str(path), threads, n_ctx), daemon=True)
-    proc.start()
-    if parent.recv() != "ready":
-        raise SystemExit(f"llama.cpp could not load {path}")
-
-    def run(prompt: list[int], pp: int, tg: int) -> dict[str, float]:
-        parent.send((prompt, pp, tg))
-        return parent.recv()
-
-    try:
-        yield run
-    finally:
-        parent.send(None)
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
+    failure = f"llama.cpp could not load {path}"
+    with worker_process(_llama_cpp_worker, str(path), threads, n_ctx, failure=failure) as ask:
+        yield lambda prompt, pp, tg: ask((prompt, pp, tg))
 
 
 @contextlib.contextmanager

@@ -23,20 +23,24 @@ reads its weights from DRAM as any model much larger than the cache does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from pathlib import Path
 
-from bench.common import emit, last_level_cache, read_rate, synthetic_prompt
+from bench.common import emit, last_level_cache, read_rate, synthetic_prompt, worker_process
 
 
-def _flusher(enabled: bool):
-    """A function that evicts the last-level cache (reads a buffer twice its size), or None."""
-    if not enabled:
-        return None
+def _flush_floats() -> int:
+    """fp32 elements of a buffer whose reading evicts the last-level cache (twice its size)."""
+    return max(2 * last_level_cache(), 256 << 20) // 4
+
+
+def _flusher():
+    """A function that evicts the last-level cache by reading a buffer twice its size."""
     import torch
 
-    scratch = torch.ones(max(2 * last_level_cache(), 256 << 20) // 4, dtype=torch.float32)
+    scratch = torch.ones(_flush_floats(), dtype=torch.float32)
     return lambda: scratch.sum()
 
 
@@ -135,7 +139,7 @@ def _llama_cpp_batch_worker(conn, path: str, threads: int, streams: int, n_ctx: 
     ctx = ll.llama_init_from_model(model, params)
     vocab = ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(model))
     batch = ll.llama_batch_init(capacity, 0, streams)
-    scratch = np.ones(max(2 * last_level_cache(), 256 << 20) // 4, dtype=np.float32) if flush_cache else None
+    scratch = np.ones(_flush_floats(), dtype=np.float32) if flush_cache else None
 
     def decode(items: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, logits)
         batch.n_tokens = len(items)
@@ -169,32 +173,6 @@ def _llama_cpp_batch_worker(conn, path: str, threads: int, streams: int, n_ctx: 
     ll.llama_model_free(model)
 
 
-def _llama_cpp_batch(path: Path, args: argparse.Namespace):
-    """run(n) -> (tok/s, median step s) with llama.cpp, in a worker process; close() ends it."""
-    import multiprocessing
-
-    spawn = multiprocessing.get_context("spawn")
-    parent, child = spawn.Pipe()
-    proc = spawn.Process(target=_llama_cpp_batch_worker,
-                         args=(child, str(path), args.threads, args.streams,
-                               args.streams * (args.prompt + args.tokens) + 64, args.flush_cache), daemon=True)
-    proc.start()
-    if parent.recv() != "ready":
-        raise SystemExit(f"llama.cpp could not load {path}")
-
-    def run(n: int) -> tuple[float, float]:
-        parent.send((n, args.prompt, args.tokens))
-        return parent.recv()
-
-    def close() -> None:
-        parent.send(None)
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
-
-    return run, close
-
-
 def batch(args: argparse.Namespace) -> int:
     """Aggregate decode of ``--streams`` concurrent sequences against one, interleaved in rounds (with
     llama.cpp alongside under ``--peer``), and the bytes per second hearth's batched steps read as a
@@ -208,35 +186,37 @@ def batch(args: argparse.Namespace) -> int:
     path = args.file
     dtype = args.dtype or "float32"  # GGUF's default (bf16 weights stay bf16 blocks)
     n_ctx = args.prompt + args.tokens + 64
-    peer = _llama_cpp_batch(path, args) if args.peer else None
-    llm = LLM(str(path), dtype=dtype, max_model_len=n_ctx, max_num_seqs=args.streams, prefix_caching=False,
-              int8_activations=args.int8_activations)
-    engine = llm.engine
-    vocab = engine.model_config.vocab_size
-    prompts = [synthetic_prompt(vocab, args.prompt, salt) for salt in range(args.streams)]
-    dense = sum(p.nbytes for n, p in engine.runner.model.named_parameters() if "embed_tokens" not in n)
-    blocks = engine.pool.blocks or {}
-    expert_bytes = statistics.mean(b.gate_up_bytes + b.down_bytes for b in blocks.values()) if blocks \
-        else engine.pool.expert_bytes
-    flush = _flusher(args.flush_cache)
-    _decode_steps(engine, prompts[:1], 8)  # warm-up
     one, many, peer_one, peer_many = [], [], [], []
-    try:
+    with contextlib.ExitStack() as stack:
+        peer = None
+        if args.peer:  # llama.cpp: (streams, prompt length, tokens) -> (tok/s, median step s)
+            peer = stack.enter_context(worker_process(
+                _llama_cpp_batch_worker, str(path), args.threads, args.streams,
+                args.streams * (args.prompt + args.tokens) + 64, args.flush_cache,
+                failure=f"llama.cpp could not load {path}"))
+        llm = LLM(str(path), dtype=dtype, max_model_len=n_ctx, max_num_seqs=args.streams, prefix_caching=False,
+                  int8_activations=args.int8_activations)
+        stack.callback(llm.close)
+        engine = llm.engine
+        vocab = engine.model_config.vocab_size
+        prompts = [synthetic_prompt(vocab, args.prompt, salt) for salt in range(args.streams)]
+        dense = sum(p.nbytes for n, p in engine.runner.model.named_parameters() if "embed_tokens" not in n)
+        blocks = engine.pool.blocks or {}
+        expert_bytes = statistics.mean(b.gate_up_bytes + b.down_bytes for b in blocks.values()) if blocks \
+            else engine.pool.expert_bytes
+        flush = _flusher() if args.flush_cache else None
+        _decode_steps(engine, prompts[:1], 8)  # warm-up
         if peer is not None:
-            peer[0](1)  # warm-up
+            peer((1, args.prompt, 8))  # warm-up
         for _ in range(args.rounds):
             times, n = _decode_steps(engine, prompts[:1], args.tokens, flush)
             one.append(n / sum(times))
             times, n = _decode_steps(engine, prompts, args.tokens, flush)
             many.append((n / sum(times), statistics.median(times)))
             if peer is not None:
-                peer_one.append(peer[0](1))
-                peer_many.append(peer[0](args.streams))
-        kernel_rate = _expert_kernel_rate(engine, args.streams, 8, _flusher(True))
-    finally:
-        llm.close()
-        if peer is not None:
-            peer[1]()
+                peer_one.append(peer((1, args.prompt, args.tokens)))
+                peer_many.append(peer((args.streams, args.prompt, args.tokens)))
+        kernel_rate = _expert_kernel_rate(engine, args.streams, 8, flush or _flusher())
     experts = statistics.median(_distinct_experts(path, dtype, prompts, args.tokens, n_ctx))
     experts_one = statistics.median(_distinct_experts(path, dtype, prompts[:1], args.tokens, n_ctx))
     step = statistics.median(t for _, t in many)
@@ -255,7 +235,7 @@ def batch(args: argparse.Namespace) -> int:
     # of the weights from one token to the next (the roofline is read from a 1 GiB buffer, from DRAM).
     result["one_stream_bytes_per_s"] = one_bytes * result["one_stream_tok_s"]
     result["one_stream_roofline_share"] = result["one_stream_bytes_per_s"] / roofline
-    if peer is not None:
+    if args.peer:
         peer_step = statistics.median(s for _, s in peer_many)
         result["llama_cpp"] = {"one_stream_tok_s": statistics.median(t for t, _ in peer_one),
                                "aggregate_tok_s": statistics.median(t for t, _ in peer_many),

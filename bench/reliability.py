@@ -293,7 +293,7 @@ def disconnect_storm(server: Server, model: str, clients: int = 40) -> dict:
             "holds": drained <= 1.0 and server.in_flight() == 0}
 
 
-def soak(server: Server, model: str, minutes: float, warmup_s: float = 60) -> dict:
+def soak(server: Server, model: str, minutes: float, warmup_s: float = 60, every_s: int = 5) -> dict:
     stop, errors, samples = threading.Event(), [], []
 
     def client() -> None:
@@ -307,7 +307,7 @@ def soak(server: Server, model: str, minutes: float, warmup_s: float = 60) -> di
         w.start()
     start = time.monotonic()
     while time.monotonic() - start < minutes * 60:
-        time.sleep(5)
+        time.sleep(every_s)
         samples.append((time.monotonic() - start, server.rss_mb()))
     stop.set()
     for w in workers:
@@ -315,7 +315,8 @@ def soak(server: Server, model: str, minutes: float, warmup_s: float = 60) -> di
     after = [rss for t, rss in samples if t >= warmup_s] or [samples[-1][1]]
     growth = (after[-1] - after[0]) / after[0]
     # The curve, one sample a minute, so that a rise can be told from a plateau.
-    curve = [round(rss, 1) for _, rss in samples[11::12]]  # (a sample every 5 s)
+    per_minute = 60 // every_s
+    curve = [round(rss, 1) for _, rss in samples[per_minute - 1 :: per_minute]]
     return {"row": "soak", "minutes": minutes, "rss_start_mb": after[0], "rss_end_mb": after[-1],
             "rss_max_mb": max(after), "growth": growth, "errors": len(errors), "rss_per_minute_mb": curve,
             "holds": growth < 0.05 and not errors}
