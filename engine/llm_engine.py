@@ -18,7 +18,7 @@ from hearth.config import ConfigError, EngineConfig
 from hearth.engine import int8_mode
 from hearth.engine.anchors import anchor_token_ids
 from hearth.engine.detokenizer import IncrementalDetokenizer
-from hearth.engine.experts.build import build_hierarchy
+from hearth.engine.experts.build import build_hierarchy, cache_slots
 from hearth.engine.experts.contract import ExpertControl
 from hearth.engine.experts.mechanism.host_pool import HostExpertPool
 from hearth.engine.ftw import load_checkpoint
@@ -249,6 +249,16 @@ class LLMEngine:
     def expert_control(self) -> ExpertControl | None:
         """The expert hierarchy's control interface (None without one): call between steps."""
         return self.experts
+
+    def resize_expert_cache(self, size: str) -> dict[str, int]:
+        """Elastic VRAM: resize the device expert cache to ``size`` (as ``--expert-cache``: a fraction
+        of all experts like ``0.1``, bytes like ``2GiB``, or slots like ``8slots``). Call between
+        steps (``EngineClient.call`` does); requests in flight go on with the same results. Returns
+        the new slots and bytes and how many cached experts were kept and dropped."""
+        if self.experts is None:
+            raise ValueError("this engine has no expert cache to resize (it runs every expert on the CPU; "
+                             "start it with a GPU or --virtual-device)")
+        return self.experts.resize(cache_slots(size, self.pool, 0))
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -54,6 +54,8 @@ class HierarchicalExpertBackend:
         self.streamer: LayerStreamer | None = None  # prefill streaming, when the slots hold its buffers
         self.stream_min_tokens = 0
         self.stream_threshold = None  # costs -> stream_min_tokens, when it follows the measured costs
+        self.stream_setup = None  # (backend, slots) -> sets up streaming for a slot count (build.py)
+        self.prefill_stats = None  # the streamers' counters, kept while a small cache turns streaming off
         self.act = act
         self.device = device
         self.tables = tables
@@ -208,6 +210,25 @@ class HierarchicalExpertBackend:
         if not isinstance(self.cpu_workers, ExternalCpuWorkers):
             raise RuntimeError("the CPU experts of this engine run in-house: there is no ring to attach to")
         return self.cpu_workers.wait_attached(timeout_s)
+
+    def resize(self, num_slots: int) -> dict[str, int]:
+        """Elastic VRAM: give the device cache ``num_slots`` slots (at most one per expert). Call
+        between steps. The most recently used experts that fit stay cached and move within the
+        device; the rest are dropped (the host pool holds every expert, so nothing is lost). Requests
+        in flight go on with the same results; prefill streaming follows the new size."""
+        if num_slots < 0:
+            raise ValueError(f"an expert cache cannot have {num_slots} slots")
+        num_slots = min(num_slots, self.pool.gate_up.shape[0])
+        if self.streamer is not None:
+            self.streamer.release()  # what its buffers hold becomes cache entries first
+        before = int((self.tables.expert_of[: self.tables.num_slots] >= 0).sum())
+        old_slots, new_slots = self.tables.resize(num_slots)
+        self.device.resize(num_slots, old_slots, new_slots, self.tables.expert_of[new_slots])
+        if self.stream_setup is not None:
+            self.stream_setup(self, num_slots)
+        kept = int(new_slots.numel())
+        return {"slots": num_slots, "bytes": num_slots * self.pool.expert_bytes, "kept": kept,
+                "dropped": before - kept}
 
     def close(self) -> None:
         if self.streamer is not None:

@@ -102,19 +102,25 @@ def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: ExpertConfig, max_to
         qtable = forced_qtable(hc.q_mode, m_max)
     tables = ExpertCacheTables(pool.num_global_ids, slots, qtable, max_fills=m_max, device=device.device)
     backend = HierarchicalExpertBackend(pool, act, device, tables, workers, costs, tuner)
-    _attach_streamer(backend, cfg, pool, slots, hc, max_tokens)
+    backend.stream_setup = partial(_attach_streamer, cfg=cfg, pool=pool, hc=hc, max_tokens=max_tokens)
+    backend.stream_setup(backend, slots)
     return backend
 
 
-def _attach_streamer(backend: HierarchicalExpertBackend, cfg: ModelConfig, pool: ExpertPool, slots: int,
+def _attach_streamer(backend: HierarchicalExpertBackend, slots: int, *, cfg: ModelConfig, pool: ExpertPool,
                      hc: ExpertConfig, max_tokens: int) -> None:
-    """Prefill streaming when the slots hold its buffers, with its step-size threshold (given, or
-    from the measured costs and again whenever the monitor changes them)."""
+    """Prefill streaming when ``slots`` hold its buffers, with its step-size threshold (given, or
+    from the measured costs and again whenever the monitor changes them); none otherwise. Called
+    again when the cache is resized."""
     buffers = 2 if hc.double_buffer else 1
     costs = backend.costs
+    backend.stream_threshold = None
     if not LayerStreamer.fits(pool, slots, buffers) or (costs is None and hc.stream_min_tokens is None):
-        return  # every step takes the decode path
-    backend.streamer = LayerStreamer(pool, backend.device, backend.tables, buffers)
+        backend.streamer = None  # every step takes the decode path
+        return
+    if backend.streamer is None:
+        backend.streamer = LayerStreamer(pool, backend.device, backend.tables, buffers, backend.prefill_stats)
+        backend.prefill_stats = backend.streamer.stats
     if hc.stream_min_tokens is None:
         resident = max(slots - buffers * pool.num_experts, 0) / pool.num_global_ids
         backend.stream_threshold = partial(stream_min_tokens, num_experts=cfg.num_experts, top_k=cfg.top_k,

@@ -101,6 +101,11 @@ class ExpertDevice(Protocol):
         """Start copying pool rows into slots after the work already queued; copies run in order."""
         ...
 
+    def resize(self, num_slots: int, old_slots: torch.Tensor, new_slots: torch.Tensor, kept_ids: torch.Tensor) -> None:
+        """Rebuild the arena with ``num_slots`` slots; the experts ``kept_ids`` move from
+        ``old_slots`` to ``new_slots``. Called at a safe point (no step running)."""
+        ...
+
     def synchronize(self) -> None: ...
 
     def close(self) -> None: ...
@@ -150,4 +155,9 @@ class ExpertControl(Protocol):
 
     def wait_attached(self, timeout_s: float = 60.0) -> int:
         """Block until an external worker serves the ring; its pid."""
+        ...
+
+    def resize(self, num_slots: int) -> dict[str, int]:
+        """Give the device cache ``num_slots`` slots (elastic VRAM), keeping the most recently used
+        experts that fit; running requests go on unchanged. Returns slots, bytes, kept, dropped."""
         ...

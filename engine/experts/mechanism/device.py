@@ -19,6 +19,9 @@ from hearth.engine.experts.contract import FillPlan
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.kernels import cpu_decode_ops
 
+# Experts moved per copy when an arena is resized.
+_MOVE_CHUNK = 64
+
 
 class VirtualDevice:
     """A CPU arena of ``num_slots`` expert slots; fills are memcpys, optionally slowed to
@@ -82,6 +85,15 @@ class VirtualDevice:
             self.down[slot].copy_(self.pool.down[row])
         self._wait_out_link(len(rows) * self.pool.expert_bytes, start)
         return time.perf_counter() - start
+
+    def resize(self, num_slots: int, old_slots: torch.Tensor, new_slots: torch.Tensor, kept_ids: torch.Tensor) -> None:
+        """A new arena of ``num_slots`` slots; the experts in ``old_slots`` move to ``new_slots``
+        (the cache tables' :meth:`~hearth.engine.experts.policy.cache.ExpertCacheTables.resize`)."""
+        if self._copier is not None:
+            self._copier.submit(lambda: None).result()  # copies already started land in the old arena first
+        self.gate_up = resized_arena(self.gate_up, num_slots, old_slots, new_slots)
+        self.down = resized_arena(self.down, num_slots, old_slots, new_slots)
+        self.num_slots = num_slots
 
     def synchronize(self) -> None:
         """Nothing runs asynchronously on the virtual device but the copy thread (waited per copy)."""
@@ -182,8 +194,43 @@ class CudaDevice:
         return routed_partial_sum(x.to(self.device), self.gate_up, self.down, pair_slot.to(self.device),
                                   weights.to(self.device), act, blocks)
 
+    def resize(self, num_slots: int, old_slots: torch.Tensor, new_slots: torch.Tensor, kept_ids: torch.Tensor) -> None:
+        """A new slot arena of ``num_slots`` slots, the kept experts moved on the device; the old
+        arena's memory goes back to the driver. Where both arenas do not fit at once (shrinking
+        under memory pressure), the old one is freed first and the kept experts are copied again
+        from the pinned host pool."""
+        self.synchronize()  # no fill or compute still reads the old arena
+        try:
+            gate_up = resized_arena(self.gate_up, num_slots, old_slots, new_slots)
+            down = resized_arena(self.down, num_slots, old_slots, new_slots)
+        except torch.cuda.OutOfMemoryError:
+            gate_up = down = None  # drop the new arena's half allocated before the failure, and the old arena
+            self.gate_up = self.down = None
+            torch.cuda.empty_cache()
+            gate_up = torch.empty((num_slots, *self.pool.gate_up.shape[1:]), dtype=self.pool.gate_up.dtype,
+                                  device=self.device)
+            down = torch.empty((num_slots, *self.pool.down.shape[1:]), dtype=self.pool.down.dtype, device=self.device)
+            rows = self.pool.row_table[kept_ids.cpu()].tolist()
+            for slot, row in zip(new_slots.tolist(), rows, strict=True):
+                gate_up[slot].copy_(self.pool.gate_up[row], non_blocking=True)
+                down[slot].copy_(self.pool.down[row], non_blocking=True)
+        self.gate_up, self.down, self.num_slots = gate_up, down, num_slots
+        self.synchronize()
+        torch.cuda.empty_cache()  # the old arena's blocks back to the driver, for whoever asked for them
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+
+def resized_arena(arena: torch.Tensor, num_slots: int, old_slots: torch.Tensor,
+                  new_slots: torch.Tensor) -> torch.Tensor:
+    """A copy of ``arena`` [S, ...] with ``num_slots`` slots, where slot ``new_slots[i]`` holds what
+    ``old_slots[i]`` held (the other slots uninitialised)."""
+    out = torch.empty((num_slots, *arena.shape[1:]), dtype=arena.dtype, device=arena.device)
+    old, new = old_slots.to(arena.device), new_slots.to(arena.device)
+    for start in range(0, old.numel(), _MOVE_CHUNK):  # bounded temporaries, whatever the arena's size
+        out[new[start:start + _MOVE_CHUNK]] = arena[old[start:start + _MOVE_CHUNK]]
+    return out
 
 
 def pin_host_memory(tensors) -> list[int]:

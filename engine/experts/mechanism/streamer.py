@@ -68,7 +68,9 @@ class LayerStreamer:
     borrowed from the cache's slots. Drive it with :meth:`begin` per streamed step, :meth:`forward`
     per MoE layer call and :meth:`release` when a step does not stream."""
 
-    def __init__(self, pool: ExpertPool, device, tables: ExpertCacheTables, buffers: int = 2) -> None:
+    def __init__(self, pool: ExpertPool, device, tables: ExpertCacheTables, buffers: int = 2,
+                 stats: PrefillStats | None = None) -> None:
+        """``stats``: counters to continue (a streamer set up again after the cache was resized)."""
         if buffers not in (1, 2):
             raise ValueError("buffers must be 1 or 2")
         self.pool, self.device, self.tables = pool, device, tables
@@ -76,7 +78,7 @@ class LayerStreamer:
         self.num_experts = pool.num_experts
         self.num_layers = len(pool.moe_layer_ids)
         self._rank_of_layer = {layer: r for r, layer in enumerate(pool.moe_layer_ids)}
-        self.stats = PrefillStats(self.num_layers)
+        self.stats = stats if stats is not None else PrefillStats(self.num_layers)
         self._slots: torch.Tensor | None = None  # [buffers * E] borrowed slots, None when not reserved
         # rank -> (slot map [E], copy handle, buffer, experts copied) of layers whose copy has started
         self._pending: dict[int, tuple[torch.Tensor, CopyHandle, int, list[int]]] = {}

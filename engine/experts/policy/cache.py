@@ -82,6 +82,21 @@ def cache_step(
     return pair_slot, src[:num_candidates], dst[:num_candidates], q
 
 
+def plan_resize(expert_of: torch.Tensor, last_used: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which cached experts a cache resized to ``num_slots`` slots keeps, and where they go.
+
+    ``expert_of`` and ``last_used`` [S] are the current tables without their dummy entries. The
+    ``num_slots`` most recently used residents are kept (all of them when they fit); returns their
+    (old slots, new slots), both [n] and ascending. New slot i <= old slot i, so the weights can be
+    compacted in place, front to back. Dropping the others loses nothing: the host pool holds every
+    expert."""
+    resident = torch.nonzero(expert_of >= 0).flatten()  # [R] slots, ascending
+    if resident.numel() > num_slots:
+        newest = torch.argsort(last_used[resident], descending=True, stable=True)[:num_slots]
+        resident = torch.sort(resident[newest]).values
+    return resident, torch.arange(resident.numel(), dtype=torch.long, device=expert_of.device)
+
+
 class ExpertCacheTables:
     """The device tables of a cache with ``num_slots`` slots over ``num_global_ids`` expert ids."""
 
@@ -95,6 +110,7 @@ class ExpertCacheTables:
         self.clock = torch.zeros(1, dtype=torch.long, device=device)
         self.stats = torch.zeros(len(STAT_NAMES), dtype=torch.long, device=device)
         self.qtable = qtable.to(device)
+        self.max_fills = max_fills
         self.num_candidates = min(max_fills, num_slots)
 
     def set_qtable(self, qtable: torch.Tensor) -> None:
@@ -122,6 +138,24 @@ class ExpertCacheTables:
         self.stats.add_(torch.tensor([1, 0, m, 0, m, 0], device=self.device))
         empty = torch.full((0,), -1, dtype=torch.long, device=self.device)
         return FillPlan(torch.full_like(ids, -1), empty, empty, torch.zeros((), dtype=torch.long, device=self.device))
+
+    def resize(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Resize to ``num_slots`` slots, keeping the most recently used experts that fit (see
+        :func:`plan_resize`); returns (old slots, new slots) of the kept experts, for the device to
+        move their weights. The clock, the counters and the q table (the same tensor) carry over."""
+        old_slots, new_slots = plan_resize(self.expert_of[: self.num_slots], self.last_used[: self.num_slots],
+                                           num_slots)
+        kept = self.expert_of[old_slots]
+        used = self.last_used[old_slots]
+        self.slot_of.fill_(-1)
+        self.slot_of[kept] = new_slots
+        self.expert_of = torch.full((num_slots + 1,), -1, dtype=torch.long, device=self.device)
+        self.expert_of[new_slots] = kept
+        self.last_used = torch.full((num_slots + 1,), -1, dtype=torch.long, device=self.device)
+        self.last_used[new_slots] = used
+        self.num_slots = num_slots
+        self.num_candidates = min(self.max_fills, num_slots)
+        return old_slots, new_slots
 
     def read_stats(self) -> dict[str, int]:
         return dict(zip(STAT_NAMES, self.stats.tolist(), strict=True))

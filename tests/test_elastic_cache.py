@@ -1,0 +1,139 @@
+"""Elastic VRAM on the virtual device: resizing the expert cache between steps keeps every running
+request's tokens and logits equal to an unresized run, keeps the most recently used experts (their
+weights intact in their new slots), and works with quantized experts and with prefill streaming."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hearth.config import ConfigError
+from hearth.engine import LLM
+from hearth.engine.experts.policy.cache import ExpertCacheTables, plan_resize
+from tests.helpers import greedy, max_rel_error, record_logits
+from tests.test_gguf_hierarchy import q4_k_m  # noqa: F401 - the fixture
+from tests.test_hierarchy import BATCH4, OVERRIDES, SPLIT_BANDWIDTHS
+
+# Sizes applied before the given engine steps: shrink, shrink to nothing, grow, grow to all, shrink.
+RESIZES = {3: "0.1", 6: "1slot", 9: "0slots", 12: "1.0", 16: "0.37", 20: "2slots"}
+
+
+def run_resizing(llm: LLM, prompts: list[list[int]], tokens: int, resizes: dict[int, str]):
+    """Greedy generation stepping the engine by hand, resizing its expert cache before the steps
+    named in ``resizes`` (and checking the cache after each resize); (tokens, logits) per prompt."""
+    engine = llm.engine
+    recorded = record_logits(llm)
+    ids = [engine.add_request(p, greedy(tokens)) for p in prompts]
+    out: dict[str, list[int]] = {rid: [] for rid in ids}
+    step = 0
+    while engine.has_unfinished():
+        if step in resizes:
+            report = engine.resize_expert_cache(resizes[step])
+            check_cache(engine, report)
+        for output in engine.step():
+            out[output.request_id] += output.chunk.token_ids
+        step += 1
+    return [out[rid] for rid in ids], [torch.stack(recorded[rid]) for rid in ids]
+
+
+def check_cache(engine, report: dict[str, int]) -> None:
+    """The tables, the arena and the report agree: every resident expert's weights are in its slot."""
+    backend = engine.experts
+    tables, device, pool = backend.tables, backend.device, backend.pool
+    assert report["slots"] == tables.num_slots == device.num_slots == device.gate_up.shape[0]
+    assert report["bytes"] == report["slots"] * pool.expert_bytes
+    resident = tables.resident()
+    assert len(resident) == report["kept"] <= report["slots"]
+    for g, slot in resident.items():
+        assert int(tables.slot_of[g]) == slot
+        row = int(pool.row_table[g])
+        assert torch.equal(device.gate_up[slot], pool.gate_up[row]) and torch.equal(device.down[slot], pool.down[row])
+    assert int((tables.slot_of[:-1] >= 0).sum()) == len(resident)
+
+
+@pytest.fixture(scope="module")
+def unresized(checkpoint):
+    path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    llm = LLM(path, expert_device="virtual", expert_cache="0.37", q_mode="table", expert_bandwidths=SPLIT_BANDWIDTHS,
+              stream_min_tokens=1 << 20)
+    result = run_resizing(llm, BATCH4, 24, {})
+    llm.close()
+    return result
+
+
+def test_plan_resize_keeps_the_most_recently_used() -> None:
+    expert_of = torch.tensor([7, -1, 3, 9, 4, -1])
+    last_used = torch.tensor([5, -1, 9, 1, 7, -1])
+    old, new = plan_resize(expert_of, last_used, 2)
+    assert old.tolist() == [2, 4] and new.tolist() == [0, 1]  # experts 3 and 4, used last, compacted
+    old, new = plan_resize(expert_of, last_used, 10)
+    assert old.tolist() == [0, 2, 3, 4] and new.tolist() == [0, 1, 2, 3]  # growing keeps every resident
+    assert plan_resize(expert_of, last_used, 0)[0].numel() == 0
+
+
+def test_table_resize_carries_the_clock_counters_and_q_table() -> None:
+    qtable = torch.arange(9)
+    tables = ExpertCacheTables(16, 4, qtable, max_fills=8)
+    tables.step(torch.tensor([1, 2, 3, 4, 1]))
+    tables.step(torch.tensor([2, 5]))
+    same_qtable, stats, clock = tables.qtable, tables.stats.clone(), int(tables.clock[0])
+    old, new = tables.resize(2)
+    kept = tables.resident()
+    assert set(kept) == {2, 5} and sorted(kept.values()) == [0, 1]  # used in the last step, compacted
+    assert tables.expert_of.shape == (3,) and tables.num_candidates == 2
+    assert tables.qtable is same_qtable and torch.equal(tables.stats, stats) and int(tables.clock[0]) == clock
+    tables.resize(6)
+    assert tables.resident() == kept and tables.num_candidates == 6
+    plan = tables.step(torch.tensor([7, 2]))
+    assert int(plan.count) == min(int(qtable[1]), 6)  # a miss fills into the new slots
+
+
+def test_resizing_between_steps_keeps_running_requests_exact(checkpoint, unresized) -> None:
+    path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    llm = LLM(path, expert_device="virtual", expert_cache="0.37", q_mode="table", expert_bandwidths=SPLIT_BANDWIDTHS,
+              stream_min_tokens=1 << 20)
+    tokens, logits = run_resizing(llm, BATCH4, 24, RESIZES)
+    ref_tokens, ref_logits = unresized
+    assert tokens == ref_tokens
+    assert max(max_rel_error(a, b) for a, b in zip(logits, ref_logits, strict=True)) <= 1e-5
+    stats = llm.engine.stats()["experts"]
+    assert stats["slots"] == 2 and stats["fills"] > 0 and stats["cpu"] > 0
+    with pytest.raises(ConfigError, match="expert_cache"):
+        llm.engine.resize_expert_cache("lots")
+    llm.close()
+
+
+def test_resizing_with_prefill_streaming(checkpoint, unresized) -> None:
+    """Streamed prefill chunks with resizes between them: the buffers' experts become cache entries,
+    streaming stops while the cache cannot hold its buffers and resumes when it can."""
+    path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    llm = LLM(path, expert_device="virtual", expert_cache="1.0", q_mode="table", expert_bandwidths=SPLIT_BANDWIDTHS,
+              stream_min_tokens=4, prefill_chunk=8)
+    backend = llm.engine.experts
+    assert backend.streamer is not None
+    tokens, logits = run_resizing(llm, BATCH4, 24, {1: "0.1", 2: "1.0", 4: "0.75", 30: "0.1"})
+    assert tokens == unresized[0]
+    assert max(max_rel_error(a, b) for a, b in zip(logits, unresized[1], strict=True)) <= 1e-5
+    assert backend.streamer is None  # 4 slots cannot hold 2 layers' buffers
+    assert backend.resize(48)["slots"] == 48 and backend.streamer is not None
+    assert backend.streamer.stats.streamed_steps >= 2
+    llm.close()
+
+
+def test_no_cache_to_resize(checkpoint) -> None:
+    path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    llm = LLM(path, expert_device="none")
+    with pytest.raises(ValueError, match="no expert cache"):
+        llm.engine.resize_expert_cache("0.5")
+    llm.close()
+
+
+def test_resizing_quantized_experts(q4_k_m) -> None:  # noqa: F811 - the imported fixture
+    """Slots holding Q4_K/Q6_K blocks move as they are; results stay those of the plain engine."""
+    path, refs = q4_k_m
+    llm = LLM(path, expert_device="virtual", expert_cache="0.37", q_mode="table", expert_bandwidths=SPLIT_BANDWIDTHS,
+              stream_min_tokens=1 << 20)
+    tokens, logits = run_resizing(llm, BATCH4, 16, {3: "0.1", 6: "1.0", 10: "0.25"})
+    assert tokens == refs[4][0]
+    assert max(max_rel_error(a, b) for a, b in zip(logits, refs[4][1], strict=True)) <= 1e-5
+    llm.close()
