@@ -298,6 +298,13 @@ class ExecutorActor:
                  b_h / 1e9, table)
         return table
 
+    async def resize_expert_cache(self, size: str) -> dict[str, int]:
+        """Resize the device expert cache at the next step boundary (elastic VRAM); the report."""
+        report = await asyncio.wrap_future(self.client.call(lambda e: e.resize_expert_cache(size)))
+        log.info("%s: expert cache resized to %d slots (%d kept, %d dropped)", self.spec.replica_id,
+                 report["slots"], report["kept"], report["dropped"])
+        return report
+
     async def probe(self) -> tuple[float | None, float] | None:
         """Measure both paths briefly if the engine is idle (None when busy)."""
 

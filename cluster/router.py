@@ -169,6 +169,24 @@ class RouterEngineClient:
             lost.cancel()
             ray.cancel(gen)  # no-op when finished; aborts the request on the executor otherwise
 
+    async def resize_expert_cache(self, size: str, replica: str | None = None) -> dict[str, dict[str, Any]]:
+        """Resize the device expert cache of one replica, or of every replica in rotation (each at its
+        next step boundary); {replica: report, or {"error": why} where that replica could not}."""
+        if replica is not None and replica not in self.replicas:
+            raise LookupError(f"no replica '{replica}' (the replicas: {', '.join(sorted(self.replicas))})")
+        targets = [self.replicas[replica]] if replica is not None else \
+            [r for r in self.replicas.values() if r.healthy]
+        if not targets:
+            raise EngineNotReady(f"no replica of '{self.model.name}' is available ({self._describe_unavailable()})")
+        results = await asyncio.gather(*(_as_future(r.handle.resize_expert_cache.remote(size)) for r in targets),
+                                       return_exceptions=True)
+        errors = [_app_error(x) if isinstance(x, ray.exceptions.RayTaskError) else x
+                  for x in results if isinstance(x, BaseException)]
+        if len(errors) == len(results):
+            raise errors[0]  # e.g. no replica has a cache: the API answers with its message
+        return {r.info.replica_id: ({"error": str(x).splitlines()[0]} if isinstance(x, BaseException) else x)
+                for r, x in zip(targets, results, strict=True)}
+
     # -- health --------------------------------------------------------------------------------
     def _mark_down(self, state: _ReplicaState, exc: BaseException) -> None:
         if state.healthy:

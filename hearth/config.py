@@ -266,6 +266,11 @@ class ExpertConfig(Section):
                                    name="host_pool_name", flag="--host-pool", metavar="NAME")
     record_routing: str | None = option(None, "write the routed expert ids of every step and layer (JSON lines)",
                                         metavar="FILE")
+    vram_watch: bool = option(True, "elastic VRAM: follow the GPU's free memory (NVML), shrinking the expert cache "
+                                    "when other programs need memory and growing it back to its starting size "
+                                    "when they free it (--no-vram-watch: resize on request only)")
+    vram_reserve: int = option(1 << 30, "GPU memory the elastic expert cache leaves free for other programs",
+                               parse=parse_bytes, minimum=0, metavar="BYTES")
 
     def validate(self) -> None:
         if self.cache is not None:

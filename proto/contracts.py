@@ -229,4 +229,10 @@ class EngineClient(Protocol):
 
     def stats(self) -> dict[str, Any]: ...
 
+    async def resize_expert_cache(self, size: str, replica: str | None = None) -> dict[str, dict[str, int]]:
+        """Resize the device expert cache (``--expert-cache``'s forms) at the next step boundary, of
+        one replica or all; {replica: slots, bytes, kept, dropped}. LookupError for an unknown
+        replica, ValueError where there is no cache."""
+        ...
+
     def close(self) -> None: ...

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hearth.serving import anthropic_api, openai_api, openapi, responses_api
+from hearth.serving import admin_api, anthropic_api, openai_api, openapi, responses_api
 from hearth.serving.errors import APIError, key_matches, protocol_of
 from hearth.serving.frontend import ModelFrontend
 from hearth.serving.metrics import ServerMetrics
@@ -139,6 +139,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(responses_api.router)
+    app.include_router(admin_api.router)
     openapi.install(app, state.model_names)
     app.add_middleware(BodyLimit, limit=state.max_body_bytes)
     app.add_middleware(AuthAndAccessLog, state=state)  # outermost: the key is checked before a body is read

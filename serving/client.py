@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hearth.engine.experts.mechanism.vram_watch import watch_engine
 from hearth.proto.contracts import EngineNotReady, EngineOverloaded, GenerateRequest, GenerationChunk, ModelInfo
 from hearth.serving.admission import AdmissionLimits, Backlog, FairQueue, refusal
 
@@ -164,6 +165,16 @@ class InProcessEngineClient:
             self._commands.put(("call", (fn, future)))
         return future
 
+    async def resize_expert_cache(self, size: str, replica: str | None = None) -> dict[str, dict[str, int]]:
+        """Resize the engine's device expert cache between two steps (elastic VRAM); {"local": report}."""
+        if replica not in (None, "local"):
+            raise LookupError(f"no replica '{replica}': this server runs one engine, 'local'")
+        return {"local": await asyncio.wrap_future(self.call(lambda engine: engine.resize_expert_cache(size)))}
+
+    def _resize_now(self, nbytes: int) -> dict[str, int]:
+        """Resize the expert cache to ``nbytes`` at the next step boundary and wait for it."""
+        return self.call(lambda engine: engine.resize_expert_cache(f"{nbytes}b")).result(timeout=300)
+
     def close(self) -> None:
         """Stop the engine thread (aborting what runs) and release the engine."""
         self._stopping = True
@@ -189,9 +200,12 @@ class InProcessEngineClient:
             self._loaded.set()
             return
         self._loaded.set()
+        watcher = watch_engine(self.engine, self._resize_now)  # elastic VRAM on a GPU, where NVML reads
         try:
             self._loop()
         finally:
+            if watcher is not None:
+                watcher.stop()
             self.engine.close()
 
     def _loop(self) -> None:

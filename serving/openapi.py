@@ -15,6 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from hearth.serving.admin_api import ExpertCacheResize
 from hearth.serving.anthropic_schema import CountTokensRequest, MessagesRequest
 from hearth.serving.errors import protocol_of
 from hearth.serving.openai_schema import ChatCompletionRequest, CompletionRequest
@@ -28,6 +29,7 @@ REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {
     ("/v1/responses", "post"): ResponsesRequest,
     ("/v1/messages", "post"): MessagesRequest,
     ("/v1/messages/count_tokens", "post"): CountTokensRequest,
+    ("/admin/expert-cache", "post"): ExpertCacheResize,
 }
 _REF = "#/components/schemas/{model}"
 # Operations that answer ``"stream": true`` with server-sent events.

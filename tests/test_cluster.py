@@ -135,6 +135,33 @@ def test_a_session_sticks_to_one_replica(deployment):
     assert sorted(grew.values()) == [0, 4], grew
 
 
+def test_expert_cache_resized_through_the_router(deployment, expected):
+    """Elastic VRAM over the cluster's control path: the router's admin route resizes every
+    replica's cache, or one named replica's, at their next step boundaries; output stays exact."""
+    url = deployment["url"]
+
+    def view() -> dict:
+        return requests.get(f"{url}/admin/expert-cache", timeout=30).json()["replicas"]
+
+    replicas = sorted(view())
+    assert len(replicas) == 2 and all(v["slots"] == 8 for v in view().values())
+    r = requests.post(f"{url}/admin/expert-cache", json={"size": "2slots"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert {k: v["slots"] for k, v in r.json()["replicas"].items()} == dict.fromkeys(replicas, 2)
+    assert complete(url).json()["choices"][0]["token_ids"] == expected
+    r = requests.post(f"{url}/admin/expert-cache", json={"size": "8slots", "replica": replicas[0]}, timeout=60)
+    assert r.status_code == 200 and list(r.json()["replicas"]) == [replicas[0]]
+    r = requests.post(f"{url}/admin/expert-cache", json={"size": "8slots", "replica": "attic"}, timeout=60)
+    assert r.status_code == 404 and replicas[1] in r.json()["error"]["message"]
+    r = requests.post(f"{url}/admin/expert-cache", json={"size": "8slots"}, timeout=60)
+    assert r.status_code == 200
+    deadline = time.monotonic() + 30  # the router's view follows its health loop
+    while any(v["slots"] != 8 for v in view().values()):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert complete(url).json()["choices"][0]["token_ids"] == expected
+
+
 def test_killed_executor_reattaches_to_its_pool(deployment, expected):
     replica = "tiny@laptop"
     pool = ray.get_actor(f"hearth:pool:{replica}", namespace="hearth")

@@ -9,7 +9,9 @@ import torch
 
 from hearth.config import ConfigError
 from hearth.engine import LLM
+from hearth.engine.experts.mechanism.vram_watch import watch_engine
 from hearth.engine.experts.policy.cache import ExpertCacheTables, plan_resize
+from hearth.engine.experts.policy.vram import VramPolicy, elastic_budget
 from tests.helpers import greedy, max_rel_error, record_logits
 from tests.test_gguf_hierarchy import q4_k_m  # noqa: F401 - the fixture
 from tests.test_hierarchy import BATCH4, OVERRIDES, SPLIT_BANDWIDTHS
@@ -136,4 +138,38 @@ def test_resizing_quantized_experts(q4_k_m) -> None:  # noqa: F811 - the importe
     tokens, logits = run_resizing(llm, BATCH4, 16, {3: "0.1", 6: "1.0", 10: "0.25"})
     assert tokens == refs[4][0]
     assert max(max_rel_error(a, b) for a, b in zip(logits, refs[4][1], strict=True)) <= 1e-5
+    llm.close()
+
+
+def test_elastic_budget_follows_free_memory() -> None:
+    gib, slot = 1 << 30, 1 << 20
+    policy = VramPolicy(reserve=gib, ceiling=8 * gib, expert_bytes=slot, grow_step=gib // 2)
+    assert elastic_budget(free=3 * gib, cache_bytes=8 * gib, policy=policy) is None  # at the ceiling, room to spare
+    assert elastic_budget(free=gib // 4, cache_bytes=8 * gib, policy=policy) == 8 * gib - 3 * gib // 4  # a game came
+    assert elastic_budget(free=0, cache_bytes=gib // 2, policy=policy) == 0  # never below nothing
+    assert elastic_budget(free=gib + gib // 4, cache_bytes=4 * gib, policy=policy) is None  # too little to grow for
+    assert elastic_budget(free=3 * gib, cache_bytes=4 * gib, policy=policy) == 6 * gib  # the game left
+    assert elastic_budget(free=20 * gib, cache_bytes=4 * gib, policy=policy) == 8 * gib  # up to the ceiling only
+    assert elastic_budget(free=gib - slot // 2, cache_bytes=4 * gib, policy=policy) == 4 * gib - slot  # whole slots
+    assert elastic_budget(free=gib + 5, cache_bytes=0, policy=VramPolicy(gib, 8 * gib, 3)) == 3  # whole slots
+
+
+def test_vram_watcher_resizes_the_engine(checkpoint) -> None:
+    """The watcher over a real engine (the virtual device; a scripted reading stands in for NVML):
+    free memory falls, the cache shrinks; it comes back, the cache grows to its starting size."""
+    path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    llm = LLM(path, expert_device="virtual", expert_cache="1.0", q_mode="zero", vram_reserve=0)
+    engine = llm.engine
+    slot = engine.experts.pool.expert_bytes
+    free = [10 * slot]
+    watcher = watch_engine(engine, lambda n: engine.resize_expert_cache(f"{n}b"), read_free=lambda: free[0],
+                           interval_s=3600)  # checked by hand below
+    assert watcher.check() is None and engine.experts.tables.num_slots == 48
+    free[0] = -20 * slot  # another program took 20 slots' worth beyond what was free
+    assert watcher.check() == 28 * slot and engine.experts.tables.num_slots == 28
+    free[0] = 30 * slot
+    assert watcher.check() == 48 * slot and engine.experts.tables.num_slots == 48
+    watcher.stop()
+    assert watch_engine(engine, print) is None  # the virtual device has no NVML reading
+    assert watch_engine(LLM(path, expert_device="none").engine, print, read_free=lambda: 0) is None
     llm.close()
