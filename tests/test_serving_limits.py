@@ -140,7 +140,7 @@ def test_openapi_declares_every_request_body(limited):
     schemas = doc["components"]["schemas"]
     posts = {path: ops["post"] for path, ops in doc["paths"].items() if "post" in ops and path != "/v1/embeddings"}
     assert set(posts) == {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-                          "/v1/messages/count_tokens"}
+                          "/v1/messages/count_tokens", "/admin/expert-cache"}
     for path, op in posts.items():
         ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert ref.split("/")[-1] in schemas, path
