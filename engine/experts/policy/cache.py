@@ -112,6 +112,9 @@ class ExpertCacheTables:
         self.qtable = qtable.to(device)
         self.max_fills = max_fills
         self.num_candidates = min(max_fills, num_slots)
+        # The control step's implementation when not the default (e.g. cache_step compiled, or a
+        # captured graph's): called like cache_step.
+        self.step_fn = None
 
     def set_qtable(self, qtable: torch.Tensor) -> None:
         """Replace the table in place (a captured graph keeps reading the same tensor)."""
@@ -124,6 +127,7 @@ class ExpertCacheTables:
         native version of the same step when it is built (one call instead of ~50 small ops)."""
         if self.num_slots == 0 or self.num_candidates == 0:
             return self._step_without_slots(ids)
+        step_fn = step_fn or self.step_fn
         if step_fn is None:
             ops = cpu_decode_ops() if self.device.type == "cpu" else None
             step_fn = ops.cache_step_host if ops is not None else cache_step
