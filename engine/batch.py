@@ -56,11 +56,33 @@ class ForwardBatch:
 
 
 @dataclass
+class StaticBatch:
+    """One decode step in fixed-size buffers (a batch bucket of B rows, block tables of MB blocks),
+    so that the step's shapes are the same at every token: it compiles once and can be captured as a
+    graph (``engine/static_step.py``). Every row is one sequence's one new token; rows past the real
+    sequences repeat row 0 exactly (same token, position, slot and blocks), so they write the same
+    K/V to the same slot and route to the same experts: no masks, no valid counts inside the step."""
+
+    token_ids: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    slot_mapping: torch.Tensor  # [B] int64
+    block_tables: torch.Tensor  # [B, MB] int64 (unused entries 0)
+    context_lens: torch.Tensor  # [B] int64: tokens in the cache after the step
+    logits_indices: torch.Tensor  # [B] every row (the caller keeps the real ones)
+    block_size: int
+    experts: StepContext | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+@dataclass
 class LayerContext:
     """What every decoder layer reads besides its hidden states, one per forward pass: the batch, the
     KV cache, the recurrent states of hybrid models, and the rotary tables of the batch's positions."""
 
-    batch: ForwardBatch
+    batch: ForwardBatch | StaticBatch
     kv: PagedKVCache
     states: RecurrentStatePool | None
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, R]

@@ -32,6 +32,7 @@ from hearth.engine.sampling import sample_token, token_logprob
 from hearth.engine.scheduler import RecurrentConfig, ScheduledStep, Scheduler
 from hearth.engine.state_checkpoints import CheckpointStore, checkpoint_positions
 from hearth.engine.state_pool import RecurrentStatePool
+from hearth.engine.static_step import StaticDecoder
 from hearth.engine.structured import Grammars
 from hearth.engine.tokenizer import load_tokenizer
 from hearth.proto.contracts import GenerationChunk, RequestMetrics, RequestOutput, SamplingParams, TokenLogprob
@@ -99,6 +100,8 @@ class LLMEngine:
         self._steps = 0
         states = RecurrentStatePool(cfg, config.scheduler.max_num_seqs) if cfg.linear_layer_ids else None
         self.runner = ModelRunner(loaded.model, kv, states)
+        if config.static_decode != "off":
+            self.runner.static = StaticDecoder(loaded.model, kv, self.max_model_len, config.static_decode)
         prefix = RadixCache(bs) if config.kv_cache.prefix_caching else None
         self.scheduler = Scheduler(config.scheduler, BlockAllocator(num_blocks, bs), prefix,
                                    self._recurrent_config(states))

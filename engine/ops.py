@@ -21,6 +21,11 @@ ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
 SMALL_BATCH = 8
 
 
+def activation_name(fn) -> str:
+    """The ``hidden_act`` name of an activation function from :func:`activation`."""
+    return next(name for name, f in ACTIVATIONS.items() if f is fn)
+
+
 def activation(name: str):
     """The activation function for a config's ``hidden_act``."""
     if name not in ACTIVATIONS:
@@ -40,7 +45,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     A weight kept in its quantized blocks (uint8 [N, row bytes] tagged ``block_format``, see
     :func:`block_weight`) is read in them for a few tokens, and decoded once per call otherwise.
+
+    Under ``torch.compile`` the same work is one custom op (``engine/graph_ops.py``).
     """
+    if torch.compiler.is_compiling() and weight.is_cpu:
+        if weight.dtype == torch.uint8:
+            return torch.ops.hearth.linear_blocks(x, weight, bias, weight.block_format.name,
+                                                  getattr(weight, "int8_activations", False))
+        return torch.ops.hearth.linear(x, weight, bias)
     if weight.dtype == torch.uint8:
         return _block_linear(x, weight, bias)
     if weight.is_cpu:
@@ -65,6 +77,8 @@ def block_weight(data: torch.Tensor, fmt) -> torch.nn.Parameter:
 def decode_blocks(data: torch.Tensor, fmt, cols: int) -> torch.Tensor:
     """uint8 rows of blocks [rows, row bytes] -> float32 [rows, cols]: natively (in parallel) where
     the kernels run, else by the torch decoder. Prefill decodes each weight once per step this way."""
+    if torch.compiler.is_compiling() and data.is_cpu:
+        return torch.ops.hearth.decode_blocks(data, fmt.name, cols)  # one node (engine/graph_ops.py)
     ops = cpu_decode_ops()
     if ops is not None and data.is_cpu and fmt.name in BLOCK_KERNELS and data.stride(-1) == 1:
         return ops.dequantize_blocks(data, fmt.name, cols)

@@ -60,12 +60,17 @@ class ModelRunner:
         self.states = states
         # The last step's state snapshots: (request, position, snapshot).
         self.last_captures: list[tuple[Request, int, StateSnapshot]] = []
+        self.static = None  # a StaticDecoder (engine/static_step.py) that takes the pure decode steps
 
     def execute(
         self, items: list[tuple[Request, int]], captures: dict[str, list[int]] | None = None,
         experts: StepContext | None = None,
     ) -> tuple[torch.Tensor, list[Request]]:
         """Run the step; ``experts`` is what the expert hierarchy made of it (its MoE layers read it)."""
+        if self.static is not None and not captures and all(
+                n == 1 and req.num_computed + 1 == req.num_tokens for req, n in items):
+            self.last_captures = []
+            return self.static.execute(items, experts)
         batch, sampled = build_batch(items, self.kv.block_size, captures)
         batch.experts = experts
         if self.states is not None:

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from hearth.engine.experts.compute import routed_experts_node
 from hearth.engine.experts.contract import CpuWorkers, ExpertDevice, FillPlan, StepContext
 from hearth.engine.experts.measure import _fit, _median_time, measure_host_path
 from hearth.engine.experts.mechanism.ring import ExternalCpuWorkers
@@ -121,6 +122,35 @@ class HierarchicalExpertBackend:
                 and self.tuner.observe(time.perf_counter() - call_start):
             self._rebuild_qtable()
         return out
+
+    def forward_static(self, x: torch.Tensor, expert_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       layer: int) -> torch.Tensor:
+        """One MoE layer of a fixed-shape decode step: the control step, the fills (their count read
+        inside the copy op) and both shares as custom ops, no host reads between them, so the step
+        compiles whole (``engine/static_step.py``). The same arithmetic as :meth:`forward`; the path
+        timers and the credit tuner are not fed (the step is timed as a whole)."""
+        t, k = expert_ids.shape
+        tables, device, pool = self.tables, self.device, self.pool
+        flat = expert_ids.reshape(-1).to(tables.device)
+        if tables.num_slots == 0 or tables.num_candidates == 0:
+            pair_slot = torch.full_like(flat, -1)
+            ids = torch.sort(flat).values
+            misses = (ids[1:] != ids[:-1]).sum() + 1
+            tables.stats.add_(torch.stack([torch.ones_like(misses), torch.zeros_like(misses), misses,
+                                           torch.zeros_like(misses), misses, torch.zeros_like(misses)]))
+        else:
+            pair_slot, src, dst, count = torch.ops.hearth.cache_step(
+                flat, tables.slot_of, tables.expert_of, tables.last_used, tables.clock, tables.qtable, tables.stats,
+                tables.num_candidates)
+            torch.ops.hearth.fill_slots(device.gate_up, device.down, pool.gate_up, pool.down, pool.row_table, src,
+                                        dst, count)
+        pair_slot = pair_slot.view(t, k)
+        blocks = pool.layer_blocks(layer)
+        on_device = routed_experts_node(x.to(device.device), device.gate_up, device.down, pair_slot,
+                                        topk_weights.to(device.device), self.act, blocks)
+        cpu_rows = torch.where(pair_slot.to(pool.row_table.device) < 0, pool.row_table[expert_ids], -1)
+        on_cpu = routed_experts_node(x, pool.gate_up, pool.down, cpu_rows, topk_weights, self.act, blocks)
+        return (on_device.to(on_cpu.device) + on_cpu).to(x.dtype)
 
     @property
     def credit(self) -> float:

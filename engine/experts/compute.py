@@ -12,7 +12,7 @@ import torch
 from hearth.engine.experts.contract import StepContext
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.kernels import BLOCK_KERNELS, cpu_decode_ops
-from hearth.engine.ops import SMALL_BATCH, activation, decode_blocks, linear
+from hearth.engine.ops import SMALL_BATCH, activation, activation_name, decode_blocks, linear
 
 
 def group_by_row(rows: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -57,6 +57,16 @@ def routed_partial_sum(
         gate, up = linear(x[tokens], gate_up[row]).chunk(2, dim=-1)
         parts[tokens, kpos] = linear(act(gate) * up, down[row]) * weights[tokens, kpos, None]
     return parts.sum(dim=1, dtype=torch.float32)
+
+
+def routed_experts_node(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: torch.Tensor,
+                        weights: torch.Tensor, act, blocks: ExpertBlocks | None = None) -> torch.Tensor:
+    """:func:`routed_partial_sum` as one custom-op node (``torch.ops.hearth.routed_experts``, registered
+    by ``engine/graph_ops.py``), for fixed-shape steps that compile whole."""
+    gate_up_fmt, down_fmt, inter, int8 = ("", "", 0, False) if blocks is None else \
+        (blocks.gate_up.name, blocks.down.name, blocks.inter, blocks.int8_activations)
+    return torch.ops.hearth.routed_experts(x, gate_up, down, rows, weights, activation_name(act), gate_up_fmt,
+                                           down_fmt, inter, int8)
 
 
 def _block_partial_sum(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: torch.Tensor,
@@ -107,3 +117,9 @@ class LocalExpertBackend:
         rows = self.pool.row_table[expert_ids]  # [T, k] pool rows
         return routed_partial_sum(x, self.pool.gate_up, self.pool.down, rows, topk_weights, self.act,
                                   self.pool.blocks_of_ids(expert_ids)).to(x.dtype)
+
+    def forward_static(self, x: torch.Tensor, expert_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       layer: int) -> torch.Tensor:
+        rows = self.pool.row_table[expert_ids]
+        return routed_experts_node(x, self.pool.gate_up, self.pool.down, rows, topk_weights, self.act,
+                                   self.pool.layer_blocks(layer)).to(x.dtype)

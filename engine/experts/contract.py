@@ -66,6 +66,13 @@ class ExpertBackend(Protocol):
     ) -> torch.Tensor:  # [T, H]
         ...
 
+    def forward_static(self, x: torch.Tensor, expert_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       layer: int) -> torch.Tensor:  # [T, H]
+        """The same sum in a fixed-shape decode step (``engine/static_step.py``): no host reads and no
+        data-dependent Python; every data-dependent part is a custom op (``engine/graph_ops.py``),
+        so the whole step compiles as one graph. ``layer`` is the MoE layer the ids belong to."""
+        ...
+
 
 class CopyHandle(Protocol):
     """A started copy of whole experts into slots."""

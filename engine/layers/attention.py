@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hearth.engine import hugepages
-from hearth.engine.batch import LayerContext, SequenceSlice
+from hearth.engine.batch import LayerContext, SequenceSlice, StaticBatch
 from hearth.engine.layers.linear import Projection
 from hearth.engine.layers.rope import apply_rotary
 from hearth.engine.ops import linear
@@ -163,8 +163,35 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
-        out = self.attend(q, batch, k_cache, v_cache)
+        if isinstance(batch, StaticBatch):
+            out = self.attend_static(q, batch, k_cache, v_cache)
+        else:
+            out = self.attend(q, batch, k_cache, v_cache)
         return self.project_out(out.reshape(t, self.num_heads * self.head_dim), extra)
+
+    def attend_static(self, q: torch.Tensor, batch: StaticBatch, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor) -> torch.Tensor:
+        """One query per row, q [B, heads, D], over each row's blocks gathered to a fixed length
+        MB * block_size and masked past its context (and outside the window): static shapes, so
+        the step compiles once per bucket. [B, heads, D]."""
+        b, bs = q.shape[0], batch.block_size
+        kv_heads, d = self.num_kv_heads, self.head_dim
+        length = batch.block_tables.shape[1] * bs
+        keys = k_cache.view(-1, bs, kv_heads, d)[batch.block_tables].view(b, length, kv_heads, d)
+        vals = v_cache.view(-1, bs, kv_heads, d)[batch.block_tables].view(b, length, kv_heads, d)
+        k_pos = torch.arange(length, device=q.device)[None, :]  # [1, L]
+        mask = k_pos < batch.context_lens[:, None]  # [B, L]: the query is the last cached token
+        if self.window is not None:
+            mask &= k_pos > batch.context_lens[:, None] - 1 - self.window
+        groups = self.num_heads // kv_heads
+        o = F.scaled_dot_product_attention(
+            q.view(b, kv_heads, groups, d),  # each KV head's query group on the query axis (as _decode_one)
+            keys.transpose(1, 2),  # [B, kv_heads, L, D]
+            vals.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=self.scale,
+        )
+        return o.reshape(b, self.num_heads, d)
 
     def attend(self, q: torch.Tensor, batch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """The attention of queries q [T, heads, D] over each sequence's cached keys and values

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hearth.engine.batch import ForwardBatch, LayerContext
+from hearth.engine.batch import ForwardBatch, LayerContext, StaticBatch
 from hearth.engine.config import ModelConfig
 from hearth.engine.experts.contract import ExpertBackend
 from hearth.engine.kv_cache import PagedKVCache
@@ -79,14 +79,16 @@ class MoECausalLM(nn.Module):
         return self._native[1]
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: PagedKVCache, states: RecurrentStatePool | None = None) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch | StaticBatch, kv: PagedKVCache,
+                states: RecurrentStatePool | None = None) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in fp32. Hybrid models also need ``states``
-        (each sequence's slot named in the batch)."""
+        (each sequence's slot named in the batch). A :class:`StaticBatch` (a fixed-shape decode step,
+        ``engine/static_step.py``) goes through the modules, never the native layer calls."""
         if self.config.linear_layer_ids and states is None:
             raise ValueError(f"{self.config.architecture} has linear-attention layers: forward needs a state pool")
         h = self.model.embed_tokens(batch.token_ids)  # [T, H]
         ctx = LayerContext(batch, kv, states, self.model.rotary(batch.positions, h.dtype))
-        native = self.native_layers(kv) if h.is_cpu else None
+        native = self.native_layers(kv) if h.is_cpu and not isinstance(batch, StaticBatch) else None
         step = native.step(batch, ctx.rope) if native is not None else None
         if step is None or not native.run_all(h, step):  # layer by layer, natively where each can
             for index, layer in enumerate(self.model.layers):

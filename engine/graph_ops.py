@@ -1,0 +1,142 @@
+"""The native CPU kernels and the expert hierarchy's data-dependent parts as torch custom ops
+(``torch.ops.hearth.*``), so that ``torch.compile(fullgraph=True)`` sees each as one opaque node
+instead of breaking the graph at a pybind call, a ``.tolist()`` or a fill count read.
+
+Each op's body is what the eager engine runs (the same functions, the same numerics); each has a
+fake (meta) implementation giving its output's shape, so the compiler can trace around it. Ops that
+write into their arguments declare it (``mutates_args``). On a CUDA device these ops are where
+count-aware kernels go; on the CPU they are the proof that the decode step has no host
+synchronisation and no data-dependent Python between them (``engine/static_step.py``).
+
+Importing this module registers the ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hearth.engine.experts.compute import routed_partial_sum
+from hearth.engine.experts.pool import ExpertBlocks
+from hearth.engine.kernels import cpu_decode_ops
+from hearth.engine.ops import activation, decode_blocks, linear
+from hearth.engine.quant.formats import FORMATS, HEARTH_FORMATS
+
+
+def _format(name: str):
+    return FORMATS.get(name) or HEARTH_FORMATS[name]
+
+
+@torch.library.custom_op("hearth::linear", mutates_args=())
+def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """:func:`hearth.engine.ops.linear` of a float weight (the native decode kernel for a few rows)."""
+    return linear(x, weight, bias)
+
+
+@linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("hearth::linear_blocks", mutates_args=())
+def linear_blocks_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fmt: str,
+                     int8: bool) -> torch.Tensor:
+    """:func:`hearth.engine.ops.linear` of a weight kept in its quantized blocks (format ``fmt``)."""
+    param = weight.detach()  # a fresh tensor object to carry the block format the eager path reads
+    param.block_format = _format(fmt)
+    param.int8_activations = int8
+    return linear(x, param, bias)
+
+
+@linear_blocks_op.register_fake
+def _(x, weight, bias, fmt, int8):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("hearth::decode_blocks", mutates_args=())
+def decode_blocks_op(data: torch.Tensor, fmt: str, cols: int) -> torch.Tensor:
+    """uint8 rows of blocks [rows, row bytes] -> float32 [rows, cols] (e.g. embedding rows)."""
+    return decode_blocks(data, _format(fmt), cols)
+
+
+@decode_blocks_op.register_fake
+def _(data, fmt, cols):
+    return data.new_empty((data.shape[0], cols), dtype=torch.float32)
+
+
+@torch.library.custom_op("hearth::rms_norm", mutates_args=())
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The native RMSNorm (``layers/norm.py``): weight * round(x * rsqrt(mean(x^2) + eps))."""
+    ops = cpu_decode_ops()
+    if ops is not None and x.is_cpu:
+        return ops.rms_norm(x, weight, eps)
+    return weight * torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("hearth::routed_experts", mutates_args=())
+def routed_experts_op(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: torch.Tensor,
+                      weights: torch.Tensor, act: str, gate_up_fmt: str, down_fmt: str, inter: int,
+                      int8: bool) -> torch.Tensor:
+    """fp32 [T, H] partial sum of the routed pairs whose bank row is >= 0 (``rows`` [T, k], -1 =
+    served elsewhere): :func:`~hearth.engine.experts.compute.routed_partial_sum`. ``gate_up_fmt``
+    empty for float banks, else the layer's block formats."""
+    blocks = None
+    if gate_up_fmt:
+        blocks = ExpertBlocks(_format(gate_up_fmt), _format(down_fmt), x.shape[1], inter, int8)
+    return routed_partial_sum(x, gate_up, down, rows, weights, activation(act), blocks)
+
+
+@routed_experts_op.register_fake
+def _(x, gate_up, down, rows, weights, act, gate_up_fmt, down_fmt, inter, int8):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("hearth::cache_step",
+                         mutates_args=("slot_of", "expert_of", "last_used", "clock", "stats"))
+def cache_step_op(ids: torch.Tensor, slot_of: torch.Tensor, expert_of: torch.Tensor, last_used: torch.Tensor,
+                  clock: torch.Tensor, qtable: torch.Tensor, stats: torch.Tensor,
+                  num_candidates: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The expert cache's control step on its tables, in place (``policy/cache.py``): the native
+    one on host tables, the tensor one elsewhere; (pair_slot, src, dst, count)."""
+    from hearth.engine.experts.policy.cache import cache_step
+
+    ops = cpu_decode_ops() if ids.is_cpu else None
+    fn = ops.cache_step_host if ops is not None else cache_step
+    pair_slot, src, dst, count = fn(ids, slot_of, expert_of, last_used, clock, qtable, stats, num_candidates)
+    return pair_slot.clone(), src.clone(), dst.clone(), count.reshape(()).clone()  # outputs never alias inputs
+
+
+@cache_step_op.register_fake
+def _(ids, slot_of, expert_of, last_used, clock, qtable, stats, num_candidates):
+    return (torch.empty_like(ids), ids.new_empty((num_candidates,)), ids.new_empty((num_candidates,)),
+            ids.new_empty(()))
+
+
+@torch.library.custom_op("hearth::fill_slots", mutates_args=("slots_gate_up", "slots_down"))
+def fill_slots_op(slots_gate_up: torch.Tensor, slots_down: torch.Tensor, pool_gate_up: torch.Tensor,
+                  pool_down: torch.Tensor, row_table: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                  count: torch.Tensor) -> None:
+    """Copy the first ``count`` planned fills (global ids ``src`` -> slots ``dst``) from the pool into
+    the slot arena. The count is read here, where the copy runs, not by the graph around it: the
+    count-aware gather a captured step needs."""
+    n = int(count)
+    if n == 0:
+        return
+    rows, slots = row_table[src[:n].to(row_table.device)], dst[:n]
+    ops = cpu_decode_ops()
+    if ops is not None and slots_gate_up.is_cpu and slots_gate_up.is_contiguous():
+        ops.copy_rows(slots_gate_up, slots.cpu(), pool_gate_up, rows)
+        ops.copy_rows(slots_down, slots.cpu(), pool_down, rows)
+        return
+    for slot, row in zip(slots.tolist(), rows.tolist(), strict=True):
+        slots_gate_up[slot].copy_(pool_gate_up[row], non_blocking=True)
+        slots_down[slot].copy_(pool_down[row], non_blocking=True)
+
+
+@fill_slots_op.register_fake
+def _(slots_gate_up, slots_down, pool_gate_up, pool_down, row_table, src, dst, count):
+    return None

@@ -1,0 +1,110 @@
+"""Decode steps with static shapes: the step that compiles whole and that a GPU captures as a graph.
+
+A decode step of n sequences runs in a bucket of B >= n rows (``BATCH_BUCKETS``) and block tables of
+MB blocks (a power of two >= the longest sequence's). Rows past the real ones repeat row 0 exactly,
+so inside the step there are no masks over rows, no valid counts and no host reads: the model's own
+modules run on a :class:`~hearth.engine.batch.StaticBatch` (attention over gathered blocks masked by
+context length; the expert hierarchy through custom ops, ``engine/graph_ops.py``), and the same
+shapes recur at every token. :class:`StaticDecoder` keeps one compiled step per bucket
+(``torch.compile(fullgraph=True)``: a graph break is an error) or runs it eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import hearth.engine.graph_ops  # noqa: F401 - registers torch.ops.hearth.*
+from hearth.engine.batch import StaticBatch
+from hearth.engine.kv_cache import PagedKVCache
+from hearth.engine.request import Request
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16)
+
+
+def bucket_of(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket holding n rows (n itself past the largest)."""
+    return next((b for b in buckets if b >= n), n)
+
+
+def block_bucket(blocks: int, max_blocks: int) -> int:
+    """Block-table width for a longest sequence of ``blocks`` blocks: the next power of two, at most
+    ``max_blocks`` (few widths, so few compiled steps, and at most twice the blocks gathered)."""
+    return min(1 << max(blocks - 1, 0).bit_length(), max_blocks)
+
+
+def build_static_batch(items: list[tuple[Request, int]], block_size: int, rows: int, max_blocks: int,
+                       device: torch.device | str = "cpu") -> StaticBatch:
+    """The decode step of ``items`` (each one new token) in ``rows`` rows; rows past the items
+    repeat the first one."""
+    if any(n != 1 for _, n in items) or not 0 < len(items) <= rows:
+        raise ValueError("a static step takes 1..rows sequences of one new token each")
+    tokens, positions, slots, lens, tables = [], [], [], [], []
+    for req, _ in items:
+        pos = req.num_computed
+        blocks = req.block_table[: pos // block_size + 1]
+        tokens.append(req.tokens[pos])
+        positions.append(pos)
+        slots.append(blocks[-1] * block_size + pos % block_size)
+        lens.append(pos + 1)
+        tables.append(blocks)
+    width = block_bucket(max(len(t) for t in tables), max_blocks)
+    pad = rows - len(items)
+    table = torch.zeros((rows, width), dtype=torch.long)
+    for i, blocks in enumerate(tables + [tables[0]] * pad):
+        table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+
+    def column(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values + values[:1] * pad, dtype=torch.long, device=device)
+
+    return StaticBatch(token_ids=column(tokens), positions=column(positions), slot_mapping=column(slots),
+                       block_tables=table.to(device), context_lens=column(lens),
+                       logits_indices=torch.arange(rows, device=device), block_size=block_size)
+
+
+class StaticDecoder:
+    """Runs decode steps through :func:`build_static_batch`: ``mode`` "eager" calls the model on
+    the static batch, "compile" compiles it once per (rows, blocks) bucket with
+    ``torch.compile(fullgraph=True, dynamic=False)`` and ``backend`` (a graph break raises)."""
+
+    def __init__(self, model: torch.nn.Module, kv: PagedKVCache, max_model_len: int, mode: str = "compile",
+                 backend: str | Callable = "inductor", buckets: tuple[int, ...] = BATCH_BUCKETS) -> None:
+        if model.config.linear_layer_ids:
+            raise ValueError(f"{model.config.architecture}: static decode steps cover attention models only "
+                             "(its linear-attention layers keep recurrent state)")
+        if mode not in ("eager", "compile"):
+            raise ValueError(f"static decode mode '{mode}': eager or compile")
+        self.model, self.kv = model, kv
+        self.max_blocks = -(-max_model_len // kv.block_size)
+        self.mode, self.backend, self.buckets = mode, backend, buckets
+        self._compiled: dict[tuple[int, int], Any] = {}
+        self.steps = 0  # static steps run
+
+    def step_fn(self, rows: int, width: int):
+        """The step for one bucket (compiled on first use in compile mode)."""
+        if self.mode == "eager":
+            return self._forward
+        key = (rows, width)
+        if key not in self._compiled:
+            self._compiled[key] = torch.compile(self._forward, fullgraph=True, dynamic=False, backend=self.backend)
+        return self._compiled[key]
+
+    def _forward(self, batch: StaticBatch) -> torch.Tensor:
+        # The model's forward without its inference_mode wrapper (see execute).
+        return type(self.model).forward.__wrapped__(self.model, batch, self.kv)
+
+    def execute(self, items: list[tuple[Request, int]], experts=None) -> tuple[torch.Tensor, list[Request]]:
+        """Logits [n, vocab] fp32 of the n decoding sequences, and those requests (sampled, in order)."""
+        rows = bucket_of(len(items), self.buckets)
+        batch = build_static_batch(items, self.kv.block_size, rows, self.max_blocks, self.kv.keys[0].device)
+        batch.experts = experts
+        self.steps += 1
+        with torch.no_grad():  # not inference mode: AOTAutograd cannot trace views of inference tensors
+            logits = self.step_fn(rows, batch.block_tables.shape[1])(batch)
+        return logits[: len(items)], [req for req, _ in items]
+
+    @property
+    def compiled_buckets(self) -> list[tuple[int, int]]:
+        return sorted(self._compiled)
