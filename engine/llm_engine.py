@@ -24,7 +24,7 @@ from hearth.engine.experts.mechanism.host_pool import HostExpertPool
 from hearth.engine.ftw import load_checkpoint
 from hearth.engine.kernels import cpu_decode_ops
 from hearth.engine.kv_cache import BlockAllocator, PagedKVCache
-from hearth.engine.memory import MemoryPlan, available_memory, tensor_bytes
+from hearth.engine.memory import MemoryPlan, available_memory, bytes_by_device, tensor_bytes
 from hearth.engine.prefix_cache import RadixCache
 from hearth.engine.request import Request
 from hearth.engine.runner import ModelRunner
@@ -98,6 +98,7 @@ class LLMEngine:
             self._routing_file = open(config.experts.record_routing, "w")  # noqa: SIM115 - closed by close()
             self.experts.routing_log = []
         self._steps = 0
+        self._weight_bytes: dict[str, int] | None = None
         states = RecurrentStatePool(cfg, config.scheduler.max_num_seqs) if cfg.linear_layer_ids else None
         self.runner = ModelRunner(loaded.model, kv, states)
         if config.static_decode != "off":
@@ -401,8 +402,23 @@ class LLMEngine:
         hits = [h for h in hits if h[0] >= 0]
         return min(hits) if hits else None
 
+    def memory_by_device(self) -> list[dict[str, Any]]:
+        """What this engine holds where: [{"device", "use", "bytes"}] for the dense weights, the KV
+        cache, the expert pool and the expert cache's slot arena ("virtual" for the virtual device)."""
+        if self._weight_bytes is None:  # fixed after loading; the slot arena changes with resizes
+            model = self.runner.model
+            self._weight_bytes = bytes_by_device([*model.parameters(), *model.buffers()])
+        kv = self.runner.kv
+        rows = [("weights", self._weight_bytes), ("kv_cache", bytes_by_device(kv.keys + kv.values)),
+                ("expert_pool", bytes_by_device([self.pool.gate_up, self.pool.down]))]
+        if self.experts is not None:
+            device = self.experts.device
+            where = "virtual" if device.kind == "virtual" else str(device.device)
+            rows.append(("expert_cache", {where: device.gate_up.nbytes + device.down.nbytes}))
+        return [{"device": d, "use": use, "bytes": n} for use, by_device in rows for d, n in by_device.items()]
+
     def stats(self) -> dict[str, Any]:
-        """Scheduler and KV occupancy, plus the expert hierarchy's counters when it runs."""
+        """Scheduler and KV occupancy, memory by device, and the expert hierarchy's counters when it runs."""
         out: dict[str, Any] = {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -413,6 +429,7 @@ class LLMEngine:
         }
         if self.scheduler.checkpoints is not None:
             out.update(self.scheduler.checkpoints.stats())
+        out["memory"] = self.memory_by_device()
         if self.experts is not None:
             out["experts"] = self.experts.stats()
             if self.experts.streamer is not None:

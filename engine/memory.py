@@ -69,6 +69,20 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def bytes_by_device(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
+    """Bytes of the storages behind ``tensors`` (each once) per device ("cpu", "cuda:0", ...)."""
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        storage = t.untyped_storage()
+        seen[str(t.device), storage.data_ptr()] = storage.nbytes()
+    out: dict[str, int] = {}
+    for (device, _), nbytes in seen.items():
+        out[device] = out.get(device, 0) + nbytes
+    return out
+
+
 def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     """MemAvailable in bytes (Linux), else None."""
     try:

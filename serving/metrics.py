@@ -59,6 +59,13 @@ class _EngineCollector:
                      (1 - (free + cached) / total) if total else 0)
         yield _gauge("hearth_kv_cache_cached_ratio", "Share of KV blocks kept for prefix reuse",
                      cached / total if total else 0)
+        memory = stats.get("memory")
+        if memory:
+            family = GaugeMetricFamily("hearth_memory_bytes", "Bytes held, by device and use (weights, kv_cache, "
+                                       "expert_pool, expert_cache)", labels=["device", "use"])
+            for row in memory:
+                family.add_metric([row["device"], row["use"]], row["bytes"])
+            yield family
         if "replicas" in stats:
             yield from _replica_metrics(stats["replicas"])
         experts = stats.get("experts")

@@ -9,7 +9,7 @@ import threading
 
 import requests
 
-from tests.serving_helpers import running_server
+from tests.serving_helpers import metrics, running_server
 
 VIRTUAL = {"expert_device": "virtual", "expert_cache": "0.5", "q_mode": "table",
            "expert_bandwidths": (10e9, 25e9), "stream_min_tokens": 1 << 20}
@@ -58,6 +58,10 @@ def test_resize_while_a_request_streams(agent_checkpoint):
         assert requests.get(server.url + "/admin/expert-cache", timeout=30).json()["replicas"]["local"]["slots"] \
             == slots[2]
         assert complete(server) == unresized
+        samples = metrics(server)  # what the server holds where: the arena follows the resize
+        assert samples["hearth_memory_bytes{device=virtual,use=expert_cache}"] == slots[2] * local["expert_bytes"]
+        assert samples["hearth_memory_bytes{device=cpu,use=weights}"] > 0
+        assert samples["hearth_memory_bytes{device=cpu,use=kv_cache}"] > 0
 
         r = resize(server, size="lots")
         assert r.status_code == 400 and r.json()["error"]["param"] == "size"
