@@ -262,7 +262,10 @@ class LLMEngine:
         if self.experts is None:
             raise ValueError("this engine has no expert cache to resize (it runs every expert on the CPU; "
                              "start it with a GPU or --virtual-device)")
-        return self.experts.resize(cache_slots(size, self.pool, 0))
+        report = self.experts.resize(cache_slots(size, self.pool, 0))
+        if self.runner.static is not None:
+            self.runner.static.invalidate()  # its steps read the old arena and tables: compile them again
+        return report
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -81,6 +81,7 @@ class StaticDecoder:
         self.mode, self.backend, self.buckets = mode, backend, buckets
         self._compiled: dict[tuple[int, int], Any] = {}
         self.steps = 0  # static steps run
+        self.recompiles = 0  # times the compiled steps were dropped (resizes)
 
     def step_fn(self, rows: int, width: int):
         """The step for one bucket (compiled on first use in compile mode)."""
@@ -104,6 +105,12 @@ class StaticDecoder:
         with torch.no_grad():  # not inference mode: AOTAutograd cannot trace views of inference tensors
             logits = self.step_fn(rows, batch.block_tables.shape[1])(batch)
         return logits[: len(items)], [req for req, _ in items]
+
+    def invalidate(self) -> None:
+        """Drop the compiled steps (after the expert cache's arena and tables were replaced by a
+        resize): each bucket compiles, or is captured, again at its next step."""
+        self._compiled.clear()
+        self.recompiles += 1
 
     @property
     def compiled_buckets(self) -> list[tuple[int, int]]:

@@ -173,3 +173,19 @@ def test_vram_watcher_resizes_the_engine(checkpoint) -> None:
     assert watch_engine(engine, print) is None  # the virtual device has no NVML reading
     assert watch_engine(LLM(path, expert_device="none").engine, print, read_free=lambda: 0) is None
     llm.close()
+
+
+def test_resizing_under_compiled_static_steps(checkpoint, unresized) -> None:
+    """Fixed-shape decode steps compiled whole (engine/static_step.py): a resize drops the compiled
+    steps, which compile again over the new arena and tables; tokens and logits as unresized."""
+    path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    llm = LLM(path, expert_device="virtual", expert_cache="0.37", q_mode="table", expert_bandwidths=SPLIT_BANDWIDTHS,
+              stream_min_tokens=1 << 20, static_decode="compile")
+    static = llm.engine.runner.static
+    static.backend = "aot_eager"
+    tokens, logits = run_resizing(llm, BATCH4, 24, {6: "0.1", 12: "1.0", 18: "0slots"})
+    assert tokens == unresized[0]
+    assert max(max_rel_error(a, b) for a, b in zip(logits, unresized[1], strict=True)) <= 1e-5
+    assert static.recompiles == 3 and static.compiled_buckets and static.steps >= 20
+    llm.close()
+    torch._dynamo.reset()
