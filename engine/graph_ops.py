@@ -140,3 +140,62 @@ def fill_slots_op(slots_gate_up: torch.Tensor, slots_down: torch.Tensor, pool_ga
 @fill_slots_op.register_fake
 def _(slots_gate_up, slots_down, pool_gate_up, pool_down, row_table, src, dst, count):
     return None
+
+
+# The ring ops write shared memory that another process reads while the step runs: that is I/O, not
+# a mutation the compiler may defer or apply to a copy (functionalization would). So they declare no
+# mutation; the post returns a ticket that the collect takes, which keeps both in the graph and in
+# order.
+@torch.library.custom_op("hearth::ring_post", mutates_args=())
+def ring_post_op(ctrl: torch.Tensor, x_slot: torch.Tensor, rows_slot: torch.Tensor, weights_slot: torch.Tensor,
+                 x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Hand a CPU share to the CPU expert workers through a descriptor of the shared task ring
+    (``mechanism/ring.py``): the payload into the slot's buffers, then its state word SUBMITTED,
+    last. The worker computes while the step goes on with the device share; :func:`ring_collect_op`
+    waits for the completion flag. Returns the ticket (the descriptor's sequence number)."""
+    from hearth.engine.experts.mechanism.ring import FREE, SUBMITTED
+
+    if int(ctrl[0]) != FREE:
+        raise RuntimeError("the CPU expert ring's slot is still busy")
+    t, k = rows.shape
+    x_slot[: x.numel()].copy_(x.reshape(-1))
+    rows_slot[: rows.numel()].copy_(rows.reshape(-1))
+    weights_slot[: weights.numel()].copy_(weights.reshape(-1))
+    seq = int(ctrl[1]) + 1
+    ctrl[1:5] = torch.tensor([seq, t, k, int(weights.dtype == torch.float32)])
+    ctrl[0] = SUBMITTED  # the worker reads the payload only after seeing this
+    return torch.tensor(seq)
+
+
+@ring_post_op.register_fake
+def _(ctrl, x_slot, rows_slot, weights_slot, x, rows, weights):
+    return ctrl.new_empty(())
+
+
+@torch.library.custom_op("hearth::ring_collect", mutates_args=())  # shared memory: see ring_post
+def ring_collect_op(ticket: torch.Tensor, ctrl: torch.Tensor, out_slot: torch.Tensor, tokens: int, hidden: int,
+                    timeout_s: float) -> torch.Tensor:
+    """Wait for the ring slot's completion flag and return its fp32 [tokens, hidden] result; the
+    slot is free again afterwards. A worker that fails or stays silent past ``timeout_s`` raises."""
+    import time
+
+    from hearth.engine.experts.mechanism.ring import FAILED, FREE, SUBMITTED
+
+    deadline, spins = time.monotonic() + timeout_s, 0
+    while (state := int(ctrl[0])) == SUBMITTED:
+        spins += 1
+        if spins > 200:
+            time.sleep(20e-6)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the CPU expert worker did not answer within {timeout_s:.0f} s")
+    if state == FAILED:
+        ctrl[0] = FREE
+        raise RuntimeError("the CPU expert worker failed on a task (see its log)")
+    out = out_slot[: tokens * hidden].view(tokens, hidden).clone()
+    ctrl[0] = FREE
+    return out
+
+
+@ring_collect_op.register_fake
+def _(ticket, ctrl, out_slot, tokens, hidden, timeout_s):
+    return out_slot.new_empty((tokens, hidden))

@@ -83,3 +83,22 @@ def test_compiled_step_with_quantized_weights(q4_k_m) -> None:  # noqa: F811 - t
     assert llm.engine.runner.static.compiled_buckets and llm.engine.runner.static.steps >= 15
     llm.close()
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_cpu_share_through_the_ring(checkpoint, plain, mode) -> None:
+    """CPU experts in a worker process: each static step hands the CPU share over as a descriptor in
+    the shared task ring (payload, then the SUBMITTED word), computes the device share meanwhile,
+    and waits for the completion word; tokens and logits those of the plain engine."""
+    import uuid
+
+    path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    llm = LLM(path, static_decode=mode, block_size=4, cpu_experts="process",
+              host_pool_name=f"test-static-{uuid.uuid4().hex[:8]}", **HIERARCHY["0.37"])
+    llm.engine.runner.static.backend = "aot_eager"
+    tokens, logits = run(llm, THREE, STEPS)
+    assert tokens == plain[0]
+    assert max(max_rel_error(a, b) for a, b in zip(logits, plain[1], strict=True)) <= 1e-5
+    assert llm.engine.stats()["experts"]["cpu"] > 0 and llm.engine.runner.static.steps >= STEPS - 1
+    llm.close()
+    torch._dynamo.reset()

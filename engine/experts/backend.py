@@ -16,7 +16,7 @@ import torch
 from hearth.engine.experts.compute import routed_experts_node
 from hearth.engine.experts.contract import CpuWorkers, ExpertDevice, FillPlan, StepContext
 from hearth.engine.experts.measure import _fit, _median_time, measure_host_path
-from hearth.engine.experts.mechanism.ring import ExternalCpuWorkers
+from hearth.engine.experts.mechanism.ring import ExternalCpuWorkers, RingCpuWorkers
 from hearth.engine.experts.mechanism.streamer import LayerStreamer
 from hearth.engine.experts.policy.cache import ExpertCacheTables
 from hearth.engine.experts.policy.qstar import PathCost, SplitCosts, build_qtable
@@ -146,10 +146,19 @@ class HierarchicalExpertBackend:
                                         dst, count)
         pair_slot = pair_slot.view(t, k)
         blocks = pool.layer_blocks(layer)
+        cpu_rows = torch.where(pair_slot.to(pool.row_table.device) < 0, pool.row_table[expert_ids], -1)
+        ring = self.cpu_workers.ring if isinstance(self.cpu_workers, RingCpuWorkers) else None
+        if ring is not None:  # CPU workers elsewhere: post the share now, they compute while the device does
+            slot = ring.slots[0]  # one share in flight at a time: collected before the next layer posts
+            ticket = torch.ops.hearth.ring_post(slot["ctrl"], slot["x"], slot["rows"], slot["weights"], x,
+                                                cpu_rows, topk_weights)
         on_device = routed_experts_node(x.to(device.device), device.gate_up, device.down, pair_slot,
                                         topk_weights.to(device.device), self.act, blocks)
-        cpu_rows = torch.where(pair_slot.to(pool.row_table.device) < 0, pool.row_table[expert_ids], -1)
-        on_cpu = routed_experts_node(x, pool.gate_up, pool.down, cpu_rows, topk_weights, self.act, blocks)
+        if ring is not None:
+            on_cpu = torch.ops.hearth.ring_collect(ticket, slot["ctrl"], slot["out"], t, x.shape[1],
+                                                   self.cpu_workers.timeout_s)
+        else:
+            on_cpu = routed_experts_node(x, pool.gate_up, pool.down, cpu_rows, topk_weights, self.act, blocks)
         return (on_device.to(on_cpu.device) + on_cpu).to(x.dtype)
 
     @property
