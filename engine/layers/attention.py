@@ -183,6 +183,10 @@ class Attention(nn.Module):
         mask = k_pos < batch.context_lens[:, None]  # [B, L]: the query is the last cached token
         if self.window is not None:
             mask &= k_pos > batch.context_lens[:, None] - 1 - self.window
+        # Gathered positions past a context may never have been written (garbage, NaN even): a
+        # masked score or a zero weight times NaN is still NaN, so they are zeroed first.
+        keep = mask[:, :, None, None]
+        keys, vals = keys.masked_fill(~keep, 0), vals.masked_fill(~keep, 0)
         groups = self.num_heads // kv_heads
         o = F.scaled_dot_product_attention(
             q.view(b, kv_heads, groups, d),  # each KV head's query group on the query axis (as _decode_one)
