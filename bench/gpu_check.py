@@ -9,7 +9,12 @@
 2. The cache-control step compiled with ``torch.compile(fullgraph=True)`` on the GPU equals eager.
 3. Bandwidths on real expert shapes (Qwen3-30B-A3B: hidden 2048, expert intermediate 768, bf16):
    B_P from batched pinned fills, B_H from the CPU expert kernel, and the resulting q table.
-Without CUDA it says so and exits 0.
+4. The GPU executor (``bench/gpu_executor.py``): dense part, KV cache and sampling on the GPU, at
+   cache fractions 0, 0.1, 0.37 and 1, in eager and fixed-shape steps (eager, compiled), for a plain
+   and a hybrid family, against the CPU engine; host syncs inside a compiled step; decode tok/s next
+   to the model bound, also under 8 and 24 GB VRAM budgets; prefill at 4k and 16k tokens next to
+   the PCIe bound; elastic resizes on the GPU.
+Without CUDA it says so and exits 0. ``--quick`` runs sections 1-3 only.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ def check_exactness(root: Path) -> list[dict]:
         make_checkpoint(path, "qwen3_moe", "per_expert", dtype, num_experts=16, num_experts_per_tok=4)
         for batch in (1, 4):
             prompts = PROMPTS[:batch]
-            ref_tokens, ref_logits = _logits_run(LLM(path, expert_device="none"), prompts, 32)
+            ref_tokens, ref_logits = _logits_run(LLM(path, device="cpu", expert_device="none"), prompts, 32)
             for capacity in CAPACITIES:
                 for q_mode in ("table", "zero", "all"):
                     llm = LLM(path, expert_device="cuda", expert_cache=capacity, q_mode=q_mode)
@@ -75,7 +80,8 @@ def check_streaming(root: Path) -> list[dict]:
     for dtype in ("float32", "bfloat16"):
         path = root / dtype  # built by check_exactness
         prompts = [[(i * 37) % 380 + 3 for i in range(n)] for n in (65, 1000)]
-        ref_tokens, ref_logits = _logits_run(LLM(path, expert_device="none", prefill_chunk=64), prompts, 8)
+        ref_tokens, ref_logits = _logits_run(LLM(path, device="cpu", expert_device="none", prefill_chunk=64),
+                                             prompts, 8)
         for mode, cache in (("double", "40slots"), ("single", "40slots"), ("fallback", "20slots")):
             llm = LLM(path, expert_device="cuda", expert_cache=cache, prefill_chunk=64, stream_min_tokens=32,
                       double_buffer=mode != "single")
@@ -134,6 +140,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--shape-layers", type=int, default=2, help="MoE layers of the real-shape model")
+    ap.add_argument("--quick", action="store_true", help="the hierarchy checks only (sections 1-3)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device on this machine; nothing to check (the CPU suite covers the rest)")
@@ -146,6 +153,8 @@ def main() -> int:
         report["exactness"] += check_streaming(root)
         report["compile_ok"] = check_compile()
         report["bandwidth"] = measure_real_shapes(root, args.shape_layers)
+        if not args.quick:
+            report["executor"] = run_executor_checks(root)
     report["all_exact"] = all(r["ok"] for r in report["exactness"])
     report["seconds"] = time.time() - start
     bad = [r for r in report["exactness"] if not r["ok"]]
@@ -156,8 +165,28 @@ def main() -> int:
     bw = report["bandwidth"]
     print(f"real shapes: expert {bw['expert_bytes'] / 2**20:.2f} MiB, B_P {bw['B_P_GBps']:.1f} GB/s, "
           f"B_H {bw['B_H_GBps']:.1f} GB/s, qtable[0..16] {bw['qtable_m0_16']}")
+    executor_ok = True
+    for row in report.get("executor", []):
+        executor_ok &= bool(row.get("ok"))
+        detail = {k: v for k, v in row.items() if k not in ("check", "seconds", "where")}
+        print(f"{'ok  ' if row.get('ok') else 'FAIL'} {row['check']} ({row['seconds']} s): {detail}")
+        if "where" in row:
+            print("     " + "\n     ".join(row["where"]))
     emit(report, args.json)
-    return 0 if report["all_exact"] and report["compile_ok"] else 1
+    return 0 if report["all_exact"] and report["compile_ok"] and executor_ok else 1
+
+
+def run_executor_checks(root: Path) -> list[dict]:
+    from bench import gpu_executor as ex
+
+    rows = ex.check_exactness(root)
+    rows.append(ex.guarded("no host sync inside a compiled step", ex.check_sync_free, root))
+    rows += ex.check_speed(root)
+    for budget in (8, 24):
+        rows += ex.check_speed(root, budget)
+    rows += ex.check_prefill(root)
+    rows.append(ex.guarded("elastic resize on the GPU", ex.check_elastic, root))
+    return rows
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ class PagedKVCache:
     ) -> None:
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
         self.block_size = block_size
+        self.device = torch.device(device)
         layers = set(range(num_layers) if attention_layers is None else attention_layers)
         # Uninitialised on purpose: attention only reads slots this sequence has written, and the
         # OS then commits pages as they are first used rather than all at start-up. Layers without

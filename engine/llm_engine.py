@@ -18,6 +18,7 @@ from hearth.config import ConfigError, EngineConfig
 from hearth.engine import int8_mode
 from hearth.engine.anchors import anchor_token_ids
 from hearth.engine.detokenizer import IncrementalDetokenizer
+from hearth.engine.device_placement import move_module, resolve_device
 from hearth.engine.experts.build import build_hierarchy, cache_slots
 from hearth.engine.experts.contract import ExpertControl
 from hearth.engine.experts.mechanism.host_pool import HostExpertPool
@@ -62,6 +63,7 @@ class LLMEngine:
         if config.threads:
             torch.set_num_threads(config.threads)
         cpu_decode_ops()  # load the native kernels (or warn that they are missing) at start, not mid-request
+        self.device = resolve_device(config.device)  # refused before anything is loaded
         available = available_memory()
         self.host_pool: HostExpertPool | None = self._attach_filled_pool()
         attached = self.host_pool is not None  # a pool another process filled: already in memory
@@ -76,7 +78,11 @@ class LLMEngine:
         if self.host_pool is not None and self.host_pool.owner:
             self.host_pool.mark_filled()
         if config.int8_activations:
+            if self.device.type != "cpu":
+                raise ConfigError("--int8-activations is a CPU kernel mode: it needs --device cpu")
             int8_mode.enable(loaded.model, loaded.pool)
+        if self.device.type != "cpu":
+            move_module(loaded.model, self.device)  # the dense part; the experts stay in the host pool
         self.model_config = loaded.config
         self.pool = loaded.pool
         self.tokenizer = load_tokenizer(model_path)
@@ -85,7 +91,7 @@ class LLMEngine:
         bs = config.kv_cache.block_size
         num_blocks = -(-self._kv_tokens() // bs)
         kv = PagedKVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
-                          attention_layers=cfg.attention_layer_ids)
+                          device=self.device, attention_layers=cfg.attention_layer_ids)
         step_tokens = max(config.scheduler.step_tokens, config.scheduler.prefill_chunk)
         self.experts = build_hierarchy(cfg, self.pool, config.experts, step_tokens,
                                        pool_name=self.host_pool.name if self.host_pool is not None else None)
@@ -99,7 +105,7 @@ class LLMEngine:
             self.experts.routing_log = []
         self._steps = 0
         self._weight_bytes: dict[str, int] | None = None
-        states = RecurrentStatePool(cfg, config.scheduler.max_num_seqs) if cfg.linear_layer_ids else None
+        states = RecurrentStatePool(cfg, config.scheduler.max_num_seqs, self.device) if cfg.linear_layer_ids else None
         self.runner = ModelRunner(loaded.model, kv, states)
         if config.static_decode != "off":
             self.runner.static = StaticDecoder(loaded.model, kv, self.max_model_len, config.static_decode)

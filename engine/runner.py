@@ -13,10 +13,12 @@ from hearth.engine.state_pool import RecurrentStatePool, StateSnapshot
 
 
 def build_batch(
-    items: list[tuple[Request, int]], block_size: int, captures: dict[str, list[int]] | None = None
+    items: list[tuple[Request, int]], block_size: int, captures: dict[str, list[int]] | None = None,
+    device: torch.device | str = "cpu",
 ) -> tuple[ForwardBatch, list[Request]]:
     """Flatten the step's new tokens; also return the requests that get a sampled token.
-    ``captures`` maps a request id to the positions after which to snapshot its recurrent state."""
+    ``captures`` maps a request id to the positions after which to snapshot its recurrent state;
+    the batch's tensors are made on ``device`` (the model's)."""
     captures = captures or {}
     token_ids: list[int] = []
     positions: list[int] = []
@@ -27,7 +29,7 @@ def build_batch(
     for req, n in items:
         start, end = req.num_computed, req.num_computed + n
         table = req.block_table[: -(-end // block_size)]
-        blocks = torch.tensor(table, dtype=torch.long)
+        blocks = torch.tensor(table, dtype=torch.long, device=device)
         consecutive = table == list(range(table[0], table[0] + len(table)))
         offsets = tuple(p - start for p in captures.get(req.request_id, ()) if start < p <= end)
         sequences.append(SequenceSlice(len(token_ids), n, end, blocks, table[0] if consecutive else -1,
@@ -41,11 +43,11 @@ def build_batch(
             logits_rows.append(len(token_ids) - 1)
             sampled.append(req)
     batch = ForwardBatch(
-        token_ids=torch.tensor(token_ids, dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        token_ids=torch.tensor(token_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         sequences=sequences,
-        logits_indices=torch.tensor(logits_rows, dtype=torch.long),
+        logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=device),
         block_size=block_size,
     )
     return batch, sampled
@@ -61,6 +63,7 @@ class ModelRunner:
         # The last step's state snapshots: (request, position, snapshot).
         self.last_captures: list[tuple[Request, int, StateSnapshot]] = []
         self.static = None  # a StaticDecoder (engine/static_step.py) that takes the pure decode steps
+        self.device = kv.device  # where the model runs: the batches are made there
 
     def execute(
         self, items: list[tuple[Request, int]], captures: dict[str, list[int]] | None = None,
@@ -71,7 +74,7 @@ class ModelRunner:
                 n == 1 and req.num_computed + 1 == req.num_tokens for req, n in items):
             self.last_captures = []
             return self.static.execute(items, experts)
-        batch, sampled = build_batch(items, self.kv.block_size, captures)
+        batch, sampled = build_batch(items, self.kv.block_size, captures, self.device)
         batch.experts = experts
         if self.states is not None:
             for req, _ in items:

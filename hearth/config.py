@@ -296,6 +296,8 @@ class EngineConfig(Section):
     threads: int | None = option(None, "CPU threads for torch (default: torch's choice)", minimum=1)
     int8_activations: bool = option(False, "quantize activations to int8 for Q4_K/Q6_K weights in decode "
                                     "(llama.cpp's scheme: faster on AVX-512 VNNI CPUs, not exact; off by default)")
+    device: str = option("auto", "where the dense weights, the KV cache and sampling run: cpu, cuda or cuda:N (the GPU "
+                                 "executor); auto: CUDA where it is present", metavar="DEVICE")
     static_decode: Literal["off", "eager", "compile"] = option(
         "off", "decode steps in fixed-shape buckets (engine/static_step.py): off, eager, or compile (the whole step "
                "as one torch.compile graph per bucket)")

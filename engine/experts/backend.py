@@ -94,9 +94,9 @@ class HierarchicalExpertBackend:
         # The CPU share is submitted first (a worker thread or process starts at once; inline work
         # waits until the device work below has been launched), then fills and device compute.
         task = None
-        if n_cpu:
-            task = self.cpu_workers.submit(x, torch.where(on_cpu, self.pool.row_table[expert_ids], -1), topk_weights,
-                                           blocks)
+        if n_cpu:  # the CPU share reads host copies (a no-op when the model itself runs on the CPU)
+            rows = torch.where(on_cpu, self.pool.row_table[expert_ids.cpu()], -1)
+            task = self.cpu_workers.submit(x.cpu(), rows, topk_weights.cpu(), blocks)
         start = time.perf_counter()
         filled_bytes = self.device.fill(plan)
         filled = time.perf_counter()
@@ -110,7 +110,7 @@ class HierarchicalExpertBackend:
         self.times.device_seconds += time.perf_counter() - filled
         if task is not None:
             cpu_part, timing = task.result()
-            out = cpu_part if out is None else out.to(cpu_part.device) + cpu_part
+            out = cpu_part if out is None else out + cpu_part.to(out.device)  # a + b == b + a exactly
             self.times.cpu_seconds += timing.seconds
             self.times.cpu_bytes += timing.nbytes
             self.times.cpu_calls += 1
@@ -146,20 +146,22 @@ class HierarchicalExpertBackend:
                                         dst, count)
         pair_slot = pair_slot.view(t, k)
         blocks = pool.layer_blocks(layer)
-        cpu_rows = torch.where(pair_slot.to(pool.row_table.device) < 0, pool.row_table[expert_ids], -1)
+        host = pool.row_table.device  # the CPU share reads host copies (no-ops when the model runs on the CPU)
+        cpu_rows = torch.where(pair_slot.to(host) < 0, pool.row_table[expert_ids.to(host)], -1)
+        x_host, weights_host = x.to(host), topk_weights.to(host)
         ring = self.cpu_workers.ring if isinstance(self.cpu_workers, RingCpuWorkers) else None
         if ring is not None:  # CPU workers elsewhere: post the share now, they compute while the device does
             slot = ring.slots[0]  # one share in flight at a time: collected before the next layer posts
-            ticket = torch.ops.hearth.ring_post(slot["ctrl"], slot["x"], slot["rows"], slot["weights"], x,
-                                                cpu_rows, topk_weights)
+            ticket = torch.ops.hearth.ring_post(slot["ctrl"], slot["x"], slot["rows"], slot["weights"], x_host,
+                                                cpu_rows, weights_host)
         on_device = routed_experts_node(x.to(device.device), device.gate_up, device.down, pair_slot,
                                         topk_weights.to(device.device), self.act, blocks)
         if ring is not None:
             on_cpu = torch.ops.hearth.ring_collect(ticket, slot["ctrl"], slot["out"], t, x.shape[1],
                                                    self.cpu_workers.timeout_s)
         else:
-            on_cpu = routed_experts_node(x, pool.gate_up, pool.down, cpu_rows, topk_weights, self.act, blocks)
-        return (on_device.to(on_cpu.device) + on_cpu).to(x.dtype)
+            on_cpu = routed_experts_node(x_host, pool.gate_up, pool.down, cpu_rows, weights_host, self.act, blocks)
+        return (on_device.to(x.device) + on_cpu.to(x.device)).to(x.dtype)
 
     @property
     def credit(self) -> float:

@@ -114,12 +114,16 @@ class LocalExpertBackend:
                 step: StepContext | None = None) -> torch.Tensor:
         # Each (token, slot) product is kept apart and the k of them are summed with fp32
         # accumulation and rounded once, as the reference does; low-precision results match it.
-        rows = self.pool.row_table[expert_ids]  # [T, k] pool rows
-        return routed_partial_sum(x, self.pool.gate_up, self.pool.down, rows, topk_weights, self.act,
-                                  self.pool.blocks_of_ids(expert_ids)).to(x.dtype)
+        host = self.pool.row_table.device  # the pool's; the model may run elsewhere (the GPU executor)
+        rows = self.pool.row_table[expert_ids.to(host)]  # [T, k] pool rows
+        out = routed_partial_sum(x.to(host), self.pool.gate_up, self.pool.down, rows, topk_weights.to(host),
+                                 self.act, self.pool.blocks_of_ids(expert_ids))
+        return out.to(device=x.device, dtype=x.dtype)
 
     def forward_static(self, x: torch.Tensor, expert_ids: torch.Tensor, topk_weights: torch.Tensor,
                        layer: int) -> torch.Tensor:
-        rows = self.pool.row_table[expert_ids]
-        return routed_experts_node(x, self.pool.gate_up, self.pool.down, rows, topk_weights, self.act,
-                                   self.pool.layer_blocks(layer)).to(x.dtype)
+        host = self.pool.row_table.device
+        rows = self.pool.row_table[expert_ids.to(host)]
+        out = routed_experts_node(x.to(host), self.pool.gate_up, self.pool.down, rows, topk_weights.to(host),
+                                  self.act, self.pool.layer_blocks(layer))
+        return out.to(device=x.device, dtype=x.dtype)

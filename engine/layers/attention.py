@@ -15,15 +15,15 @@ from hearth.engine.layers.rope import apply_rotary
 from hearth.engine.ops import linear
 
 
-def attention_mask(seq: SequenceSlice, window: int | None) -> torch.Tensor | None:
+def attention_mask(seq: SequenceSlice, window: int | None, device: torch.device | str = "cpu") -> torch.Tensor | None:
     """Boolean [query_len, context_len] mask (True = attend), or None when plain causal attention
     (``is_causal``, or a single query that sees every key) is enough."""
     first_q = seq.context_len - seq.query_len
     windowed = window is not None and seq.context_len > window
     if not windowed and (seq.query_len == 1 or first_q == 0):
         return None
-    q_pos = torch.arange(first_q, seq.context_len)[:, None]
-    k_pos = torch.arange(seq.context_len)[None, :]
+    q_pos = torch.arange(first_q, seq.context_len, device=device)[:, None]
+    k_pos = torch.arange(seq.context_len, device=device)[None, :]
     mask = k_pos <= q_pos
     if windowed:
         mask &= k_pos > q_pos - window
@@ -210,7 +210,7 @@ class Attention(nn.Module):
                                                self.scale).transpose(0, 1)
                 continue
             if (index, self.window) not in batch.masks:
-                batch.masks[index, self.window] = attention_mask(seq, self.window)
+                batch.masks[index, self.window] = attention_mask(seq, self.window, q.device)
             mask = batch.masks[index, self.window]
             if seq.query_len == 1 and mask is None:
                 out[rows] = self._decode_one(q[rows], keys, vals)
