@@ -109,6 +109,8 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, kv, states)
         if config.static_decode != "off":
             self.runner.static = StaticDecoder(loaded.model, kv, self.max_model_len, config.static_decode)
+            if self.experts is not None:
+                self.runner.static.on_step = self.experts.observe_step  # the tuner times whole steps here
         prefix = RadixCache(bs) if config.kv_cache.prefix_caching else None
         self.scheduler = Scheduler(config.scheduler, BlockAllocator(num_blocks, bs), prefix,
                                    self._recurrent_config(states))

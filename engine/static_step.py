@@ -11,6 +11,7 @@ shapes recur at every token. :class:`StaticDecoder` keeps one compiled step per 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +81,7 @@ class StaticDecoder:
         self.max_blocks = -(-max_model_len // kv.block_size)
         self.mode, self.backend, self.buckets = mode, backend, buckets
         self._compiled: dict[tuple[int, int], Any] = {}
+        self.on_step: Callable[[float, int], None] | None = None  # (seconds, tokens) of each step
         self.steps = 0  # static steps run
         self.recompiles = 0  # times the compiled steps were dropped (resizes)
 
@@ -102,8 +104,13 @@ class StaticDecoder:
         batch = build_static_batch(items, self.kv.block_size, rows, self.max_blocks, self.kv.keys[0].device)
         batch.experts = experts
         self.steps += 1
+        start = time.perf_counter()
         with torch.no_grad():  # not inference mode: AOTAutograd cannot trace views of inference tensors
             logits = self.step_fn(rows, batch.block_tables.shape[1])(batch)
+        if self.on_step is not None:
+            if logits.is_cuda:
+                torch.cuda.synchronize(logits.device)  # the step's own time, not its launch
+            self.on_step(time.perf_counter() - start, len(items))
         return logits[: len(items)], [req for req, _ in items]
 
     def invalidate(self) -> None:

@@ -61,3 +61,19 @@ def test_pushed_qtable_changes_the_next_step_without_recompiling(checkpoint) -> 
     assert backend.tables is tables and tables.qtable is qtable and backend.device.gate_up is arena
     assert tokens == expected
     llm.close()
+
+
+def test_a_tuned_credit_reaches_the_compiled_step_in_place(checkpoint) -> None:
+    """Fixed-shape steps feed the fill-credit tuner whole steps (observe_step); when it moves the
+    credit, the q table is rewritten in the tensor the compiled step reads."""
+    path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    llm = LLM(path, expert_device="virtual", expert_cache="0.37", q_mode="table", expert_bandwidths=(10e9, 25e9),
+              stream_min_tokens=1 << 20, static_decode="eager")
+    backend = llm.engine.experts
+    qtable, before = backend.tables.qtable, backend.qtable()
+    assert llm.engine.runner.static.on_step == backend.observe_step
+    backend.tuner.index = backend.tuner.ladder.index(float("inf"))  # the tuner settles on filling every miss
+    backend.tuner.observe = lambda seconds, calls: True
+    backend.observe_step(0.01, 1)
+    assert backend.tables.qtable is qtable and backend.qtable() == list(range(len(before))) != before
+    llm.close()

@@ -47,6 +47,8 @@ def test_eager_static_steps_equal_the_plain_engine(checkpoint, plain, setup) -> 
     if setup == "0.37":
         stats = llm.engine.stats()["experts"]
         assert stats["fills"] > 0 and stats["cpu"] > 0  # both paths ran inside static steps
+        # the credit tuner is fed whole steps: every MoE layer of every static step counted
+        assert stats["layer_calls"] >= llm.engine.runner.static.steps * 3
     llm.close()
 
 

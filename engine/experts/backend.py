@@ -163,6 +163,15 @@ class HierarchicalExpertBackend:
             on_cpu = routed_experts_node(x_host, pool.gate_up, pool.down, cpu_rows, weights_host, self.act, blocks)
         return (on_device.to(x.device) + on_cpu.to(x.device)).to(x.dtype)
 
+    def observe_step(self, seconds: float, num_tokens: int) -> None:
+        """A fixed-shape step's wall time, for the fill-credit tuner: its layer calls are not timed
+        one by one, so the step counts as that many calls of equal cost. A credit change rewrites
+        the q table in place, which the next (compiled) step reads."""
+        calls = len(self.pool.moe_layer_ids)
+        self.times.layer_calls += calls
+        if self.tuner is not None and num_tokens <= TUNED_CALL_MAX_TOKENS and self.tuner.observe(seconds, calls):
+            self._rebuild_qtable()
+
     @property
     def credit(self) -> float:
         """The fill credit behind the current q table (units of S / B_H; 0 = per-step optimum)."""
