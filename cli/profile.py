@@ -9,10 +9,13 @@ import sys
 
 import torch
 
+from hearth.config import EngineConfig
 from hearth.engine.experts.build import build_device
 from hearth.engine.experts.measure import measure_host_path, measure_link_path, measure_stream_read
 from hearth.engine.experts.policy.qstar import SplitCosts, build_qtable, step_seconds
 from hearth.engine.ftw import load_checkpoint
+from hearth.engine.kv_cache import PagedKVCache
+from hearth.engine.memory import plan_vram, tensor_bytes
 from hearth.engine.ops import activation
 
 
@@ -42,6 +45,7 @@ def run_profile(args: argparse.Namespace) -> int:
     }
     if device is not None:
         device.close()
+    report["memory"] = memory_report(loaded, cfg)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -49,7 +53,41 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def memory_report(loaded, cfg) -> dict:
+    """What the GPU executor would hold on this machine's GPU (dense weights, a full context's KV
+    cache, expert slots in the rest), or the sizes alone without a GPU."""
+    model = loaded.model
+    weights = tensor_bytes([*model.parameters(), *model.buffers()])
+    per_token = PagedKVCache.bytes_per_token(len(cfg.attention_layer_ids), cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+    tokens = EngineConfig().context_length(cfg.max_position_embeddings)
+    out = {"dense_weight_bytes": weights, "kv_bytes_per_token": per_token, "context_tokens": tokens,
+           "expert_bytes": loaded.pool.expert_bytes, "vram": None}
+    if torch.cuda.is_available():
+        plan = plan_vram(torch.cuda.mem_get_info()[0], weights, per_token, tokens, loaded.pool.expert_bytes,
+                         loaded.pool.gate_up.shape[0])
+        out["vram"] = {"device": torch.cuda.get_device_name(), **plan.__dict__, "fits": plan.fits()}
+    return out
+
+
+def _print_memory(m: dict) -> None:
+    kib = m["kv_bytes_per_token"] / 1024
+    context_gib = m["kv_bytes_per_token"] * m["context_tokens"] / 2**30
+    print(f"dense weights      {m['dense_weight_bytes'] / 2**30:.2f} GiB; KV cache {kib:.1f} KiB per token "
+          f"({context_gib:.2f} GiB for {m['context_tokens']} tokens)")
+    v = m["vram"]
+    if v is None:
+        print("VRAM               no CUDA device: the GPU executor's plan needs one")
+    elif not v["fits"]:
+        print(f"VRAM ({v['device']})  {v['free'] / 2**30:.1f} GiB free: the dense weights and a full context's KV "
+              "cache do not fit (--max-model-len, or --device cpu)")
+    else:
+        print(f"VRAM ({v['device']})  {v['free'] / 2**30:.1f} GiB free: weights {v['weights'] / 2**30:.2f} GiB, "
+              f"KV {v['kv_cache'] / 2**30:.2f} GiB, expert cache {v['cache_slots']} slots "
+              f"({v['cache_bytes'] / 2**30:.2f} GiB)")
+
+
 def _print_report(r: dict) -> None:
+    _print_memory(r["memory"])
     print(f"expert size        {r['expert_bytes'] / 2**20:.2f} MiB")
     print(f"B_H (CPU experts)  {r['B_H_GBps']:.1f} GB/s  (+{r['cpu_fixed_us']:.0f} us per dispatch); "
           f"{r['B_H_GBps'] / r['stream_read_GBps']:.0%} of a plain memory read ({r['stream_read_GBps']:.1f} GB/s)")

@@ -69,6 +69,32 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+@dataclass(frozen=True)
+class VramPlan:
+    """What the GPU executor puts in GPU memory: the dense weights, the KV cache of ``kv_tokens``
+    tokens, and expert cache slots in what is left (``share`` of it, as the engine sizes its default
+    cache)."""
+
+    free: int
+    weights: int
+    kv_cache: int
+    kv_tokens: int
+    cache_slots: int
+    cache_bytes: int
+
+    def fits(self) -> bool:
+        return self.weights + self.kv_cache <= self.free
+
+
+def plan_vram(free: int, weights: int, kv_bytes_per_token: int, kv_tokens: int, expert_bytes: int,
+              total_experts: int, share: float = 0.8) -> VramPlan:
+    """The GPU executor's memory plan on a GPU with ``free`` bytes (pure)."""
+    kv = kv_bytes_per_token * kv_tokens
+    left = max(free - weights - kv, 0)
+    slots = min(int(left * share) // expert_bytes, total_experts)
+    return VramPlan(free, weights, kv, kv_tokens, slots, slots * expert_bytes)
+
+
 def bytes_by_device(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
     """Bytes of the storages behind ``tensors`` (each once) per device ("cpu", "cuda:0", ...)."""
     seen: dict[tuple[str, int], int] = {}

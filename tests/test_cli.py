@@ -102,6 +102,8 @@ def test_profile_without_gpu_reports_host_bandwidth(checkpoint):
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["B_H_GBps"] > 0 and len(report["qtable"]) == len(report["rows"])
+    memory = report["memory"]  # the GPU executor's memory: weights, KV, slots (the plan needs a GPU)
+    assert memory["dense_weight_bytes"] > 0 and memory["kv_bytes_per_token"] > 0 and memory["expert_bytes"] > 0
     if report["device"] is None:
         assert report["qtable"] == [0] * len(report["qtable"])  # no device: every miss on the CPU
     out = hearth("profile", "--model", str(path), "--repeats", "3", "--virtual-device")

@@ -9,6 +9,7 @@ import torch
 from hearth.config import ConfigError
 from hearth.engine import LLM
 from hearth.engine.device_placement import move_module, resolve_device
+from hearth.engine.memory import plan_vram
 from tests.test_hierarchy import OVERRIDES
 
 
@@ -51,3 +52,14 @@ def test_engine_on_the_cpu_device_is_the_cpu_engine(checkpoint) -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="no CUDA device"):
             LLM(path, device="cuda", expert_device="none")
+
+
+def test_vram_plan() -> None:
+    gib = 1 << 30
+    plan = plan_vram(free=24 * gib, weights=2 * gib, kv_bytes_per_token=1 << 16, kv_tokens=32768,
+                     expert_bytes=gib // 64, total_experts=10_000)
+    assert plan.kv_cache == 2 * gib and plan.fits()
+    assert plan.cache_slots == int(20 * gib * 0.8) // (gib // 64) and plan.cache_bytes == plan.cache_slots * (gib // 64)
+    assert plan_vram(8 * gib, 2 * gib, 1 << 16, 32768, gib // 64, 100).cache_slots == 100  # no more than there are
+    tight = plan_vram(3 * gib, 2 * gib, 1 << 16, 32768, gib // 64, 100)
+    assert not tight.fits() and tight.cache_slots == 0
