@@ -70,6 +70,7 @@ class StaticBatch:
     context_lens: torch.Tensor  # [B] int64: tokens in the cache after the step
     logits_indices: torch.Tensor  # [B] every row (the caller keeps the real ones)
     block_size: int
+    state_slots: torch.Tensor | None = None  # [B] hybrid models: each row's recurrent-state slot
     experts: StepContext | None = None
 
     @property

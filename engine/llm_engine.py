@@ -108,7 +108,8 @@ class LLMEngine:
         states = RecurrentStatePool(cfg, config.scheduler.max_num_seqs, self.device) if cfg.linear_layer_ids else None
         self.runner = ModelRunner(loaded.model, kv, states)
         if config.static_decode != "off":
-            self.runner.static = StaticDecoder(loaded.model, kv, self.max_model_len, config.static_decode)
+            self.runner.static = StaticDecoder(loaded.model, kv, self.max_model_len, config.static_decode,
+                                               states=states)
             if self.experts is not None:
                 self.runner.static.on_step = self.experts.observe_step  # the tuner times whole steps here
         prefix = RadixCache(bs) if config.kv_cache.prefix_caching else None

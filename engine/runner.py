@@ -70,17 +70,17 @@ class ModelRunner:
         experts: StepContext | None = None,
     ) -> tuple[torch.Tensor, list[Request]]:
         """Run the step; ``experts`` is what the expert hierarchy made of it (its MoE layers read it)."""
+        if self.states is not None:
+            for req, _ in items:
+                if not req.state_ready:  # first step since admission: zeros or a checkpoint
+                    self.states.prepare(req.state_slot, req.state_source)
+                    req.state_ready, req.state_source = True, None
         if self.static is not None and not captures and all(
                 n == 1 and req.num_computed + 1 == req.num_tokens for req, n in items):
             self.last_captures = []
             return self.static.execute(items, experts)
         batch, sampled = build_batch(items, self.kv.block_size, captures, self.device)
         batch.experts = experts
-        if self.states is not None:
-            for req, _ in items:
-                if not req.state_ready:  # first step since admission: zeros or a checkpoint
-                    self.states.prepare(req.state_slot, req.state_source)
-                    req.state_ready, req.state_source = True, None
         logits = self.model(batch, self.kv, self.states)
         self.last_captures = [
             (items[index][0], batch.sequences[index].context_len - batch.sequences[index].query_len + offset,

@@ -21,6 +21,7 @@ import hearth.engine.graph_ops  # noqa: F401 - registers torch.ops.hearth.*
 from hearth.engine.batch import StaticBatch
 from hearth.engine.kv_cache import PagedKVCache
 from hearth.engine.request import Request
+from hearth.engine.state_pool import RecurrentStatePool
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16)
 
@@ -62,7 +63,8 @@ def build_static_batch(items: list[tuple[Request, int]], block_size: int, rows: 
 
     return StaticBatch(token_ids=column(tokens), positions=column(positions), slot_mapping=column(slots),
                        block_tables=table.to(device), context_lens=column(lens),
-                       logits_indices=torch.arange(rows, device=device), block_size=block_size)
+                       logits_indices=torch.arange(rows, device=device), block_size=block_size,
+                       state_slots=column([req.state_slot for req, _ in items]))
 
 
 class StaticDecoder:
@@ -71,13 +73,14 @@ class StaticDecoder:
     ``torch.compile(fullgraph=True, dynamic=False)`` and ``backend`` (a graph break raises)."""
 
     def __init__(self, model: torch.nn.Module, kv: PagedKVCache, max_model_len: int, mode: str = "compile",
-                 backend: str | Callable = "inductor", buckets: tuple[int, ...] = BATCH_BUCKETS) -> None:
-        if model.config.linear_layer_ids:
-            raise ValueError(f"{model.config.architecture}: static decode steps cover attention models only "
-                             "(its linear-attention layers keep recurrent state)")
+                 backend: str | Callable = "inductor", buckets: tuple[int, ...] = BATCH_BUCKETS,
+                 states: RecurrentStatePool | None = None) -> None:
+        if model.config.linear_layer_ids and states is None:
+            raise ValueError(f"{model.config.architecture} has linear-attention layers: static steps need its "
+                             "state pool")
         if mode not in ("eager", "compile"):
             raise ValueError(f"static decode mode '{mode}': eager or compile")
-        self.model, self.kv = model, kv
+        self.model, self.kv, self.states = model, kv, states
         self.max_blocks = -(-max_model_len // kv.block_size)
         self.mode, self.backend, self.buckets = mode, backend, buckets
         self._compiled: dict[tuple[int, int], Any] = {}
@@ -96,7 +99,7 @@ class StaticDecoder:
 
     def _forward(self, batch: StaticBatch) -> torch.Tensor:
         # The model's forward without its inference_mode wrapper (see execute).
-        return type(self.model).forward.__wrapped__(self.model, batch, self.kv)
+        return type(self.model).forward.__wrapped__(self.model, batch, self.kv, self.states)
 
     def execute(self, items: list[tuple[Request, int]], experts=None) -> tuple[torch.Tensor, list[Request]]:
         """Logits [n, vocab] fp32 of the n decoding sequences, and those requests (sampled, in order)."""

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hearth.engine.batch import LayerContext
+from hearth.engine.batch import LayerContext, StaticBatch
 from hearth.engine.config import LinearAttentionConfig
 from hearth.engine.layers.linear import Projection
 from hearth.engine.layers.norm import GatedRMSNorm
@@ -137,7 +137,12 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self._project(x)
         beta = torch.sigmoid(b).float()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv], <= 0
-        out = torch.empty(x.shape[0], self.la.num_value_heads, self.la.value_head_dim, dtype=torch.float32)
+        if isinstance(batch, StaticBatch):  # a fixed-shape decode step: every row one token of its slot
+            out = self._recurrent_update(qkv, g, beta, batch.state_slots, conv_cache, state_cache)
+            core = self.norm(out.to(x.dtype).view(-1, self.la.value_head_dim), z.reshape(-1, self.la.value_head_dim))
+            return linear(core.view(x.shape[0], -1), self.out_proj.weight)
+        out = torch.empty(x.shape[0], self.la.num_value_heads, self.la.value_head_dim, dtype=torch.float32,
+                          device=x.device)
         decode = [i for i, s in enumerate(batch.sequences) if s.query_len == 1 and not s.captures]
         if decode:
             self._decode(qkv, g, beta, out, batch, decode, conv_cache, state_cache)
@@ -155,16 +160,23 @@ class GatedDeltaNet(nn.Module):
 
     def _decode(self, qkv, g, beta, out, batch, indices, conv_cache, state_cache) -> None:
         """Every single-token sequence of the step in one batched recurrent update."""
-        rows = torch.tensor([batch.sequences[i].query_start for i in indices], dtype=torch.long)
-        slots = torch.tensor([batch.sequences[i].state_slot for i in indices], dtype=torch.long)
-        window = torch.cat([conv_cache.index_select(0, slots), qkv.index_select(0, rows)[:, :, None]], dim=-1)
+        rows = torch.tensor([batch.sequences[i].query_start for i in indices], dtype=torch.long, device=qkv.device)
+        slots = torch.tensor([batch.sequences[i].state_slot for i in indices], dtype=torch.long, device=qkv.device)
+        o = self._recurrent_update(qkv.index_select(0, rows), g.index_select(0, rows), beta.index_select(0, rows),
+                                   slots, conv_cache, state_cache)
+        out.index_copy_(0, rows, o)
+
+    def _recurrent_update(self, qkv, g, beta, slots, conv_cache, state_cache) -> torch.Tensor:
+        """One new token per row (qkv [B, conv_dim], g and beta [B, Hv]) of the sequences in state
+        ``slots`` [B]: their convolution windows and states advance in place; o [B, Hv, Dv] fp32.
+        Rows sharing a slot must carry the same token (a fixed-shape step's padding)."""
+        window = torch.cat([conv_cache.index_select(0, slots), qkv[:, :, None]], dim=-1)
         conv_cache.index_copy_(0, slots, window[:, :, 1:].to(conv_cache.dtype))
         mixed = self._conv(window)[:, :, -1].to(qkv.dtype)  # [B, C]
         q, k, v = self._qkv_heads(mixed)
-        o, state = recurrent_step(q, k, v, g.index_select(0, rows), beta.index_select(0, rows),
-                                  state_cache.index_select(0, slots))
+        o, state = recurrent_step(q, k, v, g, beta, state_cache.index_select(0, slots))
         state_cache.index_copy_(0, slots, state)
-        out.index_copy_(0, rows, o)
+        return o
 
     def _sequence(self, index, qkv, g, beta, out, batch, conv_cache, state_cache) -> None:
         """One sequence's new tokens, in segments cut where the step snapshots the state."""
