@@ -11,6 +11,9 @@ ifeq ($(shell command -v nvidia-smi 2>/dev/null),)
 ifeq ($(PIP_FIND_LINKS),)
 TORCH_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
 endif
+# The GPU kernels (Triton) are tested under Triton's interpreter here. PyTorch's CUDA builds bring
+# their own pinned Triton, so it is pinned here, for CPU machines only, not in constraints.txt.
+CPU_EXTRAS ?= triton==3.8.0
 endif
 
 .PHONY: venv test test-cluster test-clients lint fmt serve proto clean
@@ -20,7 +23,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt setup.py $(wildcard engine/ke
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt $(TORCH_INDEX) "$(TORCH_SPEC)"
-	$(PIP) install -q -c constraints.txt -e ".[test]"
+	$(PIP) install -q -c constraints.txt -e ".[test]" $(CPU_EXTRAS)
 	touch $@
 
 venv: $(VENV)/.installed

@@ -122,7 +122,14 @@ def fill_slots_op(slots_gate_up: torch.Tensor, slots_down: torch.Tensor, pool_ga
                   count: torch.Tensor) -> None:
     """Copy the first ``count`` planned fills (global ids ``src`` -> slots ``dst``) from the pool into
     the slot arena. The count is read here, where the copy runs, not by the graph around it: the
-    count-aware gather a captured step needs."""
+    count-aware gather a captured step needs. On a GPU with the pool mapped (device views of its
+    pages), a kernel reads the count on the device and no host read happens at all."""
+    if slots_gate_up.is_cuda and pool_gate_up.is_cuda:
+        from hearth.engine.kernels import device_fill
+
+        for slots, pool in ((slots_gate_up, pool_gate_up), (slots_down, pool_down)):
+            device_fill.fill_rows(slots, pool, row_table, src, dst, count)
+        return
     n = int(count)
     if n == 0:
         return

@@ -142,8 +142,8 @@ class HierarchicalExpertBackend:
             pair_slot, src, dst, count = torch.ops.hearth.cache_step(
                 flat, tables.slot_of, tables.expert_of, tables.last_used, tables.clock, tables.qtable, tables.stats,
                 tables.num_candidates)
-            torch.ops.hearth.fill_slots(device.gate_up, device.down, pool.gate_up, pool.down, pool.row_table, src,
-                                        dst, count)
+            gate_up_src, down_src, rows_of = device.fill_sources()  # on a GPU: the mapped pool, read in place
+            torch.ops.hearth.fill_slots(device.gate_up, device.down, gate_up_src, down_src, rows_of, src, dst, count)
         pair_slot = pair_slot.view(t, k)
         blocks = pool.layer_blocks(layer)
         host = pool.row_table.device  # the CPU share reads host copies (no-ops when the model runs on the CPU)

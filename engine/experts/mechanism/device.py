@@ -95,6 +95,10 @@ class VirtualDevice:
         self.down = resized_arena(self.down, num_slots, old_slots, new_slots)
         self.num_slots = num_slots
 
+    def fill_sources(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate_up bank, down bank, row table) a fixed-shape step's fill reads: the pool itself."""
+        return self.pool.gate_up, self.pool.down, self.pool.row_table
+
     def synchronize(self) -> None:
         """Nothing runs asynchronously on the virtual device but the copy thread (waited per copy)."""
 
@@ -152,6 +156,23 @@ class CudaDevice:
         self.down = torch.empty((num_slots, *pool.down.shape[1:]), dtype=pool.down.dtype, device=self.device)
         self.copy_stream = torch.cuda.Stream(self.device)
         self._registered = pin_host_memory((pool.gate_up, pool.down))
+        self._sources: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def fill_sources(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate_up bank, down bank, row table) a fixed-shape step's fill reads: the registered pool
+        as device views (read across PCIe in place by the count-aware kernel) and the row table on
+        the GPU; the host pool itself where Triton is missing (the fill then reads its count on the
+        host)."""
+        if self._sources is None:
+            from hearth.engine.kernels import device_fill
+
+            if device_fill.available():
+                self._sources = (device_fill.mapped_view(self.pool.gate_up, self.device),
+                                 device_fill.mapped_view(self.pool.down, self.device),
+                                 self.pool.row_table.to(self.device))
+            else:
+                self._sources = (self.pool.gate_up, self.pool.down, self.pool.row_table)
+        return self._sources
 
     def close(self) -> None:
         """Unregister the pool's pages (the pool itself stays: it is the source of truth)."""
