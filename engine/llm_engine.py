@@ -425,7 +425,7 @@ class LLMEngine:
                 ("expert_pool", bytes_by_device([self.pool.gate_up, self.pool.down]))]
         if self.experts is not None:
             device = self.experts.device
-            where = "virtual" if device.kind == "virtual" else str(device.device)
+            where = "virtual" if device.kind == "virtual" else str(device.gate_up.device)  # "cuda:0", not "cuda"
             rows.append(("expert_cache", {where: device.gate_up.nbytes + device.down.nbytes}))
         return [{"device": d, "use": use, "bytes": n} for use, by_device in rows for d, n in by_device.items()]
 

@@ -75,7 +75,7 @@ class ModelRunner:
                 if not req.state_ready:  # first step since admission: zeros or a checkpoint
                     self.states.prepare(req.state_slot, req.state_source)
                     req.state_ready, req.state_source = True, None
-        if self.static is not None and not captures and all(
+        if self.static is not None and not captures and (experts is None or experts.mode == "decode") and all(
                 n == 1 and req.num_computed + 1 == req.num_tokens for req, n in items):
             self.last_captures = []
             return self.static.execute(items, experts)

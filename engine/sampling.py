@@ -68,7 +68,13 @@ def sample_token(
     output: list[int],
     generator: torch.Generator | None,
 ) -> int:
-    """Pick the next token from one sequence's fp32 logits [V]."""
+    """Pick the next token from one sequence's fp32 logits [V]. Logits on a GPU come to the host
+    when anything but plain greedy applies: the penalties' index tensors and a seed's generator are
+    host-side, and a seed then draws the same tokens on every device."""
+    plain_greedy = params.greedy and params.repetition_penalty == 1.0 and not (
+        output and (params.presence_penalty or params.frequency_penalty))
+    if logits.device.type != "cpu" and not plain_greedy:
+        logits = logits.cpu()
     logits = apply_penalties(logits, params, prompt, output)
     if params.greedy or not bool(torch.isfinite(logits.max())):
         return greedy_token(logits)  # (a NaN or +inf logit is the model's, and sampling cannot use it)

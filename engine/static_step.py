@@ -12,6 +12,7 @@ shapes recur at every token. :class:`StaticDecoder` keeps one compiled step per 
 from __future__ import annotations
 
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -86,15 +87,21 @@ class StaticDecoder:
         self._compiled: dict[tuple[int, int], Any] = {}
         self.on_step: Callable[[float, int], None] | None = None  # (seconds, tokens) of each step
         self.steps = 0  # static steps run
+        self.just_compiled = False  # the last step compiled its bucket (its time is not the step's)
         self.recompiles = 0  # times the compiled steps were dropped (resizes)
 
     def step_fn(self, rows: int, width: int):
-        """The step for one bucket (compiled on first use in compile mode)."""
+        """The step for one bucket (compiled on first use in compile mode). Each bucket compiles its
+        own copy of the step's code: torch keeps compiled versions per code object and allows only a
+        few, which the buckets' widths and the compiles after resizes would exhaust."""
         if self.mode == "eager":
             return self._forward
         key = (rows, width)
         if key not in self._compiled:
-            self._compiled[key] = torch.compile(self._forward, fullgraph=True, dynamic=False, backend=self.backend)
+            code = StaticDecoder._forward.__code__.replace(co_name=f"static_step_{rows}x{width}_{self.recompiles}")
+            fresh = types.MethodType(types.FunctionType(code, StaticDecoder._forward.__globals__), self)
+            self._compiled[key] = torch.compile(fresh, fullgraph=True, dynamic=False, backend=self.backend)
+            self.just_compiled = True
         return self._compiled[key]
 
     def _forward(self, batch: StaticBatch) -> torch.Tensor:
@@ -107,10 +114,11 @@ class StaticDecoder:
         batch = build_static_batch(items, self.kv.block_size, rows, self.max_blocks, self.kv.keys[0].device)
         batch.experts = experts
         self.steps += 1
+        self.just_compiled = False
         start = time.perf_counter()
         with torch.no_grad():  # not inference mode: AOTAutograd cannot trace views of inference tensors
             logits = self.step_fn(rows, batch.block_tables.shape[1])(batch)
-        if self.on_step is not None:
+        if self.on_step is not None and not self.just_compiled:  # a step that compiled says nothing of the split
             if logits.is_cuda:
                 torch.cuda.synchronize(logits.device)  # the step's own time, not its launch
             self.on_step(time.perf_counter() - start, len(items))

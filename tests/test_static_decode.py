@@ -10,7 +10,7 @@ import torch
 
 from hearth.engine import LLM
 from hearth.engine.static_step import block_bucket, bucket_of
-from tests.helpers import PROMPTS, max_rel_error
+from tests.helpers import PROMPTS, greedy, max_rel_error
 from tests.test_gguf_hierarchy import q4_k_m  # noqa: F401 - the fixture
 from tests.test_hierarchy import BATCH4, OVERRIDES, SPLIT_BANDWIDTHS, run
 
@@ -123,4 +123,27 @@ def test_hybrid_models_in_static_steps(checkpoint, family) -> None:
         assert max(max_rel_error(a, b) for a, b in zip(logits, ref_logits, strict=True)) <= 1e-4, mode
         assert llm.engine.runner.static.steps >= STEPS - 1
         llm.close()
+    torch._dynamo.reset()
+
+
+def test_many_buckets_compile_without_hitting_the_recompile_limit(checkpoint) -> None:
+    """A sequence growing through many block-table widths, and a batch shrinking through row
+    buckets: more compiled shapes than torch allows one function (8), each bucket its own code."""
+    path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    llm = LLM(path, static_decode="compile", block_size=1, expert_device="none")
+    static = llm.engine.runner.static
+    static.backend = "aot_eager"
+    engine = llm.engine
+    long_id = engine.add_request([5, 6, 7, 8, 9], greedy(300))
+    engine.add_request([11, 12, 13], greedy(6))
+    engine.add_request([21, 22], greedy(3))
+    tokens = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.chunk.token_ids)
+    assert len(static.compiled_buckets) > 8, static.compiled_buckets
+    plain = LLM(path, expert_device="none")
+    assert tokens[long_id] == plain.generate([[5, 6, 7, 8, 9]], greedy(300))[0].token_ids
+    plain.close()
+    llm.close()
     torch._dynamo.reset()
