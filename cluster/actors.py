@@ -300,7 +300,7 @@ class ExecutorActor:
 
     async def resize_expert_cache(self, size: str) -> dict[str, int]:
         """Resize the device expert cache at the next step boundary (elastic VRAM); the report."""
-        report = await asyncio.wrap_future(self.client.call(lambda e: e.resize_expert_cache(size)))
+        report = (await self.client.resize_expert_cache(size))["local"]  # the client keeps its watcher in step
         log.info("%s: expert cache resized to %d slots (%d kept, %d dropped)", self.spec.replica_id,
                  report["slots"], report["kept"], report["dropped"])
         return report

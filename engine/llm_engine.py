@@ -94,7 +94,8 @@ class LLMEngine:
                           device=self.device, attention_layers=cfg.attention_layer_ids)
         step_tokens = max(config.scheduler.step_tokens, config.scheduler.prefill_chunk)
         self.experts = build_hierarchy(cfg, self.pool, config.experts, step_tokens,
-                                       pool_name=self.host_pool.name if self.host_pool is not None else None)
+                                       pool_name=self.host_pool.name if self.host_pool is not None else None,
+                                       executor_device=self.device)
         if self.experts is not None:
             loaded.model.set_expert_backend(self.experts)
         self._routing_file = None

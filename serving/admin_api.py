@@ -47,6 +47,8 @@ async def resize_expert_cache(request: Request) -> dict[str, Any]:
         raise APIError(404, exc.args[0] if exc.args else str(exc), "replica") from None
     except ValueError as exc:  # no cache to resize
         raise APIError(400, str(exc), "size") from None
+    except MemoryError as exc:  # the device could not hold the new arena (it says what it has now)
+        raise APIError(503, str(exc)) from None
     return {"object": "expert_cache.resized", "replicas": resized}
 
 

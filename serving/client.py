@@ -74,6 +74,7 @@ class InProcessEngineClient:
         self._decode_tok_s = 0.0
         self._loaded = threading.Event()
         self._stopping = False
+        self._watcher = None  # the elastic-VRAM watcher, on a GPU
         self.phase = "starting"  # what loading is doing (reported while a start takes long)
         self._thread = threading.Thread(target=self._run, name="hearth-engine", daemon=True)
         self._thread.start()
@@ -159,7 +160,9 @@ class InProcessEngineClient:
         """Run ``fn(engine)`` on the engine thread between two steps (a safe point: no layer is
         running); the future holds its result. Used to push a new q table, probe bandwidths, etc."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        if not self.ready:
+        if self._stopping:
+            future.set_exception(EngineNotReady("the engine is stopping"))
+        elif not self.ready:
             future.set_exception(EngineNotReady("the model is not loaded"))
         else:
             self._commands.put(("call", (fn, future)))
@@ -169,7 +172,10 @@ class InProcessEngineClient:
         """Resize the engine's device expert cache between two steps (elastic VRAM); {"local": report}."""
         if replica not in (None, "local"):
             raise LookupError(f"no replica '{replica}': this server runs one engine, 'local'")
-        return {"local": await asyncio.wrap_future(self.call(lambda engine: engine.resize_expert_cache(size)))}
+        report = await asyncio.wrap_future(self.call(lambda engine: engine.resize_expert_cache(size)))
+        if self._watcher is not None:  # an operator's size is the new ceiling: the watcher must not undo it
+            self._watcher.set_ceiling(report["bytes"])
+        return {"local": report}
 
     def _resize_now(self, nbytes: int) -> dict[str, int]:
         """Resize the expert cache to ``nbytes`` at the next step boundary and wait for it."""
@@ -200,12 +206,12 @@ class InProcessEngineClient:
             self._loaded.set()
             return
         self._loaded.set()
-        watcher = watch_engine(self.engine, self._resize_now)  # elastic VRAM on a GPU, where NVML reads
+        self._watcher = watch_engine(self.engine, self._resize_now)  # elastic VRAM on a GPU, where NVML reads
         try:
             self._loop()
         finally:
-            if watcher is not None:
-                watcher.stop()
+            if self._watcher is not None:
+                self._watcher.stop()
             self.engine.close()
 
     def _loop(self) -> None:
@@ -217,6 +223,7 @@ class InProcessEngineClient:
                     cmd, arg = self._commands.get(block=block)
                     block = False
                     if cmd == "stop":
+                        self._fail_pending()
                         return
                     self._apply(cmd, arg)
             except queue.Empty:
@@ -224,6 +231,17 @@ class InProcessEngineClient:
             self._feed()
             if engine.has_unfinished():
                 self._step()
+
+    def _fail_pending(self) -> None:
+        """Calls still queued at stop get an error instead of never finishing (whoever waits on
+        them, e.g. the VRAM watcher, would otherwise hold up the shutdown)."""
+        while True:
+            try:
+                cmd, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd == "call":
+                arg[1].set_exception(EngineNotReady("the engine is stopping"))
 
     def _apply(self, cmd: str, arg: Any) -> None:
         if cmd == "call":

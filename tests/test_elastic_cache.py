@@ -169,6 +169,10 @@ def test_vram_watcher_resizes_the_engine(checkpoint) -> None:
     assert watcher.check() == 28 * slot and engine.experts.tables.num_slots == 28
     free[0] = 30 * slot
     assert watcher.check() == 48 * slot and engine.experts.tables.num_slots == 48
+    engine.resize_expert_cache("20slots")  # an operator's size (the admin route also sets the ceiling)
+    watcher.set_ceiling(20 * slot)
+    free[0] = 60 * slot
+    assert watcher.check() is None and engine.experts.tables.num_slots == 20  # not grown back over it
     watcher.stop()
     assert watch_engine(engine, print) is None  # the virtual device has no NVML reading
     assert watch_engine(LLM(path, expert_device="none").engine, print, read_free=lambda: 0) is None
@@ -189,3 +193,36 @@ def test_resizing_under_compiled_static_steps(checkpoint, unresized) -> None:
     assert static.recompiles == 3 and static.compiled_buckets and static.steps >= 20
     llm.close()
     torch._dynamo.reset()
+
+
+def test_a_failed_device_resize_leaves_a_consistent_cache(checkpoint, unresized) -> None:
+    """The device resizes first: when it fails with its arena intact the tables are untouched; when
+    it had to give its arena up, the cache is empty (0 slots) and says so; decoding goes on exactly."""
+    path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    llm = LLM(path, expert_device="virtual", expert_cache="0.37", q_mode="table", expert_bandwidths=SPLIT_BANDWIDTHS,
+              stream_min_tokens=1 << 20)
+    backend = llm.engine.experts
+    real = backend.device.resize
+
+    def refuses(*args):
+        raise MemoryError("no room")
+
+    def gives_up(*args):
+        real(0, torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
+        raise MemoryError("no room; it now has none")
+
+    llm.generate(BATCH4[:1], greedy(4))
+    held = backend.tables.resident()
+    backend.device.resize = refuses
+    with pytest.raises(MemoryError):
+        llm.engine.resize_expert_cache("1.0")
+    assert backend.tables.resident() == held and backend.tables.num_slots == backend.device.num_slots == 17
+    backend.device.resize = gives_up
+    with pytest.raises(MemoryError):
+        llm.engine.resize_expert_cache("1.0")
+    assert backend.tables.num_slots == backend.device.num_slots == 0 and backend.tables.resident() == {}
+    backend.device.resize = real
+    tokens, logits = run_resizing(llm, BATCH4, 24, {5: "0.37"})
+    assert tokens == unresized[0]
+    assert max(max_rel_error(a, b) for a, b in zip(logits, unresized[1], strict=True)) <= 1e-5
+    llm.close()

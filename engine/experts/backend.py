@@ -272,8 +272,16 @@ class HierarchicalExpertBackend:
         if self.streamer is not None:
             self.streamer.release()  # what its buffers hold becomes cache entries first
         before = int((self.tables.expert_of[: self.tables.num_slots] >= 0).sum())
-        old_slots, new_slots = self.tables.resize(num_slots)
-        self.device.resize(num_slots, old_slots, new_slots, self.tables.expert_of[new_slots])
+        plan = self.tables.plan_resize(num_slots)
+        try:  # the device first: when it fails, the tables still describe what it holds
+            self.device.resize(num_slots, *plan, self.tables.expert_of[plan[0]])
+        except Exception:
+            if self.device.num_slots == 0:  # it gave up its arena: the cache is empty now, and says so
+                self.tables.resize(0)
+                if self.stream_setup is not None:
+                    self.stream_setup(self, 0)
+            raise
+        old_slots, new_slots = self.tables.resize(num_slots, plan)
         if self.stream_setup is not None:
             self.stream_setup(self, num_slots)
         kept = int(new_slots.numel())

@@ -48,10 +48,11 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def build_device(kind: str, pool: ExpertPool, slots: int, virtual_link_gbps: float | None = None) -> ExpertDevice:
-    """A ``cuda`` or ``virtual`` device with ``slots`` expert slots."""
+def build_device(kind: str, pool: ExpertPool, slots: int, virtual_link_gbps: float | None = None,
+                 gpu: torch.device | str = "cuda") -> ExpertDevice:
+    """A ``cuda`` (on ``gpu``) or ``virtual`` device with ``slots`` expert slots."""
     if kind == "cuda":
-        return CudaDevice(pool, slots)
+        return CudaDevice(pool, slots, gpu)
     return VirtualDevice(pool, slots, virtual_link_gbps * 1e9 if virtual_link_gbps else None)
 
 
@@ -72,10 +73,12 @@ def build_cpu_workers(cfg: ModelConfig, pool: ExpertPool, hc: ExpertConfig, max_
 
 
 def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: ExpertConfig, max_tokens: int,
-                    pool_name: str | None = None) -> HierarchicalExpertBackend | None:
+                    pool_name: str | None = None, executor_device: torch.device | None = None
+                    ) -> HierarchicalExpertBackend | None:
     """The hierarchical backend, or None when there is no device (every expert runs from the pool).
     ``max_tokens`` is the most tokens one step computes; ``pool_name`` names the shared-memory pool
-    when there is one (for worker processes)."""
+    when there is one (for worker processes); a CUDA cache goes on ``executor_device`` when that is
+    a GPU (``--device cuda:N``), else on the current one."""
     kind = resolve_device(hc.device)
     if kind == "none":
         return None
@@ -83,11 +86,12 @@ def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: ExpertConfig, max_to
         raise ConfigError("experts kept in quantized blocks run on in-process CPU workers only "
                           "(--cpu-experts inline or thread) for now")
     act = activation(cfg.hidden_act)
-    free = torch.cuda.mem_get_info()[0] if kind == "cuda" else 0
+    gpu = executor_device if executor_device is not None and executor_device.type == "cuda" else torch.device("cuda")
+    free = torch.cuda.mem_get_info(gpu)[0] if kind == "cuda" else 0
     # Default size: 80 % of free GPU memory; on the virtual device a quarter of the pool.
     default_bytes = int(free * 0.8) if kind == "cuda" else pool.nbytes // 4
     slots = cache_slots(hc.cache, pool, default_bytes)
-    device = build_device(kind, pool, slots, hc.virtual_link_gbps)
+    device = build_device(kind, pool, slots, hc.virtual_link_gbps, gpu)
     workers = build_cpu_workers(cfg, pool, hc, max_tokens, act, pool_name)
     m_max = cfg.num_experts
     costs, tuner = None, None

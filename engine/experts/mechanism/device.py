@@ -8,6 +8,7 @@ optionally rate-limited copy path, so the whole hierarchy runs, and is tested, w
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,6 +20,7 @@ from hearth.engine.experts.contract import FillPlan
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.kernels import cpu_decode_ops
 
+log = logging.getLogger(__name__)
 # Experts moved per copy when an arena is resized.
 _MOVE_CHUNK = 64
 
@@ -156,22 +158,26 @@ class CudaDevice:
         self.down = torch.empty((num_slots, *pool.down.shape[1:]), dtype=pool.down.dtype, device=self.device)
         self.copy_stream = torch.cuda.Stream(self.device)
         self._registered = pin_host_memory((pool.gate_up, pool.down))
-        self._sources: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # Built here, never inside a compiled step (the mapping goes through the CUDA runtime).
+        self._sources = self._mapped_sources()
+
+    def _mapped_sources(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from hearth.engine.kernels import device_fill
+
+        if device_fill.available():
+            try:
+                return (device_fill.mapped_view(self.pool.gate_up, self.device),
+                        device_fill.mapped_view(self.pool.down, self.device), self.pool.row_table.to(self.device))
+            except RuntimeError as exc:
+                log.warning("the expert pool cannot be read in place by the GPU (%s): fills read their count "
+                            "on the host", exc)
+        return self.pool.gate_up, self.pool.down, self.pool.row_table
 
     def fill_sources(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate_up bank, down bank, row table) a fixed-shape step's fill reads: the registered pool
         as device views (read across PCIe in place by the count-aware kernel) and the row table on
         the GPU; the host pool itself where Triton is missing (the fill then reads its count on the
         host)."""
-        if self._sources is None:
-            from hearth.engine.kernels import device_fill
-
-            if device_fill.available():
-                self._sources = (device_fill.mapped_view(self.pool.gate_up, self.device),
-                                 device_fill.mapped_view(self.pool.down, self.device),
-                                 self.pool.row_table.to(self.device))
-            else:
-                self._sources = (self.pool.gate_up, self.pool.down, self.pool.row_table)
         return self._sources
 
     def close(self) -> None:
@@ -216,28 +222,42 @@ class CudaDevice:
                                   weights.to(self.device), act, blocks)
 
     def resize(self, num_slots: int, old_slots: torch.Tensor, new_slots: torch.Tensor, kept_ids: torch.Tensor) -> None:
-        """A new slot arena of ``num_slots`` slots, the kept experts moved on the device; the old
-        arena's memory goes back to the driver. Where both arenas do not fit at once (shrinking
-        under memory pressure), the old one is freed first and the kept experts are copied again
-        from the pinned host pool."""
+        """A new slot arena of ``num_slots`` slots. The old arena is freed first (its memory back to
+        the driver: a resize usually answers another program's need) and the kept experts are copied
+        again from the pinned host pool, so a resize never needs both arenas at once. When even the
+        new arena cannot be had, the device is left with none (0 slots) and the error raised."""
         self.synchronize()  # no fill or compute still reads the old arena
+        self.gate_up = self.down = None
+        self._sources = None
+        torch.cuda.empty_cache()
         try:
-            gate_up = resized_arena(self.gate_up, num_slots, old_slots, new_slots)
-            down = resized_arena(self.down, num_slots, old_slots, new_slots)
-        except torch.cuda.OutOfMemoryError:
-            gate_up = down = None  # drop the new arena's half allocated before the failure, and the old arena
-            self.gate_up = self.down = None
-            torch.cuda.empty_cache()
             gate_up = torch.empty((num_slots, *self.pool.gate_up.shape[1:]), dtype=self.pool.gate_up.dtype,
                                   device=self.device)
             down = torch.empty((num_slots, *self.pool.down.shape[1:]), dtype=self.pool.down.dtype, device=self.device)
-            rows = self.pool.row_table[kept_ids.cpu()].tolist()
+        except torch.cuda.OutOfMemoryError:
+            failed = True
+        else:
+            failed = False
+        if failed:  # outside the except block, whose traceback would keep the half-made arena alive
+            gate_up = down = None
+            torch.cuda.empty_cache()
+            self._arena(0)
+            raise MemoryError(f"no GPU memory for an expert cache of {num_slots} slots; it now has none")
+        rows = self.pool.row_table[kept_ids.cpu()].tolist()
+        with torch.cuda.stream(self.copy_stream):
             for slot, row in zip(new_slots.tolist(), rows, strict=True):
                 gate_up[slot].copy_(self.pool.gate_up[row], non_blocking=True)
                 down[slot].copy_(self.pool.down[row], non_blocking=True)
         self.gate_up, self.down, self.num_slots = gate_up, down, num_slots
         self.synchronize()
-        torch.cuda.empty_cache()  # the old arena's blocks back to the driver, for whoever asked for them
+        self._sources = self._mapped_sources()
+
+    def _arena(self, num_slots: int) -> None:
+        self.gate_up = torch.empty((num_slots, *self.pool.gate_up.shape[1:]), dtype=self.pool.gate_up.dtype,
+                                   device=self.device)
+        self.down = torch.empty((num_slots, *self.pool.down.shape[1:]), dtype=self.pool.down.dtype,
+                                device=self.device)
+        self.num_slots = num_slots
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

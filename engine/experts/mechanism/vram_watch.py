@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from hearth.engine.experts.policy.vram import VramPolicy, elastic_budget
@@ -28,6 +29,11 @@ class VramWatcher:
         self.resizes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hearth-vram-watch", daemon=True)
+
+    def set_ceiling(self, nbytes: int) -> None:
+        """A size set by hand is the new most the cache may grow to (and the watcher shrinks it
+        below that only when memory runs short)."""
+        self.policy = replace(self.policy, ceiling=nbytes, grow_step=max(nbytes // 16, 1))
 
     def start(self) -> VramWatcher:
         self._thread.start()

@@ -143,12 +143,16 @@ class ExpertCacheTables:
         empty = torch.full((0,), -1, dtype=torch.long, device=self.device)
         return FillPlan(torch.full_like(ids, -1), empty, empty, torch.zeros((), dtype=torch.long, device=self.device))
 
-    def resize(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Resize to ``num_slots`` slots, keeping the most recently used experts that fit (see
-        :func:`plan_resize`); returns (old slots, new slots) of the kept experts, for the device to
-        move their weights. The clock, the counters and the q table (the same tensor) carry over."""
-        old_slots, new_slots = plan_resize(self.expert_of[: self.num_slots], self.last_used[: self.num_slots],
-                                           num_slots)
+    def plan_resize(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(old slots, new slots) of the experts a resize to ``num_slots`` keeps (:func:`plan_resize`)."""
+        return plan_resize(self.expert_of[: self.num_slots], self.last_used[: self.num_slots], num_slots)
+
+    def resize(self, num_slots: int, plan: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Resize to ``num_slots`` slots, keeping the most recently used experts that fit (``plan``,
+        from :meth:`plan_resize`, or made now); returns (old slots, new slots) of the kept experts.
+        The clock, the counters and the q table (the same tensor) carry over."""
+        old_slots, new_slots = plan if plan is not None else self.plan_resize(num_slots)
         kept = self.expert_of[old_slots]
         used = self.last_used[old_slots]
         self.slot_of.fill_(-1)
