@@ -15,6 +15,7 @@ from hearth.engine.experts.measure import measure_host_path, measure_link_path, 
 from hearth.engine.experts.policy.qstar import SplitCosts, build_qtable, step_seconds
 from hearth.engine.ftw import load_checkpoint
 from hearth.engine.kv_cache import PagedKVCache
+from hearth.engine.llm_engine import kv_cache_tokens
 from hearth.engine.memory import plan_vram, tensor_bytes
 from hearth.engine.ops import activation
 
@@ -22,6 +23,7 @@ from hearth.engine.ops import activation
 def run_profile(args: argparse.Namespace) -> int:
     loaded = load_checkpoint(args.model, None if args.dtype == "auto" else args.dtype, show_progress=not args.json)
     cfg, pool = loaded.config, loaded.pool
+    memory = memory_report(loaded, cfg)  # before any arena of ours takes GPU memory
     host = measure_host_path(pool, activation(cfg.hidden_act), cfg.top_k, args.repeats)
     kind = "virtual" if args.virtual_device else "cuda" if torch.cuda.is_available() else None
     device = build_device(kind, pool, cfg.top_k, args.virtual_link_gbps) if kind else None
@@ -45,7 +47,7 @@ def run_profile(args: argparse.Namespace) -> int:
     }
     if device is not None:
         device.close()
-    report["memory"] = memory_report(loaded, cfg)
+    report["memory"] = memory
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -59,7 +61,8 @@ def memory_report(loaded, cfg) -> dict:
     model = loaded.model
     weights = tensor_bytes([*model.parameters(), *model.buffers()])
     per_token = PagedKVCache.bytes_per_token(len(cfg.attention_layer_ids), cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
-    tokens = EngineConfig().context_length(cfg.max_position_embeddings)
+    config = EngineConfig()
+    tokens = kv_cache_tokens(config, cfg, config.context_length(cfg.max_position_embeddings))  # as the engine sizes it
     out = {"dense_weight_bytes": weights, "kv_bytes_per_token": per_token, "context_tokens": tokens,
            "expert_bytes": loaded.pool.expert_bytes, "vram": None}
     if torch.cuda.is_available():

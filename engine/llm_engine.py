@@ -40,6 +40,17 @@ from hearth.proto.contracts import GenerationChunk, RequestMetrics, RequestOutpu
 
 log = logging.getLogger("hearth.engine")
 
+
+def kv_cache_tokens(config: EngineConfig, cfg, max_model_len: int) -> int:
+    """Tokens the engine's KV cache holds: as set, else every sequence's whole context within the
+    cache's byte budget."""
+    kv = config.kv_cache
+    if kv.num_tokens:
+        return kv.num_tokens
+    per_token = PagedKVCache.bytes_per_token(len(cfg.attention_layer_ids), cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+    wanted = config.scheduler.max_num_seqs * max_model_len
+    return max(kv.block_size, min(wanted, kv.num_bytes // per_token))
+
 # (prompt ids, output ids so far, fp32 logits [V]) -> logits: applied before penalties and sampling.
 LogitsProcessor = Callable[[list[int], list[int], torch.Tensor], torch.Tensor]
 
@@ -113,6 +124,7 @@ class LLMEngine:
                                                states=states)
             if self.experts is not None:
                 self.runner.static.on_step = self.experts.observe_step  # the tuner times whole steps here
+                self.experts.tune_layer_calls = False
         prefix = RadixCache(bs) if config.kv_cache.prefix_caching else None
         self.scheduler = Scheduler(config.scheduler, BlockAllocator(num_blocks, bs), prefix,
                                    self._recurrent_config(states))
@@ -201,14 +213,7 @@ class LLMEngine:
         return create
 
     def _kv_tokens(self) -> int:
-        kv = self.config.kv_cache
-        if kv.num_tokens:
-            return kv.num_tokens
-        cfg = self.model_config
-        layers = len(cfg.attention_layer_ids)
-        per_token = PagedKVCache.bytes_per_token(layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
-        wanted = self.config.scheduler.max_num_seqs * self.max_model_len
-        return max(kv.block_size, min(wanted, kv.num_bytes // per_token))
+        return kv_cache_tokens(self.config, self.model_config, self.max_model_len)
 
     # -- requests -------------------------------------------------------------------------------
     def encode(self, prompt: str) -> list[int]:

@@ -57,6 +57,8 @@ class HierarchicalExpertBackend:
         self.stream_threshold = None  # costs -> stream_min_tokens, when it follows the measured costs
         self.stream_setup = None  # (backend, slots) -> sets up streaming for a slot count (build.py)
         self.prefill_stats = None  # the streamers' counters, kept while a small cache turns streaming off
+        # Off when fixed-shape steps feed the tuner whole steps (observe_step): one kind of timing per epoch.
+        self.tune_layer_calls = True
         self.act = act
         self.device = device
         self.tables = tables
@@ -118,7 +120,7 @@ class HierarchicalExpertBackend:
         out = out.to(device=x.device, dtype=x.dtype)
         # Wall time of the whole call: on CUDA the plan read above waits for the device, so the sum
         # over calls covers the device work too without an extra synchronisation.
-        if self.tuner is not None and t <= TUNED_CALL_MAX_TOKENS \
+        if self.tuner is not None and self.tune_layer_calls and t <= TUNED_CALL_MAX_TOKENS \
                 and self.tuner.observe(time.perf_counter() - call_start):
             self._rebuild_qtable()
         return out
@@ -126,9 +128,11 @@ class HierarchicalExpertBackend:
     def forward_static(self, x: torch.Tensor, expert_ids: torch.Tensor, topk_weights: torch.Tensor,
                        layer: int) -> torch.Tensor:
         """One MoE layer of a fixed-shape decode step: the control step, the fills (their count read
-        inside the copy op) and both shares as custom ops, no host reads between them, so the step
-        compiles whole (``engine/static_step.py``). The same arithmetic as :meth:`forward`; the path
-        timers and the credit tuner are not fed (the step is timed as a whole)."""
+        inside the copy op) and both shares as custom ops, with no host reads between them on the
+        CPU, so the step compiles whole (``engine/static_step.py``). On a GPU the CPU share's inputs
+        still come to the host here (a synchronisation) until the ring ops run on the device. The
+        same arithmetic as :meth:`forward`; the path timers are not fed, and the credit tuner gets
+        whole steps (:meth:`observe_step`)."""
         t, k = expert_ids.shape
         tables, device, pool = self.tables, self.device, self.pool
         flat = expert_ids.reshape(-1).to(tables.device)
