@@ -160,6 +160,11 @@ def ring_post_op(ctrl: torch.Tensor, x_slot: torch.Tensor, rows_slot: torch.Tens
     (``mechanism/ring.py``): the payload into the slot's buffers, then its state word SUBMITTED,
     last. The worker computes while the step goes on with the device share; :func:`ring_collect_op`
     waits for the completion flag. Returns the ticket (the descriptor's sequence number)."""
+    if ctrl.is_cuda:  # the ring's device views: the GPU writes the descriptor (kernels/device_ring.py)
+        from hearth.engine.kernels import device_ring
+
+        device_ring.post(ctrl, x_slot, rows_slot, weights_slot, x, rows, weights)
+        return ctrl.new_zeros(())
     from hearth.engine.experts.mechanism.ring import FREE, SUBMITTED
 
     if int(ctrl[0]) != FREE:
@@ -188,6 +193,11 @@ def ring_collect_op(ticket: torch.Tensor, ctrl: torch.Tensor, out_slot: torch.Te
 
     from hearth.engine.experts.mechanism.ring import FAILED, FREE, SUBMITTED
 
+    if ctrl.is_cuda:  # the GPU waits for the completion word itself; errors reach the host after the step
+        from hearth.engine.kernels import device_ring
+
+        out = out_slot.new_empty((tokens, hidden))
+        return device_ring.collect(ctrl, out_slot, out, int(timeout_s * 1e6))
     deadline, spins = time.monotonic() + timeout_s, 0
     while (state := int(ctrl[0])) == SUBMITTED:
         spins += 1

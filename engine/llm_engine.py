@@ -125,6 +125,7 @@ class LLMEngine:
             if self.experts is not None:
                 self.runner.static.on_step = self.experts.observe_step  # the tuner times whole steps here
                 self.experts.tune_layer_calls = False
+                self.runner.static.after_step = self.experts.check_static_step
         prefix = RadixCache(bs) if config.kv_cache.prefix_caching else None
         self.scheduler = Scheduler(config.scheduler, BlockAllocator(num_blocks, bs), prefix,
                                    self._recurrent_config(states))

@@ -86,6 +86,7 @@ class StaticDecoder:
         self.mode, self.backend, self.buckets = mode, backend, buckets
         self._compiled: dict[tuple[int, int], Any] = {}
         self.on_step: Callable[[float, int], None] | None = None  # (seconds, tokens) of each step
+        self.after_step: Callable[[], None] | None = None  # raises what a step's device-side parts left
         self.steps = 0  # static steps run
         self.just_compiled = False  # the last step compiled its bucket (its time is not the step's)
         self.recompiles = 0  # times the compiled steps were dropped (resizes)
@@ -118,6 +119,8 @@ class StaticDecoder:
         start = time.perf_counter()
         with torch.no_grad():  # not inference mode: AOTAutograd cannot trace views of inference tensors
             logits = self.step_fn(rows, batch.block_tables.shape[1])(batch)
+        if self.after_step is not None:
+            self.after_step()
         if self.on_step is not None and not self.just_compiled:  # a step that compiled says nothing of the split
             if logits.is_cuda:
                 torch.cuda.synchronize(logits.device)  # the step's own time, not its launch

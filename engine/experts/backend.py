@@ -8,6 +8,7 @@ up to fp32 summation order at every cache size and split.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -16,12 +17,14 @@ import torch
 from hearth.engine.experts.compute import routed_experts_node
 from hearth.engine.experts.contract import CpuWorkers, ExpertDevice, FillPlan, StepContext
 from hearth.engine.experts.measure import _fit, _median_time, measure_host_path
-from hearth.engine.experts.mechanism.ring import ExternalCpuWorkers, RingCpuWorkers
+from hearth.engine.experts.mechanism.ring import ExternalCpuWorkers, RingCpuWorkers, TaskRing
 from hearth.engine.experts.mechanism.streamer import LayerStreamer
 from hearth.engine.experts.policy.cache import ExpertCacheTables
 from hearth.engine.experts.policy.qstar import PathCost, SplitCosts, build_qtable
 from hearth.engine.experts.policy.tuning import CreditTuner
 from hearth.engine.experts.pool import ExpertPool
+
+log = logging.getLogger(__name__)
 
 # Layer calls of at most this many tokens are decode steps for the fill-credit tuner; longer ones
 # are prefill chunks, whose time says nothing about the split.
@@ -42,6 +45,23 @@ class PathTimes:
     layer_calls: int = 0
 
 
+def map_ring_slot(ring: TaskRing, device) -> dict[str, torch.Tensor] | None:
+    """Slot 0 of ``ring`` as device views of its registered pages (None where that cannot be: the
+    CPU share then goes through the host)."""
+    from hearth.engine.experts.mechanism.device import pin_host_memory
+    from hearth.engine.kernels import device_fill
+
+    if not device_fill.available():
+        return None
+    try:
+        whole = torch.frombuffer(ring.segment.buf, dtype=torch.uint8)
+        device.track_registration(pin_host_memory([whole]))  # unregistered when the device closes
+        return {name: device_fill.mapped_view(t, device.device) for name, t in ring.slots[0].items()}
+    except RuntimeError as exc:
+        log.warning("the CPU expert ring cannot be mapped for the GPU (%s): CPU shares go through the host", exc)
+        return None
+
+
 class HierarchicalExpertBackend:
     """The expert hierarchy: an :class:`~hearth.engine.experts.contract.ExpertBackend` over a device
     expert cache and CPU workers, and the :class:`~hearth.engine.experts.contract.ExpertControl` the
@@ -59,6 +79,11 @@ class HierarchicalExpertBackend:
         self.prefill_stats = None  # the streamers' counters, kept while a small cache turns streaming off
         # Off when fixed-shape steps feed the tuner whole steps (observe_step): one kind of timing per epoch.
         self.tune_layer_calls = True
+        # On a GPU with CPU workers behind the task ring: slot 0's fields as device views, so the GPU
+        # posts and collects the CPU share itself (kernels/device_ring.py); None elsewhere.
+        self.device_ring = None
+        if device.kind == "cuda" and isinstance(cpu_workers, RingCpuWorkers):
+            self.device_ring = map_ring_slot(cpu_workers.ring, device)
         self.act = act
         self.device = device
         self.tables = tables
@@ -150,12 +175,18 @@ class HierarchicalExpertBackend:
             torch.ops.hearth.fill_slots(device.gate_up, device.down, gate_up_src, down_src, rows_of, src, dst, count)
         pair_slot = pair_slot.view(t, k)
         blocks = pool.layer_blocks(layer)
-        host = pool.row_table.device  # the CPU share reads host copies (no-ops when the model runs on the CPU)
-        cpu_rows = torch.where(pair_slot.to(host) < 0, pool.row_table[expert_ids.to(host)], -1)
-        x_host, weights_host = x.to(host), topk_weights.to(host)
         ring = self.cpu_workers.ring if isinstance(self.cpu_workers, RingCpuWorkers) else None
+        if ring is not None and self.device_ring is not None:  # the GPU writes the task and waits for it itself
+            slot, rows_of = self.device_ring, device.fill_sources()[2]
+            cpu_rows = torch.where(pair_slot < 0, rows_of[expert_ids.to(rows_of.device)], -1)
+            x_host, weights_host = x, topk_weights
+        else:
+            host = pool.row_table.device  # the CPU share reads host copies (no-ops when the model runs on the CPU)
+            cpu_rows = torch.where(pair_slot.to(host) < 0, pool.row_table[expert_ids.to(host)], -1)
+            x_host, weights_host = x.to(host), topk_weights.to(host)
         if ring is not None:  # CPU workers elsewhere: post the share now, they compute while the device does
-            slot = ring.slots[0]  # one share in flight at a time: collected before the next layer posts
+            if self.device_ring is None:
+                slot = ring.slots[0]  # one share in flight at a time: collected before the next layer posts
             ticket = torch.ops.hearth.ring_post(slot["ctrl"], slot["x"], slot["rows"], slot["weights"], x_host,
                                                 cpu_rows, weights_host)
         on_device = routed_experts_node(x.to(device.device), device.gate_up, device.down, pair_slot,
@@ -166,6 +197,14 @@ class HierarchicalExpertBackend:
         else:
             on_cpu = routed_experts_node(x_host, pool.gate_up, pool.down, cpu_rows, weights_host, self.act, blocks)
         return (on_device.to(x.device) + on_cpu.to(x.device)).to(x.dtype)
+
+    def check_static_step(self) -> None:
+        """After a fixed-shape step on a GPU: raise what its ring collects left behind (a worker
+        that failed or did not answer; the host reads the ring's error word, not the GPU)."""
+        if self.device_ring is not None:
+            from hearth.engine.kernels import device_ring
+
+            device_ring.raise_if_failed(self.cpu_workers.ring.slots[0]["ctrl"])
 
     def observe_step(self, seconds: float, num_tokens: int) -> None:
         """A fixed-shape step's wall time, for the fill-credit tuner: its layer calls are not timed

@@ -180,6 +180,10 @@ class CudaDevice:
         host)."""
         return self._sources
 
+    def track_registration(self, pointers: list[int]) -> None:
+        """Host pages registered for this device elsewhere (the task ring): unregistered at close."""
+        self._registered += pointers
+
     def close(self) -> None:
         """Unregister the pool's pages (the pool itself stays: it is the source of truth)."""
         cudart = torch.cuda.cudart()
