@@ -57,7 +57,7 @@ def check_exactness(root: Path) -> list[dict]:
         make_checkpoint(path, family, "per_expert", dtype, num_experts=16, num_experts_per_tok=4)
         ref = _run(LLM(path, device="cpu", expert_device="none"), PROMPTS, 32)
         for fraction in FRACTIONS:
-            for mode in ("off", "eager", "compile"):
+            for mode in ("off", "eager", "compile", "graph"):
                 def one(path=path, fraction=fraction, mode=mode, dtype=dtype, ref=ref):
                     llm = LLM(path, device="cuda", expert_device="cuda", expert_cache=fraction, static_decode=mode)
                     tokens, logits = _run(llm, PROMPTS, 32)
@@ -77,7 +77,7 @@ def check_sync_free(root: Path) -> dict:
     from hearth.engine import LLM
 
     llm = LLM(root / "exec-qwen3_moe-float32", device="cuda", expert_device="cuda", expert_cache="0.37",
-              static_decode="compile")
+              static_decode="graph")
     _run(llm, PROMPTS, 4)  # compiled and warm
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -122,7 +122,7 @@ def check_speed(root: Path, budget_gb: float | None = None) -> list[dict]:
     rows = []
     fractions = FRACTIONS if budget_gb is None else (None,)
     for fraction in fractions:
-        for mode in ("off", "compile"):
+        for mode in ("off", "compile", "graph"):
             def one(fraction=fraction, mode=mode):
                 cache = fraction if budget_gb is None else f"{int(budget_gb * 2**30 * 0.7)}b"
                 llm = LLM(path, device="cuda", expert_device="cuda", expert_cache=cache, static_decode=mode)

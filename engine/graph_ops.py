@@ -83,7 +83,12 @@ def routed_experts_op(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
                       int8: bool) -> torch.Tensor:
     """fp32 [T, H] partial sum of the routed pairs whose bank row is >= 0 (``rows`` [T, k], -1 =
     served elsewhere): :func:`~hearth.engine.experts.compute.routed_partial_sum`. ``gate_up_fmt``
-    empty for float banks, else the layer's block formats."""
+    empty for float banks, else the layer's block formats. On a GPU, float banks go through two
+    fixed-grid kernels (``kernels/device_experts.py``): no host read, so a captured graph replays it."""
+    if x.is_cuda and gate_up.is_cuda and not gate_up_fmt and act in ("silu", "swish"):
+        from hearth.engine.kernels import device_experts
+
+        return device_experts.slot_experts(x, gate_up, down, rows, weights)
     blocks = None
     if gate_up_fmt:
         blocks = ExpertBlocks(_format(gate_up_fmt), _format(down_fmt), x.shape[1], inter, int8)

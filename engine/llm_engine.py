@@ -121,7 +121,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, kv, states)
         if config.static_decode != "off":
             self.runner.static = StaticDecoder(loaded.model, kv, self.max_model_len, config.static_decode,
-                                               states=states)
+                                               states=states, experts=self.experts)
             if self.experts is not None:
                 self.runner.static.on_step = self.experts.observe_step  # the tuner times whole steps here
                 self.experts.tune_layer_calls = False

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 import hearth.engine.graph_ops  # noqa: F401 - registers torch.ops.hearth.*
+from hearth.config import ConfigError
 from hearth.engine.batch import StaticBatch
 from hearth.engine.kv_cache import PagedKVCache
 from hearth.engine.request import Request
@@ -75,13 +76,17 @@ class StaticDecoder:
 
     def __init__(self, model: torch.nn.Module, kv: PagedKVCache, max_model_len: int, mode: str = "compile",
                  backend: str | Callable = "inductor", buckets: tuple[int, ...] = BATCH_BUCKETS,
-                 states: RecurrentStatePool | None = None) -> None:
+                 states: RecurrentStatePool | None = None, experts=None) -> None:
+        """``states``: a hybrid model's state pool; ``experts``: the expert hierarchy, whose tables and
+        arena a captured graph keeps in place."""
         if model.config.linear_layer_ids and states is None:
             raise ValueError(f"{model.config.architecture} has linear-attention layers: static steps need its "
                              "state pool")
-        if mode not in ("eager", "compile"):
-            raise ValueError(f"static decode mode '{mode}': eager or compile")
-        self.model, self.kv, self.states = model, kv, states
+        if mode not in ("eager", "compile", "graph"):
+            raise ValueError(f"static decode mode '{mode}': eager, compile or graph")
+        if mode == "graph" and kv.device.type != "cuda":
+            raise ConfigError("--static-decode graph captures CUDA graphs: it needs the model on a GPU (--device cuda)")
+        self.model, self.kv, self.states, self.experts = model, kv, states, experts
         self.max_blocks = -(-max_model_len // kv.block_size)
         self.mode, self.backend, self.buckets = mode, backend, buckets
         self._compiled: dict[tuple[int, int], Any] = {}
@@ -101,7 +106,11 @@ class StaticDecoder:
         if key not in self._compiled:
             code = StaticDecoder._forward.__code__.replace(co_name=f"static_step_{rows}x{width}_{self.recompiles}")
             fresh = types.MethodType(types.FunctionType(code, StaticDecoder._forward.__globals__), self)
-            self._compiled[key] = torch.compile(fresh, fullgraph=True, dynamic=False, backend=self.backend)
+            if self.mode == "graph":  # inductor's CUDA graphs: one capture per bucket, replayed each token
+                self._mark_static()
+                self._compiled[key] = torch.compile(fresh, fullgraph=True, dynamic=False, mode="reduce-overhead")
+            else:
+                self._compiled[key] = torch.compile(fresh, fullgraph=True, dynamic=False, backend=self.backend)
             self.just_compiled = True
         return self._compiled[key]
 
@@ -126,6 +135,22 @@ class StaticDecoder:
                 torch.cuda.synchronize(logits.device)  # the step's own time, not its launch
             self.on_step(time.perf_counter() - start, len(items))
         return logits[: len(items)], [req for req, _ in items]
+
+    def _mark_static(self) -> None:
+        """Tell the compiler which tensors keep their address from step to step (the KV cache, the
+        expert cache's arena and tables, the recurrent states): a captured graph reads and writes
+        them in place instead of copying them in (marked again after a resize replaced them)."""
+        tensors = [*self.kv.keys, *self.kv.values]
+        if self.states is not None:
+            tensors += [*self.states.conv.values(), *self.states.recurrent.values()]
+        experts = self.experts
+        if experts is not None:
+            t = experts.tables
+            tensors += [t.slot_of, t.expert_of, t.last_used, t.clock, t.qtable, t.stats, experts.device.gate_up,
+                        experts.device.down, *experts.device.fill_sources()]
+        for tensor in tensors:
+            if tensor.numel():
+                torch._dynamo.mark_static_address(tensor)
 
     def invalidate(self) -> None:
         """Drop the compiled steps (after the expert cache's arena and tables were replaced by a

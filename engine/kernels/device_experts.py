@@ -1,0 +1,109 @@
+"""The device share of a captured decode step: the routed (token, expert) pairs served from cache slots,
+computed by two Triton kernels with fixed grids, so that no host read or data-dependent launch
+happens (the eager path groups pairs by expert on the host).
+
+Pairs are the step's T x k routing; ``pair_slot`` -1 marks a pair served elsewhere (the CPU share),
+whose part is zero. The arithmetic rounds where :func:`~hearth.engine.experts.compute.routed_partial_sum`
+rounds in the model's dtype (the gate and up projections, SiLU, their product, the down projection,
+the routing weight), accumulates in fp32, and sums each token's k parts in order, so its results
+equal the eager ones up to fp32 summation order. On a machine without a GPU the kernels run under
+Triton's interpreter, which is how CI checks them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+BLOCK_ROWS = 32  # output rows a program computes
+BLOCK_K = 128  # reduction chunk
+
+
+def build_expert_kernels():
+    """(up, down) jitted now, so that the interpreter setting in force then applies (these kernels
+    call Triton's own jitted helpers, so the interpreter must be on before Triton is imported)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def up_kernel(x, gate_up, pair_slot, h, top_k, hidden, inter, BLOCK_ROWS: tl.constexpr,  # noqa: N803
+                  BLOCK_K: tl.constexpr):
+        """h[p, i] = round(round(silu(round(x . G[i]))) * round(x . U[i])) for pair p, rows i of a block."""
+        p = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        inside = rows < inter
+        slot = tl.load(pair_slot + p)
+        token = p // top_k
+        dtype = h.dtype.element_ty
+        gate = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+        up = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+        if slot >= 0:
+            base = gate_up + slot.to(tl.int64) * (2 * inter * hidden)
+            for start in range(0, hidden, BLOCK_K):
+                cols = start + tl.arange(0, BLOCK_K)
+                cols_in = cols < hidden
+                xv = tl.load(x + token * hidden + cols, mask=cols_in, other=0.0).to(tl.float32)
+                both = inside[:, None] & cols_in[None, :]
+                g = tl.load(base + rows[:, None] * hidden + cols[None, :], mask=both, other=0.0).to(tl.float32)
+                u = tl.load(base + (rows[:, None] + inter) * hidden + cols[None, :], mask=both, other=0.0)
+                gate += tl.sum(g * xv[None, :], axis=1)
+                up += tl.sum(u.to(tl.float32) * xv[None, :], axis=1)
+        gate = gate.to(dtype).to(tl.float32)
+        up = up.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        tl.store(h + p * inter + rows, (act * up).to(dtype), mask=inside)
+
+    @triton.jit
+    def down_kernel(h, down, pair_slot, weights, out, top_k, hidden, inter, BLOCK_ROWS: tl.constexpr,  # noqa: N803
+                    BLOCK_K: tl.constexpr):
+        """out[t, r] = sum over the token's pairs j (in order) of round(round(D[r] . h[j]) * w[j])."""
+        t = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        inside = rows < hidden
+        dtype = h.dtype.element_ty
+        total = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+        for j in range(0, top_k):
+            p = t * top_k + j
+            slot = tl.load(pair_slot + p)
+            if slot >= 0:
+                base = down + slot.to(tl.int64) * (hidden * inter)
+                acc = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+                for start in range(0, inter, BLOCK_K):
+                    cols = start + tl.arange(0, BLOCK_K)
+                    cols_in = cols < inter
+                    hv = tl.load(h + p * inter + cols, mask=cols_in, other=0.0).to(tl.float32)
+                    d = tl.load(base + rows[:, None] * inter + cols[None, :], mask=inside[:, None] & cols_in[None, :],
+                                other=0.0)
+                    acc += tl.sum(d.to(tl.float32) * hv[None, :], axis=1)
+                w = tl.load(weights + p).to(tl.float32)
+                part = (acc.to(dtype).to(tl.float32) * w).to(weights.dtype.element_ty).to(tl.float32)
+                total += part
+        tl.store(out + t * hidden + rows, total, mask=inside)
+
+    return up_kernel, down_kernel
+
+
+@functools.cache
+def expert_kernels():
+    return build_expert_kernels()
+
+
+def slot_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, pair_slot: torch.Tensor,
+                 weights: torch.Tensor, kernels=None) -> torch.Tensor:
+    """fp32 [T, H] sum of the pairs served from slots: ``x`` [T, H], float banks gate_up [S, 2I, H]
+    and down [S, H, I] (contiguous), ``pair_slot`` and ``weights`` [T, k] (-1: elsewhere)."""
+    import triton
+
+    up, dn = kernels or expert_kernels()
+    t, k = pair_slot.shape
+    hidden, inter = x.shape[1], down.shape[2]
+    x = x.contiguous()
+    slots = pair_slot.contiguous().reshape(-1)
+    h = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
+    up[(t * k, triton.cdiv(inter, BLOCK_ROWS))](x, gate_up, slots, h, k, hidden, inter, BLOCK_ROWS=BLOCK_ROWS,
+                                                  BLOCK_K=BLOCK_K)
+    out = torch.empty((t, hidden), dtype=torch.float32, device=x.device)
+    dn[(t, triton.cdiv(hidden, BLOCK_ROWS))](h, down, slots, weights.contiguous().reshape(-1), out, k, hidden, inter,
+                                             BLOCK_ROWS=BLOCK_ROWS, BLOCK_K=BLOCK_K)
+    return out
