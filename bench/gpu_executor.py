@@ -29,6 +29,16 @@ def guarded(name: str, fn, *args) -> dict:
     return row
 
 
+def mode_options(mode: str) -> dict:
+    """Engine options for a static-decode mode: graph mode needs the CPU experts behind the task
+    ring (a worker process on a shared pool), which the GPU feeds itself."""
+    if mode != "graph":
+        return {"static_decode": mode}
+    import uuid
+
+    return {"static_decode": mode, "cpu_experts": "process", "host_pool_name": f"gpucheck-{uuid.uuid4().hex[:8]}"}
+
+
 def _run(llm, prompts, steps):
     from hearth.engine import SamplingParams
     from tests.checkpoints import record_logits
@@ -59,7 +69,7 @@ def check_exactness(root: Path) -> list[dict]:
         for fraction in FRACTIONS:
             for mode in ("off", "eager", "compile", "graph"):
                 def one(path=path, fraction=fraction, mode=mode, dtype=dtype, ref=ref):
-                    llm = LLM(path, device="cuda", expert_device="cuda", expert_cache=fraction, static_decode=mode)
+                    llm = LLM(path, device="cuda", expert_device="cuda", expert_cache=fraction, **mode_options(mode))
                     tokens, logits = _run(llm, PROMPTS, 32)
                     row = _compare(tokens, logits, ref, dtype == "float32")
                     row["static_steps"] = llm.engine.runner.static.steps if llm.engine.runner.static else 0
@@ -77,7 +87,7 @@ def check_sync_free(root: Path) -> dict:
     from hearth.engine import LLM
 
     llm = LLM(root / "exec-qwen3_moe-float32", device="cuda", expert_device="cuda", expert_cache="0.37",
-              static_decode="graph")
+              **mode_options("graph"))
     _run(llm, PROMPTS, 4)  # compiled and warm
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -125,7 +135,7 @@ def check_speed(root: Path, budget_gb: float | None = None) -> list[dict]:
         for mode in ("off", "compile", "graph"):
             def one(fraction=fraction, mode=mode):
                 cache = fraction if budget_gb is None else f"{int(budget_gb * 2**30 * 0.7)}b"
-                llm = LLM(path, device="cuda", expert_device="cuda", expert_cache=cache, static_decode=mode)
+                llm = LLM(path, device="cuda", expert_device="cuda", expert_cache=cache, **mode_options(mode))
                 params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
                 llm.generate([PROMPTS[2]], params)  # warm (and compiled)
                 before = llm.engine.stats()["experts"]

@@ -86,6 +86,10 @@ class StaticDecoder:
             raise ValueError(f"static decode mode '{mode}': eager, compile or graph")
         if mode == "graph" and kv.device.type != "cuda":
             raise ConfigError("--static-decode graph captures CUDA graphs: it needs the model on a GPU (--device cuda)")
+        if mode == "graph" and (experts is None or getattr(experts, "device_ring", None) is None):
+            raise ConfigError("--static-decode graph needs every part of a step on the GPU: the expert cache there "
+                              "(--expert-device cuda) and the CPU experts behind the task ring, which the GPU "
+                              "feeds itself (--cpu-experts process --host-pool NAME)")
         self.model, self.kv, self.states, self.experts = model, kv, states, experts
         self.max_blocks = -(-max_model_len // kv.block_size)
         self.mode, self.backend, self.buckets = mode, backend, buckets
@@ -148,6 +152,8 @@ class StaticDecoder:
             t = experts.tables
             tensors += [t.slot_of, t.expert_of, t.last_used, t.clock, t.qtable, t.stats, experts.device.gate_up,
                         experts.device.down, *experts.device.fill_sources()]
+            if experts.device_ring is not None:  # the ring itself, not a copy the graph would make of it
+                tensors += list(experts.device_ring.values())
         for tensor in tensors:
             if tensor.numel():
                 torch._dynamo.mark_static_address(tensor)

@@ -75,3 +75,22 @@ def test_timeout_and_failure_reach_the_host(kernels, ring) -> None:
     assert torch.equal(out, torch.zeros(1, 24)) and int(slot["ctrl"][0]) == FREE
     with pytest.raises(RuntimeError, match="failed"):
         device_ring.raise_if_failed(slot["ctrl"])
+
+
+def test_after_a_timeout_later_layers_neither_post_nor_wait(kernels, ring) -> None:
+    """A timed-out task keeps its slot SUBMITTED: the next layer's post writes nothing (the worker
+    may still read that payload), its collect returns zeros at once, and the error the host sees
+    after the step is the worst one; once cleared, the slot works again."""
+    slot = ring.slots[0]
+    x, rows, weights = torch.randn(2, 24), torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.rand(2, 3)
+    device_ring.post(slot["ctrl"], slot["x"], slot["rows"], slot["weights"], x, rows, weights, kernels)
+    device_ring.collect(slot["ctrl"], slot["out"], torch.empty(2, 24), 20, kernels)  # nobody answers
+    stale = slot["x"].clone()
+    device_ring.post(slot["ctrl"], slot["x"], slot["rows"], slot["weights"], x * 3, rows, weights, kernels)
+    started = time.monotonic()
+    out = device_ring.collect(slot["ctrl"], slot["out"], torch.full((2, 24), 7.0), 10**9, kernels)
+    assert time.monotonic() - started < 10 and torch.equal(out, torch.zeros(2, 24))  # no spin
+    assert torch.equal(slot["x"], stale) and int(slot["ctrl"][1]) == 1  # nothing posted over the stale task
+    with pytest.raises(RuntimeError, match="still busy"):
+        device_ring.raise_if_failed(slot["ctrl"])
+    assert int(slot["ctrl"][device_ring.ERROR_WORD]) == 0

@@ -204,6 +204,7 @@ class HierarchicalExpertBackend:
         if self.device_ring is not None:
             from hearth.engine.kernels import device_ring
 
+            self.device.synchronize()  # the step's collects have run (the sampler waits for it anyway)
             device_ring.raise_if_failed(self.cpu_workers.ring.slots[0]["ctrl"])
 
     def observe_step(self, seconds: float, num_tokens: int) -> None:

@@ -5,8 +5,8 @@ word, so the step needs no host synchronisation and a CUDA graph can replay it.
 The ring lives in host memory the CPU expert worker maps; registered with CUDA (pinned, mapped),
 :func:`~hearth.engine.kernels.device_fill.mapped_view` gives it device addresses. ``post`` copies
 the payload (activations as fp32, pool rows, weights) into a slot, then sets the slot's fields and
-its state word SUBMITTED with a system-scope release, in a second launch, so every payload write of
-the first is complete before the worker can see the state. ``collect`` spins on the state word with
+its state word SUBMITTED with a system-scope release, all from one program with barriers between,
+so every payload write is ordered before the worker can see the state. ``collect`` spins on the state word with
 system-scope acquires until the worker writes DONE (or FAILED, or ``limit`` spins pass), copies the
 partial sum out and frees the slot; a failure or timeout is left in the slot's error word
 (``ERROR_WORD``) for the host to raise after the step, and the partial sum is then zeros. On a
@@ -22,51 +22,73 @@ import torch
 
 from hearth.engine.experts.mechanism.ring import DONE, FAILED, FREE, SUBMITTED
 
-ERROR_WORD = 7  # ctrl[7]: 0, or TIMED_OUT / WORKER_FAILED after a collect
-TIMED_OUT, WORKER_FAILED = 1, 2
+ERROR_WORD = 7  # ctrl[7]: 0, or the worst of TIMED_OUT / WORKER_FAILED / BUSY since the host last cleared it
+TIMED_OUT, WORKER_FAILED, BUSY = 1, 2, 3
 BLOCK = 1024
 
 
 def build_ring_kernels():
-    """(copy, publish, collect) jitted now, so that the interpreter setting in force applies."""
-    import triton
+    """(post, collect) jitted now, so that the interpreter setting in force applies."""
     import triton.language as tl
 
-    @triton.jit
-    def copy_kernel(dst, src, n, BLOCK: tl.constexpr):  # noqa: N803 - Triton's constexpr convention
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        inside = offs < n
-        tl.store(dst + offs, tl.load(src + offs, mask=inside).to(dst.dtype.element_ty), mask=inside)
+    @triton_jit
+    def post_kernel(ctrl, x_slot, rows_slot, weights_slot, x, rows, weights, n_x, n_pairs, tokens, top_k,
+                    fp32_weights, FREE: tl.constexpr, SUBMITTED: tl.constexpr, BUSY: tl.constexpr,  # noqa: N803
+                    BLOCK: tl.constexpr):
+        """One program: the payload, a barrier, the fields, then SUBMITTED with a system-scope
+        release, so the worker sees every payload write before the state. A slot still busy (a
+        task that timed out) or an error of an earlier layer: nothing is written, the error stays."""
+        state = tl.atomic_add(ctrl, 0, sem="acquire", scope="sys")
+        if (state == FREE) & (tl.load(ctrl + 7) == 0):
+            for start in range(0, n_x, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                tl.store(x_slot + offs, tl.load(x + offs, mask=offs < n_x).to(tl.float32), mask=offs < n_x)
+            for start in range(0, n_pairs, BLOCK):
+                offs = start + tl.arange(0, BLOCK)
+                inside = offs < n_pairs
+                tl.store(rows_slot + offs, tl.load(rows + offs, mask=inside), mask=inside)
+                tl.store(weights_slot + offs, tl.load(weights + offs, mask=inside).to(tl.float32), mask=inside)
+            tl.debug_barrier()
+            tl.store(ctrl + 1, tl.load(ctrl + 1) + 1)
+            tl.store(ctrl + 2, tokens)
+            tl.store(ctrl + 3, top_k)
+            tl.store(ctrl + 4, fp32_weights)
+            tl.debug_barrier()
+            tl.atomic_xchg(ctrl, SUBMITTED, sem="release", scope="sys")
+        else:
+            tl.atomic_max(ctrl + 7, BUSY, sem="relaxed", scope="sys")
 
-    @triton.jit
-    def publish_kernel(ctrl, tokens, top_k, fp32_weights, SUBMITTED: tl.constexpr):  # noqa: N803
-        seq = tl.load(ctrl + 1) + 1
-        tl.store(ctrl + 1, seq)
-        tl.store(ctrl + 2, tokens)
-        tl.store(ctrl + 3, top_k)
-        tl.store(ctrl + 4, fp32_weights)
-        tl.store(ctrl + 7, 0)
-        tl.atomic_xchg(ctrl, SUBMITTED, sem="release", scope="sys")  # last: after every payload write
-
-    @triton.jit
+    @triton_jit
     def collect_kernel(ctrl, out_slot, out, n, limit, SUBMITTED: tl.constexpr, DONE: tl.constexpr,  # noqa: N803
                        FAILED: tl.constexpr, FREE: tl.constexpr, TIMED_OUT: tl.constexpr,
                        WORKER_FAILED: tl.constexpr, BLOCK: tl.constexpr):
+        """Spin (``limit`` polls, each about one PCIe round trip) for the completion word; copy the
+        result, or zeros when the task failed, timed out or was never posted (an error already
+        set); the error word only grows (the host reads and clears it after the step)."""
+        posted = tl.load(ctrl + 7) == 0
         state = tl.atomic_add(ctrl, 0, sem="acquire", scope="sys")
         spins = 0
-        while (state == SUBMITTED) & (spins < limit):
+        while posted & (state == SUBMITTED) & (spins < limit):
             state = tl.atomic_add(ctrl, 0, sem="acquire", scope="sys")
             spins += 1
-        ok = state == DONE
+        ok = posted & (state == DONE)
         for start in range(0, n, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             inside = offs < n
             tl.store(out + offs, tl.where(ok, tl.load(out_slot + offs, mask=inside), 0.0), mask=inside)
-        error = tl.where(ok, 0, tl.where(state == FAILED, WORKER_FAILED, TIMED_OUT))
-        tl.store(ctrl + 7, error)
-        tl.atomic_xchg(ctrl, tl.where(state == SUBMITTED, state, FREE), sem="release", scope="sys")
+        if posted:
+            error = tl.where(ok, 0, tl.where(state == FAILED, WORKER_FAILED, TIMED_OUT))
+            tl.atomic_max(ctrl + 7, error, sem="relaxed", scope="sys")
+            tl.debug_barrier()
+            tl.atomic_xchg(ctrl, tl.where(state == SUBMITTED, state, FREE), sem="release", scope="sys")
 
-    return copy_kernel, publish_kernel, collect_kernel
+    return post_kernel, collect_kernel
+
+
+def triton_jit(fn):
+    import triton
+
+    return triton.jit(fn)
 
 
 @functools.cache
@@ -76,31 +98,35 @@ def ring_kernels():
 
 def post(ctrl: torch.Tensor, x_slot: torch.Tensor, rows_slot: torch.Tensor, weights_slot: torch.Tensor,
          x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor, kernels=None) -> None:
-    """Write a task (x [T, H], rows and weights [T, k]) into a ring slot and publish it. The slot's
-    tensors are device views of the ring (on a machine without a GPU, the ring itself)."""
-    import triton
-
-    copy, publish, _ = kernels or ring_kernels()
-    for dst, src in ((x_slot, x), (rows_slot, rows), (weights_slot, weights)):
-        n = src.numel()
-        copy[(triton.cdiv(n, BLOCK),)](dst, src.reshape(-1), n, BLOCK=BLOCK)
+    """Write a task (x [T, H], rows and weights [T, k]) into a ring slot and publish it, from one
+    program on the device. The slot's tensors are device views of the ring (on a machine without a
+    GPU, the ring itself)."""
+    kernel, _ = kernels or ring_kernels()
     t, k = rows.shape
-    publish[(1,)](ctrl, t, k, int(weights.dtype == torch.float32), SUBMITTED=SUBMITTED)
+    kernel[(1,)](ctrl, x_slot, rows_slot, weights_slot, x.contiguous().reshape(-1), rows.contiguous().reshape(-1),
+                 weights.contiguous().reshape(-1), x.numel(), rows.numel(), t, k, int(weights.dtype == torch.float32),
+                 FREE=FREE, SUBMITTED=SUBMITTED, BUSY=BUSY, BLOCK=BLOCK)
 
 
 def collect(ctrl: torch.Tensor, out_slot: torch.Tensor, out: torch.Tensor, limit: int, kernels=None) -> torch.Tensor:
     """Wait (on the device) for the slot's completion word and copy its fp32 partial sum into
-    ``out`` [T, H]; the slot is free again. A failure or ``limit`` spins leave zeros in ``out`` and
-    a code in ``ctrl[ERROR_WORD]`` (see :func:`raise_if_failed`)."""
-    _, _, wait = kernels or ring_kernels()
+    ``out`` [T, H]; the slot is free again. A failure, ``limit`` polls without an answer, or a task
+    that was never posted leave zeros in ``out`` and a code in ``ctrl[ERROR_WORD]`` (see
+    :func:`raise_if_failed`)."""
+    _, wait = kernels or ring_kernels()
     wait[(1,)](ctrl, out_slot, out, out.numel(), limit, SUBMITTED=SUBMITTED, DONE=DONE, FAILED=FAILED, FREE=FREE,
                TIMED_OUT=TIMED_OUT, WORKER_FAILED=WORKER_FAILED, BLOCK=BLOCK)
     return out
 
 
 def raise_if_failed(ctrl: torch.Tensor) -> None:
-    """After a step (the host side of the ring, no GPU read): raise what a collect left behind."""
+    """After a step has finished (the host side of the ring): raise what its collects left behind,
+    clearing the error word for the next step."""
     code = int(ctrl[ERROR_WORD])
+    if code:
+        ctrl[ERROR_WORD] = 0
+    if code == BUSY:
+        raise RuntimeError("a GPU step found the CPU expert ring's slot still busy (an earlier task timed out)")
     if code == TIMED_OUT:
         raise TimeoutError("the CPU expert worker did not answer a GPU step's task in time")
     if code == WORKER_FAILED:

@@ -25,7 +25,7 @@ import torch
 from hearth.engine.experts.contract import CpuTaskTiming
 from hearth.engine.experts.mechanism import shm
 
-_MAGIC = b"HEARTH-RING-v1\0\0"
+_MAGIC = b"HEARTH-RING-v2\0\0"  # v2: 64-byte aligned fields
 _HEADER = 4096
 FREE, SUBMITTED, DONE, FAILED = 0, 1, 2, 3
 # Header words after the magic: shutdown flag, worker pid, worker heartbeat.
@@ -42,11 +42,22 @@ class RingLayout:
     top_k: int
     hidden_act: str = "silu"
 
+    def fields(self) -> dict[str, tuple[torch.dtype, int, int]]:
+        """Each slot field's (dtype, elements, byte offset in the slot). Every field starts on a
+        64-byte boundary, so each is aligned for any reader (a GPU kernel's vector loads too)."""
+        t, h, k = self.max_tokens, self.hidden, self.top_k
+        sizes = {"ctrl": (torch.int64, 8), "rows": (torch.int64, t * k), "x": (torch.float32, t * h),
+                 "weights": (torch.float32, t * k), "out": (torch.float32, t * h)}
+        out, offset = {}, 0
+        for name, (dtype, count) in sizes.items():
+            out[name] = (dtype, count, offset)
+            offset += -(-count * torch.empty((), dtype=dtype).element_size() // 64) * 64
+        return out
+
     @property
     def slot_bytes(self) -> int:
-        t, h, k = self.max_tokens, self.hidden, self.top_k
-        raw = 64 + 4 * t * h + 8 * t * k + 4 * t * k + 4 * t * h
-        return -(-raw // 64) * 64
+        dtype, count, offset = self.fields()["out"]
+        return offset + -(-count * 4 // 64) * 64
 
 
 class TaskRing:
@@ -63,17 +74,10 @@ class TaskRing:
             self.slots = [self._slot_views(i) for i in range(layout.slots)]
 
     def _slot_views(self, i: int) -> dict[str, torch.Tensor]:
-        lo = self.layout
-        t, h, k = lo.max_tokens, lo.hidden, lo.top_k
-        base = _HEADER + i * lo.slot_bytes
-        # 8-byte fields first, so every view is aligned to its element size.
-        fields = {"ctrl": (torch.int64, 8), "rows": (torch.int64, t * k), "x": (torch.float32, t * h),
-                  "weights": (torch.float32, t * k), "out": (torch.float32, t * h)}
-        views, offset = {}, base
-        for name, (dtype, count) in fields.items():
-            views[name] = torch.frombuffer(self.segment.buf, dtype=dtype, count=count, offset=offset)
-            offset += count * torch.empty((), dtype=dtype).element_size()
-        return views  # ctrl: state, seq, tokens, k, fp32_weights, nbytes, nanoseconds, spare
+        base = _HEADER + i * self.layout.slot_bytes
+        return {name: torch.frombuffer(self.segment.buf, dtype=dtype, count=count, offset=base + offset)
+                for name, (dtype, count, offset) in self.layout.fields().items()}
+        # ctrl: state, seq, tokens, k, fp32_weights, nbytes, nanoseconds, error (a GPU step's)
 
     @classmethod
     def create(cls, name: str, layout: RingLayout) -> TaskRing:
