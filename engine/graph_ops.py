@@ -170,17 +170,12 @@ def ring_post_op(ctrl: torch.Tensor, x_slot: torch.Tensor, rows_slot: torch.Tens
 
         device_ring.post(ctrl, x_slot, rows_slot, weights_slot, x, rows, weights)
         return ctrl.new_zeros(())
-    from hearth.engine.experts.mechanism.ring import FREE, SUBMITTED
+    from hearth.engine.experts.mechanism.ring import FREE, write_task
 
     if int(ctrl[0]) != FREE:
         raise RuntimeError("the CPU expert ring's slot is still busy")
-    t, k = rows.shape
-    x_slot[: x.numel()].copy_(x.reshape(-1))
-    rows_slot[: rows.numel()].copy_(rows.reshape(-1))
-    weights_slot[: weights.numel()].copy_(weights.reshape(-1))
     seq = int(ctrl[1]) + 1
-    ctrl[1:5] = torch.tensor([seq, t, k, int(weights.dtype == torch.float32)])
-    ctrl[0] = SUBMITTED  # the worker reads the payload only after seeing this
+    write_task({"ctrl": ctrl, "x": x_slot, "rows": rows_slot, "weights": weights_slot}, x, rows, weights, seq)
     return torch.tensor(seq)
 
 
@@ -194,28 +189,14 @@ def ring_collect_op(ticket: torch.Tensor, ctrl: torch.Tensor, out_slot: torch.Te
                     timeout_s: float) -> torch.Tensor:
     """Wait for the ring slot's completion flag and return its fp32 [tokens, hidden] result; the
     slot is free again afterwards. A worker that fails or stays silent past ``timeout_s`` raises."""
-    import time
-
-    from hearth.engine.experts.mechanism.ring import FAILED, FREE, SUBMITTED
+    from hearth.engine.experts.mechanism.ring import await_task
 
     if ctrl.is_cuda:  # the GPU waits for the completion word itself; errors reach the host after the step
         from hearth.engine.kernels import device_ring
 
         out = out_slot.new_empty((tokens, hidden))
         return device_ring.collect(ctrl, out_slot, out, int(timeout_s * 1e6))
-    deadline, spins = time.monotonic() + timeout_s, 0
-    while (state := int(ctrl[0])) == SUBMITTED:
-        spins += 1
-        if spins > 200:
-            time.sleep(20e-6)
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the CPU expert worker did not answer within {timeout_s:.0f} s")
-    if state == FAILED:
-        ctrl[0] = FREE
-        raise RuntimeError("the CPU expert worker failed on a task (see its log)")
-    out = out_slot[: tokens * hidden].view(tokens, hidden).clone()
-    ctrl[0] = FREE
-    return out
+    return await_task({"ctrl": ctrl, "out": out_slot}, tokens, hidden, timeout_s)[0]
 
 
 @ring_collect_op.register_fake

@@ -111,6 +111,38 @@ class TaskRing:
         self.segment.close()
 
 
+def write_task(v: dict[str, torch.Tensor], x: torch.Tensor, rows: torch.Tensor, weights: torch.Tensor,
+               seq: int) -> None:
+    """Post a task (x [T, H], pool rows and weights [T, k]) into the slot ``v``: the payload, the
+    fields, and the state word SUBMITTED last (the worker reads the payload only after seeing it)."""
+    t, k = rows.shape
+    v["x"][: x.numel()].copy_(x.reshape(-1))  # exact: bf16/fp16/fp32 all fit in fp32
+    v["rows"][: t * k].copy_(rows.reshape(-1))
+    v["weights"][: t * k].copy_(weights.reshape(-1))
+    v["ctrl"][1:5] = torch.tensor([seq, t, k, int(weights.dtype == torch.float32)])
+    v["ctrl"][0] = SUBMITTED
+
+
+def await_task(v: dict[str, torch.Tensor], tokens: int, hidden: int, timeout_s: float
+               ) -> tuple[torch.Tensor, CpuTaskTiming]:
+    """Wait for the slot's answer: the fp32 [tokens, hidden] partial sum and what it cost; the slot
+    is free again. A failed task, or no answer within ``timeout_s``, raises."""
+    deadline, spins = time.monotonic() + timeout_s, 0
+    while (state := int(v["ctrl"][0])) == SUBMITTED:
+        spins += 1
+        if spins > 200:
+            time.sleep(20e-6)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the CPU expert worker did not answer within {timeout_s:.0f} s")
+    if state == FAILED:
+        v["ctrl"][0] = FREE
+        raise RuntimeError("the CPU expert worker failed on a task (see its log)")
+    out = v["out"][: tokens * hidden].view(tokens, hidden).clone()
+    timing = CpuTaskTiming(int(v["ctrl"][6]) / 1e9, int(v["ctrl"][5]))
+    v["ctrl"][0] = FREE
+    return out, timing
+
+
 class _RingFuture:
     """The pending result of one submitted slot."""
 
@@ -142,13 +174,8 @@ class RingCpuWorkers:
         if t > lo.max_tokens or k != lo.top_k or x.shape[1] != lo.hidden:
             raise ValueError(f"task of {t}x{k} does not fit ring slots of {lo.max_tokens}x{lo.top_k}")
         slot = self._free_slot()
-        v = self.ring.slots[slot]
-        v["x"][: t * lo.hidden].copy_(x.reshape(-1))  # exact: bf16/fp16/fp32 all fit in fp32
-        v["rows"][: t * k].copy_(rows.reshape(-1))
-        v["weights"][: t * k].copy_(weights.reshape(-1))
         self._seq += 1
-        v["ctrl"][1:5] = torch.tensor([self._seq, t, k, int(weights.dtype == torch.float32)])
-        v["ctrl"][0] = SUBMITTED  # last: the worker reads the payload only after seeing this
+        write_task(self.ring.slots[slot], x, rows, weights, self._seq)
         return _RingFuture(self, slot, t, lo.hidden)
 
     def _free_slot(self) -> int:
@@ -162,22 +189,7 @@ class RingCpuWorkers:
             time.sleep(20e-6)
 
     def _wait(self, fut: _RingFuture) -> tuple[torch.Tensor, CpuTaskTiming]:
-        v = self.ring.slots[fut.slot]
-        deadline = time.monotonic() + self.timeout_s
-        spins = 0
-        while (state := int(v["ctrl"][0])) == SUBMITTED:
-            spins += 1
-            if spins > 200:
-                time.sleep(20e-6)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the CPU expert worker did not answer within {self.timeout_s:.0f} s")
-        if state == FAILED:
-            v["ctrl"][0] = FREE
-            raise RuntimeError("the CPU expert worker failed on a task (see its log)")
-        out = v["out"][: fut.tokens * fut.hidden].view(fut.tokens, fut.hidden).clone()
-        timing = CpuTaskTiming(int(v["ctrl"][6]) / 1e9, int(v["ctrl"][5]))
-        v["ctrl"][0] = FREE
-        return out, timing
+        return await_task(self.ring.slots[fut.slot], fut.tokens, fut.hidden, self.timeout_s)
 
     def close(self) -> None:
         self.ring.request_shutdown()
