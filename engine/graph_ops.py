@@ -135,18 +135,12 @@ def fill_slots_op(slots_gate_up: torch.Tensor, slots_down: torch.Tensor, pool_ga
         for slots, pool in ((slots_gate_up, pool_gate_up), (slots_down, pool_down)):
             device_fill.fill_rows(slots, pool, row_table, src, dst, count)
         return
+    from hearth.engine.experts.mechanism.device import copy_experts
+
     n = int(count)
-    if n == 0:
-        return
-    rows, slots = row_table[src[:n].to(row_table.device)], dst[:n]
-    ops = cpu_decode_ops()
-    if ops is not None and slots_gate_up.is_cpu and slots_gate_up.is_contiguous():
-        ops.copy_rows(slots_gate_up, slots.cpu(), pool_gate_up, rows)
-        ops.copy_rows(slots_down, slots.cpu(), pool_down, rows)
-        return
-    for slot, row in zip(slots.tolist(), rows.tolist(), strict=True):
-        slots_gate_up[slot].copy_(pool_gate_up[row], non_blocking=True)
-        slots_down[slot].copy_(pool_down[row], non_blocking=True)
+    if n:
+        copy_experts((slots_gate_up, slots_down), dst[:n].cpu(), (pool_gate_up, pool_down),
+                     row_table[src[:n].to(row_table.device)])
 
 
 @fill_slots_op.register_fake

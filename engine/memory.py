@@ -59,14 +59,8 @@ class MemoryPlan:
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the storages behind ``tensors``, each storage once (views share theirs)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t.device.type != "cpu" or t.numel() == 0:
-            continue
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+    """Bytes of the host storages behind ``tensors``, each storage once (views share theirs)."""
+    return bytes_by_device(tensors).get("cpu", 0)
 
 
 @dataclass(frozen=True)

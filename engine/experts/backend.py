@@ -162,11 +162,7 @@ class HierarchicalExpertBackend:
         tables, device, pool = self.tables, self.device, self.pool
         flat = expert_ids.reshape(-1).to(tables.device)
         if tables.num_slots == 0 or tables.num_candidates == 0:
-            pair_slot = torch.full_like(flat, -1)
-            ids = torch.sort(flat).values
-            misses = (ids[1:] != ids[:-1]).sum() + 1
-            tables.stats.add_(torch.stack([torch.ones_like(misses), torch.zeros_like(misses), misses,
-                                           torch.zeros_like(misses), misses, torch.zeros_like(misses)]))
+            pair_slot = tables.step(flat).pair_slot  # counted with tensor operations: no host read
         else:
             pair_slot, src, dst, count = torch.ops.hearth.cache_step(
                 flat, tables.slot_of, tables.expert_of, tables.last_used, tables.clock, tables.qtable, tables.stats,

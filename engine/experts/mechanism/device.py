@@ -46,15 +46,8 @@ class VirtualDevice:
         if count == 0:
             return 0
         start = time.perf_counter()
-        rows, slots = self.pool.row_table[plan.src[:count]], plan.dst[:count]
-        ops = cpu_decode_ops()
-        if ops is not None:  # one batched, parallel copy per bank
-            ops.copy_rows(self.gate_up, slots, self.pool.gate_up, rows)
-            ops.copy_rows(self.down, slots, self.pool.down, rows)
-        else:
-            for slot, row in zip(slots.tolist(), rows.tolist(), strict=True):  # straight copies, no temporaries
-                self.gate_up[slot].copy_(self.pool.gate_up[row])
-                self.down[slot].copy_(self.pool.down[row])
+        copy_experts((self.gate_up, self.down), plan.dst[:count], (self.pool.gate_up, self.pool.down),
+                     self.pool.row_table[plan.src[:count]])
         nbytes = count * self.pool.expert_bytes
         self._wait_out_link(nbytes, start)
         return nbytes
@@ -196,13 +189,8 @@ class CudaDevice:
         if count == 0:
             return 0
         rows = self.pool.row_table[plan.src[:count].cpu()].tolist()
-        slots = plan.dst[:count].tolist()
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # slots no longer read
-        with torch.cuda.stream(self.copy_stream):
-            for slot, row in zip(slots, rows, strict=True):
-                # Pinned source pages -> asynchronous DMA on the copy stream.
-                self.gate_up[slot].copy_(self.pool.gate_up[row], non_blocking=True)
-                self.down[slot].copy_(self.pool.down[row], non_blocking=True)
+        self._copy_rows(rows, plan.dst[:count].tolist())
         torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         return count * self.pool.expert_bytes
 
@@ -213,9 +201,8 @@ class CudaDevice:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.copy_stream):
             begin.record()
-            for slot, row in zip(slots, rows, strict=True):
-                self.gate_up[slot].copy_(self.pool.gate_up[row], non_blocking=True)
-                self.down[slot].copy_(self.pool.down[row], non_blocking=True)
+        self._copy_rows(rows, slots)
+        with torch.cuda.stream(self.copy_stream):
             end.record()
         return CopyHandle(None, len(rows) * self.pool.expert_bytes, (begin, end))
 
@@ -247,14 +234,17 @@ class CudaDevice:
             torch.cuda.empty_cache()
             self._arena(0)
             raise MemoryError(f"no GPU memory for an expert cache of {num_slots} slots; it now has none")
-        rows = self.pool.row_table[kept_ids.cpu()].tolist()
-        with torch.cuda.stream(self.copy_stream):
-            for slot, row in zip(new_slots.tolist(), rows, strict=True):
-                gate_up[slot].copy_(self.pool.gate_up[row], non_blocking=True)
-                down[slot].copy_(self.pool.down[row], non_blocking=True)
         self.gate_up, self.down, self.num_slots = gate_up, down, num_slots
+        self._copy_rows(self.pool.row_table[kept_ids.cpu()].tolist(), new_slots.tolist())
         self.synchronize()
         self._sources = self._mapped_sources()
+
+    def _copy_rows(self, rows: list[int], slots: list[int]) -> None:
+        """Pool rows into slots: pinned source pages -> asynchronous DMA on the copy stream."""
+        with torch.cuda.stream(self.copy_stream):
+            for slot, row in zip(slots, rows, strict=True):
+                self.gate_up[slot].copy_(self.pool.gate_up[row], non_blocking=True)
+                self.down[slot].copy_(self.pool.down[row], non_blocking=True)
 
     def _arena(self, num_slots: int) -> None:
         self.gate_up = torch.empty((num_slots, *self.pool.gate_up.shape[1:]), dtype=self.pool.gate_up.dtype,
@@ -265,6 +255,20 @@ class CudaDevice:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+
+def copy_experts(dst: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, src: tuple[torch.Tensor, torch.Tensor],
+                 rows: torch.Tensor) -> None:
+    """``dst[b][slots[j]] = src[b][rows[j]]`` for both banks b (gate_up, down), host memory: one
+    batched, parallel native copy per bank, or straight row copies without the kernels."""
+    ops = cpu_decode_ops()
+    if ops is not None and all(t.is_cpu and t.is_contiguous() for t in (*dst, *src)):
+        for d, s in zip(dst, src, strict=True):
+            ops.copy_rows(d, slots, s, rows)
+        return
+    for slot, row in zip(slots.tolist(), rows.tolist(), strict=True):  # no temporaries
+        for d, s in zip(dst, src, strict=True):
+            d[slot].copy_(s[row])
 
 
 def resized_arena(arena: torch.Tensor, num_slots: int, old_slots: torch.Tensor,

@@ -138,10 +138,14 @@ class ExpertCacheTables:
         return FillPlan(pair_slot, src, dst, count)
 
     def _step_without_slots(self, ids: torch.Tensor) -> FillPlan:
-        m = len(set(ids.tolist()))
-        self.stats.add_(torch.tensor([1, 0, m, 0, m, 0], device=self.device))
+        """Every routed id a miss computed elsewhere; counted with tensor operations only (no host
+        read), so a fixed-shape step uses it too."""
+        ids_sorted = torch.sort(ids).values
+        m = (ids_sorted[1:] != ids_sorted[:-1]).sum() + 1  # distinct ids
+        zero = torch.zeros_like(m)
+        self.stats.add_(torch.stack([torch.ones_like(m), zero, m, zero, m, zero]))
         empty = torch.full((0,), -1, dtype=torch.long, device=self.device)
-        return FillPlan(torch.full_like(ids, -1), empty, empty, torch.zeros((), dtype=torch.long, device=self.device))
+        return FillPlan(torch.full_like(ids, -1), empty, empty, zero)
 
     def plan_resize(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(old slots, new slots) of the experts a resize to ``num_slots`` keeps (:func:`plan_resize`)."""
