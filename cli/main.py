@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--dtype", default="auto")
     prof.add_argument("--virtual-device", action="store_true", help="profile the virtual device's copy path")
     prof.add_argument("--virtual-link-gbps", type=float, default=None)
+    prof.add_argument("--vram-limit", type=parse_bytes, default=None, metavar="BYTES",
+                      help="plan for at most BYTES of GPU memory (as `serve --vram-limit`)")
     prof.add_argument("--repeats", type=int, default=15, help="timed runs per measurement (median)")
     prof.add_argument("--json", action="store_true", help="machine-readable output")
     serve = sub.add_parser("serve", help="serve a model over the OpenAI and Anthropic HTTP APIs and gRPC",

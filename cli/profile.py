@@ -23,7 +23,7 @@ from hearth.engine.ops import activation
 def run_profile(args: argparse.Namespace) -> int:
     loaded = load_checkpoint(args.model, None if args.dtype == "auto" else args.dtype, show_progress=not args.json)
     cfg, pool = loaded.config, loaded.pool
-    memory = memory_report(loaded, cfg)  # before any arena of ours takes GPU memory
+    memory = memory_report(loaded, cfg, args.vram_limit)  # before any arena of ours takes GPU memory
     host = measure_host_path(pool, activation(cfg.hidden_act), cfg.top_k, args.repeats)
     kind = "virtual" if args.virtual_device else "cuda" if torch.cuda.is_available() else None
     device = build_device(kind, pool, cfg.top_k, args.virtual_link_gbps) if kind else None
@@ -55,9 +55,10 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def memory_report(loaded, cfg) -> dict:
+def memory_report(loaded, cfg, vram_limit: int | None = None) -> dict:
     """What the GPU executor would hold on this machine's GPU (dense weights, a full context's KV
-    cache, expert slots in the rest), or the sizes alone without a GPU."""
+    cache, expert slots in the rest; within ``vram_limit`` bytes when given), or the sizes alone
+    without a GPU."""
     model = loaded.model
     weights = tensor_bytes([*model.parameters(), *model.buffers()])
     per_token = PagedKVCache.bytes_per_token(len(cfg.attention_layer_ids), cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
@@ -66,7 +67,10 @@ def memory_report(loaded, cfg) -> dict:
     out = {"dense_weight_bytes": weights, "kv_bytes_per_token": per_token, "context_tokens": tokens,
            "expert_bytes": loaded.pool.expert_bytes, "vram": None}
     if torch.cuda.is_available():
-        plan = plan_vram(torch.cuda.mem_get_info()[0], weights, per_token, tokens, loaded.pool.expert_bytes,
+        free = torch.cuda.mem_get_info()[0]
+        if vram_limit is not None:
+            free = min(free, vram_limit)
+        plan = plan_vram(free, weights, per_token, tokens, loaded.pool.expert_bytes,
                          loaded.pool.gate_up.shape[0])
         out["vram"] = {"device": torch.cuda.get_device_name(), **plan.__dict__, "fits": plan.fits()}
     return out

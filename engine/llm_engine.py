@@ -106,7 +106,9 @@ class LLMEngine:
         step_tokens = max(config.scheduler.step_tokens, config.scheduler.prefill_chunk)
         self.experts = build_hierarchy(cfg, self.pool, config.experts, step_tokens,
                                        pool_name=self.host_pool.name if self.host_pool is not None else None,
-                                       executor_device=self.device)
+                                       executor_device=self.device,
+                                       in_use=tensor_bytes([*loaded.model.parameters(), *loaded.model.buffers(),
+                                                            *kv.keys, *kv.values]))
         if self.experts is not None:
             loaded.model.set_expert_backend(self.experts)
         self._routing_file = None

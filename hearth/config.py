@@ -269,6 +269,10 @@ class ExpertConfig(Section):
     vram_watch: bool = option(True, "elastic VRAM: follow the GPU's free memory (NVML), shrinking the expert cache "
                                     "when other programs need memory and growing it back to its starting size "
                                     "when they free it (--no-vram-watch: resize on request only)")
+    vram_limit: int | None = option(None, "the most memory the executor takes on its device, dense weights, KV "
+                                          "cache and expert cache together (default: what the GPU has free); to "
+                                          "share the GPU, or to stand in for a smaller one", parse=parse_bytes,
+                                    minimum=0, metavar="BYTES")
     vram_reserve: int = option(1 << 30, "GPU memory the elastic expert cache leaves free for other programs",
                                parse=parse_bytes, minimum=0, metavar="BYTES")
 

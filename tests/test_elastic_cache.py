@@ -11,7 +11,8 @@ from hearth.config import ConfigError
 from hearth.engine import LLM
 from hearth.engine.experts.mechanism.vram_watch import watch_engine
 from hearth.engine.experts.policy.cache import ExpertCacheTables, plan_resize
-from hearth.engine.experts.policy.vram import VramPolicy, elastic_budget
+from hearth.engine.experts.policy.vram import VramPolicy, default_cache_bytes, elastic_budget
+from hearth.engine.memory import tensor_bytes
 from tests.helpers import greedy, max_rel_error, record_logits
 from tests.test_gguf_hierarchy import q4_k_m  # noqa: F401 - the fixture
 from tests.test_hierarchy import BATCH4, OVERRIDES, SPLIT_BANDWIDTHS
@@ -152,6 +153,31 @@ def test_elastic_budget_follows_free_memory() -> None:
     assert elastic_budget(free=20 * gib, cache_bytes=4 * gib, policy=policy) == 8 * gib  # up to the ceiling only
     assert elastic_budget(free=gib - slot // 2, cache_bytes=4 * gib, policy=policy) == 4 * gib - slot  # whole slots
     assert elastic_budget(free=gib + 5, cache_bytes=0, policy=VramPolicy(gib, 8 * gib, 3)) == 3  # whole slots
+
+
+def test_default_cache_size_within_a_vram_limit() -> None:
+    gib = 1 << 30
+    assert default_cache_bytes("cuda", 10 * gib, 40 * gib, None, 0) == 8 * gib  # 80 % of free memory
+    assert default_cache_bytes("cuda", 10 * gib, 40 * gib, 8 * gib, 3 * gib) == 4 * gib  # 80 % of what the limit leaves
+    assert default_cache_bytes("cuda", 2 * gib, 40 * gib, 8 * gib, 3 * gib) == int(1.6 * gib)  # the GPU has less
+    assert default_cache_bytes("cuda", 10 * gib, 40 * gib, 2 * gib, 3 * gib) == 0  # dense and KV over the limit
+    assert default_cache_bytes("virtual", 0, 40 * gib, None, 0) == 10 * gib  # a quarter of the pool
+    assert default_cache_bytes("virtual", 0, 40 * gib, 13 * gib, gib) == int(9.6 * gib)  # the stand-in GPU's size
+
+
+def test_vram_limit_sizes_the_engines_cache(checkpoint) -> None:
+    """``vram_limit`` counts the executor's dense weights and KV cache, and the cache takes 80 % of
+    the rest (the virtual device standing in for a GPU of that size)."""
+    path, _ = checkpoint("qwen3_moe", **OVERRIDES)
+    llm = LLM(path, expert_device="virtual", q_mode="zero")
+    engine = llm.engine
+    model = engine.runner.model
+    in_use = tensor_bytes([*model.parameters(), *model.buffers(), *engine.runner.kv.keys, *engine.runner.kv.values])
+    expert = engine.pool.expert_bytes
+    llm.close()
+    llm = LLM(path, expert_device="virtual", q_mode="zero", vram_limit=in_use + 10 * expert)
+    assert llm.engine.experts.tables.num_slots == 8
+    llm.close()
 
 
 def test_vram_watcher_resizes_the_engine(checkpoint) -> None:

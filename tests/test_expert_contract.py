@@ -11,7 +11,7 @@ from hearth.engine.experts import contract
 from hearth.engine.experts.backend import HierarchicalExpertBackend
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.mechanism.cpu_workers import CpuExpertWorkers
-from hearth.engine.experts.mechanism.device import CudaDevice, VirtualDevice
+from hearth.engine.experts.mechanism.device import CudaDevice, VirtualDevice, contiguous_runs
 from hearth.engine.experts.mechanism.ring import ExternalCpuWorkers, ProcessCpuWorkers, RingCpuWorkers
 
 
@@ -39,3 +39,12 @@ def test_implementation_has_every_method_with_its_parameters(protocol, cls):
 
 def test_step_context_is_truthy_only_when_it_streams():
     assert contract.StepContext("stream", 512, 0) and not contract.StepContext("decode", 1, 0)
+
+
+def test_fills_copy_contiguous_runs_at_once() -> None:
+    assert contiguous_runs([], []) == []
+    assert contiguous_runs([4, 5, 6, 9, 10, 3], [0, 1, 2, 3, 4, 7]) == [(4, 0, 3), (9, 3, 2), (3, 7, 1)]
+    assert contiguous_runs([1, 2, 3], [5, 4, 6]) == [(1, 5, 1), (2, 4, 1), (3, 6, 1)]  # slots out of order
+    rows, slots = [7, 8, 2, 3, 4], [10, 11, 0, 1, 2]
+    flat = [(r + i, s + i) for r, s, n in contiguous_runs(rows, slots) for i in range(n)]
+    assert flat == list(zip(rows, slots, strict=True))

@@ -20,6 +20,7 @@ from hearth.engine.experts.policy.cache import ExpertCacheTables
 from hearth.engine.experts.policy.qstar import PathCost, SplitCosts, build_qtable, forced_qtable
 from hearth.engine.experts.policy.streaming import stream_min_tokens
 from hearth.engine.experts.policy.tuning import TUNER_EPOCH_TOKENS, CreditTuner
+from hearth.engine.experts.policy.vram import default_cache_bytes
 from hearth.engine.experts.pool import ExpertPool
 from hearth.engine.ops import activation
 
@@ -73,12 +74,13 @@ def build_cpu_workers(cfg: ModelConfig, pool: ExpertPool, hc: ExpertConfig, max_
 
 
 def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: ExpertConfig, max_tokens: int,
-                    pool_name: str | None = None, executor_device: torch.device | None = None
-                    ) -> HierarchicalExpertBackend | None:
+                    pool_name: str | None = None, executor_device: torch.device | None = None,
+                    in_use: int = 0) -> HierarchicalExpertBackend | None:
     """The hierarchical backend, or None when there is no device (every expert runs from the pool).
     ``max_tokens`` is the most tokens one step computes; ``pool_name`` names the shared-memory pool
     when there is one (for worker processes); a CUDA cache goes on ``executor_device`` when that is
-    a GPU (``--device cuda:N``), else on the current one."""
+    a GPU (``--device cuda:N``), else on the current one; ``in_use``: the bytes the executor
+    already holds there (dense weights, KV cache), which ``--vram-limit`` counts."""
     kind = resolve_device(hc.device)
     if kind == "none":
         return None
@@ -88,8 +90,7 @@ def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: ExpertConfig, max_to
     act = activation(cfg.hidden_act)
     gpu = executor_device if executor_device is not None and executor_device.type == "cuda" else torch.device("cuda")
     free = torch.cuda.mem_get_info(gpu)[0] if kind == "cuda" else 0
-    # Default size: 80 % of free GPU memory; on the virtual device a quarter of the pool.
-    default_bytes = int(free * 0.8) if kind == "cuda" else pool.nbytes // 4
+    default_bytes = default_cache_bytes(kind, free, pool.nbytes, hc.vram_limit, in_use)
     slots = cache_slots(hc.cache, pool, default_bytes)
     device = build_device(kind, pool, slots, hc.virtual_link_gbps, gpu)
     workers = build_cpu_workers(cfg, pool, hc, max_tokens, act, pool_name)
@@ -119,7 +120,9 @@ def _attach_streamer(backend: HierarchicalExpertBackend, slots: int, *, cfg: Mod
     buffers = 2 if hc.double_buffer else 1
     costs = backend.costs
     backend.stream_threshold = None
-    if not LayerStreamer.fits(pool, slots, buffers) or (costs is None and hc.stream_min_tokens is None):
+    # Where every expert can stay resident, buffers would only evict (unless streaming is asked for).
+    holds_all = slots >= pool.gate_up.shape[0] and hc.stream_min_tokens is None
+    if holds_all or not LayerStreamer.fits(pool, slots, buffers) or (costs is None and hc.stream_min_tokens is None):
         backend.streamer = None  # every step takes the decode path
         return
     if backend.streamer is None:

@@ -242,9 +242,9 @@ class CudaDevice:
     def _copy_rows(self, rows: list[int], slots: list[int]) -> None:
         """Pool rows into slots: pinned source pages -> asynchronous DMA on the copy stream."""
         with torch.cuda.stream(self.copy_stream):
-            for slot, row in zip(slots, rows, strict=True):
-                self.gate_up[slot].copy_(self.pool.gate_up[row], non_blocking=True)
-                self.down[slot].copy_(self.pool.down[row], non_blocking=True)
+            for row, slot, n in contiguous_runs(rows, slots):  # a streamed layer is one run: one DMA per bank
+                self.gate_up[slot : slot + n].copy_(self.pool.gate_up[row : row + n], non_blocking=True)
+                self.down[slot : slot + n].copy_(self.pool.down[row : row + n], non_blocking=True)
 
     def _arena(self, num_slots: int) -> None:
         self.gate_up = torch.empty((num_slots, *self.pool.gate_up.shape[1:]), dtype=self.pool.gate_up.dtype,
@@ -255,6 +255,18 @@ class CudaDevice:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+
+def contiguous_runs(rows: list[int], slots: list[int]) -> list[tuple[int, int, int]]:
+    """(first row, first slot, length) for each run of consecutive rows going to consecutive slots,
+    in order: the copies a fill of ``rows`` into ``slots`` needs at the fewest."""
+    runs: list[tuple[int, int, int]] = []
+    for row, slot in zip(rows, slots, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == row and runs[-1][1] + runs[-1][2] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((row, slot, 1))
+    return runs
 
 
 def copy_experts(dst: tuple[torch.Tensor, torch.Tensor], slots: torch.Tensor, src: tuple[torch.Tensor, torch.Tensor],

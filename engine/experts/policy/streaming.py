@@ -24,7 +24,7 @@ def stream_min_tokens(costs: SplitCosts, num_experts: int, top_k: int, resident:
     if costs.link is None or costs.link.bytes_per_s <= 0:
         return max_tokens + 1
     size = costs.expert_bytes
-    stream_copy = num_experts * (1.0 - resident) * size / costs.link.bytes_per_s
+    stream_copy = costs.link.seconds(num_experts * (1.0 - resident) * size)
     qs = [best_q(costs, m) for m in range(num_experts + 1)]
     for tokens in range(1, max_tokens + 1):
         pairs = tokens * top_k

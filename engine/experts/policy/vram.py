@@ -30,3 +30,17 @@ def elastic_budget(free: int, cache_bytes: int, policy: VramPolicy) -> int | Non
     if target - cache_bytes >= max(policy.grow_step, policy.expert_bytes):
         return target
     return None
+
+
+def default_cache_bytes(kind: str, free: int, pool_bytes: int, limit: int | None, in_use: int,
+                        share: float = 0.8) -> int:
+    """The expert cache's size when none is given: ``share`` of the GPU's ``free`` memory (CUDA), a
+    quarter of the pool (the virtual device). With ``limit`` (``--vram-limit``: all the memory the
+    executor may take on its device, to leave the rest to other programs or to stand in for a
+    smaller GPU) at most ``share`` of what the limit leaves past ``in_use`` (the dense weights and
+    the KV cache), on either device."""
+    wanted = int(free * share) if kind == "cuda" else pool_bytes // 4
+    if limit is None:
+        return wanted
+    allowed = int(max(limit - in_use, 0) * share)
+    return min(wanted, allowed) if kind == "cuda" else allowed
