@@ -69,12 +69,14 @@ def _connect(address: str, start_if_missing: bool = False) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     from hearth.cluster.deploy import DeployOptions, deploy
     from hearth.engine.demo import DEMO_NAME, demo_model_dir
+    from hearth.engine.loader import load_config
 
     model = Path(args.model) if args.model else demo_model_dir()
     if not model.is_dir():
         raise FileNotFoundError(f"{model}: no such checkpoint directory")
     name = args.name or (DEMO_NAME if args.model is None else model.name)
     serving = serving_config(args, served_model_name=[name])
+    load_config(model)  # an unsupported or broken config is refused before any Ray work
     _connect(args.address, start_if_missing=True)
     options = DeployOptions(str(model.resolve()), name, serving.host, serving.port, serving.grpc_port,
                             serving.api_key, args.replicas, args.require, engine_options(args),

@@ -14,6 +14,7 @@ from pathlib import Path
 from hearth.cli.flags import engine_config, serving_config
 from hearth.config import ServingConfig
 from hearth.engine.demo import DEMO_NAME, demo_model_dir
+from hearth.engine.loader import load_config
 from hearth.serving.server import build_state, configure_logging, serve_async
 
 STILL_LOADING_S = 30.0  # how often a start that is not ready yet reports where it is
@@ -27,6 +28,7 @@ def run_serve(args: argparse.Namespace) -> int:
     names = args.served_model_name or [default_name]
     serving = serving_config(args, served_model_name=names)
     engine = engine_config(args)
+    load_config(model)  # an unsupported or broken config is refused before the server starts
     configure_logging(serving.log_format)
     state = build_state(model, engine, serving, show_progress=True)
     started = threading.Event()

@@ -12,6 +12,7 @@ Checkpoints quantized as shipped (FP8 block-scaled, MXFP4 experts) are read by
 from __future__ import annotations
 
 import json
+import logging
 import re
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -26,10 +27,14 @@ from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertPool
 from hearth.engine.models import MoECausalLM, build_model, family_for
 
+log = logging.getLogger(__name__)
+
 _PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
-# Buffers some exporters write that carry no weights.
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# Tensors no family computes with: rotary caches, multi-token-prediction heads, vision and audio towers.
+_UNUSED = re.compile(r"rotary_emb\.inv_freq$|^(model\.)?(mtp|visual|vision_tower|vision_model|multi_modal_projector"
+                     r"|audio_tower)\.")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class CheckpointError(ValueError):
@@ -53,6 +58,7 @@ class _Progress:
     params: set[str]
     experts: set[tuple[int, int, str]]
     errors: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # tensors the model does not use
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
@@ -176,6 +182,23 @@ def _load_tensors(model_dir: Path, cfg, model: MoECausalLM, pool: ExpertPool, fa
     return progress
 
 
+def _unused(canonical: str, cfg) -> bool:
+    """A tensor no layer of the model reads: see ``_UNUSED``, and layers past the last (DeepSeek's
+    and GLM's multi-token-prediction layers are numbered on from the decoder's)."""
+    layer = _LAYER.match(canonical)
+    return bool(_UNUSED.search(canonical)) or (layer is not None and int(layer.group(1)) >= cfg.num_layers)
+
+
+def skipped_summary(names: list[str]) -> str:
+    """Skipped tensor names grouped by where they sit: ``mtp.* (12), model.layers.3.* (9)``."""
+    groups: dict[str, int] = {}
+    for name in names:
+        layer, parts = _LAYER.match(name), name.split(".")
+        key = layer.group(0) if layer else ".".join(parts[: 2 if parts[0] == "model" else 1]) + "."
+        groups[key] = groups.get(key, 0) + 1
+    return ", ".join(f"{key}* ({n})" for key, n in groups.items())
+
+
 def _float_tensor(name: str, f) -> None:
     """Refuse a quantized tensor on a path that reads floats (its values would be garbage)."""
     dtype = f.get_slice(name).get_dtype()
@@ -187,7 +210,8 @@ def _float_tensor(name: str, f) -> None:
 def _load_one(name, canonical, f, cfg, params, pool, progress: _Progress, quant=None) -> None:
     try:
         # An empty canonical name: a tensor the family does not use (e.g. multi-token prediction).
-        if not canonical or _IGNORED.search(canonical):
+        if not canonical or _unused(canonical, cfg):
+            progress.skipped.append(name)
             return
         if quant is not None and quant.load(name, canonical, f, params):
             return
@@ -238,13 +262,14 @@ def load_config(model_dir: str | Path, dtype: str | torch.dtype | None = None):
     if quant_spec(raw, model_dir) is not None and dtype in (None, "auto"):
         dtype = "float32"  # quantized weights compute in float32 by default, as GGUF files do
     family = family_for(raw.get("architectures"))
-    for alternatives in family.required_fields:
-        if not any(raw.get(name) is not None for name in alternatives):
-            raise ConfigError(f"{model_dir}/config.json lacks the required field '{' or '.join(alternatives)}'")
     try:
         hf = AutoConfig.from_pretrained(str(model_dir))
     except Exception as exc:
         raise ConfigError(f"{model_dir}/config.json: {exc}") from exc
+    # A field transformers' config class has a default for is optional (Mixtral's num_experts_per_tok: 2).
+    for alternatives in family.required_fields:
+        if not any(raw.get(name) is not None or getattr(hf, name, None) is not None for name in alternatives):
+            raise ConfigError(f"{model_dir}/config.json lacks the required field '{' or '.join(alternatives)}'")
     try:
         cfg = family.parse_config(hf, model_dir, parse_dtype(raw, dtype))
     except AttributeError as exc:
@@ -277,6 +302,9 @@ def load_model(
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
     progress = _load_tensors(model_dir, cfg, model, pool, family, show_progress, quant, keep)
     _report(progress)
+    if progress.skipped:
+        log.info("skipped %d tensors %s does not use: %s", len(progress.skipped), cfg.architecture,
+                 skipped_summary(progress.skipped))
     adopt_blocks(model)
     model.eval()
     return LoadedModel(config=cfg, model=model, pool=pool, model_dir=model_dir)

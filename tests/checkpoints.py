@@ -105,6 +105,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, intermediate_size=96
     ),
     "mixtral": dict(num_local_experts=8, intermediate_size=32),
+    "olmoe": dict(num_experts=8, intermediate_size=32, norm_topk_prob=False),
     # Hybrids: layers 0-2 gated DeltaNet, layer 3 gated attention (transformers' default 3:1 pattern).
     "qwen3_next": dict(
         num_hidden_layers=4, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
@@ -154,10 +155,17 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384, chat_format: str = "ch
 
 
 def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
-    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3_5MoeTextConfig, Qwen3MoeConfig, Qwen3NextConfig
+    from transformers import (
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2MoeConfig,
+        Qwen3_5MoeTextConfig,
+        Qwen3MoeConfig,
+        Qwen3NextConfig,
+    )
 
     classes = {"qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig,
-               "qwen3_next": Qwen3NextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig}
+               "qwen3_next": Qwen3NextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig, "olmoe": OlmoeConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(
@@ -184,6 +192,10 @@ def build_hf_model(family: str, vocab_size: int = 384, eos_id: int = 2, seed: in
     torch.manual_seed(seed)
     cfg = _config(family, vocab_size, eos_id, **overrides)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # transformers initialises biases to zero, which would test nothing
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.05)
     return model.eval()
 
 

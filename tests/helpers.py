@@ -34,6 +34,21 @@ def hf_greedy(model, prompt: list[int], steps: int):
     return out.sequences[0, len(prompt) :].tolist(), torch.stack([x[0] for x in out.logits])
 
 
+def hf_argmax(model, prompt: list[int], steps: int):
+    """Plain argmax decoding with transformers' own cache: (new token ids, per-step logits [steps, V]).
+    Unlike :func:`hf_greedy` (``min_new_tokens``) nothing is suppressed, so EOS may be chosen,
+    as our ``ignore_eos`` greedy requests may choose it."""
+    tokens, logits = [], []
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(steps):
+            last = out.logits[0, -1]
+            tokens.append(int(last.argmax()))
+            logits.append(last)
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, torch.stack(logits)
+
+
 def reference(path, dtype: torch.dtype = torch.float32):
     """The checkpoint loaded by transformers itself: the independent reference."""
     from transformers import AutoModelForCausalLM

@@ -151,7 +151,7 @@ def test_idle_probe_measures_both_paths_without_changing_the_cache(checkpoint) -
     assert resident
     stats = backend.stats()
     b_p, b_h = backend.probe(k=2, repeats=3)
-    assert 0.3e9 < b_p < 1.3e9  # the virtual link is limited to 1 GB/s
+    assert 0.3e9 < b_p < 2e9  # the virtual link is limited to 1 GB/s (unlimited, it copies at >10 GB/s)
     assert b_h > 0
     assert backend.tables.resident() == resident and backend.stats()["fills"] == stats["fills"]
     pool, device = backend.pool, backend.device

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ import pytest
 
 from hearth.engine.inspect import summarize
 from hearth.engine.loader import load_config
+from hearth.engine.models import supported_architectures
 from tests.helpers import reference
 
 
@@ -39,17 +39,33 @@ def test_generate_chat_template_and_stdin(checkpoint):
     assert out.returncode == 0, out.stderr
 
 
-def test_generate_bad_model_is_a_clear_error(checkpoint, tmp_path):
-    path, _ = checkpoint("qwen3_moe")
-    bad = tmp_path / "bad"
-    shutil.copytree(path, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["architectures"] = ["NopeForCausalLM"]
-    (bad / "config.json").write_text(json.dumps(cfg))
-    out = hearth("generate", "--model", str(bad), "--prompt", "x")
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A dense Llama checkpoint: an architecture transformers ships and hearth does not serve."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.checkpoints import build_tokenizer
+
+    path = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(LlamaConfig(vocab_size=384, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1, intermediate_size=64)).save_pretrained(str(path))
+    build_tokenizer(path)
+    return path
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x", "--model"], ["serve", "--port", "0", "--model"],
+                                     ["inspect"], ["convert", "{out}"], ["up", "--port", "0", "--model"]])
+def test_unsupported_architecture_is_one_line(llama, tmp_path, command):
+    """generate, serve, inspect, convert and up refuse an unsupported family in one line, naming it
+    and the supported ones, with no traceback (and up before any Ray work)."""
+    args = [a.replace("{out}", str(tmp_path / "out")) for a in command]
+    args = args + [str(llama)] if args[-1] == "--model" or len(args) == 1 else args[:1] + [str(llama)] + args[1:]
+    out = hearth(*args)
     assert out.returncode == 1
-    assert "hearth: error: unknown architecture ['NopeForCausalLM']" in out.stderr
-    assert "Traceback" not in out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert lines == [f"hearth: error: LlamaForCausalLM is not supported; supported: "
+                     f"{', '.join(supported_architectures())}"], out.stderr
+    assert "OlmoeForCausalLM" in lines[0]
 
 
 @pytest.mark.parametrize("family, overrides", [("qwen3_moe", {}), ("qwen2_moe", {}), ("mixtral", {}),

@@ -76,10 +76,16 @@ def test_half_precision_greedy_tokens_match_transformers(checkpoint, family, dty
         ),
         ("mixtral", {"sliding_window": 8}),
         ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2}),
+        ("olmoe", {"clip_qkv": 0.5, "norm_topk_prob": True}),
+        ("qwen3_moe", {"attention_bias": True}),
+        ("qwen3_next", {"attention_bias": True}),
+        ("qwen3_5_moe", {"attention_bias": True}),
+        ("olmoe", {"attention_bias": True}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
-        "qwen2-window",
+        "qwen2-window", "olmoe-clip-normalized", "qwen3-attention-bias", "qwen3-next-attention-bias",
+        "qwen3.5-attention-bias", "olmoe-attention-bias",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

@@ -115,6 +115,27 @@ def test_extra_tensor(ckpt):
         load_model(ckpt)
 
 
+def test_unused_tensors_are_skipped_with_one_log_line(ckpt, caplog):
+    """Multi-token-prediction layers (numbered past the last layer, or under ``mtp.``), rotary
+    caches and vision towers load as skipped, named in one log line; the model is unchanged."""
+    import logging
+
+    reference_model = load_model(ckpt).model
+    extra = {"model.layers.3.self_attn.q_proj.weight": torch.zeros(2), "model.layers.3.eh_proj.weight": torch.zeros(2),
+             "mtp.fc.weight": torch.zeros(2), "model.visual.blocks.0.attn.qkv.weight": torch.zeros(2),
+             "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(2)}
+    rewrite(ckpt, "model.norm.weight", lambda t: t.update(extra))
+    with caplog.at_level(logging.INFO, logger="hearth.engine.loader"):
+        loaded = load_model(ckpt)
+    lines = [r.getMessage() for r in caplog.records if "does not use" in r.getMessage()]
+    assert len(lines) == 1
+    assert lines[0].startswith("skipped 5 tensors Qwen3MoeForCausalLM does not use: ")
+    for group in ("model.layers.3.* (2)", "mtp.* (1)", "model.visual.* (1)", "model.layers.0.* (1)"):
+        assert group in lines[0]
+    for (name, a), b in zip(loaded.model.state_dict().items(), reference_model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_index_names_absent_shard(ckpt):
     index_path = ckpt / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
@@ -136,12 +157,28 @@ def test_dtype_override_converts_weights(ckpt):
 
 
 @pytest.mark.parametrize("field", ["hidden_size", "num_hidden_layers", "moe_intermediate_size"])
-def test_missing_config_field_is_named(ckpt, field):
+def test_missing_size_field_takes_the_default_and_is_refused(ckpt, field):
+    """transformers' default for a missing size does not fit the tensors: a clear mismatch error."""
     cfg = json.loads((ckpt / "config.json").read_text())
     cfg.pop(field)
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match=f"lacks the required field '{field}'"):
+    with pytest.raises(CheckpointError, match="does not match its config"):
         load_model(ckpt)
+
+
+def test_config_field_with_a_default_is_optional(checkpoint, tmp_path):
+    """Mixtral without num_experts_per_tok: transformers' default (2) applies, as when it loads."""
+    from hearth.engine import LLM
+    from tests.helpers import greedy, hf_argmax, reference
+
+    path = tmp_path / "mixtral"
+    shutil.copytree(checkpoint("mixtral", num_experts_per_tok=2)[0], path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("num_experts_per_tok")
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert load_model(path).config.top_k == 2
+    tokens, _ = hf_argmax(reference(path), [5, 17, 33, 99], 8)
+    assert LLM(path).generate([5, 17, 33, 99], greedy(8))[0].token_ids == tokens
 
 
 def test_unsupported_rope_type_is_named(ckpt):

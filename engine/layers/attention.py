@@ -84,7 +84,7 @@ class Attention(nn.Module):
 
     def __init__(self, layer_idx: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, *, bias: bool = False, qk_norm: Callable[[int], nn.Module] | None = None,
-                 window: int | None = None) -> None:
+                 window: int | None = None, out_bias: bool = False) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -94,7 +94,7 @@ class Attention(nn.Module):
         self.k_proj = Projection(hidden, kv_out, bias, dtype)
         self.v_proj = Projection(hidden, kv_out, bias, dtype)
         self._fuse_qkv(hidden, q_out, kv_out, bias, dtype)
-        self.o_proj = Projection(num_heads * head_dim, hidden, False, dtype)
+        self.o_proj = Projection(num_heads * head_dim, hidden, out_bias, dtype)
         self.q_norm = qk_norm(head_dim) if qk_norm is not None else None
         self.k_norm = qk_norm(head_dim) if qk_norm is not None else None
         self.scale = head_dim**-0.5
@@ -143,13 +143,19 @@ class Attention(nn.Module):
             return linear(x, self.qkv_weight, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], -1)
         return tuple(linear(x, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj))
 
+    def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-head q/k norms, q [T, heads, D] and k [T, kv_heads, D], where the family has them."""
+        if self.q_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
+
     def split_query(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """q_proj's output [T, q_size] -> (queries [T, heads, D], what the output needs from it, or None)."""
         return q.reshape(q.shape[0], self.num_heads, self.head_dim), None
 
     def project_out(self, out: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
         """Attention output [T, heads * D] -> hidden states [T, H]."""
-        return linear(out, self.o_proj.weight)
+        return linear(out, self.o_proj.weight, self.o_proj.bias)
 
     def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:  # x: [T, H]
         t, batch = x.shape[0], ctx.batch
@@ -158,8 +164,7 @@ class Attention(nn.Module):
         q, extra = self.split_query(q)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.norm_heads(q, k)
         q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
@@ -258,4 +263,27 @@ class GatedAttention(Attention):
         return q.reshape(t, self.num_heads, self.head_dim), gate.reshape(t, self.num_heads * self.head_dim)
 
     def project_out(self, out: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
-        return linear(out * torch.sigmoid(extra), self.o_proj.weight)
+        return linear(out * torch.sigmoid(extra), self.o_proj.weight, self.o_proj.bias)
+
+
+class ProjectionNormAttention(Attention):
+    """Attention whose q/k norms span each whole projection, all heads at once, rather than each
+    head (OLMoE); then q, k and v are clipped to ``[-clip, clip]`` where ``clip`` is set."""
+
+    def __init__(self, layer_idx: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, *, norm: Callable[[int], nn.Module], clip: float | None = None,
+                 bias: bool = False, window: int | None = None) -> None:
+        super().__init__(layer_idx, hidden, num_heads, num_kv_heads, head_dim, dtype, bias=bias, window=window,
+                         out_bias=bias)
+        self.q_norm, self.k_norm = norm(self.q_size), norm(self.kv_size)
+        self.clip = clip
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().project_qkv(x)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        return q, k, v
+
+    def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k  # normed whole in project_qkv

@@ -11,12 +11,12 @@ from hearth.config import ConfigError
 from hearth.engine import hugepages
 from hearth.engine.config import ModelConfig
 from hearth.engine.experts.contract import ExpertBackend
-from hearth.engine.models import mixtral, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
+from hearth.engine.models import mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
 from hearth.engine.models.base import ModelFamily
 from hearth.engine.models.decoder import MoECausalLM
 
 FAMILIES: tuple[ModelFamily, ...] = (
-    qwen3_moe.FAMILY, qwen2_moe.FAMILY, mixtral.FAMILY, qwen3_next.FAMILY, qwen3_5_moe.FAMILY,
+    qwen3_moe.FAMILY, qwen2_moe.FAMILY, mixtral.FAMILY, qwen3_next.FAMILY, qwen3_5_moe.FAMILY, olmoe.FAMILY,
 )
 
 
@@ -30,7 +30,8 @@ def family_for(architectures: list[str] | None) -> ModelFamily:
         for fam in FAMILIES:
             if arch in fam.architectures:
                 return fam
-    raise ConfigError(f"unknown architecture {architectures!r}; supported: {', '.join(supported_architectures())}")
+    named = " / ".join(architectures or []) or "no architecture (config.json has no 'architectures')"
+    raise ConfigError(f"{named} is not supported; supported: {', '.join(supported_architectures())}")
 
 
 def build_model(cfg: ModelConfig, experts: ExpertBackend) -> MoECausalLM:

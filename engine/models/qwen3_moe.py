@@ -45,7 +45,7 @@ def build(cfg: Qwen3MoeConfig, experts: ExpertBackend) -> MoECausalLM:
 
     def layer(i: int) -> DecoderLayer:
         attn = Attention(i, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
-                         bias=cfg.qkv_bias, qk_norm=norm, window=cfg.window(i))
+                         bias=cfg.qkv_bias, qk_norm=norm, window=cfg.window(i), out_bias=cfg.qkv_bias)
         mlp = qwen_moe_block(cfg, i, experts, normalize=cfg.norm_topk_prob)
         return DecoderLayer(attn, mlp, norm(cfg.hidden_size), norm(cfg.hidden_size))
 

@@ -93,7 +93,7 @@ def build_hybrid(cfg: QwenHybridConfig, experts: ExpertBackend, deltanet: type[G
             mixer = deltanet(i, cfg.hidden_size, cfg.linear_attention, cfg.rms_norm_eps, cfg.dtype)
         else:
             mixer = GatedAttention(i, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
-                                   bias=cfg.qkv_bias, qk_norm=norm)
+                                   bias=cfg.qkv_bias, qk_norm=norm, out_bias=cfg.qkv_bias)
         mlp = qwen_moe_block(cfg, i, experts, normalize=cfg.norm_topk_prob,
                              shared_expert_size=cfg.shared_expert_intermediate_size)
         return DecoderLayer(mixer, mlp, norm(cfg.hidden_size), norm(cfg.hidden_size))
