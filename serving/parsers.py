@@ -250,6 +250,46 @@ def parse_xml_call(body: str, text_params: Mapping[str, frozenset[str]] | None =
     return ToolCall(new_tool_call_id(), name, json.dumps(args, ensure_ascii=False))
 
 
+class Glm45ToolParser(HermesToolParser):
+    """Finds GLM-4.5 / 4.6 / 4.7 calls in content::
+
+        <tool_call>NAME
+        <arg_key>KEY</arg_key>
+        <arg_value>VALUE</arg_value>
+        </tool_call>
+
+    (the newlines are optional: GLM-4.7 writes none). Values are read as for Qwen3-Coder: JSON where
+    they parse, text otherwise, and text always for a parameter whose schema says string."""
+
+    def parse_call(self, body: str) -> ToolCall | None:
+        return parse_glm_call(body, self.text_params)
+
+
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def parse_glm_call(body: str, text_params: Mapping[str, frozenset[str]] | None = None) -> ToolCall | None:
+    """The tool call in one GLM ``<tool_call>`` body, or None when it is not a valid call."""
+    head, sep, tail = body.partition("<arg_key>")
+    name, rest = head.strip(), sep + tail
+    if not name or "<" in name or "\n" in name:
+        return None
+    as_text = (text_params or {}).get(name, frozenset())
+    args: dict[str, Any] = {}
+    for arg in _GLM_ARG.finditer(rest):
+        key, value = arg.group(1).strip(), arg.group(2)
+        if key in as_text:
+            args[key] = value
+            continue
+        try:
+            args[key] = json.loads(value)
+        except json.JSONDecodeError:
+            args[key] = value
+    if _GLM_ARG.sub("", rest).strip():
+        return None  # text outside the arguments: not a call
+    return ToolCall(new_tool_call_id(), name, json.dumps(args, ensure_ascii=False))
+
+
 class NoToolParser:
     """Everything is content."""
 
@@ -263,7 +303,8 @@ class NoToolParser:
         return []
 
 
-TOOL_PARSERS = {"hermes": HermesToolParser, "qwen3_coder": Qwen3CoderToolParser, "none": NoToolParser}
+TOOL_PARSERS = {"hermes": HermesToolParser, "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser,
+                "none": NoToolParser}
 # Which tool-call format each architecture's chat templates use.
 ARCHITECTURE_TOOL_PARSERS = {
     "Qwen3MoeForCausalLM": "hermes",
@@ -271,6 +312,7 @@ ARCHITECTURE_TOOL_PARSERS = {
     "MixtralForCausalLM": "hermes",
     "Qwen3NextForCausalLM": "hermes",
     "Qwen3_5MoeForCausalLM": "qwen3_coder",
+    "Glm4MoeForCausalLM": "glm45",
 }
 
 
@@ -281,6 +323,8 @@ def choose_tool_parser(architecture: str, chat_template: str | None, override: s
         if override not in TOOL_PARSERS:
             raise ValueError(f"unknown tool parser '{override}' (one of {', '.join(sorted(TOOL_PARSERS))})")
         return override
+    if chat_template and "<arg_key>" in chat_template:
+        return "glm45"
     if chat_template and "<function=" in chat_template:
         return "qwen3_coder"
     if chat_template and "<tool_call>" in chat_template:

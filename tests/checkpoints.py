@@ -106,6 +106,10 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     ),
     "mixtral": dict(num_local_experts=8, intermediate_size=32),
     "olmoe": dict(num_experts=8, intermediate_size=32, norm_topk_prob=False),
+    # Layer 0 dense; sigmoid routing over 2 groups of 4 experts with a correction bias; partial rotary.
+    "glm4_moe": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
+                     first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, head_dim=16,
+                     use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5),
     # Hybrids: layers 0-2 gated DeltaNet, layer 3 gated attention (transformers' default 3:1 pattern).
     "qwen3_next": dict(
         num_hidden_layers=4, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
@@ -156,6 +160,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384, chat_format: str = "ch
 
 def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
     from transformers import (
+        Glm4MoeConfig,
         MixtralConfig,
         OlmoeConfig,
         Qwen2MoeConfig,
@@ -165,7 +170,8 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
     )
 
     classes = {"qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig,
-               "qwen3_next": Qwen3NextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig, "olmoe": OlmoeConfig}
+               "qwen3_next": Qwen3NextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig, "olmoe": OlmoeConfig,
+               "glm4_moe": Glm4MoeConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(
@@ -196,6 +202,9 @@ def build_hf_model(family: str, vocab_size: int = 384, eos_id: int = 2, seed: in
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.05)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # large enough to change the choice of experts
+                buffer.normal_(0.0, 0.3)
     return model.eval()
 
 

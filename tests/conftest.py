@@ -7,7 +7,7 @@ import torch
 
 from tests.checkpoints import make_checkpoint
 
-FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "olmoe"]
+FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "olmoe", "glm4_moe"]
 
 
 @pytest.fixture(scope="session")

@@ -81,11 +81,13 @@ def test_half_precision_greedy_tokens_match_transformers(checkpoint, family, dty
         ("qwen3_next", {"attention_bias": True}),
         ("qwen3_5_moe", {"attention_bias": True}),
         ("olmoe", {"attention_bias": True}),
+        ("glm4_moe", {"n_group": 1, "topk_group": 1, "use_qk_norm": False, "attention_bias": False,
+                      "first_k_dense_replace": 2, "norm_topk_prob": False, "partial_rotary_factor": 1.0}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
         "qwen2-window", "olmoe-clip-normalized", "qwen3-attention-bias", "qwen3-next-attention-bias",
-        "qwen3.5-attention-bias", "olmoe-attention-bias",
+        "qwen3.5-attention-bias", "olmoe-attention-bias", "glm-plain-two-dense",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

@@ -106,3 +106,48 @@ def test_qwen3_coder_parser_choice():
     template = "{{ '<tool_call>\\n<function=' + name + '>' }}"
     assert choose_tool_parser("Unknown", template) == "qwen3_coder"
     assert choose_tool_parser("Qwen3NextForCausalLM", None) == "hermes"
+
+
+# The assistant turn as GLM-4.5's chat template writes it (reasoning in <think>, then content, then
+# each call as <tool_call>NAME and <arg_key>/<arg_value> pairs; non-string values as JSON).
+GLM45_ASSISTANT = (
+    "{%- if m.reasoning_content %}<think>{{ m.reasoning_content.strip() }}</think>{% endif %}\n"
+    "{{- m.content.strip() }}"
+    "{%- for tc in m.tool_calls %}\n<tool_call>{{ tc.name }}"
+    "{%- for k, v in tc.arguments.items() %}\n<arg_key>{{ k }}</arg_key>\n"
+    "<arg_value>{{ v if v is string else v | tojson }}</arg_value>{% endfor %}\n</tool_call>"
+    "{%- endfor %}"
+)
+
+
+def _render_glm(message: dict, newlines: bool = True) -> str:
+    import jinja2
+
+    text = jinja2.Environment().from_string(GLM45_ASSISTANT).render(m=message)
+    return text if newlines else text.replace(">\n<", "><")  # GLM-4.7 writes the tags back to back
+
+
+@pytest.mark.parametrize("newlines", [True, False], ids=["glm-4.5", "glm-4.7"])
+def test_glm45_calls_from_its_template_under_any_chunking(newlines):
+    message = {"reasoning_content": "The user wants weather.\nCheck it.", "content": "Checking now.",
+               "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3, "units": "metric"}},
+                              {"name": "run", "arguments": {"cmd": "ls -la\necho <hi>", "env": {"A": "1"}}}]}
+    text = _render_glm(message, newlines)
+    expected = [("reasoning", "The user wants weather.\nCheck it."), ("content", "Checking now."),
+                ("tool_call", ("get_weather", '{"city": "Paris", "days": 3, "units": "metric"}')),
+                ("tool_call", ("run", '{"cmd": "ls -la\\necho <hi>", "env": {"A": "1"}}'))]
+    assert parse([text], tools="glm45") == expected
+    rng = random.Random(2)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 30))))
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        assert parse(chunks, tools="glm45") == expected, chunks
+
+
+def test_glm45_rejects_what_is_not_a_call():
+    pair = "<arg_key>a</arg_key><arg_value>1</arg_value>"
+    for body in ("\n" + pair, "f\nstray" + pair, "two words\nmore"):
+        assert parse([f"<tool_call>{body}</tool_call>"], tools="glm45") == [
+            ("content", f"<tool_call>{body}</tool_call>")]
+    assert choose_tool_parser("Glm4MoeForCausalLM", None) == "glm45"
+    assert choose_tool_parser("Unknown", "{{ '<arg_key>' + k + '</arg_key>' }}") == "glm45"

@@ -39,6 +39,48 @@ class TopKRouter(nn.Module):
         return ids, weights
 
 
+class GroupedTopKRouter(nn.Module):
+    """DeepSeek-style routing, all in fp32: sigmoid (or softmax) scores over the experts; the choice
+    made on the scores plus ``e_score_correction_bias`` (where the family has one), first of the
+    ``topk_group`` best of ``n_group`` expert groups (a group scored by the sum of its two best, or
+    by its best: ``group_score`` "top2" or "max"), then of the top k inside them; the k weights are
+    the plain scores, renormalised where ``normalize``, times ``scaling``. Weights stay fp32."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype, *, scoring: str = "sigmoid",
+                 correction_bias: bool = True, n_group: int = 1, topk_group: int = 1, group_score: str = "top2",
+                 normalize: bool = True, scaling: float = 1.0) -> None:
+        super().__init__()
+        if scoring not in ("sigmoid", "softmax") or group_score not in ("top2", "max"):
+            raise ValueError(f"routing: scoring {scoring!r} / group score {group_score!r} unknown")
+        if num_experts % max(n_group, 1):
+            raise ValueError(f"{num_experts} experts do not split into {n_group} groups")
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                     requires_grad=False) if correction_bias else None)
+        self.top_k, self.scoring, self.normalize, self.scaling = top_k, scoring, normalize, scaling
+        self.n_group, self.topk_group, self.group_score = max(n_group, 1), topk_group, group_score
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32)."""
+        logits = torch.nn.functional.linear(x.float(), self.weight.float())  # [T, E]
+        scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            t, e = choice.shape
+            grouped = choice.view(t, self.n_group, e // self.n_group)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(-1) if self.group_score == "top2" else grouped.amax(-1)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1, sorted=False)[1], True)
+            # Outside the chosen groups: -inf where a bias shifts the choice, 0 where the choice is the score.
+            fill = float("-inf") if self.e_score_correction_bias is not None else 0.0
+            choice = choice.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(t, e), fill)
+        ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids) if self.e_score_correction_bias is not None else choice.gather(1, ids)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scaling
+
+
 class MoEBlock(nn.Module):
     """Routed experts (through the backend, by global id ``layer * E + expert``) plus an optional
     shared expert, scaled by the sigmoid of ``shared_expert_gate`` when there is one."""
