@@ -14,7 +14,6 @@ from hearth.engine.experts.build import build_device
 from hearth.engine.experts.measure import measure_host_path, measure_link_path, measure_stream_read
 from hearth.engine.experts.policy.qstar import SplitCosts, build_qtable, step_seconds
 from hearth.engine.ftw import load_checkpoint
-from hearth.engine.kv_cache import PagedKVCache
 from hearth.engine.llm_engine import kv_cache_tokens
 from hearth.engine.memory import plan_vram, tensor_bytes
 from hearth.engine.ops import activation
@@ -61,7 +60,7 @@ def memory_report(loaded, cfg, vram_limit: int | None = None) -> dict:
     without a GPU."""
     model = loaded.model
     weights = tensor_bytes([*model.parameters(), *model.buffers()])
-    per_token = PagedKVCache.bytes_per_token(len(cfg.attention_layer_ids), cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+    per_token = cfg.kv_bytes_per_token
     config = EngineConfig()
     tokens = kv_cache_tokens(config, cfg, config.context_length(cfg.max_position_embeddings))  # as the engine sizes it
     out = {"dense_weight_bytes": weights, "kv_bytes_per_token": per_token, "context_tokens": tokens,

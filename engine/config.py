@@ -92,6 +92,21 @@ class ModelConfig:
     # Hybrid models: per layer "full_attention" or "linear_attention" (empty: all full attention).
     layer_types: tuple[str, ...] = ()
     linear_attention: LinearAttentionConfig | None = None
+    # The KV cache's per-token layout (heads, key width, value width) where it is not (num_kv_heads,
+    # head_dim, head_dim): multi-head latent attention caches its compressed latent and rope key.
+    kv_cache_layout: tuple[int, int, int] | None = None
+
+    @property
+    def kv_layout(self) -> tuple[int, int, int]:
+        """(heads, key width, value width) of each attention layer's KV cache per token."""
+        return self.kv_cache_layout or (self.num_kv_heads, self.head_dim, self.head_dim)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes one token takes over every attention layer."""
+        heads, key_dim, value_dim = self.kv_layout
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return len(self.attention_layer_ids) * heads * (key_dim + value_dim) * elem
 
     def window(self, idx: int) -> int | None:
         return self.sliding_windows[idx] if self.sliding_windows else None

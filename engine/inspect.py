@@ -26,6 +26,7 @@ class ModelSummary:
     expert_bytes: int
     expert_pool_bytes: int
     bytes_per_decode_token: int
+    kv_bytes_per_token: int  # the KV cache (or a latent-attention cache) over every attention layer
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -66,6 +67,7 @@ def summarize(cfg: ModelConfig) -> ModelSummary:
         expert_bytes=per_expert * elem,
         expert_pool_bytes=expert_params * elem,
         bytes_per_decode_token=active * elem,
+        kv_bytes_per_token=cfg.kv_bytes_per_token,
     )
 
 

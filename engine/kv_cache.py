@@ -59,8 +59,11 @@ class PagedKVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         attention_layers: list[int] | None = None,
+        value_dim: int | None = None,
     ) -> None:
+        """``value_dim``: the values' width where it is not ``head_dim`` (a latent-attention cache)."""
         shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        value_shape = (num_blocks * block_size, num_kv_heads, value_dim or head_dim)
         self.block_size = block_size
         self.device = torch.device(device)
         layers = set(range(num_layers) if attention_layers is None else attention_layers)
@@ -69,11 +72,13 @@ class PagedKVCache:
         # attention (a hybrid model's linear-attention layers) get an empty placeholder.
         self.keys = [hugepages.advise(torch.empty(shape if i in layers else (0,), dtype=dtype, device=device))
                      for i in range(num_layers)]
-        self.values = [hugepages.advise(torch.empty(shape if i in layers else (0,), dtype=dtype, device=device))
+        self.values = [hugepages.advise(torch.empty(value_shape if i in layers else (0,), dtype=dtype, device=device))
                        for i in range(num_layers)]
 
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_dim * elem
+    @classmethod
+    def for_model(cls, cfg, num_blocks: int, block_size: int, device: torch.device | str = "cpu") -> PagedKVCache:
+        """The cache of a :class:`~hearth.engine.config.ModelConfig`'s attention layers, in its layout."""
+        heads, key_dim, value_dim = cfg.kv_layout
+        return cls(cfg.num_layers, num_blocks, block_size, heads, key_dim, cfg.dtype, device=device,
+                   attention_layers=cfg.attention_layer_ids, value_dim=value_dim)
 

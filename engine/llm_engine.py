@@ -47,7 +47,7 @@ def kv_cache_tokens(config: EngineConfig, cfg, max_model_len: int) -> int:
     kv = config.kv_cache
     if kv.num_tokens:
         return kv.num_tokens
-    per_token = PagedKVCache.bytes_per_token(len(cfg.attention_layer_ids), cfg.num_kv_heads, cfg.head_dim, cfg.dtype)
+    per_token = cfg.kv_bytes_per_token
     wanted = config.scheduler.max_num_seqs * max_model_len
     return max(kv.block_size, min(wanted, kv.num_bytes // per_token))
 
@@ -101,8 +101,7 @@ class LLMEngine:
         self.max_model_len = config.context_length(cfg.max_position_embeddings)
         bs = config.kv_cache.block_size
         num_blocks = -(-self._kv_tokens() // bs)
-        kv = PagedKVCache(cfg.num_layers, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
-                          device=self.device, attention_layers=cfg.attention_layer_ids)
+        kv = PagedKVCache.for_model(cfg, num_blocks, bs, self.device)
         step_tokens = max(config.scheduler.step_tokens, config.scheduler.prefill_chunk)
         self.experts = build_hierarchy(cfg, self.pool, config.experts, step_tokens,
                                        pool_name=self.host_pool.name if self.host_pool is not None else None,

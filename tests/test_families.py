@@ -75,3 +75,18 @@ def test_prefix_reuse_matches_transformers(solo, family) -> None:
     tokens, logits = hf_argmax(ref, longer, STEPS)
     assert out.token_ids == tokens
     assert max(max_rel_error(a, b) for a, b in zip(recorded[out.request_id], logits, strict=True)) <= 1e-4
+
+
+def test_latent_attention_caches_the_latent_and_rotary_key(checkpoint) -> None:
+    """DeepSeek-V3's paged cache holds per token the compressed latent and the rotary key, not
+    expanded keys and values, and `hearth inspect` reports those bytes."""
+    from hearth.engine.inspect import summarize
+
+    path, _ = checkpoint("deepseek_v3", **OVERRIDES)
+    llm = LLM(path)
+    cfg, kv = llm.engine.model_config, llm.engine.runner.kv
+    rank, rope = cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim
+    assert kv.keys[0].shape[1:] == (1, rank) and kv.values[0].shape[1:] == (1, rope)
+    assert summarize(cfg).kv_bytes_per_token == cfg.num_layers * (rank + rope) * 4
+    expanded = cfg.num_layers * cfg.num_heads * (2 * cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim) * 4
+    assert summarize(cfg).kv_bytes_per_token * 4 < expanded

@@ -1,0 +1,90 @@
+"""DeepSeek-V3 / R1 / V3.1 and Kimi-K2 (``DeepseekV3ForCausalLM``): multi-head latent attention
+(``engine/layers/mla.py``: the paged cache holds the compressed latent and the rotary key), YaRN
+with its softmax mscale, the first ``first_k_dense_replace`` layers dense, then MoE with shared
+experts and sigmoid routing corrected by ``e_score_correction_bias`` over expert groups, scaled by
+``routed_scaling_factor``. The multi-token-prediction layers (numbered past the last) are skipped."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hearth.engine.experts.contract import ExpertBackend
+from hearth.engine.layers.mla import LatentAttention, yarn_softmax_scale
+from hearth.engine.layers.norm import RMSNorm
+from hearth.engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields
+from hearth.engine.models.decoder import DecoderLayer, MoECausalLM
+from hearth.engine.models.glm4_moe import (
+    GroupedRoutingConfig,
+    grouped_moe_block,
+    grouped_routing_fields,
+    map_grouped_name,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LatentAttentionConfig:
+    """The shape of multi-head latent attention."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    interleaved_rope: bool
+    bias: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepseekConfig(GroupedRoutingConfig):
+    mla: LatentAttentionConfig
+
+
+def latent_attention_fields(hf: Any) -> dict[str, Any]:
+    """The MLA shape, and the KV cache layout it implies (one head: latent as keys, rotary key as values)."""
+    mla = LatentAttentionConfig(
+        q_lora_rank=getattr(hf, "q_lora_rank", None), kv_lora_rank=hf.kv_lora_rank,
+        qk_nope_head_dim=hf.qk_nope_head_dim, qk_rope_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
+        interleaved_rope=bool(getattr(hf, "rope_interleave", True)), bias=bool(getattr(hf, "attention_bias", False)))
+    return dict(mla=mla, kv_cache_layout=(1, hf.kv_lora_rank, hf.qk_rope_head_dim), head_dim=hf.qk_rope_head_dim)
+
+
+def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> DeepseekConfig:
+    return DeepseekConfig(
+        architecture="DeepseekV3ForCausalLM",
+        **(decoder_fields(hf, model_dir, dtype) | latent_attention_fields(hf)),
+        **grouped_routing_fields(hf),
+    )
+
+
+def latent_attention(cfg: DeepseekConfig, i: int) -> LatentAttention:
+    m = cfg.mla
+    scale = yarn_softmax_scale(m.qk_nope_head_dim + m.qk_rope_head_dim, cfg.rope.rope_type, cfg.rope.params)
+    return LatentAttention(i, cfg.hidden_size, cfg.num_heads, cfg.dtype, q_lora_rank=m.q_lora_rank,
+                           kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+                           qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, bias=m.bias,
+                           interleaved_rope=m.interleaved_rope, softmax_scale=scale)
+
+
+def build(cfg: DeepseekConfig, experts: ExpertBackend) -> MoECausalLM:
+    norm = partial(RMSNorm, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
+
+    def layer(i: int) -> DecoderLayer:
+        return DecoderLayer(latent_attention(cfg, i), grouped_moe_block(cfg, i, experts), norm(cfg.hidden_size),
+                            norm(cfg.hidden_size))
+
+    return MoECausalLM(cfg, [layer(i) for i in range(cfg.num_layers)], norm(cfg.hidden_size))
+
+
+FAMILY = ModelFamily(
+    "deepseek_v3",
+    ("DeepseekV3ForCausalLM",),
+    parse_config,
+    build,
+    map_grouped_name,
+    COMMON_FIELDS + (("n_routed_experts", "num_local_experts"), ("moe_intermediate_size",), ("kv_lora_rank",)),
+)
