@@ -95,6 +95,8 @@ class ModelConfig:
     # The KV cache's per-token layout (heads, key width, value width) where it is not (num_kv_heads,
     # head_dim, head_dim): multi-head latent attention caches its compressed latent and rope key.
     kv_cache_layout: tuple[int, int, int] | None = None
+    # The rotary tables in fp32 rather than the model dtype (DeepSeek-V2 rotates in fp32).
+    rope_in_fp32: bool = False
 
     @property
     def kv_layout(self) -> tuple[int, int, int]:

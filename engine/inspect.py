@@ -230,7 +230,7 @@ def _hf_quant_summary(path, cfg: ModelConfig, spec) -> dict:
     MXFP4 blocks and their scales as ``mxfp4``; the rest under its dtype. Tensors the family does
     not use are left out."""
     from hearth.engine.config import read_config_json
-    from hearth.engine.loader import _IGNORED, _open, checkpoint_files
+    from hearth.engine.loader import _open, checkpoint_files, is_unused_tensor
     from hearth.engine.models import family_for
 
     family = family_for(read_config_json(path).get("architectures"))
@@ -252,7 +252,7 @@ def _hf_quant_summary(path, cfg: ModelConfig, spec) -> dict:
         if name.endswith(spec.scale_suffix):
             weight = name.removesuffix(spec.scale_suffix) + ("_blocks" if spec.method == "mxfp4" else "")
         canonical = family.map_name(weight.removesuffix("_blocks"))
-        if not canonical or _IGNORED.search(canonical):
+        if not canonical or is_unused_tensor(canonical, cfg):
             continue
         torch_name, size = _ST_DTYPES.get(dtype, (dtype.lower(), 1))
         fmt = quantized.get(weight)

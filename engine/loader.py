@@ -182,7 +182,7 @@ def _load_tensors(model_dir: Path, cfg, model: MoECausalLM, pool: ExpertPool, fa
     return progress
 
 
-def _unused(canonical: str, cfg) -> bool:
+def is_unused_tensor(canonical: str, cfg) -> bool:
     """A tensor no layer of the model reads: see ``_UNUSED``, and layers past the last (DeepSeek's
     and GLM's multi-token-prediction layers are numbered on from the decoder's)."""
     layer = _LAYER.match(canonical)
@@ -210,7 +210,7 @@ def _float_tensor(name: str, f) -> None:
 def _load_one(name, canonical, f, cfg, params, pool, progress: _Progress, quant=None) -> None:
     try:
         # An empty canonical name: a tensor the family does not use (e.g. multi-token prediction).
-        if not canonical or _unused(canonical, cfg):
+        if not canonical or is_unused_tensor(canonical, cfg):
             progress.skipped.append(name)
             return
         if quant is not None and quant.load(name, canonical, f, params):

@@ -115,6 +115,11 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=32,
                         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                         num_key_value_heads=4),
+    # DeepSeek-V2 (Lite-like: no query LoRA), softmax routing limited to the best of 2 groups.
+    "deepseek_v2": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=2,
+                        first_k_dense_replace=1, n_group=2, topk_group=1, topk_method="group_limited_greedy",
+                        routed_scaling_factor=1.5, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, num_key_value_heads=4),
     # Hybrids: layers 0-2 gated DeltaNet, layer 3 gated attention (transformers' default 3:1 pattern).
     "qwen3_next": dict(
         num_hidden_layers=4, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
@@ -165,6 +170,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384, chat_format: str = "ch
 
 def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
     from transformers import (
+        DeepseekV2Config,
         DeepseekV3Config,
         Glm4MoeConfig,
         MixtralConfig,
@@ -177,7 +183,8 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
 
     classes = {"qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig,
                "qwen3_next": Qwen3NextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig, "olmoe": OlmoeConfig,
-               "glm4_moe": Glm4MoeConfig, "deepseek_v3": DeepseekV3Config}
+               "glm4_moe": Glm4MoeConfig, "deepseek_v3": DeepseekV3Config,
+               "deepseek_v2": DeepseekV2Config}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(

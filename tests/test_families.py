@@ -55,7 +55,9 @@ def test_hierarchy_matches_transformers(solo, family, fraction) -> None:
         assert out.token_ids == tokens
         assert max(max_rel_error(a, b) for a, b in zip(recorded[out.request_id], logits, strict=True)) <= 1e-4
     stats = llm.engine.stats()["experts"]
-    assert stats["hits"] + stats["fills"] + stats["cpu"] > 0  # the experts went through the hierarchy
+    # The experts went through the hierarchy: by the decode path, or streamed whole layers where the
+    # measured costs say so even for one token (tiny experts, whose copies cost their fixed part).
+    assert stats["hits"] + stats["fills"] + stats["cpu"] + stats.get("prefill_streamed_steps", 0) > 0
     llm.close()
 
 

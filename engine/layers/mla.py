@@ -36,6 +36,15 @@ def yarn_softmax_scale(head_dim: int, rope_type: str, params: dict) -> float:
     return scale
 
 
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V2's rotation: channel pairs (x0, x1), (x2, x3)… turned as complex numbers, in fp32,
+    and left interleaved; x [T, heads, R], cos/sin [T, R] (the half-split form, cat(f, f))."""
+    half = cos.shape[-1] // 2
+    c, s = cos[:, None, :half].float(), sin[:, None, :half].float()
+    even, odd = x[..., 0::2].float(), x[..., 1::2].float()
+    return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2).to(x.dtype)
+
+
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
     """Rotary channels stored as pairs (x0, x1), (x2, x3)… -> (x0, x2, …, x1, x3, …), the half-split
     layout the rotation then applies to (transformers' ``rope_interleave``)."""
@@ -49,8 +58,13 @@ class LatentAttention(nn.Module):
 
     def __init__(self, layer_idx: int, hidden: int, num_heads: int, dtype: torch.dtype, *, q_lora_rank: int | None,
                  kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, bias: bool,
-                 interleaved_rope: bool, softmax_scale: float) -> None:
+                 rope_style: str, softmax_scale: float) -> None:
+        """``rope_style``: "half" (rotate halves), "interleaved" (pairs, de-interleaved first: V3's
+        ``rope_interleave``) or "pairs" (pairs turned in fp32 and kept in place: V2, whose config
+        asks for fp32 rotary tables)."""
         super().__init__()
+        if rope_style not in ("half", "interleaved", "pairs"):
+            raise ValueError(f"rope style {rope_style!r}: half, interleaved or pairs")
         self.layer_idx, self.num_heads = layer_idx, num_heads
         self.rank, self.nope, self.rope, self.v_dim = kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         qk_head = qk_nope_head_dim + qk_rope_head_dim
@@ -65,7 +79,7 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS, dtype)
         self.kv_b_proj = Projection(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), False, dtype)
         self.o_proj = Projection(num_heads * v_head_dim, hidden, bias, dtype)
-        self.interleaved_rope, self.scale = interleaved_rope, softmax_scale
+        self.rope_style, self.scale = rope_style, softmax_scale
 
     def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:  # x: [T, H]
         t, batch = x.shape[0], ctx.batch
@@ -78,9 +92,12 @@ class LatentAttention(nn.Module):
         compressed = linear(x, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias)  # [T, rank + rope]
         latent = self.kv_a_layernorm(compressed[:, : self.rank])[:, None, :]  # [T, 1, rank]
         k_rot = compressed[:, None, self.rank :]  # [T, 1, rope]
-        if self.interleaved_rope:
-            q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
-        q_rot, k_rot = apply_rotary(q_rot, *ctx.rope), apply_rotary(k_rot, *ctx.rope)
+        if self.rope_style == "pairs":
+            q_rot, k_rot = rotate_pairs(q_rot, *ctx.rope), rotate_pairs(k_rot, *ctx.rope)
+        else:
+            if self.rope_style == "interleaved":
+                q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
+            q_rot, k_rot = apply_rotary(q_rot, *ctx.rope), apply_rotary(k_rot, *ctx.rope)
         latents, rot_keys = ctx.kv.keys[self.layer_idx], ctx.kv.values[self.layer_idx]  # [slots, 1, rank|rope]
         latents.index_copy_(0, batch.slot_mapping, latent)
         rot_keys.index_copy_(0, batch.slot_mapping, k_rot.contiguous())

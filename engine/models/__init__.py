@@ -11,13 +11,23 @@ from hearth.config import ConfigError
 from hearth.engine import hugepages
 from hearth.engine.config import ModelConfig
 from hearth.engine.experts.contract import ExpertBackend
-from hearth.engine.models import deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_moe, qwen3_next
+from hearth.engine.models import (
+    deepseek_v2,
+    deepseek_v3,
+    glm4_moe,
+    mixtral,
+    olmoe,
+    qwen2_moe,
+    qwen3_5_moe,
+    qwen3_moe,
+    qwen3_next,
+)
 from hearth.engine.models.base import ModelFamily
 from hearth.engine.models.decoder import MoECausalLM
 
 FAMILIES: tuple[ModelFamily, ...] = (
     qwen3_moe.FAMILY, qwen2_moe.FAMILY, mixtral.FAMILY, qwen3_next.FAMILY, qwen3_5_moe.FAMILY, olmoe.FAMILY,
-    glm4_moe.FAMILY, deepseek_v3.FAMILY,
+    glm4_moe.FAMILY, deepseek_v3.FAMILY, deepseek_v2.FAMILY,
 )
 
 

@@ -87,7 +87,8 @@ class MoECausalLM(nn.Module):
         if self.config.linear_layer_ids and states is None:
             raise ValueError(f"{self.config.architecture} has linear-attention layers: forward needs a state pool")
         h = self.model.embed_tokens(batch.token_ids)  # [T, H]
-        ctx = LayerContext(batch, kv, states, self.model.rotary(batch.positions, h.dtype))
+        rope_dtype = torch.float32 if self.config.rope_in_fp32 else h.dtype
+        ctx = LayerContext(batch, kv, states, self.model.rotary(batch.positions, rope_dtype))
         native = self.native_layers(kv) if h.is_cpu and not isinstance(batch, StaticBatch) else None
         step = native.step(batch, ctx.rope) if native is not None else None
         if step is None or not native.run_all(h, step):  # layer by layer, natively where each can

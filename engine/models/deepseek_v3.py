@@ -35,7 +35,7 @@ class LatentAttentionConfig:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
-    interleaved_rope: bool
+    rope_style: str  # see LatentAttention
     bias: bool
 
 
@@ -49,7 +49,8 @@ def latent_attention_fields(hf: Any) -> dict[str, Any]:
     mla = LatentAttentionConfig(
         q_lora_rank=getattr(hf, "q_lora_rank", None), kv_lora_rank=hf.kv_lora_rank,
         qk_nope_head_dim=hf.qk_nope_head_dim, qk_rope_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
-        interleaved_rope=bool(getattr(hf, "rope_interleave", True)), bias=bool(getattr(hf, "attention_bias", False)))
+        rope_style="interleaved" if getattr(hf, "rope_interleave", True) else "half",
+        bias=bool(getattr(hf, "attention_bias", False)))
     return dict(mla=mla, kv_cache_layout=(1, hf.kv_lora_rank, hf.qk_rope_head_dim), head_dim=hf.qk_rope_head_dim)
 
 
@@ -67,10 +68,11 @@ def latent_attention(cfg: DeepseekConfig, i: int) -> LatentAttention:
     return LatentAttention(i, cfg.hidden_size, cfg.num_heads, cfg.dtype, q_lora_rank=m.q_lora_rank,
                            kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
                            qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, bias=m.bias,
-                           interleaved_rope=m.interleaved_rope, softmax_scale=scale)
+                           rope_style=m.rope_style, softmax_scale=scale)
 
 
 def build(cfg: DeepseekConfig, experts: ExpertBackend) -> MoECausalLM:
+    """DeepSeek-V3's network, and V2's (which differs only in its config's choices)."""
     norm = partial(RMSNorm, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
 
     def layer(i: int) -> DecoderLayer:

@@ -36,6 +36,7 @@ class GroupedRoutingConfig(ModelConfig):
     scoring: str = "sigmoid"
     correction_bias: bool = True
     group_score: str = "top2"
+    mlp_bias: bool = False  # biases on the dense and shared MLPs (DeepSeek-V2's mlp_bias)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +59,7 @@ def grouped_routing_fields(hf: Any) -> dict[str, Any]:
         n_group=int(getattr(hf, "n_group", 1) or 1),
         topk_group=int(getattr(hf, "topk_group", 1) or 1),
         norm_topk_prob=bool(getattr(hf, "norm_topk_prob", True)),
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
     )
 
 
@@ -66,12 +68,12 @@ def grouped_moe_block(cfg: GroupedRoutingConfig, idx: int, experts: ExpertBacken
     :class:`GroupedTopKRouter` plus the shared experts (one MLP ``n_shared_experts`` wide)."""
     h, dt = cfg.hidden_size, cfg.dtype
     if not cfg.moe_layers[idx]:
-        return GatedMLP(h, cfg.intermediate_size, cfg.hidden_act, dt)
+        return GatedMLP(h, cfg.intermediate_size, cfg.hidden_act, dt, cfg.mlp_bias)
     router = GroupedTopKRouter(h, cfg.num_experts, cfg.top_k, dt, scoring=cfg.scoring,
                                correction_bias=cfg.correction_bias, n_group=cfg.n_group, topk_group=cfg.topk_group,
                                group_score=cfg.group_score, normalize=cfg.norm_topk_prob,
                                scaling=cfg.routed_scaling_factor)
-    shared = GatedMLP(h, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.hidden_act, dt) \
+    shared = GatedMLP(h, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.hidden_act, dt, cfg.mlp_bias) \
         if cfg.n_shared_experts else None
     return MoEBlock(idx, cfg.num_experts, router, experts, shared)
 
