@@ -177,13 +177,18 @@ class HermesToolParser:
         events.append(Event("content", lead + body))
         self.pending_ws, self.last_was_call = text[len(text.rstrip()):], False
 
-    def _call(self, body: str, events: list[Event]) -> None:
+    def parse_calls(self, body: str) -> list[ToolCall] | None:
+        """The calls in one tag body (one, unless the format groups several in a tag), or None."""
         call = self.parse_call(body)
-        if call is None:
+        return None if call is None else [call]
+
+    def _call(self, body: str, events: list[Event]) -> None:
+        calls = self.parse_calls(body)
+        if not calls:
             self._content(self.open_tag + body + self.close_tag, events)
             return
         self.pending_ws, self.last_was_call = "", True
-        events.append(Event("tool_call", tool_call=call))
+        events.extend(Event("tool_call", tool_call=call) for call in calls)
 
 
 def parse_hermes_call(body: str) -> ToolCall | None:
@@ -290,6 +295,47 @@ def parse_glm_call(body: str, text_params: Mapping[str, frozenset[str]] | None =
     return ToolCall(new_tool_call_id(), name, json.dumps(args, ensure_ascii=False))
 
 
+class MiniMaxM2ToolParser(HermesToolParser):
+    """Finds MiniMax-M2 calls in content, one or several in a block::
+
+        <minimax:tool_call>
+        <invoke name="NAME">
+        <parameter name="KEY">VALUE</parameter>
+        </invoke>
+        </minimax:tool_call>
+
+    Values are read as for Qwen3-Coder (JSON where they parse, text for string parameters)."""
+
+    open_tag, close_tag = "<minimax:tool_call>", "</minimax:tool_call>"
+
+    def parse_calls(self, body: str) -> list[ToolCall] | None:
+        calls = []
+        for invoke in _MINIMAX_INVOKE.finditer(body):
+            inner, as_text = invoke.group(2), self.text_params.get(invoke.group(1).strip(), frozenset())
+            if _MINIMAX_PARAMETER.sub("", inner).strip():
+                return None  # text outside the parameters: not a call
+            args = {m.group(1).strip(): _value(m.group(2), m.group(1).strip() in as_text)
+                    for m in _MINIMAX_PARAMETER.finditer(inner)}
+            calls.append(ToolCall(new_tool_call_id(), invoke.group(1).strip(), json.dumps(args, ensure_ascii=False)))
+        if not calls or _MINIMAX_INVOKE.sub("", body).strip():
+            return None
+        return calls
+
+
+_MINIMAX_INVOKE = re.compile(r'<invoke name="([^"\n]+)">(.*?)</invoke>', re.DOTALL)
+_MINIMAX_PARAMETER = re.compile(r'<parameter name="([^"\n]+)">(.*?)</parameter>', re.DOTALL)
+
+
+def _value(text: str, as_text: bool) -> Any:
+    """A parameter's value: the text itself for a string parameter, else JSON where it parses."""
+    if as_text:
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 class NoToolParser:
     """Everything is content."""
 
@@ -304,7 +350,7 @@ class NoToolParser:
 
 
 TOOL_PARSERS = {"hermes": HermesToolParser, "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser,
-                "none": NoToolParser}
+                "minimax_m2": MiniMaxM2ToolParser, "none": NoToolParser}
 # Which tool-call format each architecture's chat templates use.
 ARCHITECTURE_TOOL_PARSERS = {
     "Qwen3MoeForCausalLM": "hermes",
@@ -313,6 +359,7 @@ ARCHITECTURE_TOOL_PARSERS = {
     "Qwen3NextForCausalLM": "hermes",
     "Qwen3_5MoeForCausalLM": "qwen3_coder",
     "Glm4MoeForCausalLM": "glm45",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
 }
 
 
@@ -323,6 +370,8 @@ def choose_tool_parser(architecture: str, chat_template: str | None, override: s
         if override not in TOOL_PARSERS:
             raise ValueError(f"unknown tool parser '{override}' (one of {', '.join(sorted(TOOL_PARSERS))})")
         return override
+    if chat_template and "<minimax:tool_call>" in chat_template:
+        return "minimax_m2"
     if chat_template and "<arg_key>" in chat_template:
         return "glm45"
     if chat_template and "<function=" in chat_template:

@@ -120,6 +120,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                         first_k_dense_replace=1, n_group=2, topk_group=1, topk_method="group_limited_greedy",
                         routed_scaling_factor=1.5, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
                         qk_rope_head_dim=8, v_head_dim=16, num_key_value_heads=4),
+    "minimax_m2": dict(num_local_experts=8, intermediate_size=32, head_dim=16, rotary_dim=8),
     # Hybrids: layers 0-2 gated DeltaNet, layer 3 gated attention (transformers' default 3:1 pattern).
     "qwen3_next": dict(
         num_hidden_layers=4, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
@@ -173,6 +174,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
         DeepseekV2Config,
         DeepseekV3Config,
         Glm4MoeConfig,
+        MiniMaxM2Config,
         MixtralConfig,
         OlmoeConfig,
         Qwen2MoeConfig,
@@ -184,7 +186,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
     classes = {"qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig,
                "qwen3_next": Qwen3NextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig, "olmoe": OlmoeConfig,
                "glm4_moe": Glm4MoeConfig, "deepseek_v3": DeepseekV3Config,
-               "deepseek_v2": DeepseekV2Config}
+               "deepseek_v2": DeepseekV2Config, "minimax_m2": MiniMaxM2Config}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(

@@ -151,3 +151,34 @@ def test_glm45_rejects_what_is_not_a_call():
             ("content", f"<tool_call>{body}</tool_call>")]
     assert choose_tool_parser("Glm4MoeForCausalLM", None) == "glm45"
     assert choose_tool_parser("Unknown", "{{ '<arg_key>' + k + '</arg_key>' }}") == "glm45"
+
+
+# The assistant turn as MiniMax-M2's chat template writes it: <think> reasoning, the content, and
+# the calls grouped in one <minimax:tool_call> block of <invoke> elements.
+MINIMAX_ASSISTANT = (
+    "<think>\n{{ m.reasoning_content }}\n</think>\n\n{{ m.content }}"
+    "{%- if m.tool_calls %}\n<minimax:tool_call>\n{%- for tc in m.tool_calls %}\n<invoke name=\"{{ tc.name }}\">"
+    "{%- for k, v in tc.arguments.items() %}\n<parameter name=\"{{ k }}\">{{ v if v is string else v | tojson }}"
+    "</parameter>{% endfor %}\n</invoke>{% endfor %}\n</minimax:tool_call>{% endif %}"
+)
+
+
+def test_minimax_m2_calls_from_its_template_under_any_chunking():
+    import jinja2
+
+    message = {"reasoning_content": "Two lookups.", "content": "On it.",
+               "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},
+                              {"name": "search", "arguments": {"q": "a <b> & c", "filters": {"lang": "en"}}}]}
+    text = jinja2.Environment().from_string(MINIMAX_ASSISTANT).render(m=message)
+    expected = [("reasoning", "Two lookups."), ("content", "On it."),
+                ("tool_call", ("get_weather", '{"city": "Paris", "days": 3}')),
+                ("tool_call", ("search", '{"q": "a <b> & c", "filters": {"lang": "en"}}'))]
+    assert parse([text], tools="minimax_m2") == expected
+    rng = random.Random(3)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 30))))
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        assert parse(chunks, tools="minimax_m2") == expected, chunks
+    bad = '<minimax:tool_call>\n<invoke name="f">stray</invoke>\n</minimax:tool_call>'
+    assert parse([bad], tools="minimax_m2") == [("content", bad)]
+    assert choose_tool_parser("MiniMaxM2ForCausalLM", None) == "minimax_m2"

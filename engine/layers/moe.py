@@ -44,11 +44,12 @@ class GroupedTopKRouter(nn.Module):
     made on the scores plus ``e_score_correction_bias`` (where the family has one), first of the
     ``topk_group`` best of ``n_group`` expert groups (a group scored by the sum of its two best, or
     by its best: ``group_score`` "top2" or "max"), then of the top k inside them; the k weights are
-    the plain scores, renormalised where ``normalize``, times ``scaling``. Weights stay fp32."""
+    the plain scores, renormalised where ``normalize``, times ``scaling``. Weights stay fp32.
+    ``logits_in_fp32`` False: the gate's product in the model dtype, then scored in fp32."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype, *, scoring: str = "sigmoid",
                  correction_bias: bool = True, n_group: int = 1, topk_group: int = 1, group_score: str = "top2",
-                 normalize: bool = True, scaling: float = 1.0) -> None:
+                 normalize: bool = True, scaling: float = 1.0, logits_in_fp32: bool = True) -> None:
         super().__init__()
         if scoring not in ("sigmoid", "softmax") or group_score not in ("top2", "max"):
             raise ValueError(f"routing: scoring {scoring!r} / group score {group_score!r} unknown")
@@ -59,10 +60,12 @@ class GroupedTopKRouter(nn.Module):
                                                      requires_grad=False) if correction_bias else None)
         self.top_k, self.scoring, self.normalize, self.scaling = top_k, scoring, normalize, scaling
         self.n_group, self.topk_group, self.group_score = max(n_group, 1), topk_group, group_score
+        self.logits_in_fp32 = logits_in_fp32  # False: the gate's product in the model dtype (MiniMax-M2)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32)."""
-        logits = torch.nn.functional.linear(x.float(), self.weight.float())  # [T, E]
+        logits = (torch.nn.functional.linear(x.float(), self.weight.float()) if self.logits_in_fp32
+                  else linear(x, self.weight).float())  # [T, E]
         scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(dim=-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if self.n_group > 1:
