@@ -336,6 +336,45 @@ def _value(text: str, as_text: bool) -> Any:
         return text
 
 
+class DeepSeekToolParser(HermesToolParser):
+    """Finds DeepSeek-V3 / R1 / V3.1 calls in content, between the calls markers::
+
+        <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+        ```json
+        {"city": "Paris"}
+        ```<｜tool▁call▁end｜>…<｜tool▁calls▁end｜>
+
+    (V3 and R1), or ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>``
+    (V3.1). The arguments are a JSON object."""
+
+    open_tag, close_tag = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+
+    def parse_calls(self, body: str) -> list[ToolCall] | None:
+        calls = []
+        for match in _DEEPSEEK_CALL.finditer(body):
+            head, tail = match.group(1).strip(), match.group(2)
+            if head == "function":  # V3 / R1: the name on the separator's line, then fenced JSON
+                name, _, args = tail.partition("\n")
+            else:  # V3.1: the name before the separator
+                name, args = head, tail
+            fenced = _DEEPSEEK_FENCE.fullmatch(args.strip())
+            args, name = fenced.group(1) if fenced else args, name.strip()
+            try:
+                value = json.loads(args)
+            except json.JSONDecodeError:
+                return None
+            if not name or not isinstance(value, dict):
+                return None
+            calls.append(ToolCall(new_tool_call_id(), name, json.dumps(value, ensure_ascii=False)))
+        if not calls or _DEEPSEEK_CALL.sub("", body).strip():
+            return None
+        return calls
+
+
+_DEEPSEEK_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
+_DEEPSEEK_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
+
+
 class NoToolParser:
     """Everything is content."""
 
@@ -350,7 +389,7 @@ class NoToolParser:
 
 
 TOOL_PARSERS = {"hermes": HermesToolParser, "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser,
-                "minimax_m2": MiniMaxM2ToolParser, "none": NoToolParser}
+                "minimax_m2": MiniMaxM2ToolParser, "deepseek": DeepSeekToolParser, "none": NoToolParser}
 # Which tool-call format each architecture's chat templates use.
 ARCHITECTURE_TOOL_PARSERS = {
     "Qwen3MoeForCausalLM": "hermes",
@@ -360,6 +399,8 @@ ARCHITECTURE_TOOL_PARSERS = {
     "Qwen3_5MoeForCausalLM": "qwen3_coder",
     "Glm4MoeForCausalLM": "glm45",
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    "DeepseekV3ForCausalLM": "deepseek",
+    "DeepseekV2ForCausalLM": "deepseek",
 }
 
 
@@ -370,6 +411,8 @@ def choose_tool_parser(architecture: str, chat_template: str | None, override: s
         if override not in TOOL_PARSERS:
             raise ValueError(f"unknown tool parser '{override}' (one of {', '.join(sorted(TOOL_PARSERS))})")
         return override
+    if chat_template and "tool▁calls▁begin" in chat_template:
+        return "deepseek"
     if chat_template and "<minimax:tool_call>" in chat_template:
         return "minimax_m2"
     if chat_template and "<arg_key>" in chat_template:

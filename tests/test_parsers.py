@@ -182,3 +182,38 @@ def test_minimax_m2_calls_from_its_template_under_any_chunking():
     bad = '<minimax:tool_call>\n<invoke name="f">stray</invoke>\n</minimax:tool_call>'
     assert parse([bad], tools="minimax_m2") == [("content", bad)]
     assert choose_tool_parser("MiniMaxM2ForCausalLM", None) == "minimax_m2"
+
+
+# DeepSeek's assistant turns as their chat templates write them: V3 / R1 name the call's type before
+# the separator and fence the JSON arguments; V3.1 puts the name before the separator, bare JSON after.
+DEEPSEEK_ASSISTANT = {
+    "v3": ("{{ m.content }}<｜tool▁calls▁begin｜>{%- for tc in m.tool_calls %}<｜tool▁call▁begin｜>function"
+           "<｜tool▁sep｜>{{ tc.name }}\n```json\n{{ tc.arguments | tojson }}\n```<｜tool▁call▁end｜>"
+           "{%- if not loop.last %}\n{% endif %}{%- endfor %}<｜tool▁calls▁end｜><｜end▁of▁sentence｜>"),
+    "v3.1": ("<think>{{ m.reasoning_content }}</think>{{ m.content }}<｜tool▁calls▁begin｜>"
+             "{%- for tc in m.tool_calls %}<｜tool▁call▁begin｜>{{ tc.name }}<｜tool▁sep｜>{{ tc.arguments | tojson }}"
+             "<｜tool▁call▁end｜>{%- endfor %}<｜tool▁calls▁end｜>"),
+}
+
+
+@pytest.mark.parametrize("version", ["v3", "v3.1"])
+def test_deepseek_calls_from_its_template_under_any_chunking(version):
+    import jinja2
+
+    message = {"reasoning_content": "Weather, then news.", "content": "Looking.",
+               "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},
+                              {"name": "news", "arguments": {"topic": "a ``` b"}}]}
+    text = jinja2.Environment().from_string(DEEPSEEK_ASSISTANT[version]).render(m=message)
+    text = text.removesuffix("<｜end▁of▁sentence｜>")  # the stop token: never part of the text
+    expected = [("reasoning", "Weather, then news.")] if version == "v3.1" else []
+    expected += [("content", "Looking."), ("tool_call", ("get_weather", '{"city": "Paris", "days": 3}')),
+                 ("tool_call", ("news", '{"topic": "a ``` b"}'))]
+    assert parse([text], tools="deepseek") == expected
+    rng = random.Random(4)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 30))))
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        assert parse(chunks, tools="deepseek") == expected, chunks
+    bad = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>not json<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    assert parse([bad], tools="deepseek") == [("content", bad)]
+    assert choose_tool_parser("DeepseekV3ForCausalLM", None) == "deepseek"
