@@ -92,3 +92,11 @@ def test_latent_attention_caches_the_latent_and_rotary_key(checkpoint) -> None:
     assert summarize(cfg).kv_bytes_per_token == cfg.num_layers * (rank + rope) * 4
     expanded = cfg.num_layers * cfg.num_heads * (2 * cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim) * 4
     assert summarize(cfg).kv_bytes_per_token * 4 < expanded
+
+
+def test_fixed_shape_steps_refuse_latent_attention(checkpoint) -> None:
+    from hearth.config import ConfigError
+
+    path, _ = checkpoint("deepseek_v3", **OVERRIDES)
+    with pytest.raises(ConfigError, match="latent attention"):
+        LLM(path, static_decode="eager")
