@@ -97,6 +97,8 @@ class ModelConfig:
     kv_cache_layout: tuple[int, int, int] | None = None
     # The rotary tables in fp32 rather than the model dtype (DeepSeek-V2 rotates in fp32).
     rope_in_fp32: bool = False
+    # Experts with biases on gate/up and down (GPT-OSS): kept in each bank row's last column.
+    expert_bias: bool = False
 
     @property
     def kv_layout(self) -> tuple[int, int, int]:
@@ -132,7 +134,8 @@ class ModelConfig:
     def expert_bytes(self) -> int:
         """Bytes of one expert's weights (gate, up and down projections)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 3 * self.hidden_size * self.moe_intermediate_size * elem
+        h, i = self.hidden_size, self.moe_intermediate_size
+        return (3 * h * i + (2 * i + h if self.expert_bias else 0)) * elem
 
 
 

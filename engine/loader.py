@@ -35,6 +35,8 @@ _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_pr
 _UNUSED = re.compile(r"rotary_emb\.inv_freq$|^(model\.)?(mtp|visual|vision_tower|vision_model|multi_modal_projector"
                      r"|audio_tower)\.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_BIASED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$")
+_BIASED_PARTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 
 class CheckpointError(ValueError):
@@ -102,6 +104,8 @@ def _load_expert(name: str, canonical: str, f, cfg: ModelConfig, pool: ExpertPoo
 
     ``name`` is the tensor's name in the file, ``canonical`` its name after the family's mapping.
     """
+    if cfg.expert_bias:
+        return _load_biased_experts(name, canonical, f, cfg, pool, progress)
     i, h, n_exp = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
     per = _PER_EXPERT.match(canonical)
     fused = _FUSED.match(canonical) if per is None else None
@@ -140,6 +144,41 @@ def _load_expert(name: str, canonical: str, f, cfg: ModelConfig, pool: ExpertPoo
     return True
 
 
+def _load_biased_experts(name: str, canonical: str, f, cfg: ModelConfig, pool: ExpertPool,
+                         progress: _Progress) -> bool:
+    """GPT-OSS's fused expert tensors into the pool: ``gate_up_proj`` [E, H, 2I] with gate and up
+    interleaved column by column, ``down_proj`` [E, I, H], and their biases [E, 2I] and [E, H];
+    stored as the pool's [2I, H] (gate rows, then up rows) and [H, I], each bias as the last column."""
+    match = _BIASED.match(canonical)
+    if match is None:
+        return False
+    layer, part = int(match.group(1)), match.group(2)
+    if layer >= cfg.num_layers or not cfg.moe_layers[layer]:
+        progress.errors.append(f"unexpected tensor '{name}': layer {layer} has no experts")
+        return True
+    i, h, n = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
+    expected = {"gate_up_proj": (n, h, 2 * i), "gate_up_proj_bias": (n, 2 * i), "down_proj": (n, i, h),
+                "down_proj_bias": (n, h)}[part]
+    if not _check_shape(name, tuple(f.get_slice(name).get_shape()), expected, progress.errors):
+        return True
+    _float_tensor(name, f)
+    t = f.get_tensor(name)
+    rows = slice(pool.layer_rows(layer), pool.layer_rows(layer) + n)
+    if part.startswith("gate_up"):
+        t = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)  # de-interleaved: gate columns, then up
+    if part == "gate_up_proj":
+        pool.gate_up[rows, :, :h].copy_(t.transpose(1, 2))
+    elif part == "gate_up_proj_bias":
+        pool.gate_up[rows, :, h].copy_(t)
+    elif part == "down_proj":
+        pool.down[rows, :, :i].copy_(t.transpose(1, 2))
+    else:
+        pool.down[rows, :, i].copy_(t)
+    for e in range(n):
+        progress.experts.discard((layer, e, part))
+    return True
+
+
 def _load_tensors(model_dir: Path, cfg, model: MoECausalLM, pool: ExpertPool, family, show_progress: bool,
                   quant=None, keep_dense: bool = False):
     """Every tensor into the model and the pool; ``quant`` (a :class:`~hearth.engine.hf_quant.QuantSpec`):
@@ -147,8 +186,8 @@ def _load_tensors(model_dir: Path, cfg, model: MoECausalLM, pool: ExpertPool, fa
     files = checkpoint_files(model_dir)
     params = dict(model.named_parameters(remove_duplicate=False))
     expected = set(params) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
-    experts = {(l, e, p) for l in cfg.moe_layer_ids for e in range(cfg.num_experts)
-               for p in ("gate_proj", "up_proj", "down_proj")}
+    parts = _BIASED_PARTS if cfg.expert_bias else ("gate_proj", "up_proj", "down_proj")
+    experts = {(l, e, p) for l in cfg.moe_layer_ids for e in range(cfg.num_experts) for p in parts}
     progress = _Progress(params=expected, experts=experts)
     by_file: dict[Path, list[str]] = {}
     for name, path in files.items():
@@ -236,8 +275,9 @@ def _load_one(name, canonical, f, cfg, params, pool, progress: _Progress, quant=
 def _report(progress: _Progress) -> None:
     errors = list(progress.errors)
     errors += [f"missing tensor '{p}'" for p in sorted(progress.params)]
-    errors += [f"missing tensor 'model.layers.{l}.mlp.experts.{e}.{p}.weight' (or the fused layout)"
-               for l, e, p in sorted(progress.experts)]
+    errors += [f"missing tensor 'model.layers.{l}.mlp.experts.{p}'" if p in _BIASED_PARTS else
+               f"missing tensor 'model.layers.{l}.mlp.experts.{e}.{p}.weight' (or the fused layout)"
+               for l, e, p in sorted(progress.experts) if p not in _BIASED_PARTS or e == 0]
     if errors:
         shown = "\n  ".join(errors[:12])
         more = f"\n  … and {len(errors) - 12} more" if len(errors) > 12 else ""

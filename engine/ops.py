@@ -21,13 +21,38 @@ ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
 SMALL_BATCH = 8
 
 
+class ClampedSwiGLU:
+    """GPT-OSS's gated unit: gate clamped above at ``limit``, up clamped to ±``limit``, then
+    ``(up + 1) * gate * sigmoid(alpha * gate)``. Named ``clamped_swiglu:ALPHA:LIMIT`` as a
+    ``hidden_act``, so the expert workers in other processes rebuild it from the name."""
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        self.alpha, self.limit = alpha, limit
+        self.name = f"clamped_swiglu:{alpha!r}:{limit!r}"
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+def gated(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated unit of an expert or MLP: ``act(gate) * up``, or the activation's own (:class:`ClampedSwiGLU`)."""
+    return act.glu(gate, up) if isinstance(act, ClampedSwiGLU) else act(gate) * up
+
+
 def activation_name(fn) -> str:
     """The ``hidden_act`` name of an activation function from :func:`activation`."""
+    if isinstance(fn, ClampedSwiGLU):
+        return fn.name
     return next(name for name, f in ACTIVATIONS.items() if f is fn)
 
 
 def activation(name: str):
-    """The activation function for a config's ``hidden_act``."""
+    """The activation function for a config's ``hidden_act`` (or a :class:`ClampedSwiGLU` by its name)."""
+    if name.startswith("clamped_swiglu:"):
+        _, alpha, limit = name.split(":")
+        return ClampedSwiGLU(float(alpha), float(limit))
     if name not in ACTIVATIONS:
         raise ValueError(f"hidden_act '{name}' is not supported ({', '.join(ACTIVATIONS)} are)")
     return ACTIVATIONS[name]

@@ -22,6 +22,7 @@ import hearth.engine.graph_ops  # noqa: F401 - registers torch.ops.hearth.*
 from hearth.config import ConfigError
 from hearth.engine.batch import StaticBatch
 from hearth.engine.kv_cache import PagedKVCache
+from hearth.engine.layers.attention import SinkAttention
 from hearth.engine.layers.mla import LatentAttention
 from hearth.engine.request import Request
 from hearth.engine.state_pool import RecurrentStatePool
@@ -83,9 +84,11 @@ class StaticDecoder:
         if model.config.linear_layer_ids and states is None:
             raise ValueError(f"{model.config.architecture} has linear-attention layers: static steps need its "
                              "state pool")
-        if any(isinstance(m, LatentAttention) for m in model.modules()):
-            raise ConfigError(f"--static-decode: fixed-shape steps do not run {model.config.architecture}'s latent "
-                              "attention yet (use --static-decode off)")
+        unsupported = {"latent attention": LatentAttention, "attention sinks": SinkAttention}
+        for what, kind in unsupported.items():
+            if any(isinstance(m, kind) for m in model.modules()):
+                raise ConfigError(f"--static-decode: fixed-shape steps do not run {model.config.architecture}'s "
+                                  f"{what} yet (use --static-decode off)")
         if mode not in ("eager", "compile", "graph"):
             raise ValueError(f"static decode mode '{mode}': eager, compile or graph")
         if mode == "graph" and kv.device.type != "cuda":

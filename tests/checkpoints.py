@@ -121,6 +121,11 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                         routed_scaling_factor=1.5, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
                         qk_rope_head_dim=8, v_head_dim=16, num_key_value_heads=4),
     "minimax_m2": dict(num_local_experts=8, intermediate_size=32, head_dim=16, rotary_dim=8),
+    # Layers alternate sliding (window 8) and full attention; a small swiglu_limit so the clamps act.
+    "gpt_oss": dict(num_local_experts=8, intermediate_size=32, head_dim=16, sliding_window=8, swiglu_limit=0.5,
+                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 1024,
+                                     "rope_theta": 150000.0}),
     # Hybrids: layers 0-2 gated DeltaNet, layer 3 gated attention (transformers' default 3:1 pattern).
     "qwen3_next": dict(
         num_hidden_layers=4, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
@@ -174,6 +179,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
         DeepseekV2Config,
         DeepseekV3Config,
         Glm4MoeConfig,
+        GptOssConfig,
         MiniMaxM2Config,
         MixtralConfig,
         OlmoeConfig,
@@ -186,7 +192,8 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
     classes = {"qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig,
                "qwen3_next": Qwen3NextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig, "olmoe": OlmoeConfig,
                "glm4_moe": Glm4MoeConfig, "deepseek_v3": DeepseekV3Config,
-               "deepseek_v2": DeepseekV2Config, "minimax_m2": MiniMaxM2Config}
+               "deepseek_v2": DeepseekV2Config, "minimax_m2": MiniMaxM2Config,
+               "gpt_oss": GptOssConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(
@@ -215,8 +222,10 @@ def build_hf_model(family: str, vocab_size: int = 384, eos_id: int = 2, seed: in
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # transformers initialises biases to zero, which would test nothing
         for name, param in model.named_parameters():
-            if name.endswith(".bias"):
+            if name.endswith((".bias", "_bias")):  # (GPT-OSS's experts: gate_up_proj_bias, down_proj_bias)
                 param.normal_(0.0, 0.05)
+            if name.endswith(".sinks"):  # GPT-OSS's attention sinks: zero would still be a sink; vary them
+                param.normal_(0.0, 1.0)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # large enough to change the choice of experts
                 buffer.normal_(0.0, 0.3)

@@ -92,12 +92,14 @@ def test_half_precision_greedy_tokens_match_transformers(checkpoint, family, dty
                                              "original_max_position_embeddings": 1024, "mscale": 1.0,
                                              "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
         ("deepseek_v2", {"topk_method": "greedy", "q_lora_rank": 24, "first_k_dense_replace": 0}),
+        ("gpt_oss", {"swiglu_limit": 7.0, "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+                     "sliding_window": 20}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
         "qwen2-window", "olmoe-clip-normalized", "qwen3-attention-bias", "qwen3-next-attention-bias",
         "qwen3.5-attention-bias", "olmoe-attention-bias", "glm-plain-two-dense", "deepseek-v3-no-q-lora-4-groups",
-        "deepseek-v3-yarn-mscale", "deepseek-v2-greedy-q-lora",
+        "deepseek-v3-yarn-mscale", "deepseek-v2-greedy-q-lora", "gpt-oss-own-pattern",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

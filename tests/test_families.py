@@ -94,9 +94,10 @@ def test_latent_attention_caches_the_latent_and_rotary_key(checkpoint) -> None:
     assert summarize(cfg).kv_bytes_per_token * 4 < expanded
 
 
-def test_fixed_shape_steps_refuse_latent_attention(checkpoint) -> None:
+@pytest.mark.parametrize("family, what", [("deepseek_v3", "latent attention"), ("gpt_oss", "attention sinks")])
+def test_fixed_shape_steps_refuse_what_they_do_not_run(checkpoint, family, what) -> None:
     from hearth.config import ConfigError
 
-    path, _ = checkpoint("deepseek_v3", **OVERRIDES)
-    with pytest.raises(ConfigError, match="latent attention"):
+    path, _ = checkpoint(family, **OVERRIDES)
+    with pytest.raises(ConfigError, match=what):
         LLM(path, static_decode="eager")

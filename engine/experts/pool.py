@@ -42,6 +42,8 @@ class ExpertPool:
 
     ``gate_up[row]`` is [2I, H] (gate rows first, then up rows, the transformers fused layout) and
     ``down[row]`` is [H, I]; ``row_table[g]`` maps a global id to its row (dense layers own no rows).
+    Experts with biases (``expert_bias``: GPT-OSS) keep them as one more column: [2I, H + 1] and
+    [H, I + 1], so that every copy of a row (fills, streaming, shared memory, files) carries them.
 
     With ``blocks`` (each MoE layer's :class:`ExpertBlocks`) the banks hold every expert in its
     quantized blocks, one expert per row: uint8 [rows, bytes], the expert's 2I gate and up rows (or H
@@ -86,7 +88,8 @@ class ExpertPool:
             if any((b.hidden, b.inter) != (h, i) for b in blocks.values()):
                 raise ValueError("expert blocks of another expert shape than the model's")
             return (n, max(b.gate_up_bytes for b in blocks.values())), (n, max(b.down_bytes for b in blocks.values()))
-        return (n, 2 * i, h), (n, h, i)
+        bias = int(cfg.expert_bias)  # a bias column after each row's weights
+        return (n, 2 * i, h + bias), (n, h, i + bias)
 
     def layer_blocks(self, layer: int) -> ExpertBlocks | None:
         """The block formats of ``layer``'s experts (None for float banks)."""

@@ -287,3 +287,38 @@ class ProjectionNormAttention(Attention):
 
     def norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k  # normed whole in project_qkv
+
+
+class SinkAttention(Attention):
+    """Attention with a learned sink per head (GPT-OSS): one more logit in every softmax, whose
+    probability is dropped, so a query can attend to nothing. Computed as transformers' eager path
+    does (scores in the model dtype, the max subtracted, the softmax in that dtype), so low
+    precision matches it."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=self.o_proj.weight.dtype), requires_grad=False)
+
+    def attend_static(self, q, batch, k_cache, v_cache):
+        raise NotImplementedError("fixed-shape decode steps do not run attention sinks yet")
+
+    def attend(self, q: torch.Tensor, batch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(q)
+        groups = self.num_heads // self.num_kv_heads
+        for seq in batch.sequences:
+            rows = slice(seq.query_start, seq.query_start + seq.query_len)
+            keys = gather_context(k_cache, seq, batch.block_size).repeat_interleave(groups, 1)  # [ctx, heads, D]
+            vals = gather_context(v_cache, seq, batch.block_size).repeat_interleave(groups, 1)
+            scores = torch.matmul(q[rows].transpose(0, 1), keys.permute(1, 2, 0)) * self.scale  # [heads, Q, ctx]
+            mask = attention_mask(seq, self.window, q.device)
+            if mask is None and seq.query_len > 1:
+                mask = torch.ones(seq.query_len, seq.context_len, dtype=torch.bool, device=q.device).tril(
+                    seq.context_len - seq.query_len)
+            if mask is not None:
+                scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+            sinks = self.sinks.view(-1, 1, 1).expand(-1, seq.query_len, 1).to(scores.dtype)
+            logits = torch.cat((scores, sinks), dim=-1)
+            logits = logits - logits.max(dim=-1, keepdim=True).values
+            probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+            out[rows] = torch.matmul(probs.to(vals.dtype), vals.transpose(0, 1)).transpose(0, 1)  # [Q, heads, D]
+        return out

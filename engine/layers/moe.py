@@ -39,6 +39,22 @@ class TopKRouter(nn.Module):
         return ids, weights
 
 
+class TopKSoftmaxRouter(nn.Module):
+    """GPT-OSS's routing: the gate's logits (with its bias), the top k of them, and a softmax over
+    those k only, in the model dtype."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype), requires_grad=False)
+        self.top_k = top_k
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] in the model dtype)."""
+        top, ids = torch.topk(torch.nn.functional.linear(x, self.weight, self.bias), self.top_k, dim=-1)
+        return ids, torch.softmax(top, dim=1, dtype=top.dtype)
+
+
 class GroupedTopKRouter(nn.Module):
     """DeepSeek-style routing, all in fp32: sigmoid (or softmax) scores over the experts; the choice
     made on the scores plus ``e_score_correction_bias`` (where the family has one), first of the

@@ -56,3 +56,12 @@ class GatedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         normed = self.weight * F.rms_norm(x.float(), self.normalized_shape, eps=self.eps).to(x.dtype)
         return (normed * F.silu(gate.float())).to(x.dtype)
+
+
+class RMSNormScaledInFp32(RMSNorm):
+    """RMSNorm whose weight scales the fp32 normalised value before the one cast back (GPT-OSS's
+    order; :class:`RMSNorm` casts first, then scales)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), self.normalized_shape, eps=self.eps)
+        return (self.weight.float() * normed).to(x.dtype)
