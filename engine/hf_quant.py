@@ -283,15 +283,17 @@ class QuantLoader:
         bank_rows = slice(base + experts.start, base + experts.stop)
         bank = pool.down if part == "down_proj" else pool.gate_up
         first = i if part == "up_proj" else 0  # up rows follow the gate rows
+        if self.cfg.expert_bias and part == "gate_up_proj":  # GPT-OSS interleaves gate and up rows
+            rows = torch.cat((rows[:, 0::2], rows[:, 1::2]), dim=1)
         n, r, width = rows.shape
         if pool.layer_blocks(layer) is not None:  # each expert's rows of blocks at the start of its bank row
             bank[bank_rows, first * width : (first + r) * width].copy_(rows.reshape(n, -1))
         else:
             cols = width // fmt.block_bytes * fmt.block_elems
             values = dequantize(rows.reshape(n * r, width), fmt, cols).reshape(n, r, cols)
-            bank[bank_rows, first : first + r].copy_(values)
+            bank[bank_rows, first : first + r, :cols].copy_(values)  # (a bias column may follow)
         for e in experts:
-            for p in _EXPERT_PARTS.get(part, (part,)):
+            for p in (part,) if self.cfg.expert_bias else _EXPERT_PARTS.get(part, (part,)):
                 self.progress.experts.discard((layer, e, p))
 
 

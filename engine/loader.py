@@ -336,7 +336,8 @@ def load_model(
         raise ConfigError(f"model directory '{model_dir}' does not exist")
     family, cfg = load_config(model_dir, dtype)
     quant = quant_spec(read_config_json(model_dir), model_dir)
-    keep = quant is not None and keep_blocks and blocks_can_stay(cfg, kernels=not for_storage)
+    # Experts with biases (GPT-OSS) are decoded into float rows, whose last column holds the bias.
+    keep = quant is not None and keep_blocks and not cfg.expert_bias and blocks_can_stay(cfg, kernels=not for_storage)
     blocks = expert_blocks(quant, cfg) if keep and pool_factory is None else None
     pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None, blocks)
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))

@@ -141,6 +141,20 @@ def _fuse_fp8_experts(weights: dict, scales: dict) -> None:
         weights[fused], scales[fused + "_scale_inv"] = w, s
 
 
+def write_gpt_oss_mxfp4(model, src: Path, dst: Path) -> Path:
+    """GPT-OSS's MXFP4 release layout from a float transformers GPT-OSS ``model``: the experts'
+    ``gate_up_proj`` [E, H, 2I] (gate and up interleaved) and ``down_proj`` [E, I, H] stored by output
+    rows as ``_blocks`` [E, R, K / 32, 16] / ``_scales``; their biases and the rest bf16."""
+    weights = {}
+    for name, t in model.state_dict().items():
+        if re.search(r"mlp\.experts\.(gate_up_proj|down_proj)$", name):
+            weights[name + "_blocks"], weights[name + "_scales"] = quantize_mxfp4(t.transpose(1, 2))
+        else:
+            weights[name] = t.to(torch.bfloat16).contiguous()
+    return _write(src, dst, [weights], {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "self_attn", "mlp.router", "lm_head", "embed_tokens"]})
+
+
 def write_mxfp4(model, src: Path, dst: Path) -> Path:
     """An MXFP4 copy of the transformers ``model`` (saved as ``src``): its fused experts
     (``mlp.experts.gate_up_proj`` [E, 2I, H], gate rows then up rows, and ``down_proj`` [E, H, I]) as
@@ -182,7 +196,8 @@ def mxfp4_reference(path: Path):
         if name.endswith("_blocks"):
             base = name[: -len("_blocks")]
             decoded = convert_moe_packed_tensors(t, tensors[base + "_scales"], dtype=torch.float32)
-            state[base] = decoded.transpose(1, 2).contiguous()
+            # [E, K, R]: GPT-OSS's own in-memory layout; the other families' is [E, R, K].
+            state[base] = decoded if config.model_type == "gpt_oss" else decoded.transpose(1, 2).contiguous()
         elif not name.endswith("_scales"):
             state[name] = t.float()
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -24,6 +24,7 @@ from hearth.engine.hf_quant import fp8_rows, mxfp4_rows
 from hearth.engine.kernels import cpu_decode_ops
 from hearth.engine.loader import CheckpointError, load_model
 from hearth.engine.quant.formats import block_format, dequantize
+from tests.checkpoints import make_checkpoint
 from tests.helpers import max_rel_error
 from tests.hf_quant_checkpoints import (
     assert_matches_transformers,
@@ -289,3 +290,17 @@ def test_the_cli_reports_one_line_without_a_traceback(quantized, tmp_path) -> No
     assert out.returncode == 1 and "Traceback" not in out.stderr
     lines = re.findall(r"hearth: error: [^\r\n]*", out.stderr)  # after the progress bar's last update
     assert len(lines) == 1 and "has no scale tensor 'model.layers.0.mlp.experts.2.up_proj.weight_scale_inv'" in lines[0]
+
+
+def test_gpt_oss_mxfp4_as_shipped_matches_transformers(tmp_path) -> None:
+    """GPT-OSS's MXFP4 release layout (interleaved gate/up rows, expert biases in bf16): fp32 logits
+    and greedy tokens against transformers with the experts decoded by its own MXFP4 code, also
+    through the hierarchy."""
+    from tests.hf_quant_checkpoints import write_gpt_oss_mxfp4
+
+    src, model = make_checkpoint(tmp_path / "gpt-oss-float", "gpt_oss", hidden_size=64, intermediate_size=64,
+                                 num_attention_heads=4, num_key_value_heads=2)
+    path = write_gpt_oss_mxfp4(model, src, tmp_path / "gpt-oss-mxfp4")
+    ref = mxfp4_reference(path)
+    assert_matches_transformers(ref, path)
+    assert_matches_transformers(ref, path, expert_device="virtual", expert_cache="0.3")
