@@ -170,10 +170,12 @@ class ModelFrontend:
                 "prompt_tokens": prompt_len, "context": self.max_model_len}})
         return min(requested, room)
 
-    @staticmethod
-    def sampling(max_tokens: int, stop: list[str] | None, **fields: Any) -> SamplingParams:
-        """SamplingParams from API fields (None means the API's default); invalid values are a 400."""
+    def sampling(self, max_tokens: int, stop: list[str] | None, **fields: Any) -> SamplingParams:
+        """SamplingParams from API fields (None means the API's default); invalid values are a 400.
+        A harmony model's text keeps its special tokens: its parser reads the channels from them."""
         values = {k: v for k, v in fields.items() if v is not None}
+        if self.tool_parser == "harmony":
+            values.setdefault("skip_special_tokens", False)
         if values.get("top_k") == -1:
             values["top_k"] = 0  # -1 disables top-k, as in vLLM
         stops = list(stop or [])

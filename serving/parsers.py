@@ -375,6 +375,96 @@ _DEEPSEEK_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>
 _DEEPSEEK_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
 
 
+class HarmonyParser:
+    """GPT-OSS's harmony format, read from text that keeps its special tokens: each message is a
+    header up to ``<|message|>`` (``<|channel|>analysis``, ``final`` or ``commentary``, with
+    ``to=functions.NAME`` and ``<|constrain|>json`` on a call) and a body up to ``<|end|>``,
+    ``<|call|>`` or ``<|return|>`` (or the end of the reply: the last two are stop tokens), the
+    next one opened by ``<|start|>assistant``. Analysis is reasoning, final and plain commentary
+    are content, a message to ``functions.NAME`` is a call whose body is the JSON arguments
+    (text when tools are off or the JSON does not parse). Text before any header is content."""
+
+    ENDS = ("<|end|>", "<|call|>", "<|return|>")
+
+    def __init__(self, text_params: Mapping[str, frozenset[str]] | None = None, tools_enabled: bool = True) -> None:
+        self.buffer, self.tools_enabled = "", tools_enabled
+        self.header: str | None = ""  # the header being read; None inside a body
+        self.kind, self.recipient, self.call_body = "content", None, ""
+
+    def feed(self, text: str) -> list[Event]:
+        self.buffer += text
+        events: list[Event] = []
+        while self.buffer:
+            if self.header is not None:
+                if not self._read_header():
+                    break
+                continue
+            end = min(((self.buffer.find(tag), tag) for tag in self.ENDS if tag in self.buffer), default=None)
+            if end is None:
+                keep = max(_partial_suffix(self.buffer, tag) for tag in (*self.ENDS, "<|start|>"))
+                self._body(self.buffer[: len(self.buffer) - keep], events)
+                self.buffer = self.buffer[len(self.buffer) - keep:]
+                break
+            pos, tag = end
+            self._body(self.buffer[:pos], events)
+            self._finish(events)
+            self.buffer, self.header = self.buffer[pos + len(tag):], ""
+        return events
+
+    def flush(self) -> list[Event]:
+        events: list[Event] = []
+        if self.header is None:
+            self._body(self.buffer, events)
+            self._finish(events)
+        elif self.header + self.buffer:
+            events.append(Event("content", self.header + self.buffer))  # an unfinished header stays text
+        self.buffer, self.header = "", ""
+        return events
+
+    def _read_header(self) -> bool:
+        """Consume a header once its ``<|message|>`` has arrived; False while it is incomplete."""
+        start = self.buffer.lstrip()
+        if not self.header and not start.startswith("<|"):
+            if not start or start == "<":
+                return False  # nothing yet, or a marker's first character
+            self.header, self.kind, self.recipient = None, "content", None  # no header: plain content
+            return True
+        text = self.header + self.buffer  # the marker may straddle two chunks
+        pos = text.find("<|message|>")
+        if pos < 0:
+            self.header, self.buffer = text, ""
+            return False
+        header, self.buffer = text[:pos], text[pos + len("<|message|>"):]
+        recipient = re.search(r"to=([^\s<]+)", header)
+        channel = re.search(r"<\|channel\|>\s*(\w+)", header)
+        self.recipient = recipient.group(1) if recipient else None
+        self.kind = "reasoning" if channel and channel.group(1) == "analysis" and not self.recipient else "content"
+        self.header, self.call_body = None, ""
+        return True
+
+    def _body(self, text: str, events: list[Event]) -> None:
+        if self.recipient is not None:
+            self.call_body += text
+        elif text:
+            events.append(Event(self.kind, text))
+
+    def _finish(self, events: list[Event]) -> None:
+        """The end of a message: a call's arguments are complete."""
+        if self.recipient is None:
+            return
+        name = self.recipient.removeprefix("functions.")
+        try:
+            args = json.loads(self.call_body) if self.tools_enabled else None
+        except json.JSONDecodeError:
+            args = None
+        if isinstance(args, dict) and name:
+            events.append(Event("tool_call", tool_call=ToolCall(new_tool_call_id(), name,
+                                                                json.dumps(args, ensure_ascii=False))))
+        else:
+            events.append(Event("content", self.call_body))
+        self.recipient, self.call_body = None, ""
+
+
 class NoToolParser:
     """Everything is content."""
 
@@ -389,7 +479,8 @@ class NoToolParser:
 
 
 TOOL_PARSERS = {"hermes": HermesToolParser, "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser,
-                "minimax_m2": MiniMaxM2ToolParser, "deepseek": DeepSeekToolParser, "none": NoToolParser}
+                "minimax_m2": MiniMaxM2ToolParser, "deepseek": DeepSeekToolParser, "harmony": HarmonyParser,
+                "none": NoToolParser}
 # Which tool-call format each architecture's chat templates use.
 ARCHITECTURE_TOOL_PARSERS = {
     "Qwen3MoeForCausalLM": "hermes",
@@ -401,6 +492,7 @@ ARCHITECTURE_TOOL_PARSERS = {
     "MiniMaxM2ForCausalLM": "minimax_m2",
     "DeepseekV3ForCausalLM": "deepseek",
     "DeepseekV2ForCausalLM": "deepseek",
+    "GptOssForCausalLM": "harmony",
 }
 
 
@@ -411,6 +503,8 @@ def choose_tool_parser(architecture: str, chat_template: str | None, override: s
         if override not in TOOL_PARSERS:
             raise ValueError(f"unknown tool parser '{override}' (one of {', '.join(sorted(TOOL_PARSERS))})")
         return override
+    if chat_template and "<|channel|>" in chat_template:
+        return "harmony"
     if chat_template and "tool▁calls▁begin" in chat_template:
         return "deepseek"
     if chat_template and "<minimax:tool_call>" in chat_template:
@@ -430,6 +524,9 @@ class OutputParser:
 
     def __init__(self, tool_parser: str, reasoning: bool, in_reasoning: bool, tools_enabled: bool,
                  text_params: Mapping[str, frozenset[str]] | None = None) -> None:
+        if tool_parser == "harmony":  # its channels carry the reasoning: no <think> split
+            self.reasoning, self.tools = None, HarmonyParser(text_params, tools_enabled)
+            return
         self.reasoning = ReasoningSplitter(in_reasoning) if reasoning else None
         self.tools = TOOL_PARSERS[tool_parser if tools_enabled else "none"](text_params)
 

@@ -217,3 +217,38 @@ def test_deepseek_calls_from_its_template_under_any_chunking(version):
     bad = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>not json<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
     assert parse([bad], tools="deepseek") == [("content", bad)]
     assert choose_tool_parser("DeepseekV3ForCausalLM", None) == "deepseek"
+
+
+# GPT-OSS's reply as text with its special tokens, as the harmony format writes it after the prompt's
+# "<|start|>assistant": reasoning in the analysis channel, a preamble in commentary, calls addressed
+# to functions.NAME (the recipient before or after the channel), the final answer; <|call|> and
+# <|return|> are stop tokens, so the reply's text ends before them.
+HARMONY_REPLY = (
+    "<|channel|>analysis<|message|>Need weather. Use <tool>.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Checking both.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    '{"city": "Paris", "days": 3}<|call|>'
+    "<|start|>assistant to=functions.search<|channel|>commentary json<|message|>{\"q\": \"a <|x\"}<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Done: sunny."
+)
+
+
+def test_harmony_channels_and_calls_under_any_chunking():
+    text = HARMONY_REPLY
+    expected = [("reasoning", "Need weather. Use <tool>."), ("content", "Checking both."),
+                ("tool_call", ("get_weather", '{"city": "Paris", "days": 3}')),
+                ("tool_call", ("search", '{"q": "a <|x"}')), ("content", "Done: sunny.")]
+    assert parse([text], tools="harmony") == expected
+    rng = random.Random(5)
+    for _ in range(300):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 40))))
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        assert parse(chunks, tools="harmony") == expected, chunks
+    # A call ended by the stop token (the reply's end), a call whose body is not JSON, plain text.
+    tail = '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}'
+    assert parse([tail], tools="harmony") == [("tool_call", ("f", '{"a": 1}'))]
+    broken = "<|channel|>commentary to=functions.f<|message|>not json<|call|>"
+    assert parse([broken], tools="harmony") == [("content", "not json")]
+    assert parse(["just text"], tools="harmony") == [("content", "just text")]
+    assert choose_tool_parser("GptOssForCausalLM", None) == "harmony"
+    assert choose_tool_parser("Unknown", "{{ '<|channel|>analysis' }}") == "harmony"
