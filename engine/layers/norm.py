@@ -24,7 +24,9 @@ class RMSNorm(nn.Module):
         if torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == self.weight.dtype:
             return torch.ops.hearth.rms_norm(x, self.weight, self.eps)  # one node (engine/graph_ops.py)
         ops = cpu_decode_ops()
-        if ops is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype:
+        # fp16 keeps torch's path: the native fp32 sum and 1/sqrt differ from torch's in the last
+        # bits, which fp16's 10-bit rounding shows (bf16's 7 bits almost never do).
+        if ops is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype and x.dtype != torch.float16:
             return ops.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.normalized_shape, eps=self.eps).to(x.dtype)
 
