@@ -114,7 +114,8 @@ def _hf_group(name: str) -> str:
         return "output"
     if ".mlp.experts." in name:
         return "experts"
-    if name.endswith(".mlp.gate.weight") or ".shared_expert_gate." in name:
+    if name.endswith((".mlp.gate.weight", ".mlp.gate.bias", ".e_score_correction_bias")) or \
+            ".shared_expert_gate." in name:
         return "router"
     if "norm" in name:
         return "norms"
@@ -256,6 +257,7 @@ def _hf_quant_summary(path, cfg: ModelConfig, spec) -> dict:
             continue
         torch_name, size = _ST_DTYPES.get(dtype, (dtype.lower(), 1))
         fmt = quantized.get(weight)
+        # Experts with biases (GPT-OSS) are decoded at load: their blocks do not stay.
         items.append(_Stored(_hf_group(canonical), fmt or torch_name, size * math.prod(shape),
-                             shape[0] if shape else 1, fmt is not None))
+                             shape[0] if shape else 1, fmt is not None and not cfg.expert_bias))
     return _summary(items, cfg, sum(p.stat().st_size for p in set(files.values())))
