@@ -107,7 +107,7 @@ def _items(loaded: LoadedModel, shard_bytes: int) -> list[_Item]:
             continue
         for layer in pool.moe_layer_ids:  # blocks: each layer's rows as wide as its formats make them
             blocks = pool.layer_blocks(layer)
-            used = blocks.gate_up_bytes if bank == "gate_up" else blocks.down_bytes
+            used = blocks.gate_up_row_bytes if bank == "gate_up" else blocks.down_row_bytes  # (with any biases)
             base = pool.layer_rows(layer)
             rows_per_piece = max(1, shard_bytes // max(used, 1))
             for r0 in range(base, base + pool.num_experts, rows_per_piece):
@@ -315,7 +315,7 @@ def _bank_blocks(banks: dict, cfg) -> dict[int, ExpertBlocks] | None:
                               f"{list(cfg.moe_layer_ids)}")
     return {int(layer): ExpertBlocks(_format(f["gate_up"], f"expert bank gate_up of layer {layer}"),
                                      _format(f["down"], f"expert bank down of layer {layer}"),
-                                     cfg.hidden_size, cfg.moe_intermediate_size)
+                                     cfg.hidden_size, cfg.moe_intermediate_size, bias=cfg.expert_bias)
             for layer, f in stored.items()}
 
 
@@ -415,7 +415,7 @@ def _plan_regions(index: dict, model: MoECausalLM, pool: ExpertPool, cfg, keep_d
             if not (0 <= rank < len(cfg.moe_layer_ids) and r0 < r1 <= (rank + 1) * e):
                 raise CheckpointError(f"FTW '{what}' does not lie within one MoE layer's rows")
             blocks = bank_blocks[cfg.moe_layer_ids[rank]]
-            used = blocks.gate_up_bytes if bank == "gate_up" else blocks.down_bytes
+            used = blocks.gate_up_row_bytes if bank == "gate_up" else blocks.down_row_bytes
             if list(piece["shape"]) != [r1 - r0, used]:
                 raise CheckpointError(f"FTW tensor '{what}' has shape {piece['shape']}, expected {[r1 - r0, used]}")
             if not read_banks:
@@ -423,6 +423,9 @@ def _plan_regions(index: dict, model: MoECausalLM, pool: ExpertPool, cfg, keep_d
             region = _region(piece, (r1 - r0) * used, what, crcs)
             if t.dtype == torch.uint8:  # kept: each row's blocks at the start of its bank row
                 region.segments = _row_segments(t, r0, r1, used)
+            elif blocks.bias:
+                raise CheckpointError(f"FTW '{what}': experts with biases in blocks are read as stored only (float32 "
+                                      "compute, in-process CPU experts); convert the original checkpoint instead")
             elif bank == "gate_up":
                 region.decode = _decoder(t[r0:r1], blocks.gate_up, (r1 - r0) * 2 * i, h)
             else:

@@ -102,8 +102,8 @@ def expert_blocks(spec: QuantSpec, cfg) -> dict[int, ExpertBlocks] | None:
     experts' rows are not whole blocks (quantized expert tensors are then refused, naming them)."""
     if cfg.hidden_size % spec.format.block_elems or cfg.moe_intermediate_size % spec.format.block_elems:
         return None
-    return {layer: ExpertBlocks(spec.format, spec.format, cfg.hidden_size, cfg.moe_intermediate_size)
-            for layer in cfg.moe_layer_ids}
+    return {layer: ExpertBlocks(spec.format, spec.format, cfg.hidden_size, cfg.moe_intermediate_size,
+                                bias=cfg.expert_bias) for layer in cfg.moe_layer_ids}
 
 
 def fp8_rows(weight: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:

@@ -257,7 +257,6 @@ def _hf_quant_summary(path, cfg: ModelConfig, spec) -> dict:
             continue
         torch_name, size = _ST_DTYPES.get(dtype, (dtype.lower(), 1))
         fmt = quantized.get(weight)
-        # Experts with biases (GPT-OSS) are decoded at load: their blocks do not stay.
         items.append(_Stored(_hf_group(canonical), fmt or torch_name, size * math.prod(shape),
-                             shape[0] if shape else 1, fmt is not None and not cfg.expert_bias))
+                             shape[0] if shape else 1, fmt is not None))
     return _summary(items, cfg, sum(p.stat().st_size for p in set(files.values())))

@@ -166,7 +166,15 @@ def _load_biased_experts(name: str, canonical: str, f, cfg: ModelConfig, pool: E
     rows = slice(pool.layer_rows(layer), pool.layer_rows(layer) + n)
     if part.startswith("gate_up"):
         t = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)  # de-interleaved: gate columns, then up
-    if part == "gate_up_proj":
+    blocks = pool.layer_blocks(layer)
+    if blocks is not None and part.endswith("_bias"):  # fp32 after each expert's blocks
+        bank, start = (pool.gate_up, blocks.gate_up_bytes) if part == "gate_up_proj_bias" else \
+            (pool.down, blocks.down_bytes)
+        bank[rows, start : start + 4 * t.shape[1]].copy_(t.float().contiguous().view(torch.uint8))
+    elif blocks is not None:
+        progress.errors.append(f"tensor '{name}' is float, the checkpoint's other experts are in blocks")
+        return True
+    elif part == "gate_up_proj":
         pool.gate_up[rows, :, :h].copy_(t.transpose(1, 2))
     elif part == "gate_up_proj_bias":
         pool.gate_up[rows, :, h].copy_(t)
@@ -336,8 +344,7 @@ def load_model(
         raise ConfigError(f"model directory '{model_dir}' does not exist")
     family, cfg = load_config(model_dir, dtype)
     quant = quant_spec(read_config_json(model_dir), model_dir)
-    # Experts with biases (GPT-OSS) are decoded into float rows, whose last column holds the bias.
-    keep = quant is not None and keep_blocks and not cfg.expert_bias and blocks_can_stay(cfg, kernels=not for_storage)
+    keep = quant is not None and keep_blocks and blocks_can_stay(cfg, kernels=not for_storage)
     blocks = expert_blocks(quant, cfg) if keep and pool_factory is None else None
     pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None, blocks)
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from hearth.engine.kernels import cpu_decode_ops
 from hearth.engine.loader import CheckpointError, load_model
 from hearth.engine.quant.formats import block_format, dequantize
 from tests.checkpoints import make_checkpoint
-from tests.helpers import max_rel_error
+from tests.helpers import greedy, max_rel_error
 from tests.hf_quant_checkpoints import (
     assert_matches_transformers,
     float_checkpoint,
@@ -302,5 +303,21 @@ def test_gpt_oss_mxfp4_as_shipped_matches_transformers(tmp_path) -> None:
                                  num_attention_heads=4, num_key_value_heads=2)
     path = write_gpt_oss_mxfp4(model, src, tmp_path / "gpt-oss-mxfp4")
     ref = mxfp4_reference(path)
-    assert_matches_transformers(ref, path)
+    llm, _ = assert_matches_transformers(ref, path)
+    if KERNELS:  # the experts stay in their MXFP4 blocks, each row's fp32 biases after them
+        blocks = llm.engine.pool.layer_blocks(0)
+        assert blocks is not None and blocks.bias and blocks.gate_up.name == "mxfp4"
+        assert llm.engine.pool.gate_up.shape[1] == blocks.gate_up_bytes + 8 * 64
     assert_matches_transformers(ref, path, expert_device="virtual", expert_cache="0.3")
+    # A worker process computes float experts: the blocks are decoded, the biases a last column.
+    decoded, _ = assert_matches_transformers(ref, path, expert_device="virtual", expert_cache="0.5",
+                                             cpu_experts="process", host_pool_name=f"oss-{uuid.uuid4().hex[:8]}")
+    assert decoded.engine.pool.blocks is None and decoded.engine.pool.gate_up.shape[-1] == 64 + 1
+    decoded.close()
+    if KERNELS:  # to FTW and back: the blocks and the biases after them, as they were
+        from hearth.engine.ftw import convert
+
+        ftw = tmp_path / "gpt-oss-ftw"
+        convert(path, ftw)
+        prompt = list(range(40, 61))
+        assert LLM(ftw).generate(prompt, greedy(16))[0].token_ids == llm.generate(prompt, greedy(16))[0].token_ids

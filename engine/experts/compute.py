@@ -94,7 +94,7 @@ def _block_partial_sum(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     them; otherwise (many tokens, no kernel) each routed expert decoded once and multiplied in fp32."""
     t, hidden, inter = x.shape[0], blocks.hidden, blocks.inter
     on_cpu = act is torch.nn.functional.silu and x.dtype == torch.float32 and gate_up.device.type == "cpu"
-    ops = cpu_decode_ops() if on_cpu else None
+    ops = cpu_decode_ops() if on_cpu and not blocks.bias else None  # (the native kernel adds no biases)
     if ops is not None and t <= SMALL_BATCH and {blocks.gate_up.name, blocks.down.name} <= BLOCK_KERNELS:
         return ops.experts_blocks(x, gate_up, down, rows, weights, blocks.gate_up.name, blocks.down.name, inter,
                                   blocks.int8_activations)
@@ -106,8 +106,13 @@ def _block_partial_sum(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
             continue
         w_gu = decode_blocks(gate_up[row, :gu_bytes].view(2 * inter, -1), blocks.gate_up, hidden)
         w_dn = decode_blocks(down[row, :dn_bytes].view(hidden, -1), blocks.down, inter)
-        gate, up = (xf[tokens] @ w_gu.T).chunk(2, dim=-1)
-        parts[tokens, kpos] = gated(act, gate, up) @ w_dn.T * weights[tokens, kpos, None]
+        gu, dn = xf[tokens] @ w_gu.T, None
+        if blocks.bias:  # fp32 biases after the blocks, added after the products
+            gu = gu + gate_up[row, gu_bytes : gu_bytes + 8 * inter].view(torch.float32)
+            dn = down[row, dn_bytes : dn_bytes + 4 * hidden].view(torch.float32)
+        gate, up = gu.chunk(2, dim=-1)
+        out = gated(act, gate, up) @ w_dn.T
+        parts[tokens, kpos] = (out if dn is None else out + dn) * weights[tokens, kpos, None]
     return parts.sum(dim=1)
 
 

@@ -27,14 +27,25 @@ class ExpertBlocks:
     hidden: int
     inter: int
     int8_activations: bool = False  # the opt-in int8-activation mode (see engine/int8_mode.py)
+    bias: bool = False  # experts with biases (GPT-OSS): fp32 after each row's blocks, 2I of them, H of them
 
     @property
     def gate_up_bytes(self) -> int:
+        """Bytes of an expert's gate and up blocks (its bias, if any, follows them)."""
         return 2 * self.inter * self.gate_up.row_bytes(self.hidden)
 
     @property
     def down_bytes(self) -> int:
+        """Bytes of an expert's down blocks (its bias, if any, follows them)."""
         return self.hidden * self.down.row_bytes(self.inter)
+
+    @property
+    def gate_up_row_bytes(self) -> int:
+        return self.gate_up_bytes + (8 * self.inter if self.bias else 0)
+
+    @property
+    def down_row_bytes(self) -> int:
+        return self.down_bytes + (4 * self.hidden if self.bias else 0)
 
 
 class ExpertPool:
@@ -87,7 +98,8 @@ class ExpertPool:
         if blocks:
             if any((b.hidden, b.inter) != (h, i) for b in blocks.values()):
                 raise ValueError("expert blocks of another expert shape than the model's")
-            return (n, max(b.gate_up_bytes for b in blocks.values())), (n, max(b.down_bytes for b in blocks.values()))
+            return ((n, max(b.gate_up_row_bytes for b in blocks.values())),
+                    (n, max(b.down_row_bytes for b in blocks.values())))
         bias = int(cfg.expert_bias)  # a bias column after each row's weights
         return (n, 2 * i, h + bias), (n, h, i + bias)
 
