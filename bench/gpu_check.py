@@ -18,6 +18,8 @@ skipped, so one call fits a device lease):
 7. The hierarchy alone (the dense part on the CPU): exactness at 0, 1 slot, 10 %, 37 %, 100 % of
    the experts with q from the table, forced to 0 and to m; prefill streamed through two buffers,
    one, and the fallback; the cache-control step compiled whole equals eager.
+8. The later families (OLMoE, GLM-4.5, DeepSeek-V3/V2, MiniMax-M2, GPT-OSS) on the device, plain
+   steps, against the CPU engine.
 
 Then the acceptance targets, each met or not. Without CUDA it says so and exits 0;
 ``--cpu-dry-run`` runs every section on the CPU instead (the virtual device, small models, the
@@ -163,6 +165,7 @@ def sections(rig: ex.Rig, root: Path, layers: int) -> list[tuple[str, object]]:
         ("bandwidths and emulation", shapes_and_emulation),
         ("hierarchy exactness", lambda: check_hierarchy(rig, root) + check_streaming(rig, root)),
         ("compiled cache step", lambda: [ex.guarded("cache step compiled whole equals eager", check_compile, rig)]),
+        ("families", lambda: ex.check_families(rig, root)),
     ]
 
 
@@ -176,7 +179,8 @@ def targets(rig: ex.Rig, rows: list[dict]) -> list[dict]:
     def ratio(a: dict, b: dict, key: str = "tok_s") -> float | None:
         return a[key] / b[key] if key in a and key in b and b[key] else None
 
-    exact = [r for r in rows if r["check"].startswith(("exact ", "hierarchy ", "streamed prefill", "elastic"))]
+    kinds = ("exact ", "hierarchy ", "streamed prefill", "elastic", "family ")
+    exact = [r for r in rows if r["check"].startswith(kinds)]
     fast = rig.fast_mode
     graph_ratio = ratio(_row(rows, f"speed cache=1.0 static={fast}"), _row(rows, "speed cache=1.0 static=off"))
     best = {f: max((_row(rows, f"speed cache={f} static={m}").get("share", 0) for m in ("off", fast)), default=0)

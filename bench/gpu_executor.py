@@ -121,6 +121,29 @@ def check_exactness(rig: Rig, root: Path) -> list[dict]:
     return rows
 
 
+NEW_FAMILIES = ("olmoe", "glm4_moe", "deepseek_v3", "deepseek_v2", "minimax_m2", "gpt_oss")
+
+
+def check_families(rig: Rig, root: Path) -> list[dict]:
+    """Every family beyond the first five on the device, plain steps, the experts through the
+    hierarchy at cache fraction 0.37, against the CPU engine: fp32 logits within 1e-4."""
+    from hearth.engine import LLM
+    from tests.checkpoints import make_checkpoint
+
+    rows = []
+    for family in NEW_FAMILIES:
+        def one(family=family):
+            path = root / f"family-{family}"
+            make_checkpoint(path, family, "per_expert", "float32", num_experts_per_tok=4)
+            ref = run(LLM(path, device="cpu", expert_device="none", max_model_len=128), PROMPTS, 16)
+            llm = rig.llm(path, expert_cache="0.37", max_model_len=128)
+            row = compare(*run(llm, PROMPTS, 16), ref, True)
+            llm.close()
+            return row
+        rows.append(guarded(f"family {family} on the device", one) | {"family": family})
+    return rows
+
+
 def check_sync_free(rig: Rig, root: Path) -> dict:
     """Host synchronisations inside captured fixed-shape steps, caught by torch's sync debug mode
     (error): the fill reads its count on the device, the CPU share goes through the task ring."""

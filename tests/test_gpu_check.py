@@ -38,6 +38,8 @@ def test_every_section_runs_on_the_cpu(tmp_path) -> None:
     assert rows["emulated 8 GB GPU"]["cache_fraction"] < rows["emulated 24 GB GPU"]["cache_fraction"]
     assert rows["B_P and B_H on real expert shapes"]["B_P_GBps"] > 0
     assert rows["cache step compiled whole equals eager"]["ok"]
+    for family in ("olmoe", "glm4_moe", "deepseek_v3", "deepseek_v2", "minimax_m2", "gpt_oss"):
+        assert rows[f"family {family} on the device"]["tokens_equal"]
     assert [t["target"] for t in report["targets"]][:2] == ["every exactness check", "no host sync inside a replay"]
     assert report["targets"][0]["met"] is True
 
