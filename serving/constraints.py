@@ -9,6 +9,7 @@ the tokenizer holds as one token (``</tool_call>``, ``</think>``) is written as 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from hearth.engine.structured import JSON_STYLE
@@ -37,17 +38,19 @@ class GrammarBuilder:
 
     def tool_call(self, parser: str, tools: list[dict[str, Any]], name: str | None,
                   after_reasoning: str | None = None, open_tag: bool = False) -> str:
-        """One call to ``name`` (or any of ``tools``) in the model's tool-call format, ending with
-        the closing tag. The reply starts after ``<tool_call>\\n`` unless ``open_tag``."""
+        """One call to ``name`` (or any of ``tools``) in the model's tool-call format (``parser``:
+        one of :data:`FORCED_CALL_PREFIX`), ending with the closing tag. The reply starts after the
+        format's prefix (put in the prompt) unless ``open_tag``."""
         chosen = [t["function"] for t in tools if name is None or t["function"]["name"] == name]
         if not chosen:
             raise ValueError(f"no tool to call (named {name!r})")  # an empty alternation would accept ""
-        close = self.tag("</tool_call>")
+        style = _KV_STYLES.get(parser)
+        close = self.tag(_CLOSE_TAG[parser])
         rules: list[str] = []
         for i, fn in enumerate(chosen):
             params = fn.get("parameters") or {"type": "object"}
-            if parser == "qwen3_coder":
-                rules += _xml_call_rules(i, fn["name"], params, close)
+            if style is not None:
+                rules += _kv_call_rules(i, fn["name"], params, close, style)
             else:
                 head = json.dumps('{"name": ' + json.dumps(fn["name"]) + ', "arguments": ')
                 rules.append(f"call_{i}: {head} args_{i} " + json.dumps("}\n") + f" {close}")
@@ -55,7 +58,8 @@ class GrammarBuilder:
         rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(chosen))))
         body = "call"
         if open_tag:
-            rules.append(f"opened: {self.tag('<tool_call>')} " + json.dumps("\n") + " call")
+            tag, rest = _OPEN_TAG[parser]
+            rules.append(f"opened: {self.tag(tag)} " + (json.dumps(rest) + " " if rest else "") + "call")
             body = "opened"
         return _lark(self._start(body, after_reasoning), rules)
 
@@ -65,8 +69,36 @@ class GrammarBuilder:
         return f"start: THOUGHT {self.tag(after_reasoning)} /\\n{{0,2}}/ {body}\nTHOUGHT: /(.|\\n)*/"
 
 
-def _xml_call_rules(i: int, name: str, params: dict[str, Any], close: str) -> list[str]:
-    """A Qwen3-Coder XML call: required parameters in schema order, then each optional one or not."""
+# The formats a call can be forced in: the prompt prefix that opens the call (its tag, then text).
+_OPEN_TAG = {"hermes": ("<tool_call>", "\n"), "qwen3_coder": ("<tool_call>", "\n"), "glm45": ("<tool_call>", ""),
+             "minimax_m2": ("<minimax:tool_call>", "\n")}
+FORCED_CALL_PREFIX = {parser: tag + rest for parser, (tag, rest) in _OPEN_TAG.items()}
+_CLOSE_TAG = {"hermes": "</tool_call>", "qwen3_coder": "</tool_call>", "glm45": "</tool_call>",
+              "minimax_m2": "</minimax:tool_call>"}
+
+
+@dataclass(frozen=True)
+class _KeyValueStyle:
+    """How a format writes a call of named parameters: ``{name}`` / ``{key}`` are filled in."""
+
+    call_head: str
+    param_head: str
+    param_end: str
+    call_tail: str
+
+
+_KV_STYLES = {
+    "qwen3_coder": _KeyValueStyle("<function={name}>\n", "<parameter={key}>\n", "\n</parameter>\n",
+                                  "</function>\n"),
+    "glm45": _KeyValueStyle("{name}", "\n<arg_key>{key}</arg_key>\n<arg_value>", "</arg_value>", "\n"),
+    "minimax_m2": _KeyValueStyle('<invoke name="{name}">', '\n<parameter name="{key}">', "</parameter>",
+                                 "\n</invoke>\n"),
+}
+
+
+def _kv_call_rules(i: int, name: str, params: dict[str, Any], close: str, style: _KeyValueStyle) -> list[str]:
+    """A call of named parameters (Qwen3-Coder, GLM-4.5, MiniMax-M2): required parameters in
+    schema order, then each optional one or not; a string value as raw text, others as JSON."""
     props: dict[str, Any] = params.get("properties") or {}
     required = [k for k in params.get("required") or [] if k in props]
     optional = [k for k in props if k not in required]
@@ -74,25 +106,21 @@ def _xml_call_rules(i: int, name: str, params: dict[str, Any], close: str) -> li
     rules, items = [], []
     for j, key in enumerate(required + optional):
         rule, value = f"p_{i}_{j}", f"v_{i}_{j}"
-        head = f"{rule}: " + json.dumps(f"<parameter={key}>\n") + f" {value}"
+        head = f"{rule}: " + json.dumps(style.param_head.format(key=key)) + f" {value}"
         schema = {**defs, **props[key]}
         if _is_plain_string(schema):
             # Raw text, ended by the closing tag: a lazy lexeme (a greedy one would eat the newline
             # before the tag; a value may hold "<" and newlines). Its length is not bounded: with a
             # bounded regex, llguidance's mask offers only end-of-sequence once the bound is reached.
             rules.append(head)
-            rules.append(f"{value}[stop={json.dumps(_PARAM_END)}]: /(.|\\n)*/")
+            rules.append(f"{value}[stop={json.dumps(style.param_end)}]: /(.|\\n)*/")
         else:
-            rules.append(f"{head} " + json.dumps(_PARAM_END))
+            rules.append(f"{head} " + json.dumps(style.param_end))
             rules.append(f"{value}: " + _xml_value(schema))
         items.append(rule if key in required else f"{rule}?")
-    call_head = json.dumps(f"<function={name}>\n")
-    tail = json.dumps("</function>\n")
-    rules.insert(0, f"call_{i}: {call_head} {' '.join(items)} {tail} {close}")
+    call_head = json.dumps(style.call_head.format(name=name))
+    rules.insert(0, f"call_{i}: {call_head} {' '.join(items)} {json.dumps(style.call_tail)} {close}")
     return rules
-
-
-_PARAM_END = "\n</parameter>\n"
 
 
 def _is_plain_string(schema: dict[str, Any]) -> bool:

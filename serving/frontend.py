@@ -16,7 +16,7 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 
 from hearth.engine.sampling import SamplingParams
-from hearth.serving.constraints import GrammarBuilder, check_grammar
+from hearth.serving.constraints import FORCED_CALL_PREFIX, GrammarBuilder, check_grammar
 from hearth.serving.errors import APIError, context_overflow, loads_bounded
 from hearth.serving.parsers import THINK_CLOSE, THINK_OPEN, OutputParser, choose_tool_parser
 
@@ -113,10 +113,11 @@ class ModelFrontend:
         thinking = THINK_CLOSE if self.reasoning and text.rstrip().endswith(THINK_OPEN) else None
         prefix, grammar = "", None
         if use_tools and mode.mode in ("required", "named"):
-            if self.tool_parser not in ("hermes", "qwen3_coder"):
-                raise APIError(400, "tool_choice: forcing a tool call is not supported for this model", "tool_choice")
+            if self.tool_parser not in FORCED_CALL_PREFIX:
+                raise APIError(400, f"tool_choice: forcing a tool call is not supported for this model's "
+                                    f"'{self.tool_parser}' tool-call format", "tool_choice")
             # The call tag is put in the prompt unless the reply first closes a think block.
-            prefix = "" if thinking else "<tool_call>\n"
+            prefix = "" if thinking else FORCED_CALL_PREFIX[self.tool_parser]
             grammar = self.grammars.tool_call(self.tool_parser, tools, mode.name, thinking, bool(thinking))
             check_grammar(grammar, "tools")
         elif json_schema is not None:

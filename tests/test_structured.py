@@ -95,3 +95,40 @@ def test_xml_grammar_takes_free_text_values_and_pydantic_refs(llm) -> None:
 def test_a_tool_grammar_needs_a_tool(llm) -> None:
     with pytest.raises(ValueError, match="no tool"):
         GrammarBuilder(llm.engine.tokenizer).tool_call("hermes", [], None)
+
+
+@pytest.mark.parametrize("parser", ["glm45", "minimax_m2"])
+def test_forced_calls_in_glm_and_minimax_formats(llm, parser) -> None:
+    """The forced-call grammar of each key/value format accepts what its parser reads (free text
+    with "<" and newlines, JSON values, an optional parameter left out) and refuses an unknown key;
+    sampled calls parse to a call of the named tool whose arguments match the schema."""
+    from hearth.serving.constraints import FORCED_CALL_PREFIX
+    from hearth.serving.parsers import OutputParser
+
+    params = {"type": "object", "required": ["code", "unit"],
+              "properties": {"code": {"type": "string"}, "unit": {"enum": ["c", "f"]}, "n": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": "run", "parameters": params}}]
+    grammar = GrammarBuilder(llm.engine.tokenizer).tool_call(parser, tools, "run")
+    if parser == "glm45":
+        call = "run\n<arg_key>code</arg_key>\n<arg_value>if a < b:\n  1</arg_value>\n<arg_key>unit</arg_key>\n" \
+               "<arg_value>f</arg_value>\n</tool_call>"
+    else:
+        call = '<invoke name="run">\n<parameter name="code">if a < b:\n  1</parameter>\n<parameter name="unit">f' \
+               '</parameter>\n</invoke>\n</minimax:tool_call>'
+    assert _accepts(llm, grammar, call)
+    assert not _accepts(llm, grammar, call.replace("unit", "units"))
+    parser_ = OutputParser(parser, False, False, True, {"run": frozenset({"code"})})
+    events = parser_.feed(FORCED_CALL_PREFIX[parser] + call) + parser_.flush()
+    assert [(e.kind, e.tool_call.name, e.tool_call.input) for e in events] == [
+        ("tool_call", "run", {"code": "if a < b:\n  1", "unit": "f"})]
+    bounded = {**params, "required": ["unit"], "properties": {"unit": params["properties"]["unit"],
+                                                              "n": {"type": "integer", "minimum": 1, "maximum": 9}}}
+    grammar = GrammarBuilder(llm.engine.tokenizer).tool_call(parser, [
+        {"type": "function", "function": {"name": "run", "parameters": bounded}}], "run")
+    for seed in range(3):
+        out = llm.generate(FORCED_CALL_PREFIX[parser], SamplingParams(max_tokens=80, temperature=1.0, seed=seed,
+                                                                      grammar=grammar))[0]
+        parser_ = OutputParser(parser, False, False, True)
+        events = parser_.feed(FORCED_CALL_PREFIX[parser] + out.text) + parser_.flush()
+        assert [e.kind for e in events] == ["tool_call"], out.text
+        jsonschema.validate(events[0].tool_call.input, bounded)
