@@ -18,7 +18,8 @@ from jinja2.exceptions import TemplateError
 from hearth.engine.sampling import SamplingParams
 from hearth.serving.constraints import FORCED_CALL_PREFIX, GrammarBuilder, check_grammar
 from hearth.serving.errors import APIError, context_overflow, loads_bounded
-from hearth.serving.parsers import THINK_CLOSE, THINK_OPEN, OutputParser, choose_tool_parser
+from hearth.serving.parsers import THINK_CLOSE, THINK_OPEN
+from hearth.serving.reply_parsers import OutputParser, choose_tool_parser
 
 log = logging.getLogger("hearth.serving")
 # Text that stands in for input this server cannot take, so a resent history never fails a turn.

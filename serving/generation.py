@@ -13,7 +13,8 @@ from typing import Any
 
 from hearth.proto.contracts import EngineNotReady, EngineOverloaded, GenerateRequest, GenerationChunk, TokenLogprob
 from hearth.serving.errors import APIError, overloaded
-from hearth.serving.parsers import Event, NoToolParser, OutputParser, ToolCall
+from hearth.serving.parsers import Event, NoToolParser, ToolCall
+from hearth.serving.reply_parsers import OutputParser
 
 log = logging.getLogger("hearth.serving")
 

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from hearth.serving.parsers import OutputParser, choose_tool_parser, parse_hermes_call
+from hearth.serving.parsers import parse_hermes_call
+from hearth.serving.reply_parsers import OutputParser, choose_tool_parser
 
 CASES = [
     ("<think>\nplan it\n\nstep 2  \n</think>\n\nSure.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {\"a\": 1}}\n"

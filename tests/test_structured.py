@@ -103,7 +103,7 @@ def test_forced_calls_in_glm_and_minimax_formats(llm, parser) -> None:
     with "<" and newlines, JSON values, an optional parameter left out) and refuses an unknown key;
     sampled calls parse to a call of the named tool whose arguments match the schema."""
     from hearth.serving.constraints import FORCED_CALL_PREFIX
-    from hearth.serving.parsers import OutputParser
+    from hearth.serving.reply_parsers import OutputParser
 
     params = {"type": "object", "required": ["code", "unit"],
               "properties": {"code": {"type": "string"}, "unit": {"enum": ["c", "f"]}, "n": {"type": "integer"}}}
