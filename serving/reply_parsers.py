@@ -233,6 +233,12 @@ ARCHITECTURE_TOOL_PARSERS = {
 }
 
 
+# What in a chat template names its tool-call format, most specific first (GLM's and Qwen3-Coder's
+# templates also write <tool_call>).
+TEMPLATE_MARKERS = (("<|channel|>", "harmony"), ("tool▁calls▁begin", "deepseek"), ("<minimax:tool_call>", "minimax_m2"),
+                    ("<arg_key>", "glm45"), ("<function=", "qwen3_coder"), ("<tool_call>", "hermes"))
+
+
 def choose_tool_parser(architecture: str, chat_template: str | None, override: str | None = None) -> str:
     """The tool parser for a model: an explicit choice, else its family's, else 'none' when the
     template never mentions tools."""
@@ -240,18 +246,9 @@ def choose_tool_parser(architecture: str, chat_template: str | None, override: s
         if override not in TOOL_PARSERS:
             raise ValueError(f"unknown tool parser '{override}' (one of {', '.join(sorted(TOOL_PARSERS))})")
         return override
-    if chat_template and "<|channel|>" in chat_template:
-        return "harmony"
-    if chat_template and "tool▁calls▁begin" in chat_template:
-        return "deepseek"
-    if chat_template and "<minimax:tool_call>" in chat_template:
-        return "minimax_m2"
-    if chat_template and "<arg_key>" in chat_template:
-        return "glm45"
-    if chat_template and "<function=" in chat_template:
-        return "qwen3_coder"
-    if chat_template and "<tool_call>" in chat_template:
-        return "hermes"
+    for marker, parser in TEMPLATE_MARKERS:
+        if chat_template and marker in chat_template:
+            return parser
     return ARCHITECTURE_TOOL_PARSERS.get(architecture, "none")
 
 

@@ -37,6 +37,17 @@ def parse(chunks: list[str], reasoning: bool = True, in_reasoning: bool = False,
     return merged
 
 
+def assert_any_chunking(text: str, expected: list[tuple], tools: str, seed: int, rounds: int = 200,
+                        most: int = 30) -> None:
+    """Whole, and cut at ``rounds`` random sets of up to ``most`` places, ``text`` parses to ``expected``."""
+    assert parse([text], tools=tools) == expected
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, most))))
+        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        assert parse(chunks, tools=tools) == expected, chunks
+
+
 @pytest.mark.parametrize(("text", "expected"), CASES)
 def test_any_chunking_gives_the_same_events(text, expected):
     assert parse([text]) == expected
@@ -137,12 +148,7 @@ def test_glm45_calls_from_its_template_under_any_chunking(newlines):
     expected = [("reasoning", "The user wants weather.\nCheck it."), ("content", "Checking now."),
                 ("tool_call", ("get_weather", '{"city": "Paris", "days": 3, "units": "metric"}')),
                 ("tool_call", ("run", '{"cmd": "ls -la\\necho <hi>", "env": {"A": "1"}}'))]
-    assert parse([text], tools="glm45") == expected
-    rng = random.Random(2)
-    for _ in range(200):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 30))))
-        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-        assert parse(chunks, tools="glm45") == expected, chunks
+    assert_any_chunking(text, expected, "glm45", seed=2, rounds=200, most=30)
 
 
 def test_glm45_rejects_what_is_not_a_call():
@@ -174,12 +180,7 @@ def test_minimax_m2_calls_from_its_template_under_any_chunking():
     expected = [("reasoning", "Two lookups."), ("content", "On it."),
                 ("tool_call", ("get_weather", '{"city": "Paris", "days": 3}')),
                 ("tool_call", ("search", '{"q": "a <b> & c", "filters": {"lang": "en"}}'))]
-    assert parse([text], tools="minimax_m2") == expected
-    rng = random.Random(3)
-    for _ in range(200):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 30))))
-        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-        assert parse(chunks, tools="minimax_m2") == expected, chunks
+    assert_any_chunking(text, expected, "minimax_m2", seed=3, rounds=200, most=30)
     bad = '<minimax:tool_call>\n<invoke name="f">stray</invoke>\n</minimax:tool_call>'
     assert parse([bad], tools="minimax_m2") == [("content", bad)]
     assert choose_tool_parser("MiniMaxM2ForCausalLM", None) == "minimax_m2"
@@ -209,12 +210,7 @@ def test_deepseek_calls_from_its_template_under_any_chunking(version):
     expected = [("reasoning", "Weather, then news.")] if version == "v3.1" else []
     expected += [("content", "Looking."), ("tool_call", ("get_weather", '{"city": "Paris", "days": 3}')),
                  ("tool_call", ("news", '{"topic": "a ``` b"}'))]
-    assert parse([text], tools="deepseek") == expected
-    rng = random.Random(4)
-    for _ in range(200):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 30))))
-        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-        assert parse(chunks, tools="deepseek") == expected, chunks
+    assert_any_chunking(text, expected, "deepseek", seed=4, rounds=200, most=30)
     bad = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>not json<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
     assert parse([bad], tools="deepseek") == [("content", bad)]
     assert choose_tool_parser("DeepseekV3ForCausalLM", None) == "deepseek"
@@ -239,12 +235,7 @@ def test_harmony_channels_and_calls_under_any_chunking():
     expected = [("reasoning", "Need weather. Use <tool>."), ("content", "Checking both."),
                 ("tool_call", ("get_weather", '{"city": "Paris", "days": 3}')),
                 ("tool_call", ("search", '{"q": "a <|x"}')), ("content", "Done: sunny.")]
-    assert parse([text], tools="harmony") == expected
-    rng = random.Random(5)
-    for _ in range(300):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 40))))
-        chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-        assert parse(chunks, tools="harmony") == expected, chunks
+    assert_any_chunking(text, expected, "harmony", seed=5, rounds=300, most=40)
     # A call ended by the stop token (the reply's end), a call whose body is not JSON, plain text.
     tail = '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"a": 1}'
     assert parse([tail], tools="harmony") == [("tool_call", ("f", '{"a": 1}'))]
