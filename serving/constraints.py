@@ -49,8 +49,14 @@ class GrammarBuilder:
         rules: list[str] = []
         for i, fn in enumerate(chosen):
             params = fn.get("parameters") or {"type": "object"}
+            args = "%json " + json.dumps({**params, "x-guidance": dict(JSON_STYLE)})
             if style is not None:
                 rules += _kv_call_rules(i, fn["name"], params, close, style)
+            elif parser in _JSON_ARGS_CALLS:  # NAME and JSON arguments between the format's markers
+                before, after = ([self.tag(p) if p.startswith("<") else json.dumps(p) for p in side]
+                                 for side in _JSON_ARGS_CALLS[parser](fn["name"]))
+                rules.append(f"call_{i}: {' '.join(before)} args_{i} {' '.join([*after, close])}")
+                rules.append(f"args_{i}: {args}")
             else:
                 head = json.dumps('{"name": ' + json.dumps(fn["name"]) + ', "arguments": ')
                 rules.append(f"call_{i}: {head} args_{i} " + json.dumps("}\n") + f" {close}")
@@ -71,10 +77,20 @@ class GrammarBuilder:
 
 # The formats a call can be forced in: the prompt prefix that opens the call (its tag, then text).
 _OPEN_TAG = {"hermes": ("<tool_call>", "\n"), "qwen3_coder": ("<tool_call>", "\n"), "glm45": ("<tool_call>", ""),
-             "minimax_m2": ("<minimax:tool_call>", "\n")}
+             "minimax_m2": ("<minimax:tool_call>", "\n"), "deepseek_v3": ("<｜tool▁calls▁begin｜>", ""),
+             "deepseek_v31": ("<｜tool▁calls▁begin｜>", ""), "harmony": ("<|channel|>", "commentary to=functions.")}
 FORCED_CALL_PREFIX = {parser: tag + rest for parser, (tag, rest) in _OPEN_TAG.items()}
 _CLOSE_TAG = {"hermes": "</tool_call>", "qwen3_coder": "</tool_call>", "glm45": "</tool_call>",
-              "minimax_m2": "</minimax:tool_call>"}
+              "minimax_m2": "</minimax:tool_call>", "deepseek_v3": "<｜tool▁calls▁end｜>",
+              "deepseek_v31": "<｜tool▁calls▁end｜>", "harmony": "<|call|>"}
+# Formats whose arguments are one JSON object: the pieces before and after it for a tool NAME (a
+# piece that starts with "<" is a marker, written as its token where the tokenizer has one).
+_JSON_ARGS_CALLS = {
+    "deepseek_v3": lambda name: (["<｜tool▁call▁begin｜>", "function", "<｜tool▁sep｜>", f"{name}\n```json\n"],
+                                 ["\n```", "<｜tool▁call▁end｜>"]),
+    "deepseek_v31": lambda name: (["<｜tool▁call▁begin｜>", name, "<｜tool▁sep｜>"], ["<｜tool▁call▁end｜>"]),
+    "harmony": lambda name: ([f"{name} ", "<|constrain|>", "json", "<|message|>"], []),
+}
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,9 @@ class ModelFrontend:
         self.has_chat_template = bool(template)
         self.tool_parser = choose_tool_parser(architecture, template if isinstance(template, str) else None,
                                               tool_parser)
+        # The grammar of a forced call: DeepSeek's parser reads two layouts, its template says which.
+        self.forced_call_format = self.tool_parser if self.tool_parser != "deepseek" else (
+            "deepseek_v3" if isinstance(template, str) and "```json" in template else "deepseek_v31")
         vocab = tokenizer.get_vocab()
         self.reasoning = THINK_OPEN in vocab and THINK_CLOSE in vocab
         self.mid_system = self.has_chat_template and self._template_renders_mid_system()
@@ -114,12 +117,13 @@ class ModelFrontend:
         thinking = THINK_CLOSE if self.reasoning and text.rstrip().endswith(THINK_OPEN) else None
         prefix, grammar = "", None
         if use_tools and mode.mode in ("required", "named"):
-            if self.tool_parser not in FORCED_CALL_PREFIX:
+            call_format = self.forced_call_format
+            if call_format not in FORCED_CALL_PREFIX:
                 raise APIError(400, f"tool_choice: forcing a tool call is not supported for this model's "
                                     f"'{self.tool_parser}' tool-call format", "tool_choice")
             # The call tag is put in the prompt unless the reply first closes a think block.
-            prefix = "" if thinking else FORCED_CALL_PREFIX[self.tool_parser]
-            grammar = self.grammars.tool_call(self.tool_parser, tools, mode.name, thinking, bool(thinking))
+            prefix = "" if thinking else FORCED_CALL_PREFIX[call_format]
+            grammar = self.grammars.tool_call(call_format, tools, mode.name, thinking, bool(thinking))
             check_grammar(grammar, "tools")
         elif json_schema is not None:
             grammar = self.grammars.json(json_schema, thinking)

@@ -132,3 +132,32 @@ def test_forced_calls_in_glm_and_minimax_formats(llm, parser) -> None:
         events = parser_.feed(FORCED_CALL_PREFIX[parser] + out.text) + parser_.flush()
         assert [e.kind for e in events] == ["tool_call"], out.text
         jsonschema.validate(events[0].tool_call.input, bounded)
+
+
+@pytest.mark.parametrize("call_format", ["deepseek_v3", "deepseek_v31", "harmony"])
+def test_forced_calls_with_json_arguments(llm, call_format) -> None:
+    """DeepSeek's two layouts and harmony: the grammar accepts the format's call and refuses another
+    tool's name; sampled calls parse (by the family's parser) to the tool, arguments per schema."""
+    from hearth.serving.constraints import FORCED_CALL_PREFIX
+    from hearth.serving.reply_parsers import OutputParser
+
+    params = {"type": "object", "required": ["unit"], "additionalProperties": False,
+              "properties": {"unit": {"enum": ["c", "f"]}, "n": {"type": "integer", "minimum": 1, "maximum": 9}}}
+    tools = [{"type": "function", "function": {"name": "run", "parameters": params}}]
+    grammar = GrammarBuilder(llm.engine.tokenizer).tool_call(call_format, tools, "run")
+    call = {"deepseek_v3": '<｜tool▁call▁begin｜>function<｜tool▁sep｜>run\n```json\n{"unit": "f"}\n```'
+                           "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+            "deepseek_v31": '<｜tool▁call▁begin｜>run<｜tool▁sep｜>{"unit": "f"}<｜tool▁call▁end｜>'
+                            "<｜tool▁calls▁end｜>",
+            "harmony": 'run <|constrain|>json<|message|>{"unit": "f"}<|call|>'}[call_format]
+    assert _accepts(llm, grammar, call)
+    assert not _accepts(llm, grammar, call.replace("run", "ran", 1))
+    parser = "harmony" if call_format == "harmony" else "deepseek"
+    for seed in range(3):
+        out = llm.generate(FORCED_CALL_PREFIX[call_format], SamplingParams(max_tokens=240, temperature=1.0, seed=seed,
+                                                                           grammar=grammar))[0]
+        reader = OutputParser(parser, False, False, True)
+        events = reader.feed(FORCED_CALL_PREFIX[call_format] + out.text) + reader.flush()
+        assert [e.kind for e in events] == ["tool_call"], out.text
+        assert events[0].tool_call.name == "run"
+        jsonschema.validate(events[0].tool_call.input, params)
