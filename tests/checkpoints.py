@@ -69,6 +69,17 @@ AGENT_TEMPLATE = (
 )
 # Plain-text markers the agent template uses, added to its tokenizer as single (non-special) tokens.
 AGENT_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# GPT-OSS's harmony markers (special tokens), and a small template in its shape: each turn is
+# <|start|>ROLE<|message|>TEXT<|end|>, the tools are listed in a developer turn, and the reply opens
+# with <|start|>assistant; <|return|> ends a reply, <|call|> a tool call.
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+HARMONY_TEMPLATE = (
+    "{%- if tools %}<|start|>developer<|message|># Tools{% for t in tools %} functions.{{ t.function.name }}"
+    "{% endfor %}<|end|>{% endif %}"
+    "{%- for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final{% endif %}"
+    "<|message|>{{ m.content }}<|end|>{% endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
 
 _CORPUS = """
 def fibonacci(n):
@@ -144,10 +155,10 @@ HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe")
 def build_tokenizer(out_dir: Path, vocab_size: int = 384, chat_format: str = "chatml") -> Any:
     """Train a byte-level BPE tokenizer on a small built-in corpus and save it to ``out_dir``.
 
-    ``chat_format`` is ``chatml`` (plain ChatML) or ``agent`` (ChatML with tools and thinking, and
-    their markers as single tokens)."""
-    if chat_format not in ("chatml", "agent"):
-        raise ValueError(f"unknown chat format '{chat_format}' (chatml or agent)")
+    ``chat_format`` is ``chatml`` (plain ChatML), ``agent`` (ChatML with tools and thinking, and
+    their markers as single tokens) or ``harmony`` (GPT-OSS's markers as special tokens)."""
+    if chat_format not in ("chatml", "agent", "harmony"):
+        raise ValueError(f"unknown chat format '{chat_format}' (chatml, agent or harmony)")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -163,13 +174,15 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384, chat_format: str = "ch
     tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
     if chat_format == "agent":
         tok.add_tokens(AGENT_TOKENS)
+    if chat_format == "harmony":
+        tok.add_special_tokens(HARMONY_TOKENS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|im_end|>",
+        eos_token="<|return|>" if chat_format == "harmony" else "<|im_end|>",
         pad_token="<|endoftext|>",
         bos_token=None,
     )
-    fast.chat_template = AGENT_TEMPLATE if chat_format == "agent" else CHATML_TEMPLATE
+    fast.chat_template = {"agent": AGENT_TEMPLATE, "harmony": HARMONY_TEMPLATE}.get(chat_format, CHATML_TEMPLATE)
     fast.save_pretrained(str(out_dir))
     return fast
 
