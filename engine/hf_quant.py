@@ -36,6 +36,7 @@ from hearth.engine import hugepages
 from hearth.engine.config import ConfigError
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.loader import _FUSED, _PER_EXPERT, CheckpointError
+from hearth.engine.ops import deinterleave
 from hearth.engine.quant.formats import FORMATS, HEARTH_FORMATS, BlockFormat, dequantize
 
 FP8_BLOCK = HEARTH_FORMATS["fp8_e4m3"]
@@ -284,7 +285,7 @@ class QuantLoader:
         bank = pool.down if part == "down_proj" else pool.gate_up
         first = i if part == "up_proj" else 0  # up rows follow the gate rows
         if self.cfg.expert_bias and part == "gate_up_proj":  # GPT-OSS interleaves gate and up rows
-            rows = torch.cat((rows[:, 0::2], rows[:, 1::2]), dim=1)
+            rows = deinterleave(rows, dim=1)
         n, r, width = rows.shape
         if pool.layer_blocks(layer) is not None:  # each expert's rows of blocks at the start of its bank row
             bank[bank_rows, first * width : (first + r) * width].copy_(rows.reshape(n, -1))

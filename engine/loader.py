@@ -26,6 +26,7 @@ from hearth.engine.config import ConfigError, ModelConfig, parse_dtype, read_con
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertPool
 from hearth.engine.models import MoECausalLM, build_model, family_for
+from hearth.engine.ops import deinterleave
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ def _load_biased_experts(name: str, canonical: str, f, cfg: ModelConfig, pool: E
     t = f.get_tensor(name)
     rows = slice(pool.layer_rows(layer), pool.layer_rows(layer) + n)
     if part.startswith("gate_up"):
-        t = torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)  # de-interleaved: gate columns, then up
+        t = deinterleave(t)  # gate columns, then up
     blocks = pool.layer_blocks(layer)
     if blocks is not None and part.endswith("_bias"):  # fp32 after each expert's blocks
         bank, start = (pool.gate_up, blocks.gate_up_bytes) if part == "gate_up_proj_bias" else \

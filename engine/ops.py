@@ -36,6 +36,13 @@ class ClampedSwiGLU:
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
+def deinterleave(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Pairs (x0, x1), (x2, x3)… along ``dim`` -> (x0, x2, …, x1, x3, …): DeepSeek-V3's interleaved
+    rotary channels, GPT-OSS's interleaved gate and up."""
+    x = x.movedim(dim, -1)
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1).movedim(-1, dim)
+
+
 def gated(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """The gated unit of an expert or MLP: ``act(gate) * up``, or the activation's own (:class:`ClampedSwiGLU`)."""
     return act.glu(gate, up) if isinstance(act, ClampedSwiGLU) else act(gate) * up

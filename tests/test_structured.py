@@ -97,6 +97,17 @@ def test_a_tool_grammar_needs_a_tool(llm) -> None:
         GrammarBuilder(llm.engine.tokenizer).tool_call("hermes", [], None)
 
 
+def sampled_calls(llm, grammar: str, prefix: str, parser: str, max_tokens: int, seeds: int = 3):
+    """(events, text) of replies sampled under ``grammar`` after ``prefix``, read by ``parser``."""
+    from hearth.serving.reply_parsers import OutputParser
+
+    for seed in range(seeds):
+        out = llm.generate(prefix, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed,
+                                                  grammar=grammar))[0]
+        reader = OutputParser(parser, False, False, True)
+        yield reader.feed(prefix + out.text) + reader.flush(), out.text
+
+
 @pytest.mark.parametrize("parser", ["glm45", "minimax_m2"])
 def test_forced_calls_in_glm_and_minimax_formats(llm, parser) -> None:
     """The forced-call grammar of each key/value format accepts what its parser reads (free text
@@ -125,12 +136,8 @@ def test_forced_calls_in_glm_and_minimax_formats(llm, parser) -> None:
                                                               "n": {"type": "integer", "minimum": 1, "maximum": 9}}}
     grammar = GrammarBuilder(llm.engine.tokenizer).tool_call(parser, [
         {"type": "function", "function": {"name": "run", "parameters": bounded}}], "run")
-    for seed in range(3):
-        out = llm.generate(FORCED_CALL_PREFIX[parser], SamplingParams(max_tokens=80, temperature=1.0, seed=seed,
-                                                                      grammar=grammar))[0]
-        parser_ = OutputParser(parser, False, False, True)
-        events = parser_.feed(FORCED_CALL_PREFIX[parser] + out.text) + parser_.flush()
-        assert [e.kind for e in events] == ["tool_call"], out.text
+    for events, text in sampled_calls(llm, grammar, FORCED_CALL_PREFIX[parser], parser, 80):
+        assert [e.kind for e in events] == ["tool_call"], text
         jsonschema.validate(events[0].tool_call.input, bounded)
 
 
@@ -139,7 +146,6 @@ def test_forced_calls_with_json_arguments(llm, call_format) -> None:
     """DeepSeek's two layouts and harmony: the grammar accepts the format's call and refuses another
     tool's name; sampled calls parse (by the family's parser) to the tool, arguments per schema."""
     from hearth.serving.constraints import FORCED_CALL_PREFIX
-    from hearth.serving.reply_parsers import OutputParser
 
     params = {"type": "object", "required": ["unit"], "additionalProperties": False,
               "properties": {"unit": {"enum": ["c", "f"]}, "n": {"type": "integer", "minimum": 1, "maximum": 9}}}
@@ -153,11 +159,7 @@ def test_forced_calls_with_json_arguments(llm, call_format) -> None:
     assert _accepts(llm, grammar, call)
     assert not _accepts(llm, grammar, call.replace("run", "ran", 1))
     parser = "harmony" if call_format == "harmony" else "deepseek"
-    for seed in range(3):
-        out = llm.generate(FORCED_CALL_PREFIX[call_format], SamplingParams(max_tokens=240, temperature=1.0, seed=seed,
-                                                                           grammar=grammar))[0]
-        reader = OutputParser(parser, False, False, True)
-        events = reader.feed(FORCED_CALL_PREFIX[call_format] + out.text) + reader.flush()
-        assert [e.kind for e in events] == ["tool_call"], out.text
+    for events, text in sampled_calls(llm, grammar, FORCED_CALL_PREFIX[call_format], parser, 240):
+        assert [e.kind for e in events] == ["tool_call"], text
         assert events[0].tool_call.name == "run"
         jsonschema.validate(events[0].tool_call.input, params)

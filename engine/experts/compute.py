@@ -45,9 +45,10 @@ def routed_partial_sum(
     if blocks is not None:
         return _block_partial_sum(x, gate_up, down, rows, weights, act, blocks)
     t, k = rows.shape
-    if gate_up.shape[-1] == x.shape[-1] + 1:  # experts with biases, in each bank's last column
-        return _biased_partial_sum(x, gate_up, down, rows, weights, act)
-    ops = cpu_decode_ops() if act is torch.nn.functional.silu and gate_up.device.type == "cpu" else None
+    h = x.shape[1]
+    biased = gate_up.shape[-1] == h + 1  # experts with biases (GPT-OSS), in each bank row's last column
+    native = act is torch.nn.functional.silu and gate_up.device.type == "cpu" and not biased
+    ops = cpu_decode_ops() if native else None
     if ops is not None and t <= SMALL_BATCH:
         # A few tokens (decode steps): each token's experts through the native kernel, exactly as
         # when the token is alone; reading t*k experts beats upcasting the shared ones for a GEMM.
@@ -56,24 +57,14 @@ def routed_partial_sum(
     for row, tokens, kpos in group_by_row(rows):
         if row < 0:
             continue
-        gate, up = linear(x[tokens], gate_up[row]).chunk(2, dim=-1)
-        parts[tokens, kpos] = linear(gated(act, gate, up), down[row]) * weights[tokens, kpos, None]
-    return parts.sum(dim=1, dtype=torch.float32)
-
-
-def _biased_partial_sum(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: torch.Tensor,
-                        weights: torch.Tensor, act) -> torch.Tensor:  # [T, H] fp32
-    """:func:`routed_partial_sum` for experts with biases (GPT-OSS): banks [rows, 2I, H + 1] and
-    [rows, H, I + 1] whose last column is the bias, added after the product as transformers does."""
-    t, k = rows.shape
-    h, i = x.shape[1], down.shape[-1] - 1
-    parts = torch.zeros((t, k, h), dtype=torch.promote_types(x.dtype, weights.dtype), device=x.device)
-    for row, tokens, kpos in group_by_row(rows):
-        if row < 0:
-            continue
-        w_gu, w_dn = gate_up[row], down[row]
-        gate, up = (x[tokens] @ w_gu[:, :h].T + w_gu[:, h]).chunk(2, dim=-1)
-        parts[tokens, kpos] = (gated(act, gate, up) @ w_dn[:, :i].T + w_dn[:, i]) * weights[tokens, kpos, None]
+        if biased:  # the bias added after the product, as transformers does
+            w_gu, w_dn = gate_up[row], down[row]
+            gate, up = (x[tokens] @ w_gu[:, :h].T + w_gu[:, h]).chunk(2, dim=-1)
+            out = gated(act, gate, up) @ w_dn[:, :-1].T + w_dn[:, -1]
+        else:
+            gate, up = linear(x[tokens], gate_up[row]).chunk(2, dim=-1)
+            out = linear(gated(act, gate, up), down[row])
+        parts[tokens, kpos] = out * weights[tokens, kpos, None]
     return parts.sum(dim=1, dtype=torch.float32)
 
 

@@ -15,6 +15,20 @@ from hearth.engine.layers.rope import apply_rotary
 from hearth.engine.ops import linear
 
 
+def step_mask(batch, index: int, seq: SequenceSlice, window: int | None, device: torch.device | str,
+              explicit: bool = False) -> torch.Tensor | None:
+    """:func:`attention_mask` of the batch's ``index``-th sequence, made once per step and window
+    and shared by every layer (``explicit``: a causal mask even where ``is_causal`` would do)."""
+    key = (index, window, explicit)
+    if key not in batch.masks:
+        mask = attention_mask(seq, window, device)
+        if mask is None and explicit and seq.query_len > 1:
+            mask = torch.ones(seq.query_len, seq.context_len, dtype=torch.bool, device=device).tril(
+                seq.context_len - seq.query_len)
+        batch.masks[key] = mask
+    return batch.masks[key]
+
+
 def attention_mask(seq: SequenceSlice, window: int | None, device: torch.device | str = "cpu") -> torch.Tensor | None:
     """Boolean [query_len, context_len] mask (True = attend), or None when plain causal attention
     (``is_causal``, or a single query that sees every key) is enough."""
@@ -214,9 +228,7 @@ class Attention(nn.Module):
                 out[rows] = prefix_then_causal(q[rows].transpose(0, 1).contiguous(), keys, vals,
                                                self.scale).transpose(0, 1)
                 continue
-            if (index, self.window) not in batch.masks:
-                batch.masks[index, self.window] = attention_mask(seq, self.window, q.device)
-            mask = batch.masks[index, self.window]
+            mask = step_mask(batch, index, seq, self.window, q.device)
             if seq.query_len == 1 and mask is None:
                 out[rows] = self._decode_one(q[rows], keys, vals)
                 continue
@@ -305,15 +317,12 @@ class SinkAttention(Attention):
     def attend(self, q: torch.Tensor, batch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(q)
         groups = self.num_heads // self.num_kv_heads
-        for seq in batch.sequences:
+        for index, seq in enumerate(batch.sequences):
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             keys = gather_context(k_cache, seq, batch.block_size).repeat_interleave(groups, 1)  # [ctx, heads, D]
             vals = gather_context(v_cache, seq, batch.block_size).repeat_interleave(groups, 1)
             scores = torch.matmul(q[rows].transpose(0, 1), keys.permute(1, 2, 0)) * self.scale  # [heads, Q, ctx]
-            mask = attention_mask(seq, self.window, q.device)
-            if mask is None and seq.query_len > 1:
-                mask = torch.ones(seq.query_len, seq.context_len, dtype=torch.bool, device=q.device).tril(
-                    seq.context_len - seq.query_len)
+            mask = step_mask(batch, index, seq, self.window, q.device, explicit=True)
             if mask is not None:
                 scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
             sinks = self.sinks.view(-1, 1, 1).expand(-1, seq.query_len, 1).to(scores.dtype)

@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hearth.engine.batch import LayerContext, StaticBatch
-from hearth.engine.layers.attention import attention_mask, gather_context
+from hearth.engine.layers.attention import gather_context, step_mask
 from hearth.engine.layers.linear import Projection
 from hearth.engine.layers.norm import RMSNorm
 from hearth.engine.layers.rope import apply_rotary
-from hearth.engine.ops import linear
+from hearth.engine.ops import deinterleave, linear
 
 LATENT_NORM_EPS = 1e-6  # transformers builds the latent norms with their default eps, not the config's
 
@@ -43,12 +43,6 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     c, s = cos[:, None, :half].float(), sin[:, None, :half].float()
     even, odd = x[..., 0::2].float(), x[..., 1::2].float()
     return torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2).to(x.dtype)
-
-
-def deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """Rotary channels stored as pairs (x0, x1), (x2, x3)… -> (x0, x2, …, x1, x3, …), the half-split
-    layout the rotation then applies to (transformers' ``rope_interleave``)."""
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
 class LatentAttention(nn.Module):
@@ -103,10 +97,10 @@ class LatentAttention(nn.Module):
         rot_keys.index_copy_(0, batch.slot_mapping, k_rot.contiguous())
         q = torch.cat((q_pass, q_rot), dim=-1)  # [T, heads, nope + rope]
         out = q.new_empty(t, self.num_heads, self.v_dim)
-        for seq in batch.sequences:
+        for index, seq in enumerate(batch.sequences):
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             context = (gather_context(latents, seq, batch.block_size), gather_context(rot_keys, seq, batch.block_size))
-            out[rows] = self._attend(q[rows], *context, attention_mask(seq, None, x.device))
+            out[rows] = self._attend(q[rows], *context, step_mask(batch, index, seq, None, x.device))
         return linear(out.reshape(t, self.num_heads * self.v_dim), self.o_proj.weight, self.o_proj.bias)
 
     def _attend(self, q: torch.Tensor, latents: torch.Tensor, rot_keys: torch.Tensor,

@@ -77,10 +77,20 @@ class GroupedTopKRouter(nn.Module):
         self.top_k, self.scoring, self.normalize, self.scaling = top_k, scoring, normalize, scaling
         self.n_group, self.topk_group, self.group_score = max(n_group, 1), topk_group, group_score
         self.logits_in_fp32 = logits_in_fp32  # False: the gate's product in the model dtype (MiniMax-M2)
+        self._weight_fp32: torch.Tensor | None = None  # made on first use (after loading), kept
+
+    def fp32_weight(self) -> torch.Tensor:
+        """The gate's weight in fp32, converted once rather than at every step (no copy when fp32)."""
+        w = self.weight
+        if w.dtype == torch.float32:
+            return w
+        if self._weight_fp32 is None or self._weight_fp32.device != w.device:
+            self._weight_fp32 = w.float()
+        return self._weight_fp32
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32)."""
-        logits = (torch.nn.functional.linear(x.float(), self.weight.float()) if self.logits_in_fp32
+        logits = (torch.nn.functional.linear(x.float(), self.fp32_weight()) if self.logits_in_fp32
                   else linear(x, self.weight).float())  # [T, E]
         scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(dim=-1)
         choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
