@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -87,3 +87,6 @@ class LayerContext:
     kv: PagedKVCache
     states: RecurrentStatePool | None
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, R]
+    # What a family's own layers share besides (DeepSeek-V4: its rotary tables by kind, and the
+    # rotary module for compressed positions), made once per forward pass.
+    extras: dict[str, Any] = field(default_factory=dict)

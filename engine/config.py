@@ -95,6 +95,8 @@ class ModelConfig:
     # The KV cache's per-token layout (heads, key width, value width) where it is not (num_kv_heads,
     # head_dim, head_dim): multi-head latent attention caches its compressed latent and rope key.
     kv_cache_layout: tuple[int, int, int] | None = None
+    # Per layer, where layers differ (DeepSeek-V4: a compressor's per-token columns on some layers).
+    kv_layer_layouts: tuple[tuple[int, int, int], ...] = ()
     # The rotary tables in fp32 rather than the model dtype (DeepSeek-V2 rotates in fp32).
     rope_in_fp32: bool = False
     # Experts with biases on gate/up and down (GPT-OSS): kept in each bank row's last column.
@@ -105,12 +107,16 @@ class ModelConfig:
         """(heads, key width, value width) of each attention layer's KV cache per token."""
         return self.kv_cache_layout or (self.num_kv_heads, self.head_dim, self.head_dim)
 
+    def kv_layout_of(self, idx: int) -> tuple[int, int, int]:
+        """Layer ``idx``'s KV cache layout per token (see :attr:`kv_layout`)."""
+        return self.kv_layer_layouts[idx] if self.kv_layer_layouts else self.kv_layout
+
     @property
     def kv_bytes_per_token(self) -> int:
         """KV cache bytes one token takes over every attention layer."""
-        heads, key_dim, value_dim = self.kv_layout
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return len(self.attention_layer_ids) * heads * (key_dim + value_dim) * elem
+        return sum(heads * (key + value) for heads, key, value in map(self.kv_layout_of, self.attention_layer_ids)) \
+            * elem
 
     def window(self, idx: int) -> int | None:
         return self.sliding_windows[idx] if self.sliding_windows else None

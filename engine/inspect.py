@@ -39,7 +39,7 @@ def _non_expert_params(cfg: ModelConfig) -> int:
 
     with torch.device("meta"):
         model = build_model(cfg, experts=None)  # type: ignore[arg-type] - never called here
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in model.parameters() if p.is_floating_point())  # (not routing tables)
 
 
 def summarize(cfg: ModelConfig) -> ModelSummary:

@@ -60,25 +60,32 @@ class PagedKVCache:
         device: torch.device | str = "cpu",
         attention_layers: list[int] | None = None,
         value_dim: int | None = None,
+        layer_layouts: list[tuple[int, int, int]] | None = None,
     ) -> None:
-        """``value_dim``: the values' width where it is not ``head_dim`` (a latent-attention cache)."""
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        value_shape = (num_blocks * block_size, num_kv_heads, value_dim or head_dim)
+        """``value_dim``: the values' width where it is not ``head_dim`` (a latent-attention cache);
+        ``layer_layouts``: (heads, key width, value width) per layer where layers differ."""
+        slots = num_blocks * block_size
+        uniform = (num_kv_heads, head_dim, value_dim or head_dim)
         self.block_size = block_size
         self.device = torch.device(device)
         layers = set(range(num_layers) if attention_layers is None else attention_layers)
-        # Uninitialised on purpose: attention only reads slots this sequence has written, and the
-        # OS then commits pages as they are first used rather than all at start-up. Layers without
-        # attention (a hybrid model's linear-attention layers) get an empty placeholder.
-        self.keys = [hugepages.advise(torch.empty(shape if i in layers else (0,), dtype=dtype, device=device))
-                     for i in range(num_layers)]
-        self.values = [hugepages.advise(torch.empty(value_shape if i in layers else (0,), dtype=dtype, device=device))
-                       for i in range(num_layers)]
+
+        def empty(i: int, width_at: int) -> torch.Tensor:
+            # Uninitialised on purpose: attention only reads slots this sequence has written, and the
+            # OS then commits pages as they are first used rather than all at start-up. Layers without
+            # attention (a hybrid model's linear-attention layers) get an empty placeholder.
+            heads, *widths = layer_layouts[i] if layer_layouts else uniform
+            shape = (slots, heads, widths[width_at]) if i in layers else (0,)
+            return hugepages.advise(torch.empty(shape, dtype=dtype, device=device))
+
+        self.keys = [empty(i, 0) for i in range(num_layers)]
+        self.values = [empty(i, 1) for i in range(num_layers)]
 
     @classmethod
     def for_model(cls, cfg, num_blocks: int, block_size: int, device: torch.device | str = "cpu") -> PagedKVCache:
         """The cache of a :class:`~hearth.engine.config.ModelConfig`'s attention layers, in its layout."""
         heads, key_dim, value_dim = cfg.kv_layout
         return cls(cfg.num_layers, num_blocks, block_size, heads, key_dim, cfg.dtype, device=device,
-                   attention_layers=cfg.attention_layer_ids, value_dim=value_dim)
+                   attention_layers=cfg.attention_layer_ids, value_dim=value_dim,
+                   layer_layouts=list(cfg.kv_layer_layouts) or None)
 

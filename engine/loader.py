@@ -272,7 +272,8 @@ def _load_one(name, canonical, f, cfg, params, pool, progress: _Progress, quant=
             return
         dst = params[canonical]
         if _check_shape(name, tuple(f.get_slice(name).get_shape()), tuple(dst.shape), progress.errors):
-            _float_tensor(name, f)
+            if dst.dtype.is_floating_point:  # (an integer table, e.g. DeepSeek-V4's tid2eid, is read as is)
+                _float_tensor(name, f)
             dst.data.copy_(f.get_tensor(name))
             progress.params.discard(canonical)
     except CheckpointError:

@@ -36,6 +36,18 @@ class ClampedSwiGLU:
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
+class ClampedSiLU:
+    """DeepSeek-V4's gated unit: ``silu(gate)`` with the gate clamped above at ``limit``, times up
+    clamped to ±``limit``. Named ``clamped_silu:LIMIT`` as a ``hidden_act`` (see :class:`ClampedSwiGLU`)."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self.name = f"clamped_silu:{limit!r}"
+
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate.clamp(min=None, max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+
+
 def deinterleave(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Pairs (x0, x1), (x2, x3)… along ``dim`` -> (x0, x2, …, x1, x3, …): DeepSeek-V3's interleaved
     rotary channels, GPT-OSS's interleaved gate and up."""
@@ -44,22 +56,25 @@ def deinterleave(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def gated(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The gated unit of an expert or MLP: ``act(gate) * up``, or the activation's own (:class:`ClampedSwiGLU`)."""
-    return act.glu(gate, up) if isinstance(act, ClampedSwiGLU) else act(gate) * up
+    """The gated unit of an expert or MLP: ``act(gate) * up``, or the activation's own
+    (:class:`ClampedSwiGLU`, :class:`ClampedSiLU`)."""
+    return act.glu(gate, up) if isinstance(act, (ClampedSwiGLU, ClampedSiLU)) else act(gate) * up
 
 
 def activation_name(fn) -> str:
     """The ``hidden_act`` name of an activation function from :func:`activation`."""
-    if isinstance(fn, ClampedSwiGLU):
+    if isinstance(fn, (ClampedSwiGLU, ClampedSiLU)):
         return fn.name
     return next(name for name, f in ACTIVATIONS.items() if f is fn)
 
 
 def activation(name: str):
-    """The activation function for a config's ``hidden_act`` (or a :class:`ClampedSwiGLU` by its name)."""
+    """The activation function for a config's ``hidden_act`` (or a clamped unit by its name)."""
     if name.startswith("clamped_swiglu:"):
         _, alpha, limit = name.split(":")
         return ClampedSwiGLU(float(alpha), float(limit))
+    if name.startswith("clamped_silu:"):
+        return ClampedSiLU(float(name.split(":")[1]))
     if name not in ACTIVATIONS:
         raise ValueError(f"hidden_act '{name}' is not supported ({', '.join(ACTIVATIONS)} are)")
     return ACTIVATIONS[name]

@@ -23,6 +23,7 @@ from hearth.config import ConfigError
 from hearth.engine.batch import StaticBatch
 from hearth.engine.kv_cache import PagedKVCache
 from hearth.engine.layers.attention import SinkAttention
+from hearth.engine.layers.compressed_attention import CompressedAttention
 from hearth.engine.layers.mla import LatentAttention
 from hearth.engine.request import Request
 from hearth.engine.state_pool import RecurrentStatePool
@@ -84,7 +85,8 @@ class StaticDecoder:
         if model.config.linear_layer_ids and states is None:
             raise ValueError(f"{model.config.architecture} has linear-attention layers: static steps need its "
                              "state pool")
-        unsupported = {"latent attention": LatentAttention, "attention sinks": SinkAttention}
+        unsupported = {"latent attention": LatentAttention, "attention sinks": SinkAttention,
+                       "compressed attention": CompressedAttention}
         for what, kind in unsupported.items():
             if any(isinstance(m, kind) for m in model.modules()):
                 raise ConfigError(f"--static-decode: fixed-shape steps do not run {model.config.architecture}'s "

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from hearth.engine.layers.linear import Projection
-from hearth.engine.ops import activation, linear
+from hearth.engine.ops import activation, gated, linear
 
 
 class GatedMLP(nn.Module):
@@ -22,4 +22,4 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor, ctx: object = None) -> torch.Tensor:  # ctx: the decoder layer's, unused
         gate = linear(x, self.gate_proj.weight, self.gate_proj.bias)
         up = linear(x, self.up_proj.weight, self.up_proj.bias)
-        return linear(self.act(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        return linear(gated(self.act, gate, up), self.down_proj.weight, self.down_proj.bias)

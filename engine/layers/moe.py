@@ -110,6 +110,54 @@ class GroupedTopKRouter(nn.Module):
         return ids, weights * self.scaling
 
 
+_SCORES = {"sqrtsoftplus": lambda x: torch.nn.functional.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
+
+
+class ScoredTopKRouter(nn.Module):
+    """DeepSeek-V4's routing, in the model dtype: scores ``sqrt(softplus(logits))`` (or sigmoid), the
+    top k of scores plus ``e_score_correction_bias`` (fp32), their plain scores renormalised and
+    times ``scaling``. :class:`HashRouter` picks the experts from the token instead."""
+
+    reads_tokens = False
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype, *, scoring: str,
+                 scaling: float) -> None:
+        super().__init__()
+        if scoring not in _SCORES:
+            raise ValueError(f"routing: scoring {scoring!r} unknown ({', '.join(_SCORES)})")
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+        self.top_k, self.score, self.scaling = top_k, _SCORES[scoring], scaling
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] in the model dtype)."""
+        scores = self.score(linear(x, self.weight))  # [T, E]
+        ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        return ids, self.weigh(scores, ids)
+
+    def weigh(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        weights = scores.gather(1, ids)
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+
+
+class HashRouter(ScoredTopKRouter):
+    """DeepSeek-V4's first layers: each token id's k experts fixed by the table ``tid2eid``
+    [vocab, k]; the gate's scores still weigh them."""
+
+    reads_tokens = True
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype, *, scoring: str,
+                 scaling: float, vocab_size: int) -> None:
+        super().__init__(hidden, num_experts, top_k, dtype, scoring=scoring, scaling=scaling)
+        del self.e_score_correction_bias
+        self.tid2eid = nn.Parameter(torch.zeros(vocab_size, top_k, dtype=torch.int64), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self.tid2eid.index_select(0, token_ids)
+        return ids, self.weigh(self.score(linear(x, self.weight)), ids)
+
+
 class MoEBlock(nn.Module):
     """Routed experts (through the backend, by global id ``layer * E + expert``) plus an optional
     shared expert, scaled by the sigmoid of ``shared_expert_gate`` when there is one."""
@@ -125,7 +173,7 @@ class MoEBlock(nn.Module):
         self.shared_expert_gate = shared_expert_gate
 
     def forward(self, x: torch.Tensor, ctx: LayerContext | None = None) -> torch.Tensor:
-        ids, weights = self.gate(x)
+        ids, weights = self.gate(x, ctx.batch.token_ids) if getattr(self.gate, "reads_tokens", False) else self.gate(x)
         if ctx is not None and isinstance(ctx.batch, StaticBatch):  # a fixed-shape decode step (static_step.py)
             out = self.backend.forward_static(x, ids + self.first_expert_id, weights, self.layer_idx)
         else:

@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from hearth.engine.config import ConfigError, ModelConfig
+from hearth.engine.config import ConfigError, ModelConfig, RopeConfig
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -61,7 +61,11 @@ def _yarn(theta: float, dim: int, p: dict, max_pos: int) -> tuple[torch.Tensor, 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] and the cos/sin scale for the checkpoint's rope type."""
-    rope, dim = cfg.rope, rotary_dim(cfg)
+    return inverse_frequencies(cfg.rope, rotary_dim(cfg), cfg.max_position_embeddings)
+
+
+def inverse_frequencies(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [dim/2] and the cos/sin scale of ``rope`` over ``dim`` rotating channels."""
     if rope.rope_type == "default":
         return _base_inv_freq(rope.theta, dim), 1.0
     if rope.rope_type == "linear":
@@ -69,7 +73,7 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     if rope.rope_type == "llama3":
         return _llama3(_base_inv_freq(rope.theta, dim), rope.params), 1.0
     if rope.rope_type == "yarn":
-        return _yarn(rope.theta, dim, rope.params, cfg.max_position_embeddings)
+        return _yarn(rope.theta, dim, rope.params, max_positions)
     raise ConfigError(f"rope_type '{rope.rope_type}' is not supported (default, linear, llama3, yarn are)")
 
 
