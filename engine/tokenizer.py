@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 from typing import Any
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+# Chat templates for architectures whose checkpoints ship their conversation format as code, not as
+# a template: used when the tokenizer has none.
+BUILTIN_TEMPLATES = {"DeepseekV4ForCausalLM": "deepseek_v4.jinja"}
+
+log = logging.getLogger(__name__)
 
 
 def load_tokenizer(model_dir: str | Path) -> Any | None:
@@ -20,7 +27,23 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    if not getattr(tokenizer, "chat_template", None):
+        builtin = builtin_template(model_dir)
+        if builtin is not None:
+            log.info("%s ships no chat template: using hearth's %s", model_dir, builtin.name)
+            tokenizer.chat_template = builtin.read_text()
+    return tokenizer
+
+
+def builtin_template(model_dir: Path) -> Path | None:
+    """hearth's chat template for the checkpoint's architecture (see ``BUILTIN_TEMPLATES``), if any."""
+    try:
+        architectures = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    except (OSError, json.JSONDecodeError):
+        return None
+    names = [BUILTIN_TEMPLATES[a] for a in architectures if a in BUILTIN_TEMPLATES]
+    return Path(__file__).parent / "templates" / names[0] if names else None
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> str:

@@ -78,11 +78,13 @@ class GrammarBuilder:
 # The formats a call can be forced in: the prompt prefix that opens the call (its tag, then text).
 _OPEN_TAG = {"hermes": ("<tool_call>", "\n"), "qwen3_coder": ("<tool_call>", "\n"), "glm45": ("<tool_call>", ""),
              "minimax_m2": ("<minimax:tool_call>", "\n"), "deepseek_v3": ("<｜tool▁calls▁begin｜>", ""),
-             "deepseek_v31": ("<｜tool▁calls▁begin｜>", ""), "harmony": ("<|channel|>", "commentary to=functions.")}
+             "deepseek_v31": ("<｜tool▁calls▁begin｜>", ""), "harmony": ("<|channel|>", "commentary to=functions."),
+             "deepseek_v4": ("<｜DSML｜tool_calls>", "\n"), "deepseek_v32": ("<｜DSML｜function_calls>", "\n")}
 FORCED_CALL_PREFIX = {parser: tag + rest for parser, (tag, rest) in _OPEN_TAG.items()}
 _CLOSE_TAG = {"hermes": "</tool_call>", "qwen3_coder": "</tool_call>", "glm45": "</tool_call>",
               "minimax_m2": "</minimax:tool_call>", "deepseek_v3": "<｜tool▁calls▁end｜>",
-              "deepseek_v31": "<｜tool▁calls▁end｜>", "harmony": "<|call|>"}
+              "deepseek_v31": "<｜tool▁calls▁end｜>", "harmony": "<|call|>", "deepseek_v4": "</｜DSML｜tool_calls>",
+              "deepseek_v32": "</｜DSML｜function_calls>"}
 # Formats whose arguments are one JSON object: the pieces before and after it for a tool NAME (a
 # piece that starts with "<" is a marker, written as its token where the tokenizer has one).
 _JSON_ARGS_CALLS = {
@@ -95,12 +97,14 @@ _JSON_ARGS_CALLS = {
 
 @dataclass(frozen=True)
 class _KeyValueStyle:
-    """How a format writes a call of named parameters: ``{name}`` / ``{key}`` are filled in."""
+    """How a format writes a call of named parameters: ``{name}`` / ``{key}`` are filled in;
+    ``text_head`` opens a value written as raw text where the format marks those apart (DSML)."""
 
     call_head: str
     param_head: str
     param_end: str
     call_tail: str
+    text_head: str | None = None
 
 
 _KV_STYLES = {
@@ -109,11 +113,15 @@ _KV_STYLES = {
     "glm45": _KeyValueStyle("{name}", "\n<arg_key>{key}</arg_key>\n<arg_value>", "</arg_value>", "\n"),
     "minimax_m2": _KeyValueStyle('<invoke name="{name}">', '\n<parameter name="{key}">', "</parameter>",
                                  "\n</invoke>\n"),
+    "deepseek_v4": _KeyValueStyle('<｜DSML｜invoke name="{name}">', '\n<｜DSML｜parameter name="{key}" string="false">',
+                                  "</｜DSML｜parameter>", "\n</｜DSML｜invoke>\n",
+                                  '\n<｜DSML｜parameter name="{key}" string="true">'),
 }
+_KV_STYLES["deepseek_v32"] = _KV_STYLES["deepseek_v4"]
 
 
 def _kv_call_rules(i: int, name: str, params: dict[str, Any], close: str, style: _KeyValueStyle) -> list[str]:
-    """A call of named parameters (Qwen3-Coder, GLM-4.5, MiniMax-M2): required parameters in
+    """A call of named parameters (Qwen3-Coder, GLM-4.5, MiniMax-M2, DSML): required parameters in
     schema order, then each optional one or not; a string value as raw text, others as JSON."""
     props: dict[str, Any] = params.get("properties") or {}
     required = [k for k in params.get("required") or [] if k in props]
@@ -122,8 +130,10 @@ def _kv_call_rules(i: int, name: str, params: dict[str, Any], close: str, style:
     rules, items = [], []
     for j, key in enumerate(required + optional):
         rule, value = f"p_{i}_{j}", f"v_{i}_{j}"
-        head = f"{rule}: " + json.dumps(style.param_head.format(key=key)) + f" {value}"
         schema = {**defs, **props[key]}
+        as_text = _is_plain_string(schema) or _is_text_enum(schema)
+        param_head = style.text_head if as_text and style.text_head else style.param_head
+        head = f"{rule}: " + json.dumps(param_head.format(key=key)) + f" {value}"
         if _is_plain_string(schema):
             # Raw text, ended by the closing tag: a lazy lexeme (a greedy one would eat the newline
             # before the tag; a value may hold "<" and newlines). Its length is not bounded: with a
@@ -143,11 +153,15 @@ def _is_plain_string(schema: dict[str, Any]) -> bool:
     return schema.get("type") == "string" and "enum" not in schema and "pattern" not in schema
 
 
+def _is_text_enum(schema: dict[str, Any]) -> bool:
+    enum = schema.get("enum")
+    return bool(enum) and all(isinstance(v, str) for v in enum)
+
+
 def _xml_value(schema: dict[str, Any]) -> str:
     """A non-text parameter value: one of a string enum as raw text, anything else as JSON."""
-    enum = schema.get("enum")
-    if enum and all(isinstance(v, str) for v in enum):
-        return " | ".join(json.dumps(v) for v in enum)
+    if _is_text_enum(schema):
+        return " | ".join(json.dumps(v) for v in schema["enum"])
     return "%json " + json.dumps({**schema, "x-guidance": dict(JSON_STYLE)})
 
 

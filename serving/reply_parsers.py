@@ -124,6 +124,47 @@ _DEEPSEEK_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>
 _DEEPSEEK_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
 
 
+class DsmlToolParser(HermesToolParser):
+    """Finds DeepSeek-V4's DSML calls in content, one or several in a block::
+
+        <｜DSML｜tool_calls>
+        <｜DSML｜invoke name="NAME">
+        <｜DSML｜parameter name="KEY" string="true">VALUE</｜DSML｜parameter>
+        </｜DSML｜invoke>
+        </｜DSML｜tool_calls>
+
+    A value with ``string="true"`` is the text as written; ``string="false"`` is JSON (read as for
+    Qwen3-Coder where it does not parse). DeepSeek-V3.2 wraps the same invokes in
+    ``function_calls`` (:class:`DsmlV32ToolParser`)."""
+
+    open_tag, close_tag = "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>"
+
+    def parse_calls(self, body: str) -> list[ToolCall] | None:
+        calls = []
+        for invoke in _DSML_INVOKE.finditer(body):
+            name, inner = invoke.group(1).strip(), invoke.group(2)
+            if not name or _DSML_PARAMETER.sub("", inner).strip():
+                return None  # text outside the parameters: not a call
+            as_text = self.text_params.get(name, frozenset())
+            args = {m.group(1).strip(): read_value(m.group(3), m.group(2) == "true" or m.group(1).strip() in as_text)
+                    for m in _DSML_PARAMETER.finditer(inner)}
+            calls.append(ToolCall(new_tool_call_id(), name, json.dumps(args, ensure_ascii=False)))
+        if not calls or _DSML_INVOKE.sub("", body).strip():
+            return None
+        return calls
+
+
+class DsmlV32ToolParser(DsmlToolParser):
+    """DeepSeek-V3.2's DSML calls: :class:`DsmlToolParser`'s invokes in a ``function_calls`` block."""
+
+    open_tag, close_tag = "<｜DSML｜function_calls>", "</｜DSML｜function_calls>"
+
+
+_DSML_INVOKE = re.compile(r'<｜DSML｜invoke name="([^"\n]+)">(.*?)</｜DSML｜invoke>', re.DOTALL)
+_DSML_PARAMETER = re.compile(
+    r'<｜DSML｜parameter name="([^"\n]+)"(?: string="(true|false)")?>(.*?)</｜DSML｜parameter>', re.DOTALL)
+
+
 class HarmonyParser:
     """GPT-OSS's harmony format, read from text that keeps its special tokens: each message is a
     header up to ``<|message|>`` (``<|channel|>analysis``, ``final`` or ``commentary``, with
@@ -217,6 +258,7 @@ class HarmonyParser:
 
 TOOL_PARSERS = {"hermes": HermesToolParser, "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser,
                 "minimax_m2": MiniMaxM2ToolParser, "deepseek": DeepSeekToolParser, "harmony": HarmonyParser,
+                "deepseek_v4": DsmlToolParser, "deepseek_v32": DsmlV32ToolParser,
                 "none": NoToolParser}
 # Which tool-call format each architecture's chat templates use.
 ARCHITECTURE_TOOL_PARSERS = {
@@ -230,12 +272,15 @@ ARCHITECTURE_TOOL_PARSERS = {
     "DeepseekV3ForCausalLM": "deepseek",
     "DeepseekV2ForCausalLM": "deepseek",
     "GptOssForCausalLM": "harmony",
+    "DeepseekV4ForCausalLM": "deepseek_v4",
 }
 
 
 # What in a chat template names its tool-call format, most specific first (GLM's and Qwen3-Coder's
 # templates also write <tool_call>).
-TEMPLATE_MARKERS = (("<|channel|>", "harmony"), ("tool▁calls▁begin", "deepseek"), ("<minimax:tool_call>", "minimax_m2"),
+TEMPLATE_MARKERS = (("<|channel|>", "harmony"), ("｜DSML｜tool_calls", "deepseek_v4"),
+                    ("｜DSML｜function_calls", "deepseek_v32"), ("tool▁calls▁begin", "deepseek"),
+                    ("<minimax:tool_call>", "minimax_m2"),
                     ("<arg_key>", "glm45"), ("<function=", "qwen3_coder"), ("<tool_call>", "hermes"))
 
 

@@ -73,6 +73,8 @@ AGENT_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_res
 # <|start|>ROLE<|message|>TEXT<|end|>, the tools are listed in a developer turn, and the reply opens
 # with <|start|>assistant; <|return|> ends a reply, <|call|> a tool call.
 HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+# DeepSeek's conversation markers (fullwidth bars) as special tokens; its checkpoints ship no template.
+DEEPSEEK_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
 HARMONY_TEMPLATE = (
     "{%- if tools %}<|start|>developer<|message|># Tools{% for t in tools %} functions.{{ t.function.name }}"
     "{% endfor %}<|end|>{% endif %}"
@@ -137,6 +139,19 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                      "truncate": False, "original_max_position_embeddings": 1024,
                                      "rope_theta": 150000.0}),
+    # Four layers: sliding, CSA (entries every 4 tokens, the indexer keeping 3), HCA (every 8), CSA;
+    # the first MoE layer hash-routed; 4 hyper-connection streams; YaRN on the compressed layers.
+    "deepseek_v4": dict(
+        num_hidden_layers=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+        index_n_heads=8, index_head_dim=16, index_topk=3, sliding_window=8,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                     "compressed_sparse_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe", "moe"], n_routed_experts=8, moe_intermediate_size=32,
+        hc_mult=4, partial_rotary_factor=0.25, swiglu_limit=0.5,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                         "beta_fast": 32.0, "beta_slow": 1.0},
+    ),
     # Hybrids: layers 0-2 gated DeltaNet, layer 3 gated attention (transformers' default 3:1 pattern).
     "qwen3_next": dict(
         num_hidden_layers=4, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48,
@@ -156,9 +171,11 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384, chat_format: str = "ch
     """Train a byte-level BPE tokenizer on a small built-in corpus and save it to ``out_dir``.
 
     ``chat_format`` is ``chatml`` (plain ChatML), ``agent`` (ChatML with tools and thinking, and
-    their markers as single tokens) or ``harmony`` (GPT-OSS's markers as special tokens)."""
-    if chat_format not in ("chatml", "agent", "harmony"):
-        raise ValueError(f"unknown chat format '{chat_format}' (chatml, agent or harmony)")
+    their markers as single tokens), ``harmony`` (GPT-OSS's markers as special tokens) or
+    ``deepseek_v4`` (DeepSeek's markers as special tokens, think tags, and no chat template, as
+    DeepSeek-V4 ships)."""
+    if chat_format not in ("chatml", "agent", "harmony", "deepseek_v4"):
+        raise ValueError(f"unknown chat format '{chat_format}' (chatml, agent, harmony or deepseek_v4)")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -176,13 +193,18 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384, chat_format: str = "ch
         tok.add_tokens(AGENT_TOKENS)
     if chat_format == "harmony":
         tok.add_special_tokens(HARMONY_TOKENS)
+    if chat_format == "deepseek_v4":
+        tok.add_special_tokens(DEEPSEEK_TOKENS)
+        tok.add_tokens(["<think>", "</think>"])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|return|>" if chat_format == "harmony" else "<|im_end|>",
+        eos_token={"harmony": "<|return|>", "deepseek_v4": DEEPSEEK_TOKENS[1]}.get(chat_format, "<|im_end|>"),
         pad_token="<|endoftext|>",
-        bos_token=None,
+        bos_token=DEEPSEEK_TOKENS[0] if chat_format == "deepseek_v4" else None,
     )
-    fast.chat_template = {"agent": AGENT_TEMPLATE, "harmony": HARMONY_TEMPLATE}.get(chat_format, CHATML_TEMPLATE)
+    if chat_format != "deepseek_v4":
+        fast.chat_template = {"agent": AGENT_TEMPLATE, "harmony": HARMONY_TEMPLATE}.get(chat_format,
+                                                                                          CHATML_TEMPLATE)
     fast.save_pretrained(str(out_dir))
     return fast
 
@@ -191,6 +213,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
     from transformers import (
         DeepseekV2Config,
         DeepseekV3Config,
+        DeepseekV4Config,
         Glm4MoeConfig,
         GptOssConfig,
         MiniMaxM2Config,
@@ -206,7 +229,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
                "qwen3_next": Qwen3NextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig, "olmoe": OlmoeConfig,
                "glm4_moe": Glm4MoeConfig, "deepseek_v3": DeepseekV3Config,
                "deepseek_v2": DeepseekV2Config, "minimax_m2": MiniMaxM2Config,
-               "gpt_oss": GptOssConfig}
+               "gpt_oss": GptOssConfig, "deepseek_v4": DeepseekV4Config}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(
@@ -239,9 +262,13 @@ def build_hf_model(family: str, vocab_size: int = 384, eos_id: int = 2, seed: in
                 param.normal_(0.0, 0.05)
             if name.endswith(".sinks"):  # GPT-OSS's attention sinks: zero would still be a sink; vary them
                 param.normal_(0.0, 1.0)
+            if name.endswith((".position_bias", ".base", ".hc_base")):  # DeepSeek-V4's, zero at init
+                param.normal_(0.0, 0.5)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # large enough to change the choice of experts
                 buffer.normal_(0.0, 0.3)
+            if name.endswith("tid2eid"):  # DeepSeek-V4's hash routing: k distinct experts per token
+                buffer.copy_(torch.rand(buffer.shape[0], cfg.n_routed_experts).argsort(dim=-1)[:, : buffer.shape[1]])
     return model.eval()
 
 

@@ -35,6 +35,9 @@ def test_fp32_logits_match_transformers(checkpoint, family, layout):
 def test_half_precision_greedy_tokens_match_transformers(checkpoint, family, dtype):
     # transformers' own bf16 numerics depend on the memory layout its loader gives the expert
     # weights; with the standard per-expert files they match ours bit for bit.
+    if family == "deepseek_v4" and dtype == "float16":
+        pytest.skip("transformers' DeepSeek-V4 does not run in fp16: the projections it keeps in fp32 there "
+                    "(compressor, indexer) meet fp16 activations")
     path, _ = checkpoint(family, "per_expert", dtype)
     ref = reference(path, getattr(torch, dtype))
     llm = LLM(path)
@@ -91,12 +94,18 @@ def test_half_precision_greedy_tokens_match_transformers(checkpoint, family, dty
         ("deepseek_v2", {"topk_method": "greedy", "q_lora_rank": 24, "first_k_dense_replace": 0}),
         ("gpt_oss", {"swiglu_limit": 7.0, "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
                      "sliding_window": 20}),
+        ("deepseek_v4", {"num_hidden_layers": 5, "layer_types": None, "mlp_layer_types": None, "hc_mult": 2,
+                         "index_topk": 64, "rope_parameters": {"rope_type": "default"},
+                         "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16}}),
+        ("deepseek_v4", {"scoring_func": "sigmoid", "sliding_window": 16, "o_groups": 4, "o_lora_rank": 8,
+                         "num_experts_per_tok": 3, "routed_scaling_factor": 2.5}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
         "qwen2-window", "olmoe-clip-normalized", "qwen3-attention-bias", "qwen3-next-attention-bias",
         "qwen3.5-attention-bias", "olmoe-attention-bias", "glm-plain-two-dense", "deepseek-v3-no-q-lora-4-groups",
         "deepseek-v3-yarn-mscale", "deepseek-v2-greedy-q-lora", "gpt-oss-own-pattern",
+        "deepseek-v4-default-pattern-2-streams", "deepseek-v4-sigmoid-4-groups",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

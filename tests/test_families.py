@@ -94,10 +94,61 @@ def test_latent_attention_caches_the_latent_and_rotary_key(checkpoint) -> None:
     assert summarize(cfg).kv_bytes_per_token * 4 < expanded
 
 
-@pytest.mark.parametrize("family, what", [("deepseek_v3", "latent attention"), ("gpt_oss", "attention sinks")])
+@pytest.mark.parametrize("family, what", [("deepseek_v3", "latent attention"), ("gpt_oss", "attention sinks"),
+                                          ("deepseek_v4", "compressed attention")])
 def test_fixed_shape_steps_refuse_what_they_do_not_run(checkpoint, family, what) -> None:
     from hearth.config import ConfigError
 
     path, _ = checkpoint(family, **OVERRIDES)
     with pytest.raises(ConfigError, match=what):
         LLM(path, static_decode="eager")
+
+
+@pytest.mark.parametrize("options", [{"prefill_chunk": 5, "block_size": 6, "checkpoint_interval": 60},
+                                     {"prefill_chunk": 3, "block_size": 16},
+                                     {"prefill_chunk": 7, "block_size": 8, "max_num_seqs": 1}])
+def test_deepseek_v4_chunks_that_cut_through_compressed_windows(solo, options) -> None:
+    """Prefill chunks of 5, 3 and 7 tokens end inside the 4- and 8-token windows of the CSA and
+    HCA layers (and blocks of 6 split them across pages): each window's entry is still made from
+    its tokens' projections in the pages, and the logits stay transformers'."""
+    path, refs = solo("deepseek_v4")
+    llm = LLM(path, **options)
+    recorded = record_logits(llm)
+    outs = llm.generate(PROMPTS, greedy(STEPS))
+    for out, (tokens, logits) in zip(outs, refs, strict=True):
+        assert out.token_ids == tokens
+        assert max(max_rel_error(a, b) for a, b in zip(recorded[out.request_id], logits, strict=True)) <= 1e-4
+
+
+def test_deepseek_v4_prefix_reuse_restores_a_half_filled_window(solo) -> None:
+    """Blocks of 6 tokens: the reused prefix (a multiple of 6) ends inside a compressor window, so
+    the new request starts from projections that a finished one left in the shared pages."""
+    path, _ = solo("deepseek_v4")
+    ref = reference(path)
+    llm = LLM(path, prefix_caching=True, block_size=6, checkpoint_interval=60)
+    recorded = record_logits(llm)
+    base = PROMPTS[3]
+    llm.generate(base, greedy(4))
+    longer = base + [7, 9, 11, 13, 15, 17, 19, 21, 23]
+    out = llm.generate(longer, greedy(STEPS))[0]
+    cached = out.metrics.num_cached_tokens
+    assert cached >= 60 and cached % 4 and cached % 8
+    tokens, logits = hf_argmax(ref, longer, STEPS)
+    assert out.token_ids == tokens
+    assert max(max_rel_error(a, b) for a, b in zip(recorded[out.request_id], logits, strict=True)) <= 1e-4
+
+
+def test_deepseek_v4_cache_holds_window_and_compressor_columns(checkpoint) -> None:
+    """Each layer's pages hold the shared K=V per token, and on compressed layers the compressor's
+    (and indexer's) projections and entries; `hearth inspect` reports those bytes."""
+    from hearth.engine.inspect import summarize
+
+    path, _ = checkpoint("deepseek_v4", **OVERRIDES)
+    llm = LLM(path)
+    cfg, kv = llm.engine.model_config, llm.engine.runner.kv
+    d, di = cfg.head_dim, cfg.index_head_dim
+    widths = {"sliding_attention": 0, "heavily_compressed_attention": 3 * d,
+              "compressed_sparse_attention": 5 * d + 5 * di}
+    for i, kind in enumerate(cfg.attention_kinds):
+        assert kv.keys[i].shape[1:] == (1, d) and kv.values[i].shape[1:] == (1, widths[kind])
+    assert summarize(cfg).kv_bytes_per_token == sum(d + widths[k] for k in cfg.attention_kinds) * 4

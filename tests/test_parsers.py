@@ -244,3 +244,35 @@ def test_harmony_channels_and_calls_under_any_chunking():
     assert parse(["just text"], tools="harmony") == [("content", "just text")]
     assert choose_tool_parser("GptOssForCausalLM", None) == "harmony"
     assert choose_tool_parser("Unknown", "{{ '<|channel|>analysis' }}") == "harmony"
+
+
+# DeepSeek-V4's assistant turn as its encoding writes it: reasoning in <think>, then the calls in one
+# DSML block, each parameter marked string="true" (written as is) or "false" (JSON). V3.2 wraps the
+# same invokes in function_calls.
+DSML_ASSISTANT = (
+    "<think>{{ m.reasoning_content }}</think>{{ m.content }}\n\n<｜DSML｜{{ block }}>\n"
+    "{%- for tc in m.tool_calls %}\n<｜DSML｜invoke name=\"{{ tc.name }}\">"
+    "{%- for k, v in tc.arguments.items() %}\n<｜DSML｜parameter name=\"{{ k }}\" "
+    "string=\"{{ 'true' if v is string else 'false' }}\">{{ v if v is string else v | tojson }}</｜DSML｜parameter>"
+    "{%- endfor %}\n</｜DSML｜invoke>{%- endfor %}\n</｜DSML｜{{ block }}>"
+)
+
+
+@pytest.mark.parametrize("version, block", [("deepseek_v4", "tool_calls"), ("deepseek_v32", "function_calls")])
+def test_dsml_calls_from_the_deepseek_encoding_under_any_chunking(version, block):
+    import jinja2
+
+    message = {"reasoning_content": "Weather, then the files.", "content": "Looking.",
+               "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}},
+                              {"name": "grep", "arguments": {"pattern": "[0-9]+ <｜x", "paths": ["a", "b"],
+                                                             "count": "12"}}]}
+    text = jinja2.Environment().from_string(DSML_ASSISTANT).render(m=message, block=block)
+    expected = [("reasoning", "Weather, then the files."), ("content", "Looking."),
+                ("tool_call", ("get_weather", '{"city": "Paris", "days": 3}')),
+                ("tool_call", ("grep", '{"pattern": "[0-9]+ <｜x", "paths": ["a", "b"], "count": "12"}'))]
+    assert_any_chunking(text, expected, version, seed=5, rounds=200, most=30)
+    bad = f'<｜DSML｜{block}>\n<｜DSML｜invoke name="f">stray</｜DSML｜invoke>\n</｜DSML｜{block}>'
+    assert parse([bad], tools=version) == [("content", bad)]
+    assert choose_tool_parser("Unknown", "{{ '<｜DSML｜" + block + ">' }}") == version
+    if version == "deepseek_v4":
+        assert choose_tool_parser("DeepseekV4ForCausalLM", None) == "deepseek_v4"

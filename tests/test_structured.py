@@ -108,7 +108,7 @@ def sampled_calls(llm, grammar: str, prefix: str, parser: str, max_tokens: int, 
         yield reader.feed(prefix + out.text) + reader.flush(), out.text
 
 
-@pytest.mark.parametrize("parser", ["glm45", "minimax_m2"])
+@pytest.mark.parametrize("parser", ["glm45", "minimax_m2", "deepseek_v4"])
 def test_forced_calls_in_glm_and_minimax_formats(llm, parser) -> None:
     """The forced-call grammar of each key/value format accepts what its parser reads (free text
     with "<" and newlines, JSON values, an optional parameter left out) and refuses an unknown key;
@@ -123,9 +123,14 @@ def test_forced_calls_in_glm_and_minimax_formats(llm, parser) -> None:
     if parser == "glm45":
         call = "run\n<arg_key>code</arg_key>\n<arg_value>if a < b:\n  1</arg_value>\n<arg_key>unit</arg_key>\n" \
                "<arg_value>f</arg_value>\n</tool_call>"
-    else:
+    elif parser == "minimax_m2":
         call = '<invoke name="run">\n<parameter name="code">if a < b:\n  1</parameter>\n<parameter name="unit">f' \
                '</parameter>\n</invoke>\n</minimax:tool_call>'
+    else:  # DSML: string="true" marks a value written as text
+        call = '<｜DSML｜invoke name="run">\n<｜DSML｜parameter name="code" string="true">if a < b:\n  1' \
+               '</｜DSML｜parameter>\n<｜DSML｜parameter name="unit" string="true">f</｜DSML｜parameter>\n' \
+               '</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
+        assert not _accepts(llm, grammar, call.replace('"unit" string="true"', '"unit" string="false"'))
     assert _accepts(llm, grammar, call)
     assert not _accepts(llm, grammar, call.replace("unit", "units"))
     parser_ = OutputParser(parser, False, False, True, {"run": frozenset({"code"})})
@@ -136,7 +141,8 @@ def test_forced_calls_in_glm_and_minimax_formats(llm, parser) -> None:
                                                               "n": {"type": "integer", "minimum": 1, "maximum": 9}}}
     grammar = GrammarBuilder(llm.engine.tokenizer).tool_call(parser, [
         {"type": "function", "function": {"name": "run", "parameters": bounded}}], "run")
-    for events, text in sampled_calls(llm, grammar, FORCED_CALL_PREFIX[parser], parser, 80):
+    for events, text in sampled_calls(llm, grammar, FORCED_CALL_PREFIX[parser], parser,
+                                      240 if parser == "deepseek_v4" else 80):
         assert [e.kind for e in events] == ["tool_call"], text
         jsonschema.validate(events[0].tool_call.input, bounded)
 
