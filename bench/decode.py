@@ -6,6 +6,7 @@ the table reports medians over ``--runs`` repetitions and the ratio hearth / tra
 
     python bench/decode.py --model DIR [--prompt-len 128] [--gen 64] [--runs 3] [--dtype bfloat16]
     python bench/decode.py --build-random /tmp/qwen3-1b   # ~1B random Qwen3-MoE, then benchmark it
+    python bench/decode.py --build-random /tmp/dsv3-1b --family deepseek_v3   # ~1B DeepSeek-V3 shape (MLA)
 
 With ``--cache-fraction F [F ...]`` it benchmarks the expert hierarchy instead: the plain engine
 against a virtual-device expert cache of each size (``--virtual-link-gbps`` rate-limits its copy
@@ -28,26 +29,48 @@ from bench.common import emit  # noqa: E402
 from hearth.engine.inspect import human_bytes, summarize  # noqa: E402
 from hearth.engine.loader import load_config  # noqa: E402
 
-RANDOM_1B = dict(
-    hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-    num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256, intermediate_size=2048,
-    norm_topk_prob=True, initializer_range=0.02,
-)
+RANDOM_1B = {
+    "qwen3_moe": dict(
+        hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+        num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256, intermediate_size=2048,
+        norm_topk_prob=True, initializer_range=0.02,
+    ),
+    # DeepSeek-V3's layout scaled down (0.9B): MLA with query LoRA, one dense layer first, 64 experts in 8
+    # groups (4 chosen), 6 routed plus a shared expert.
+    "deepseek_v3": dict(
+        hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=384,
+        kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=64,
+        num_experts_per_tok=6, moe_intermediate_size=256, intermediate_size=2816, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=8, topk_group=4, routed_scaling_factor=2.5, initializer_range=0.02,
+    ),
+}
 
 
-def build_random(path: Path, dtype: str) -> None:
+def build_random(path: Path, dtype: str, family: str = "qwen3_moe") -> None:
     from tests.checkpoints import make_checkpoint
 
     if (path / "config.json").is_file():
         return
-    print(f"building a ~1B random Qwen3-MoE in {path} …", file=sys.stderr)
-    make_checkpoint(path, "qwen3_moe", "per_expert", dtype, shard_bytes=1 << 30, vocab_size=32000, **RANDOM_1B)
+    print(f"building a ~1B random {family} in {path} …", file=sys.stderr)
+    make_checkpoint(path, family, "per_expert", dtype, shard_bytes=1 << 30, vocab_size=32000, **RANDOM_1B[family])
+
+
+def expanded_kv_bytes(cfg) -> int | None:
+    """Per token, the K/V a plain cache would hold for a latent-attention model's attention:
+    every head's full key and value (None for a model without MLA)."""
+    mla = getattr(cfg, "mla", None)
+    if mla is None:
+        return None
+    elem = torch.empty((), dtype=cfg.dtype).element_size()
+    per_head = mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim
+    return len(cfg.attention_layer_ids) * cfg.num_heads * per_head * elem
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path)
-    ap.add_argument("--build-random", type=Path, help="create a ~1B random Qwen3-MoE here (if absent) and use it")
+    ap.add_argument("--build-random", type=Path, help="create a ~1B random model here (if absent) and use it")
+    ap.add_argument("--family", default="qwen3_moe", choices=sorted(RANDOM_1B), help="its family (--build-random)")
     ap.add_argument("--dtype", default="bfloat16", help="compute dtype for both engines")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--gen", type=int, default=64)
@@ -62,7 +85,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.build_random:
-        build_random(args.build_random, args.dtype)
+        build_random(args.build_random, args.dtype, args.family)
         args.model = args.build_random
     if args.model is None:
         ap.error("give --model or --build-random")
@@ -90,6 +113,7 @@ def main() -> int:
         "runs": args.runs, "threads": torch.get_num_threads(),
         "bytes_per_decode_token": summary.bytes_per_decode_token,
         "total_params": summary.total_params, "active_params": summary.active_params_per_token,
+        "kv_bytes_per_token": summary.kv_bytes_per_token, "expanded_kv_bytes_per_token": expanded_kv_bytes(cfg),
     }
     for name, runs in samples.items():
         result[name] = {"prefill_tok_s": statistics.median(r["pp"] for r in runs),
@@ -102,7 +126,13 @@ def main() -> int:
     print(f"\nmodel {args.model} ({cfg.architecture}, {args.dtype}, {torch.get_num_threads()} threads), "
           f"prompt {args.prompt_len}, generate {args.gen}, median of {args.runs}")
     print(f"bytes read per decode token: {human_bytes(summary.bytes_per_decode_token)} "
-          f"(hearth streams {bw / 1e9:.2f} GB/s of weights)\n")
+          f"(hearth streams {bw / 1e9:.2f} GB/s of weights)")
+    kv_line = f"KV cache per token: {human_bytes(summary.kv_bytes_per_token)}"
+    if result["expanded_kv_bytes_per_token"]:
+        expanded = result["expanded_kv_bytes_per_token"]
+        kv_line += (f" (latent + rotary key) against {human_bytes(expanded)} of expanded K/V: "
+                    f"{expanded / summary.kv_bytes_per_token:.1f}x smaller")
+    print(kv_line + "\n")
     print("| engine       | prefill tok/s | decode tok/s |")
     print("|--------------|---------------|--------------|")
     for name in samples:

@@ -86,7 +86,7 @@ def build_random_1b(out: Path, context: int) -> Path:
     if not (out / "config.json").is_file():
         print(f"building a ~1B random Qwen3-MoE in {out} …", file=sys.stderr)
         make_checkpoint(out, "qwen3_moe", "per_expert", "bfloat16", shard_bytes=1 << 30, vocab_size=32000,
-                        max_position_embeddings=context, **RANDOM_1B)
+                        max_position_embeddings=context, **RANDOM_1B["qwen3_moe"])
     return out
 
 

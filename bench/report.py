@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         from tests.checkpoints import make_checkpoint
 
         make_checkpoint(args.random_1b, "qwen3_moe", "per_expert", "bfloat16", shard_bytes=1 << 30,
-                        vocab_size=32000, **RANDOM_1B)
+                        vocab_size=32000, **RANDOM_1B["qwen3_moe"])
     sets = trace_set(demo, args.data / "traces", args.fresh_traces, args.random_1b)
     uniform = traces.uniform(sets["recorded"][0].num_layers, sets["recorded"][0].num_experts,
                              sets["recorded"][0].top_k, 2048)

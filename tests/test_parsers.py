@@ -276,3 +276,14 @@ def test_dsml_calls_from_the_deepseek_encoding_under_any_chunking(version, block
     assert choose_tool_parser("Unknown", "{{ '<｜DSML｜" + block + ">' }}") == version
     if version == "deepseek_v4":
         assert choose_tool_parser("DeepseekV4ForCausalLM", None) == "deepseek_v4"
+
+
+def test_every_tool_parser_is_a_serve_choice():
+    import typing
+
+    from hearth.config import ServingConfig
+    from hearth.serving.reply_parsers import TOOL_PARSERS
+
+    hint = typing.get_type_hints(ServingConfig)["tool_parser"]
+    choices = {a for arg in typing.get_args(hint) for a in typing.get_args(arg)}
+    assert choices == set(TOOL_PARSERS)

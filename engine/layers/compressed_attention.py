@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from hearth.engine.batch import ForwardBatch, LayerContext, SequenceSlice, StaticBatch
-from hearth.engine.layers.attention import gather_context
 from hearth.engine.layers.hyper import unweighted_rms_norm
 from hearth.engine.layers.linear import Projection
 from hearth.engine.layers.norm import RMSNormScaledInFp32
@@ -85,26 +84,25 @@ class WindowCompressor(nn.Module):
 
     def write(self, x: torch.Tensor, values: torch.Tensor, batch: ForwardBatch, rotary: PairRotary) -> None:
         """Store this step's projections of x [T, hidden], then each sequence's windows that closed."""
-        a, w = self.offset, self.width
+        a, w, r = self.offset, self.width, self.rate
         proj = torch.cat((linear(x, self.kv_proj.weight), linear(x, self.gate_proj.weight)), dim=-1)  # [T, 2W]
         values[:, 0, a : a + 2 * w].index_copy_(0, batch.slot_mapping, proj)
         for seq in batch.sequences:
-            start, end = seq.context_len - seq.query_len, seq.context_len
-            if end // self.rate == start // self.rate:
+            first, last = (seq.context_len - seq.query_len) // r, seq.context_len // r  # windows first..last-1 close
+            if last == first:
                 continue
-            rows = gather_context(values, seq, batch.block_size)[:, 0, a : a + 2 * w]  # [ctx, 2W]
-            entries = self.close(rows, start, end, rotary)
-            ends = torch.arange(start // self.rate + 1, end // self.rate + 1, device=x.device) * self.rate - 1
+            lo = first - 1 if self.overlap and first > 0 else first  # an overlapping entry reads the window before
+            positions = torch.arange(lo * r, last * r, device=x.device)
+            rows = values.index_select(0, token_slots(seq, positions, batch.block_size))[:, 0, a : a + 2 * w]
+            entries = self.close(rows, first, last, lo, rotary)
+            ends = torch.arange(first + 1, last + 1, device=x.device) * r - 1
             slots = token_slots(seq, ends, batch.block_size)
             values[:, 0, a + 2 * w : a + 2 * w + self.head_dim].index_copy_(0, slots, entries)
 
-    def close(self, rows: torch.Tensor, start: int, end: int, rotary: PairRotary) -> torch.Tensor:
-        """Entries [n, D] of the windows the tokens ``start:end`` close, from the sequence's
-        projections ``rows`` [ctx, 2W] (this step's included)."""
+    def close(self, seg: torch.Tensor, first: int, last: int, lo: int, rotary: PairRotary) -> torch.Tensor:
+        """Entries [n, D] of windows ``first..last-1`` from the projections ``seg`` [(last - lo) * rate, 2W]
+        of windows ``lo..last-1``."""
         r, d, w = self.rate, self.head_dim, self.width
-        first, last = start // r, end // r  # the windows first..last-1 close
-        lo = first - 1 if self.overlap and first > 0 else first
-        seg = rows[lo * r : last * r]
         kv = seg[:, :w].reshape(-1, r, w)  # [windows, r, W]
         gate = seg[:, w:].reshape(-1, r, w).float() + self.position_bias
         if self.overlap:  # entry = window's second half (Cb) after the previous window's first (Ca)
@@ -117,26 +115,28 @@ class WindowCompressor(nn.Module):
             gate = torch.cat((prev_gate[: last - first], gate), dim=1)
         weights = torch.softmax(gate, dim=1, dtype=torch.float32).to(kv.dtype)
         entries = self.kv_norm((kv * weights).sum(dim=1))  # [n, D]
-        positions = torch.arange(first, last, device=rows.device) * r
+        positions = torch.arange(first, last, device=seg.device) * r
         cos, sin = rotary.table("compress", positions, entries.dtype)
         return rotate_tail(entries[:, None], cos, sin)[:, 0]
 
-    def entries(self, rows: torch.Tensor, count: int) -> torch.Tensor:
-        """The sequence's first ``count`` entries [count, D], from its cache values ``rows`` [ctx, C]."""
-        ends = torch.arange(1, count + 1, device=rows.device) * self.rate - 1
+    def entries(self, values: torch.Tensor, seq: SequenceSlice, count: int, block_size: int) -> torch.Tensor:
+        """The sequence's first ``count`` entries [count, D], read from their slots in ``values``."""
+        ends = torch.arange(1, count + 1, device=values.device) * self.rate - 1
         a = self.offset + 2 * self.width
-        return rows.index_select(0, ends)[:, a : a + self.head_dim]
+        return values.index_select(0, token_slots(seq, ends, block_size))[:, 0, a : a + self.head_dim]
 
-    def context(self, rows: torch.Tensor, q_pos: torch.Tensor, q_res: torch.Tensor, x: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def context(self, values: torch.Tensor, seq: SequenceSlice, block_size: int, q_pos: torch.Tensor,
+                q_res: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The entries [n, D] the queries at ``q_pos`` [Q] may see and which of them each sees
-        [Q, n] (bool), from the sequence's cache values ``rows``; None before the first entry.
-        HCA: every entry whose window ends at or before the query."""
-        count = rows.shape[0] // self.rate
+        [Q, n] (bool); None before the first entry. HCA: every entry whose window ends at or before
+        the query."""
+        count = seq.context_len // self.rate
         if count == 0:
             return None
         ready = (q_pos + 1) // self.rate  # [Q]: entries closed by each query's own token
-        return self.entries(rows, count), torch.arange(count, device=rows.device)[None, :] < ready[:, None]
+        keep = torch.arange(count, device=q_pos.device)[None, :] < ready[:, None]
+        return self.entries(values, seq, count, block_size), keep
 
 
 class IndexScorer(nn.Module):
@@ -192,12 +192,12 @@ class SparseCompressor(WindowCompressor):
         super().write(x, values, batch, rotary)
         self.indexer.write(x, values, batch, rotary)
 
-    def context(self, rows, q_pos, q_res, x, cos, sin):
-        count = rows.shape[0] // self.rate
+    def context(self, values, seq, block_size, q_pos, q_res, x, cos, sin):
+        count = seq.context_len // self.rate
         if count == 0:
             return None
-        keep = self.indexer.select(self.indexer.entries(rows, count), q_pos, q_res, x, cos, sin)
-        return self.entries(rows, count), keep
+        keys = self.indexer.entries(values, seq, count, block_size)
+        return self.entries(values, seq, count, block_size), self.indexer.select(keys, q_pos, q_res, x, cos, sin)
 
 
 class CompressedAttention(nn.Module):
@@ -261,13 +261,12 @@ class CompressedAttention(nn.Module):
         """One sequence's queries q [Q, heads, D] over its window and entries: [Q, heads, D]."""
         start, end = seq.context_len - seq.query_len, seq.context_len
         lo = max(0, start - self.window + 1)  # the earliest token any of the queries sees
-        kv = gather_context(keys, seq, block_size)[lo:, 0]  # [K, D]
         q_pos = torch.arange(start, end, device=q.device)
         k_pos = torch.arange(lo, end, device=q.device)
+        kv = keys.index_select(0, token_slots(seq, k_pos, block_size))[:, 0]  # [K, D]: the window only
         mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - self.window)
         if self.compressor is not None:
-            rows = gather_context(values, seq, block_size)[:, 0]
-            found = self.compressor.context(rows, q_pos, q_res, x, cos, sin)
+            found = self.compressor.context(values, seq, block_size, q_pos, q_res, x, cos, sin)
             if found is not None:
                 kv, mask = torch.cat((kv, found[0]), dim=0), torch.cat((mask, found[1]), dim=1)
         scores = torch.matmul(q.transpose(0, 1), kv.T) * self.scale  # [heads, Q, K]
