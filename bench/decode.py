@@ -55,17 +55,6 @@ def build_random(path: Path, dtype: str, family: str = "qwen3_moe") -> None:
     make_checkpoint(path, family, "per_expert", dtype, shard_bytes=1 << 30, vocab_size=32000, **RANDOM_1B[family])
 
 
-def expanded_kv_bytes(cfg) -> int | None:
-    """Per token, the K/V a plain cache would hold for a latent-attention model's attention:
-    every head's full key and value (None for a model without MLA)."""
-    mla = getattr(cfg, "mla", None)
-    if mla is None:
-        return None
-    elem = torch.empty((), dtype=cfg.dtype).element_size()
-    per_head = mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim
-    return len(cfg.attention_layer_ids) * cfg.num_heads * per_head * elem
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path)
@@ -113,7 +102,8 @@ def main() -> int:
         "runs": args.runs, "threads": torch.get_num_threads(),
         "bytes_per_decode_token": summary.bytes_per_decode_token,
         "total_params": summary.total_params, "active_params": summary.active_params_per_token,
-        "kv_bytes_per_token": summary.kv_bytes_per_token, "expanded_kv_bytes_per_token": expanded_kv_bytes(cfg),
+        "kv_bytes_per_token": summary.kv_bytes_per_token,
+        "expanded_kv_bytes_per_token": summary.expanded_kv_bytes_per_token,
     }
     for name, runs in samples.items():
         result[name] = {"prefill_tok_s": statistics.median(r["pp"] for r in runs),

@@ -18,7 +18,7 @@ skipped, so one call fits a device lease):
 7. The hierarchy alone (the dense part on the CPU): exactness at 0, 1 slot, 10 %, 37 %, 100 % of
    the experts with q from the table, forced to 0 and to m; prefill streamed through two buffers,
    one, and the fallback; the cache-control step compiled whole equals eager.
-8. The later families (OLMoE, GLM-4.5, DeepSeek-V3/V2, MiniMax-M2, GPT-OSS) on the device, plain
+8. The later families (OLMoE, GLM-4.5, DeepSeek-V3/V2, MiniMax-M2, GPT-OSS, DeepSeek-V4) on the device, plain
    steps, against the CPU engine.
 
 Then the acceptance targets, each met or not. Without CUDA it says so and exits 0;

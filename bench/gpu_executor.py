@@ -121,7 +121,7 @@ def check_exactness(rig: Rig, root: Path) -> list[dict]:
     return rows
 
 
-NEW_FAMILIES = ("olmoe", "glm4_moe", "deepseek_v3", "deepseek_v2", "minimax_m2", "gpt_oss")
+NEW_FAMILIES = ("olmoe", "glm4_moe", "deepseek_v3", "deepseek_v2", "minimax_m2", "gpt_oss", "deepseek_v4")
 
 
 def check_families(rig: Rig, root: Path) -> list[dict]:

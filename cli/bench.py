@@ -158,5 +158,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result = {**meta, "rows": [r.to_json() for r in rows]}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(json.dumps(result, indent=2, default=str) if args.output == "json" else markdown(rows))
+    if args.output == "json":
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(markdown(rows) + ("" if args.url else "\n\n" + kv_note(args.model, args.dtype)))
     return 0
+
+
+def kv_note(model: str, dtype: str) -> str:
+    """The model's KV cache bytes per token (and, for latent attention, what expanded K/V would take)."""
+    from hearth.engine.inspect import human_bytes, summarize
+    from hearth.engine.loader import load_config
+
+    s = summarize(load_config(model, None if dtype == "auto" else dtype)[1])
+    note = f"KV cache per token: {human_bytes(s.kv_bytes_per_token)}"
+    if s.expanded_kv_bytes_per_token:
+        ratio = s.expanded_kv_bytes_per_token / s.kv_bytes_per_token
+        note += (f" (latent + rotary key), against {human_bytes(s.expanded_kv_bytes_per_token)} of expanded "
+                 f"per-head K/V: {ratio:.1f}x smaller")
+    return note

@@ -52,6 +52,8 @@ def engine_runner(model: str, dtype: str, max_len: int, n_prompt: int, options: 
     if options.get("expert_device") == "auto":
         options = dict(options, expert_device="cuda" if torch.cuda.is_available() else "virtual")
     chunk = max(n_prompt, 16)
+    # Every repetition sends the same prompt: a prefix cache would serve the later ones from memory.
+    options = {"prefix_caching": False, **options}
     llm = LLM(model, dtype=dtype, max_model_len=max_len, max_num_seqs=1, prefill_chunk=chunk,
               max_num_batched_tokens=max(chunk, 2048), **options)
     engine = llm.engine

@@ -162,7 +162,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("expert size", human_bytes(s.expert_bytes)),
         ("expert pool", human_bytes(s.expert_pool_bytes)),
         ("bytes per decode token", human_bytes(s.bytes_per_decode_token)),
-        ("KV cache per token", human_bytes(s.kv_bytes_per_token)),
+        ("KV cache per token", human_bytes(s.kv_bytes_per_token) + (
+            f" (latent; expanded K/V would take {human_bytes(s.expanded_kv_bytes_per_token)})"
+            if s.expanded_kv_bytes_per_token else "")),
     ]
     if stored is not None:  # the formats as stored, and what a token reads in them
         rows[1] = ("dtype", f"{s.dtype} ({_blocks_note(stored['in_blocks'], s.dtype)})")

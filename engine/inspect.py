@@ -27,6 +27,8 @@ class ModelSummary:
     expert_pool_bytes: int
     bytes_per_decode_token: int
     kv_bytes_per_token: int  # the KV cache (or a latent-attention cache) over every attention layer
+    # Latent attention: the per-head keys and values a plain cache would hold instead (else None).
+    expanded_kv_bytes_per_token: int | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -68,7 +70,19 @@ def summarize(cfg: ModelConfig) -> ModelSummary:
         expert_pool_bytes=expert_params * elem,
         bytes_per_decode_token=active * elem,
         kv_bytes_per_token=cfg.kv_bytes_per_token,
+        expanded_kv_bytes_per_token=expanded_kv_bytes(cfg),
     )
+
+
+def expanded_kv_bytes(cfg: ModelConfig) -> int | None:
+    """Per token, the K/V a plain cache would hold for a latent-attention model: every head's whole
+    key (no-rope and rotary parts) and value on every layer; None for a model without MLA."""
+    mla = getattr(cfg, "mla", None)
+    if mla is None:
+        return None
+    elem = torch.empty((), dtype=cfg.dtype).element_size()
+    per_head = mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim
+    return len(cfg.attention_layer_ids) * cfg.num_heads * per_head * elem
 
 
 def _scaled(n: float, base: int, units: tuple[str, ...]) -> tuple[float, str]:

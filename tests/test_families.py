@@ -91,6 +91,7 @@ def test_latent_attention_caches_the_latent_and_rotary_key(checkpoint) -> None:
     assert kv.keys[0].shape[1:] == (1, rank) and kv.values[0].shape[1:] == (1, rope)
     assert summarize(cfg).kv_bytes_per_token == cfg.num_layers * (rank + rope) * 4
     expanded = cfg.num_layers * cfg.num_heads * (2 * cfg.mla.qk_nope_head_dim + cfg.mla.qk_rope_head_dim) * 4
+    assert summarize(cfg).expanded_kv_bytes_per_token == expanded  # (v_head_dim = qk_nope_head_dim here)
     assert summarize(cfg).kv_bytes_per_token * 4 < expanded
 
 

@@ -111,12 +111,17 @@ class LatentAttention(nn.Module):
         kv = linear(latents[:, 0], self.kv_b_proj.weight).view(ctx, self.num_heads, self.nope + self.v_dim)
         k_nope, values = kv.split([self.nope, self.v_dim], dim=-1)
         keys = torch.cat((k_nope, rot_keys.expand(ctx, self.num_heads, self.rope)), dim=-1)  # [ctx, heads, qk]
+        # In fp32, values padded to the query/key width: torch's CPU flash kernel wants one head width
+        # and otherwise falls back to the math path (11x slower on a 512-token prefill, DeepSeek-V3
+        # shape). In bf16/fp16 the math path stays: it is transformers' (sdpa), and the flash kernel's
+        # rounding differs enough to change greedy tokens.
+        pad = keys.shape[-1] - self.v_dim if q.dtype == torch.float32 else 0
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],  # [1, heads, Q, qk]
             keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],  # [1, heads, ctx, v]
+            F.pad(values, (0, max(pad, 0))).transpose(0, 1)[None],  # [1, heads, ctx, max(v, qk)]
             attn_mask=mask,
             is_causal=mask is None and n > 1,
             scale=self.scale,
         )
-        return o[0].transpose(0, 1)
+        return o[0, ..., : self.v_dim].transpose(0, 1)
