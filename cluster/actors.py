@@ -315,6 +315,11 @@ class ExecutorActor:
 
         return await asyncio.wrap_future(self.client.call(run))
 
+    async def prefix_summary(self) -> dict[str, Any] | None:
+        """The engine's cached prefixes as block hashes (see ``LLMEngine.prefix_summary``), read at a
+        step boundary; what the router routes by."""
+        return await asyncio.wrap_future(self.client.call(lambda engine: engine.prefix_summary()))
+
     async def shutdown(self) -> None:
         """Stop the engine (aborting what runs) and release its ring and pool mapping."""
         await asyncio.to_thread(self.client.close)

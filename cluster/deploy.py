@@ -226,7 +226,8 @@ def cluster_status() -> dict[str, Any] | None:
         seen = routing.get(r["replica_id"], {})
         row = {"replica": r["replica_id"], "node": r["node_name"], "executor": r["executor_kind"],
                "gpu": r["gpu_index"], "cache_bytes": r["expert_cache_bytes"],
-               **{k: seen.get(k) for k in ("healthy", "in_flight", "assigned", "decode_tok_s", "last_error")}}
+               **{k: seen.get(k) for k in ("healthy", "in_flight", "assigned", "decode_tok_s", "last_error",
+                                            "prefix_blocks", "prompt_tokens", "cached_prompt_tokens")}}
         row.update(_replica_numbers(r))
         rows.append(row)
     return {**desc, "rows": rows}

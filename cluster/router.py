@@ -25,6 +25,7 @@ import ray
 from hearth.cluster.routing import ReplicaLoad, choose_replica
 from hearth.config import ServingConfig
 from hearth.proto.contracts import EngineNotReady, EngineOverloaded, GenerateRequest, GenerationChunk, ModelInfo
+from hearth.proto.prefix import block_hashes
 
 log = logging.getLogger("hearth.router")
 ROUTER_NAME = "hearth:router"
@@ -60,10 +61,15 @@ class _ReplicaState:
     last_error: str | None = None
     executor_stats: dict[str, Any] = field(default_factory=dict)  # the latest, from the health loop
     lost: asyncio.Event = field(default_factory=asyncio.Event)
+    cached: frozenset[int] = frozenset()  # its prefix cache's block hashes (health loop)
+    block_size: int = 0
+    prompt_tokens: int = 0  # of the requests it finished
+    cached_prompt_tokens: int = 0  # of those, served from its prefix cache
 
     def load(self) -> ReplicaLoad:
+        warmth = float((self.executor_stats.get("experts") or {}).get("hit_rate") or 0.0)
         return ReplicaLoad(self.info.replica_id, self.info.model, self.healthy, self.in_flight, self.decode_tok_s,
-                           self.assigned)
+                           self.assigned, self.cached, self.block_size, warmth)
 
 
 def _app_error(exc: ray.exceptions.RayTaskError) -> BaseException:
@@ -84,6 +90,7 @@ class RouterEngineClient:
         for r in replicas:
             self.replicas[r.replica_id] = _ReplicaState(r, ray.get_actor(r.executor_name, namespace="hearth"))
         self._health_task: asyncio.Task | None = None
+        self.routed = [0, 0.0]  # requests routed, seconds spent choosing (hashing the prompt included)
         self._loaded = threading.Event()
         self.load_error: BaseException | None = None
 
@@ -99,10 +106,14 @@ class RouterEngineClient:
     def stats(self) -> dict[str, Any]:
         states = self.replicas.values()
         in_flight = sum(r.in_flight for r in states)
+        routed = self.routed
         return {"running": in_flight, "waiting": 0, "in_flight": in_flight,
+                "route_seconds_mean": routed[1] / routed[0] if routed[0] else 0.0,
                 "replicas": {r.info.replica_id: {"healthy": r.healthy, "in_flight": r.in_flight, "assigned": r.assigned,
                                                  "decode_tok_s": r.decode_tok_s, "last_error": r.last_error,
-                                                 "node": r.info.node_name, "executor": r.executor_stats}
+                                                 "node": r.info.node_name, "executor": r.executor_stats,
+                                                 "prefix_blocks": len(r.cached), "prompt_tokens": r.prompt_tokens,
+                                                 "cached_prompt_tokens": r.cached_prompt_tokens}
                              for r in states}}
 
     def close(self) -> None:
@@ -114,9 +125,15 @@ class RouterEngineClient:
         self._ensure_health_loop()
         tried: set[str] = set()
         overloaded: EngineOverloaded | None = None
+        started = time.perf_counter()
+        sizes = {r.block_size for r in self.replicas.values() if r.cached}
+        prompt_hashes = {size: block_hashes(request.prompt_ids, size) for size in sizes}
         while True:
             rid = choose_replica([r.load() for r in self.replicas.values()], self.model.name, request.session_key,
-                                 frozenset(tried))
+                                 frozenset(tried), prompt_hashes)
+            if not tried:
+                self.routed[0] += 1
+                self.routed[1] += time.perf_counter() - started
             if rid is None:
                 if overloaded is not None:
                     raise overloaded
@@ -129,6 +146,9 @@ class RouterEngineClient:
             try:
                 async for chunk in self._stream(state, request):
                     streamed = True
+                    if chunk.finished and chunk.metrics is not None:
+                        state.prompt_tokens += chunk.metrics.num_prompt_tokens
+                        state.cached_prompt_tokens += chunk.metrics.num_cached_tokens
                     yield chunk
                 return
             except EngineOverloaded as exc:
@@ -218,10 +238,14 @@ class RouterEngineClient:
 
     async def _check(self, state: _ReplicaState) -> None:
         try:
-            stats = await asyncio.wait_for(_as_future(state.handle.stats.remote()), self.call_timeout_s)
+            stats, prefix = await asyncio.wait_for(asyncio.gather(_as_future(state.handle.stats.remote()),
+                                                                  _as_future(state.handle.prefix_summary.remote())),
+                                                   self.call_timeout_s)
         except (asyncio.TimeoutError, ray.exceptions.RayError) as exc:
             self._mark_down(state, exc)
             return
+        if prefix:
+            state.cached, state.block_size = frozenset(prefix["hashes"]), int(prefix["block_size"])
         if not stats.get("ready"):
             return
         if not state.healthy:

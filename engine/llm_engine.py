@@ -455,3 +455,12 @@ class LLMEngine:
             if self.experts.streamer is not None:
                 out["prefill_layers"] = self.experts.prefill_layers()  # per MoE layer: copy, wait, compute
         return out
+
+    def prefix_summary(self, limit: int = 4096) -> dict[str, Any] | None:
+        """What a router needs to route by cached prefix: the block size and the chained hashes of
+        up to ``limit`` cached blocks, most recently used first (None without a prefix cache)."""
+        prefix = self.scheduler.prefix
+        if prefix is None:
+            return None
+        return {"block_size": prefix.block_size, "hashes": prefix.block_hashes(limit)}
+

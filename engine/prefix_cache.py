@@ -18,6 +18,8 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from hearth.proto.prefix import chain_block
+
 
 @dataclass(eq=False)
 class RadixNode:
@@ -156,3 +158,19 @@ class RadixCache:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    def block_hashes(self, limit: int) -> list[int]:
+        """The chained hashes (:func:`hearth.proto.prefix.block_hashes`) of the tree's blocks, at most
+        ``limit`` of them, the most recently used first: what a router needs to know which prefixes
+        are cached here."""
+        found: list[tuple[int, int]] = []  # (last access, hash)
+        stack = [(child, b"") for child in self.root.children.values()]
+        while stack:
+            node, digest = stack.pop()
+            for start in range(0, len(node.tokens), self.block_size):
+                digest = chain_block(digest, node.tokens[start : start + self.block_size])
+                found.append((node.last_access, int.from_bytes(digest, "little")))
+            stack += [(child, digest) for child in node.children.values()]
+        found.sort(key=lambda item: -item[0])
+        return [h for _, h in found[:limit]]
+

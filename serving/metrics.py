@@ -68,6 +68,8 @@ class _EngineCollector:
             yield family
         if "replicas" in stats:
             yield from _replica_metrics(stats["replicas"])
+            yield _gauge("hearth_router_route_seconds", "Mean time the router took to choose a replica (hashing "
+                         "the prompt's blocks included)", stats.get("route_seconds_mean", 0.0))
         experts = stats.get("experts")
         if not experts:
             return
@@ -111,6 +113,14 @@ def _replica_metrics(replicas: dict[str, dict[str, Any]]):
                                       labels=labels),
         "updates": CounterMetricFamily("hearth_replica_bandwidth_updates", "q tables pushed by the monitor",
                                        labels=labels),
+        "prompt_tokens": CounterMetricFamily("hearth_replica_prompt_tokens", "Prompt tokens of the requests "
+                                             "the replica finished", labels=labels),
+        "cached_prompt_tokens": CounterMetricFamily("hearth_replica_cached_prompt_tokens", "Of those, tokens "
+                                                    "served from its prefix cache", labels=labels),
+        "prefix_hit": GaugeMetricFamily("hearth_replica_prefix_hit_ratio", "Share of its prompt tokens served "
+                                        "from its prefix cache", labels=labels),
+        "prefix_blocks": GaugeMetricFamily("hearth_replica_prefix_cached_blocks", "Blocks its prefix cache "
+                                           "holds, as it last published them", labels=labels),
     }
     qtable = GaugeMetricFamily("hearth_replica_qtable_fills", "Fills the q table plans for m misses",
                                labels=[*labels, "m"])
@@ -120,7 +130,10 @@ def _replica_metrics(replicas: dict[str, dict[str, Any]]):
         experts = executor.get("experts") or {}
         values = {"healthy": 1.0 if r.get("healthy") else 0.0, "in_flight": r.get("in_flight", 0),
                   "decode_tok_s": r.get("decode_tok_s", 0.0), "b_p": experts.get("b_p"), "b_h": experts.get("b_h"),
-                  "hit_rate": experts.get("hit_rate"), "updates": executor.get("bandwidth_updates")}
+                  "hit_rate": experts.get("hit_rate"), "updates": executor.get("bandwidth_updates"),
+                  "prompt_tokens": r.get("prompt_tokens"), "cached_prompt_tokens": r.get("cached_prompt_tokens"),
+                  "prefix_hit": r["cached_prompt_tokens"] / r["prompt_tokens"] if r.get("prompt_tokens") else None,
+                  "prefix_blocks": r.get("prefix_blocks")}
         for name, value in values.items():
             if value is not None:
                 families[name].add_metric(key, float(value))

@@ -135,6 +135,77 @@ def test_a_session_sticks_to_one_replica(deployment):
     assert sorted(grew.values()) == [0, 4], grew
 
 
+def long_prompt_homed_on(replica: str, desc, checkpoint) -> str:
+    """A prompt over 256 tokens (so that its derived session key, from the leading 256, is the same
+    whatever is appended) whose derived key the router maps to ``replica``: prefix routing must
+    beat it to send the prompt elsewhere."""
+    from hearth.engine.tokenizer import load_tokenizer
+    from hearth.serving.session import prefix_key
+
+    tok = load_tokenizer(checkpoint)
+    loads = [ReplicaLoad(r["replica_id"], "tiny", True) for r in desc["replicas"]]
+    for j in range(100):
+        text = f"# case {j}\n{PROMPT}\n" + "\n".join(f"    x{i} = fibonacci({i}) + {i * i}" for i in range(40))
+        ids = tok.encode(text, add_special_tokens=False)
+        if len(ids) > 300 and choose_replica(loads, "tiny", prefix_key(ids)) == replica:
+            return text
+    raise AssertionError("no prompt found")
+
+
+def rows_by_replica() -> dict[str, dict]:
+    return {row["replica"]: row for row in cluster_status()["rows"]}
+
+
+def wait_for(condition, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while not (found := condition()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+    return found
+
+
+def test_prefix_routing_sends_a_cached_prefix_home_until_load_overrides(deployment, agent_checkpoint):
+    """A prompt whose prefix the laptop's prefix cache holds goes to the laptop without a session id;
+    with the laptop PREFIX_SLACK requests busier than the desktop, it goes to the desktop."""
+    from hearth.cluster.routing import PREFIX_SLACK
+
+    url = deployment["url"]
+    laptop = next(r["replica_id"] for r in deployment["replicas"] if r["node_name"] == "laptop")
+    desktop = next(r["replica_id"] for r in deployment["replicas"] if r["node_name"] == "desktop")
+    body = {"model": "tiny", "max_tokens": 2, "temperature": 0}
+    prompt = long_prompt_homed_on(desktop, deployment, agent_checkpoint)  # its derived key says desktop
+    first = requests.post(f"{url}/v1/completions", json={**body, "prompt": prompt},
+                          headers={"x-session-id": session_for(laptop, deployment)}, timeout=120)
+    assert first.status_code == 200
+    wait_for(lambda: (rows_by_replica()[laptop]["prefix_blocks"] or 0) >= 2)  # published by the health loop
+    for i in range(3):  # different endings, no session id: the cached opening decides
+        before = assigned(deployment)
+        reply = requests.post(f"{url}/v1/completions", json={**body, "prompt": prompt + f"\n# variant {i}"},
+                              timeout=120)
+        assert reply.status_code == 200
+        after = assigned(deployment)
+        assert after[laptop] == before[laptop] + 1 and after[desktop] == before[desktop], (before, after)
+    row = rows_by_replica()[laptop]
+    assert row["cached_prompt_tokens"] >= 3 * 32 and row["cached_prompt_tokens"] <= row["prompt_tokens"]
+    assert "hearth_replica_prefix_hit_ratio" in requests.get(f"{url}/metrics", timeout=30).text
+    # Keep the laptop busy: long replies pinned to it by session id.
+    pinned = [threading.Thread(target=complete, args=(url, 120, session_for(laptop, deployment)))
+              for _ in range(PREFIX_SLACK)]
+    for t in pinned:
+        t.start()
+    try:
+        wait_for(lambda: rows_by_replica()[laptop]["in_flight"] >= PREFIX_SLACK)
+        before = assigned(deployment)
+        reply = requests.post(f"{url}/v1/completions", json={**body, "prompt": prompt + "\n# busy"},
+                              timeout=120)
+        assert reply.status_code == 200
+        after = assigned(deployment)
+        assert after[desktop] == before[desktop] + 1, (before, after)
+    finally:
+        for t in pinned:
+            t.join()
+
+
 def test_expert_cache_resized_through_the_router(deployment, expected):
     """Elastic VRAM over the cluster's control path: the router's admin route resizes every
     replica's cache, or one named replica's, at their next step boundaries; output stays exact."""

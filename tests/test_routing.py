@@ -86,3 +86,50 @@ def test_conversation_key_ignores_later_turns_and_prefix_key_leading_tokens() ->
     assert conversation_key(opening) != conversation_key([{"role": "user", "content": "other"}])
     assert prefix_key(list(range(300))) == prefix_key(list(range(300)) + [1, 2])
     assert prefix_key([1, 2, 3]) != prefix_key([1, 2, 4])
+
+
+def test_block_hashes_name_shared_prefixes_and_the_tree_publishes_them() -> None:
+    from hearth.engine.prefix_cache import RadixCache
+    from hearth.proto.prefix import block_hashes
+
+    a, b = list(range(40)), list(range(32)) + [99] * 8
+    ha, hb = block_hashes(a, 8), block_hashes(b, 8)
+    assert len(ha) == 5 and ha[:4] == hb[:4] and ha[4] != hb[4]
+    assert block_hashes(a, 8, limit=2) == ha[:2] and block_hashes(a[:7], 8) == []
+    tree = RadixCache(8)
+    tree.insert(a, list(range(5)))
+    tree.insert(b, list(range(5, 10)))  # shares 4 blocks: one new block
+    assert set(tree.block_hashes(100)) == set(ha) | set(hb)
+    assert len(tree.block_hashes(3)) == 3
+
+
+def test_prefix_routing_prefers_the_longest_cached_prefix_until_load_overrides() -> None:
+    from hearth.cluster.routing import PREFIX_SLACK, cached_prefix_tokens
+    from hearth.proto.prefix import block_hashes
+
+    prompt = list(range(100, 164))  # 4 blocks of 16
+    hashes = {16: block_hashes(prompt, 16)}
+    laptop = {"model": "m", "healthy": True, "cached": frozenset(hashes[16][:3]), "block_size": 16}
+    desktop = {"model": "m", "healthy": True, "cached": frozenset(hashes[16][:1]), "block_size": 16,
+               "decode_tok_s": 50.0}
+    rs = replicas(m_laptop=laptop, m_desktop=desktop)
+    assert [cached_prefix_tokens(r, hashes) for r in rs[:2]] == [16, 48]
+    assert choose_replica(rs, "m", prompt_hashes=hashes) == "m@laptop"  # though the desktop is faster
+    # A prefix the laptop lacks the start of counts nothing there.
+    assert cached_prefix_tokens(ReplicaLoad("x", "m", True, cached=frozenset(hashes[16][1:]), block_size=16),
+                                hashes) == 0
+    busy = replicas(m_laptop={**laptop, "in_flight": PREFIX_SLACK - 1}, m_desktop=desktop)
+    assert choose_replica(busy, "m", prompt_hashes=hashes) == "m@laptop"
+    busy = replicas(m_laptop={**laptop, "in_flight": PREFIX_SLACK}, m_desktop=desktop)
+    assert choose_replica(busy, "m", prompt_hashes=hashes) == "m@desktop"  # load overrides
+    # A client's session id still wins; a prompt nobody caches goes by load.
+    client = next(f"id:s{i}" for i in range(100) if choose_replica(rs, "m", f"id:s{i}") == "m@desktop")
+    assert choose_replica(rs, "m", client, prompt_hashes=hashes) == "m@desktop"
+    cold = {16: block_hashes(list(range(500, 564)), 16)}
+    assert choose_replica(rs, "m", prompt_hashes=cold) == "m@desktop"  # the faster one, by expected wait
+    # Equal prefixes: the less busy, then the warmer expert cache.
+    same = {**laptop, "cached": frozenset(hashes[16])}
+    rs = replicas(m_laptop={**same, "cache_warmth": 0.2}, m_desktop={**same, "cache_warmth": 0.9})
+    assert choose_replica(rs, "m", prompt_hashes=hashes) == "m@desktop"
+    rs = replicas(m_laptop={**same, "cache_warmth": 0.2}, m_desktop={**same, "cache_warmth": 0.9, "in_flight": 1})
+    assert choose_replica(rs, "m", prompt_hashes=hashes) == "m@laptop"
