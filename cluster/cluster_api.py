@@ -20,14 +20,16 @@ from hearth.serving.session import session_key
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
                    "frequency_penalty", "ignore_eos")
-_KNOWN = {"prompt", "messages", "max_tokens", "stop", "session_id", "id", *SAMPLING_FIELDS}
+_KNOWN = {"prompt", "messages", "max_tokens", "stop", "session_id", "id", "model", *SAMPLING_FIELDS}
 
 
-def _build(state: Any, request: dict[str, Any]) -> tuple[GenerateRequest, Any]:
+def _build(state: Any, request: dict[str, Any]) -> tuple[Any, GenerateRequest, Any]:
+    """(the model's scope, the engine request, its reply parser); ``model`` defaults to the first served."""
     unknown = sorted(set(request) - _KNOWN)
     if unknown:
         raise APIError(400, f"unknown field(s) {unknown}; known: {sorted(_KNOWN)}", unknown[0])
-    frontend = state.frontend
+    scope = state.check_model(request.get("model") or state.model_name)
+    frontend = scope.frontend
     messages = request.get("messages")
     if messages is not None:
         if not isinstance(messages, list) or not messages:
@@ -41,7 +43,7 @@ def _build(state: Any, request: dict[str, Any]) -> tuple[GenerateRequest, Any]:
     max_tokens = frontend.max_tokens(request.get("max_tokens", 256), len(ids), "max_tokens")
     params = frontend.sampling(max_tokens, request.get("stop"), **{f: request.get(f) for f in SAMPLING_FIELDS})
     key = session_key(request.get("session_id"), messages, ids)
-    return GenerateRequest(f"ray-{uuid.uuid4().hex}", ids, params, key), parser
+    return scope, GenerateRequest(f"ray-{uuid.uuid4().hex}", ids, params, key), parser
 
 
 async def run_request(state: Any, request: dict[str, Any],
@@ -49,8 +51,8 @@ async def run_request(state: Any, request: dict[str, Any],
     """Run one request through the router's engine client; ``on_delta`` gets each step's text."""
     reply = Reply()
     try:
-        gen, parser = _build(state, request)
-        async for events, chunk in stream_reply(state, gen, parser, "openai", "ray"):
+        scope, gen, parser = _build(state, request)
+        async for events, chunk in stream_reply(scope, gen, parser, "openai", "ray"):
             reply.add(events, chunk)
             if on_delta is not None and chunk.token_ids:
                 on_delta({"text": chunk.text, "token_ids": list(chunk.token_ids)})

@@ -29,8 +29,7 @@ async def count_tokens(request: Request) -> dict[str, int]:
 
     def prepare() -> int:  # on an intake thread
         body = parse_body(CountTokensRequest, raw)
-        state.check_model(body.model)
-        return len(_render(state, body, check_length=False).ids)  # counted even when too long
+        return len(_render(state.check_model(body.model), body, check_length=False).ids)  # even when too long
 
     return {"input_tokens": await state.prepare(prepare, len(raw))}
 
@@ -43,27 +42,26 @@ async def messages(request: Request):
 
     def prepare():  # on an intake thread
         body = parse_body(MessagesRequest, raw)
-        state.check_model(body.model)
-        prompt = _render(state, body)
-        frontend = state.frontend
+        scope = state.check_model(body.model)
+        prompt = _render(scope, body)
+        frontend = scope.frontend
         message_id = f"msg_{uuid.uuid4().hex[:24]}"
         max_tokens = frontend.max_tokens(body.max_tokens, len(prompt.ids), "max_tokens", message_id)
         params = frontend.sampling(max_tokens, body.stop_sequences, temperature=body.temperature, top_p=body.top_p,
                                    top_k=body.top_k, grammar=prompt.grammar)
         opening = [{"role": "system", "content": body.model_dump(mode="json").get("system")}] if body.system else []
         opening += [m.model_dump(mode="json") for m in body.messages]
-        return body, prompt, max_tokens, GenerateRequest(message_id, prompt.ids, params,
-                                                         session_key(session_id, opening), tenant)
+        gen = GenerateRequest(message_id, prompt.ids, params, session_key(session_id, opening), tenant)
+        return scope, body, prompt, max_tokens, gen
 
-    body, prompt, max_tokens, gen = await state.prepare(prepare, len(raw))
-    frontend = state.frontend
-    stream = stream_reply(state, gen, frontend.parser(prompt), "anthropic", "messages")
+    scope, body, prompt, max_tokens, gen = await state.prepare(prepare, len(raw))
+    stream = stream_reply(scope, gen, scope.frontend.parser(prompt), "anthropic", "messages")
     headers = clamp_headers(body.max_tokens, max_tokens)
     if body.stream:
         stream = await primed(request, stream)
-        return event_stream(_events(state, gen.request_id, len(prompt.ids), stream), headers)
+        return event_stream(_events(scope, gen.request_id, len(prompt.ids), stream), headers)
     reply = await run_unless_disconnected(request, collect(stream))
-    return JSONResponse(_message_response(state, gen.request_id, reply), headers=headers)
+    return JSONResponse(_message_response(scope, gen.request_id, reply), headers=headers)
 
 
 # -- request conversion -------------------------------------------------------------------------

@@ -30,29 +30,92 @@ R = TypeVar("R")
 _TRIM_AFTER_BYTES = 1 << 20  # a request body this large gets its memory returned once it is prepared
 
 
+class ServedModel:
+    """One model a server serves: the names it answers to, its engine client, and its tokenizer-side
+    frontend (built by the first request that needs it)."""
+
+    def __init__(self, names: list[str], client: Any, tool_parser: str | None = None) -> None:
+        self.names, self.client, self.tool_parser = names, client, tool_parser
+        self._frontend: ModelFrontend | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    @property
+    def frontend(self) -> ModelFrontend:
+        """Built once, one thread at a time: the intake threads would otherwise import and build it
+        together, and transformers' lazy imports are not safe to race."""
+        if self._frontend is None:
+            with self._lock:
+                if self._frontend is None:
+                    self._frontend = self._build_frontend()
+        return self._frontend
+
+    def _build_frontend(self) -> ModelFrontend:
+        self.check_ready()
+        from hearth.engine.loader import load_config
+        from hearth.engine.tokenizer import load_tokenizer
+
+        path = Path(self.client.model.path)
+        _, cfg = load_config(path)
+        model = self.client.model
+        return ModelFrontend(load_tokenizer(path), cfg.architecture, model.max_model_len, model.vocab_size,
+                             self.tool_parser)
+
+    def check_ready(self) -> None:
+        if not self.client.ready:
+            error = getattr(self.client, "load_error", None)
+            raise APIError(503, f"the model '{self.name}' is still loading, retry shortly" if error is None
+                           else f"the model '{self.name}' failed to load: {error}")
+
+    def answers_to(self, name: str) -> bool:
+        return name in self.names or name == self.client.model.path
+
+
+class ModelScope:
+    """A request's view of the server once its model is known: that model's client, frontend and
+    name, and everything else (tenant, intake, metrics, stored responses) from the server."""
+
+    def __init__(self, state: ServerState, served: ServedModel) -> None:
+        self._state, self.served = state, served
+        self.client, self.model_name = served.client, served.name
+
+    @property
+    def frontend(self) -> ModelFrontend:
+        return self.served.frontend
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+
 class ServerState:
-    """What the handlers share: the engine client, the tokenizer-side frontend, metrics, settings."""
+    """What the handlers share: the served models, metrics and settings. ``client`` is the engine
+    client of the one model, or with ``models`` (several), the one that answers for all of them
+    (stats, admin); a request works through the :class:`ModelScope` of the model it names."""
 
     def __init__(self, client: Any, model_names: list[str] | None = None, api_key: str | tuple[str, ...] | None = None,
-                 tool_parser: str | None = None, max_body_bytes: int = 8 << 20, intake_timeout: float = 30.0) -> None:
+                 tool_parser: str | None = None, max_body_bytes: int = 8 << 20, intake_timeout: float = 30.0,
+                 models: list[ServedModel] | None = None) -> None:
         self.client = client
-        self.model_names = model_names or [client.model.name]
+        self.models = models or [ServedModel(model_names or [client.model.name], client, tool_parser)]
+        self.model_names = [name for m in self.models for name in m.names]
         self.api_key = api_key
         self.tool_parser = tool_parser
         self.max_body_bytes = max_body_bytes
         self.intake_timeout = intake_timeout
         self.metrics = ServerMetrics(client)
         self.responses = ResponseStore()  # stored /v1/responses results, for previous_response_id
-        self._frontend: ModelFrontend | None = None
-        self._frontend_lock = threading.Lock()
         # Parsing, template rendering and tokenization run here, off the event loop: a large or slow
         # request then delays only itself, never /health or the streams of others.
         self._intake = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hearth-intake")
 
     def close(self) -> None:
-        """Stop the engine client and the intake threads (a request still being prepared is dropped)."""
+        """Stop the engine clients and the intake threads (a request still being prepared is dropped)."""
         self._intake.shutdown(wait=False, cancel_futures=True)
-        self.client.close()
+        for client in {id(c): c for c in [self.client, *(m.client for m in self.models)]}.values():
+            client.close()
 
     async def prepare(self, fn: Callable[[], R], size: int = 0) -> R:
         """``fn()`` (a request's parsing, rendering and tokenization; ``size``: its body's bytes) on an
@@ -83,37 +146,22 @@ class ServerState:
 
     @property
     def frontend(self) -> ModelFrontend:
-        """The tokenizer side, built by the first request that needs it (one at a time: the intake
-        threads would otherwise import and build it together, and transformers' lazy imports are not
-        safe to race)."""
-        if self._frontend is None:
-            with self._frontend_lock:
-                if self._frontend is None:
-                    self._frontend = self._build_frontend()
-        return self._frontend
-
-    def _build_frontend(self) -> ModelFrontend:
-        self.check_ready()
-        from hearth.engine.loader import load_config
-        from hearth.engine.tokenizer import load_tokenizer
-
-        path = Path(self.client.model.path)
-        _, cfg = load_config(path)
-        model = self.client.model
-        return ModelFrontend(load_tokenizer(path), cfg.architecture, model.max_model_len, model.vocab_size,
-                             self.tool_parser)
+        """The first model's frontend (the one a single-model server has)."""
+        return self.models[0].frontend
 
     def check_ready(self) -> None:
-        if not self.client.ready:
-            error = getattr(self.client, "load_error", None)
-            raise APIError(503, "the model is still loading, retry shortly" if error is None
-                           else f"the model failed to load: {error}")
+        self.models[0].check_ready()
 
-    def check_model(self, name: str) -> None:
-        self.check_ready()
-        if name not in self.model_names and name != self.client.model.path:
+    def check_model(self, name: str) -> ModelScope:
+        """The scope of the served model named ``name`` (ready), or a 404 listing the served names."""
+        served = next((m for m in self.models if m.answers_to(name)), None)
+        if served is None:
+            if len(self.models) == 1:
+                self.check_ready()
             raise APIError(404, f"model: '{name}' is not served here (this server serves "
                                 f"{', '.join(repr(n) for n in self.model_names)})", "model")
+        served.check_ready()
+        return ModelScope(self, served)
 
 
 def error_response(path: str, error: APIError) -> JSONResponse:
@@ -163,18 +211,28 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        client = state.client
-        if client.ready:
-            return {"status": "ready", "model": state.model_name}
-        error = getattr(client, "load_error", None)
-        body = {"status": "loading"} if error is None else {"status": "failed", "error": str(error)}
-        return JSONResponse(body, status_code=503)
+        if len(state.models) > 1:  # ready once every model is
+            models = {m.name: _health_of(m.client) for m in state.models}
+            ready = all(h["status"] == "ready" for h in models.values())
+            return JSONResponse({"status": "ready" if ready else "loading", "model": state.model_name,
+                                 "models": models}, status_code=200 if ready else 503)
+        health = _health_of(state.client)
+        if health["status"] == "ready":
+            return {**health, "model": state.model_name}
+        return JSONResponse(health, status_code=503)
 
     @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format, so documented
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _health_of(client: Any) -> dict[str, str]:
+    if client.ready:
+        return {"status": "ready"}
+    error = getattr(client, "load_error", None)
+    return {"status": "loading"} if error is None else {"status": "failed", "error": str(error)}
 
 
 class AuthAndAccessLog:

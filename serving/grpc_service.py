@@ -31,8 +31,8 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
             self._authorize(context)
             meta = dict(context.invocation_metadata() or ())
             meta["peer"] = context.peer()
-            gen = await self.state.prepare(lambda: self._request(request, meta))  # tokenized off the loop
-            async for _, chunk in stream_reply(self.state, gen, None, "openai", "grpc"):
+            scope, gen = await self.state.prepare(lambda: self._request(request, meta))  # tokenized off the loop
+            async for _, chunk in stream_reply(scope, gen, None, "openai", "grpc"):
                 reply = hearth_pb2.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text)
                 for lp in chunk.logprobs or ():
                     reply.logprobs.append(hearth_pb2.TokenLogprob(
@@ -57,10 +57,9 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
             self._authorize(context)
         except APIError as exc:
             await context.abort(_CODES[exc.status], exc.message)
-        model = self.state.client.model
         return hearth_pb2.ListModelsResponse(models=[
-            hearth_pb2.ModelCard(id=name, max_model_len=model.max_model_len, created=model.created)
-            for name in self.state.model_names])
+            hearth_pb2.ModelCard(id=name, max_model_len=m.client.model.max_model_len, created=m.client.model.created)
+            for m in self.state.models for name in m.names])
 
     async def Health(self, request, context):  # noqa: N802
         client = self.state.client
@@ -69,10 +68,9 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
             hearth_pb2.HealthResponse.FAILED if error is not None else hearth_pb2.HealthResponse.LOADING)
         return hearth_pb2.HealthResponse(status=status, model=self.state.model_name, error=str(error or ""))
 
-    def _request(self, request: hearth_pb2.GenerateRequest, meta: dict[str, Any]) -> GenerateRequest:
-        state = self.state
-        state.check_model(request.model)
-        frontend = state.frontend
+    def _request(self, request: hearth_pb2.GenerateRequest, meta: dict[str, Any]) -> tuple[Any, GenerateRequest]:
+        scope = self.state.check_model(request.model)
+        frontend = scope.frontend
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise APIError(400, "prompt: give text or token_ids", "prompt")
@@ -84,9 +82,9 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
         params.stop_token_ids = list(s.stop_token_ids)
         if s.HasField("skip_special_tokens"):
             params.skip_special_tokens = s.skip_special_tokens
-        return GenerateRequest(f"grpc-{uuid.uuid4().hex}", ids, params,
-                               session_key(meta.get("x-session-id"), prompt_ids=ids),
-                               request_tenant(meta, meta.get("peer", "").rsplit(":", 1)[0], self.state.api_key))
+        return scope, GenerateRequest(f"grpc-{uuid.uuid4().hex}", ids, params,
+                                      session_key(meta.get("x-session-id"), prompt_ids=ids),
+                                      request_tenant(meta, meta.get("peer", "").rsplit(":", 1)[0], self.state.api_key))
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         key = self.state.api_key

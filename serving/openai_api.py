@@ -42,24 +42,23 @@ async def list_models(request: Request) -> dict[str, Any]:
     """The served models, with their context length (known before the weights are loaded). An
     Anthropic client (``anthropic-version`` header) gets Anthropic's listing shape."""
     state = request.app.state.hearth
-    model = state.client.model
+    served = [(name, m.client.model) for m in state.models for name in m.names]
     if "anthropic-version" in request.headers:
-        created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(model.created))
-        data = [{"type": "model", "id": name, "display_name": name, "created_at": created,
+        data = [{"type": "model", "id": name, "display_name": name,
+                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(model.created)),
                  "max_input_tokens": model.max_model_len, "context_window": model.max_model_len}
-                for name in state.model_names]
+                for name, model in served]
         return {"data": data, "has_more": False, "first_id": data[0]["id"], "last_id": data[-1]["id"]}
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": model.created, "owned_by": "hearth",
          "max_model_len": model.max_model_len, "context_length": model.max_model_len}
-        for name in state.model_names]}
+        for name, model in served]}
 
 
-def _open(state: Any, raw: bytes, model: type[B]) -> B:
-    """The validated body, for a served model."""
+def _open(state: Any, raw: bytes, model: type[B]) -> tuple[B, Any]:
+    """The validated body, and the scope of the served model it names."""
     body = parse_body(model, raw)
-    state.check_model(body.model)
-    return body
+    return body, state.check_model(body.model)
 
 
 @router.post("/v1/chat/completions")
@@ -69,34 +68,34 @@ async def chat_completions(request: Request):
     tenant = state.tenant(request)
 
     def prepare():  # on an intake thread
-        body = _open(state, raw, ChatCompletionRequest)
+        body, scope = _open(state, raw, ChatCompletionRequest)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
         tools, mode = _tools(body)
         messages = [_message(m, i) for i, m in enumerate(body.messages)]
-        prompt = state.frontend.render_chat(messages, tools, mode, body.chat_template_kwargs,
+        prompt = scope.frontend.render_chat(messages, tools, mode, body.chat_template_kwargs,
                                             json_schema=response_schema(body.response_format),
                                             schema_field="response_format.json_schema.schema")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         requested = body.max_completion_tokens or body.max_tokens
-        params = _sampling(state, body, prompt.ids, requested,
+        params = _sampling(scope, body, prompt.ids, requested,
                            "max_completion_tokens" if body.max_completion_tokens else "max_tokens", request_id,
                            logprobs=(body.top_logprobs or 0) if body.logprobs else None, grammar=prompt.grammar)
         session = session_key(session_id, messages)
-        return body, prompt, request_id, requested, params, samples(GenerateRequest(request_id, prompt.ids, params,
-                                                                                    session, tenant), body.n)
+        gens = samples(GenerateRequest(request_id, prompt.ids, params, session, tenant), body.n)
+        return scope, body, prompt, request_id, requested, params, gens
 
-    body, prompt, request_id, requested, params, gens = await state.prepare(prepare, len(raw))
-    stream = fan_out(state, gens, [state.frontend.parser(prompt) for _ in gens], "openai", "chat")
+    scope, body, prompt, request_id, requested, params, gens = await state.prepare(prepare, len(raw))
+    stream = fan_out(scope, gens, [scope.frontend.parser(prompt) for _ in gens], "openai", "chat")
     headers = clamp_headers(requested, params.max_tokens)
-    logprobs = LogprobFormat(state.frontend.token_text) if body.logprobs else None
+    logprobs = LogprobFormat(scope.frontend.token_text) if body.logprobs else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = await primed(request, stream)
-        return event_stream(chat_events(state.model_name, request_id, stream, body.n, include_usage, logprobs),
+        return event_stream(chat_events(scope.model_name, request_id, stream, body.n, include_usage, logprobs),
                             headers)
     replies = await run_unless_disconnected(request, collect_samples(stream, body.n))
-    return JSONResponse(chat_response(state.model_name, request_id, replies, logprobs), headers=headers)
+    return JSONResponse(chat_response(scope.model_name, request_id, replies, logprobs), headers=headers)
 
 
 @router.post("/v1/completions")
@@ -106,7 +105,7 @@ async def completions(request: Request):
     tenant = state.tenant(request)
 
     def prepare():  # on an intake thread
-        body = _open(state, raw, CompletionRequest)
+        body, scope = _open(state, raw, CompletionRequest)
         if body.echo or body.suffix:
             raise APIError(400, "echo and suffix are not supported", "echo" if body.echo else "suffix")
         prompt = body.prompt
@@ -114,24 +113,24 @@ async def completions(request: Request):
             if len(prompt) != 1:
                 raise APIError(400, "prompt: give one prompt per request (use n for several samples)", "prompt")
             prompt = prompt[0]
-        ids = state.frontend.prompt_ids(prompt, "prompt")
+        ids = scope.frontend.prompt_ids(prompt, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        params = _sampling(state, body, ids, body.max_tokens, "max_tokens", request_id, default_tokens=16,
+        params = _sampling(scope, body, ids, body.max_tokens, "max_tokens", request_id, default_tokens=16,
                            logprobs=body.logprobs)
         gen = GenerateRequest(request_id, ids, params, session_key(session_id, prompt_ids=ids), tenant)
-        return body, request_id, params, samples(gen, body.n)
+        return scope, body, request_id, params, samples(gen, body.n)
 
-    body, request_id, params, gens = await state.prepare(prepare, len(raw))
-    stream = fan_out(state, gens, [None] * len(gens), "openai", "completions")
+    scope, body, request_id, params, gens = await state.prepare(prepare, len(raw))
+    stream = fan_out(scope, gens, [None] * len(gens), "openai", "completions")
     headers = clamp_headers(body.max_tokens, params.max_tokens)
-    logprobs = LogprobFormat(state.frontend.token_text) if body.logprobs is not None else None
+    logprobs = LogprobFormat(scope.frontend.token_text) if body.logprobs is not None else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = await primed(request, stream)
-        return event_stream(completion_events(state.model_name, request_id, stream, body.n, include_usage,
+        return event_stream(completion_events(scope.model_name, request_id, stream, body.n, include_usage,
                                               body.return_token_ids, logprobs), headers)
     replies = await run_unless_disconnected(request, collect_samples(stream, body.n))
-    return JSONResponse(completion_response(state.model_name, request_id, replies, logprobs, body.return_token_ids),
+    return JSONResponse(completion_response(scope.model_name, request_id, replies, logprobs, body.return_token_ids),
                         headers=headers)
 
 

@@ -56,7 +56,7 @@ async def create_response(request: Request) -> JSONResponse | StreamingResponse:
 
     def prepare():  # on an intake thread
         body = parse_body(ResponsesRequest, raw)
-        state.check_model(body.model)
+        scope = state.check_model(body.model)
         history = _history(state, body.previous_response_id)
         conversation = history + _input_messages(body)
         messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
@@ -66,26 +66,25 @@ async def create_response(request: Request) -> JSONResponse | StreamingResponse:
                                  "text.format") if fmt else None
         effort = body.reasoning.effort if body.reasoning else None
         kwargs = {"enable_thinking": False} if effort in ("none", "minimal") else None
-        frontend = state.frontend
+        frontend = scope.frontend
         prompt = frontend.render_chat(messages, tools, mode, kwargs, json_schema=schema,
                                       schema_field="text.format.schema", messages_field="input")
-        head = ResponseHead(new_id("resp"), state.model_name, _echo(body))
+        head = ResponseHead(new_id("resp"), scope.model_name, _echo(body))
         max_tokens = frontend.max_tokens(body.max_output_tokens, len(prompt.ids), "max_output_tokens", head.id)
         params = frontend.sampling(max_tokens, None, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                                    grammar=prompt.grammar)
         gen = GenerateRequest(f"resp-{uuid.uuid4().hex}", prompt.ids, params, session_key(session_id, conversation),
                               tenant)
-        return body, conversation, namespaces, prompt, head, max_tokens, gen
+        return scope, body, conversation, namespaces, prompt, head, max_tokens, gen
 
-    body, conversation, namespaces, prompt, head, max_tokens, gen = await state.prepare(prepare, len(raw))
-    frontend = state.frontend
-    stream = stream_reply(state, gen, frontend.parser(prompt), "openai", "responses")
+    scope, body, conversation, namespaces, prompt, head, max_tokens, gen = await state.prepare(prepare, len(raw))
+    stream = stream_reply(scope, gen, scope.frontend.parser(prompt), "openai", "responses")
     headers = clamp_headers(body.max_output_tokens, max_tokens)
     if body.stream:
         stream = await primed(request, stream)
-        return event_stream(_events(state, head, body.store, conversation, stream, namespaces), headers)
+        return event_stream(_events(scope, head, body.store, conversation, stream, namespaces), headers)
     reply = await run_unless_disconnected(request, collect(stream))
-    return JSONResponse(_finish(state, head, reply, output_items(reply, namespaces), body.store, conversation),
+    return JSONResponse(_finish(scope, head, reply, output_items(reply, namespaces), body.store, conversation),
                         headers=headers)
 
 
