@@ -20,9 +20,10 @@ _TYPICAL_M = (1, 2, 4, 8)
 def add_commands(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="deploy a model onto a Ray cluster (starting a local one if needed)",
                         description="Place replicas of the model on the cluster's machines and start the router.")
-    up.add_argument("--model", default=None, help="checkpoint directory, the same path on every machine "
-                                                  "(default: the demo model)")
-    up.add_argument("--name", default=None, help="name clients use for the model (default: the directory name)")
+    up.add_argument("--model", action="append", default=None, metavar="[NAME=]DIR",
+                    help="checkpoint directory, the same path on every machine (default: the demo model); "
+                         "repeat it to serve several models, each by its NAME (default: the directory name)")
+    up.add_argument("--name", default=None, help="name clients use for a single model (default: the directory name)")
     _add_address(up)
     up.add_argument("--replicas", type=int, default=None, help="replicas (default: one per machine that fits)")
     up.add_argument("--require", default=None, metavar="LABEL", help="only machines with this Ray resource")
@@ -71,24 +72,40 @@ def cmd_up(args: argparse.Namespace) -> int:
     from hearth.engine.demo import DEMO_NAME, demo_model_dir
     from hearth.engine.loader import load_config
 
-    model = Path(args.model) if args.model else demo_model_dir()
-    if not model.is_dir():
-        raise FileNotFoundError(f"{model}: no such checkpoint directory")
-    name = args.name or (DEMO_NAME if args.model is None else model.name)
-    serving = serving_config(args, served_model_name=[name])
-    load_config(model)  # an unsupported or broken config is refused before any Ray work
+    models = [_model_arg(a) for a in args.model] if args.model else [(DEMO_NAME, demo_model_dir())]
+    if args.name and len(models) > 1:
+        raise ValueError("--name names a single model; with several, give --model NAME=DIR")
+    if args.name:
+        models = [(args.name, models[0][1])]
+    for _, model in models:
+        if not model.is_dir():
+            raise FileNotFoundError(f"{model}: no such checkpoint directory")
+        load_config(model)  # an unsupported or broken config is refused before any Ray work
+    names = [name for name, _ in models]
+    serving = serving_config(args, served_model_name=names[:1])
     _connect(args.address, start_if_missing=True)
+    (name, model), *more = models
     options = DeployOptions(str(model.resolve()), name, serving.host, serving.port, serving.grpc_port,
                             serving.api_key, args.replicas, args.require, engine_options(args),
-                            max_waiting=serving.max_waiting, tool_parser=serving.tool_parser)
+                            max_waiting=serving.max_waiting, tool_parser=serving.tool_parser,
+                            more_models=tuple((str(p.resolve()), n) for n, p in more))
     desc = deploy(options, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     base = desc["url"]
-    print(f"hearth: '{name}' is up: {len(desc['replicas'])} replica(s)\n"
+    print(f"hearth: {', '.join(repr(n) for n in names)} {'is' if len(names) == 1 else 'are'} up: "
+          f"{len(desc['replicas'])} replica(s)\n"
           f"  OpenAI API     {base}/v1\n  Anthropic API  {base}\n"
           f"  gRPC           {'port ' + str(args.grpc_port) if args.grpc_port else 'off'}\n"
           f"  Python         hearth.cluster.connect('{args.address}')\n"
           f"  `hearth status` for the per-machine table, `hearth down` to stop", file=sys.stderr)
     return 0
+
+
+def _model_arg(value: str) -> tuple[str, Path]:
+    """``--model [NAME=]DIR`` -> (name, directory)."""
+    name, sep, path = value.partition("=")
+    if not sep or "/" in name or not name:  # a plain path (which may itself hold "=")
+        return Path(value).name, Path(value)
+    return name, Path(path)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -139,6 +156,7 @@ def format_status(status: dict[str, Any]) -> str:
                      _gbps(r.get("b_h")), q, "-" if r.get("hit_rate") is None else f"{r['hit_rate']:.0%}",
                      f"{r.get('decode_tok_s') or 0:.1f}", str(r.get("in_flight", 0))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = [f"model {status['model']} at {status['url']}"]
+    models = status.get("models") or [status["model"]]
+    lines = [f"model{'s' if len(models) > 1 else ''} {', '.join(models)} at {status['url']}"]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     return "\n".join(lines)

@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hearth.cluster.actors import NAMESPACE, CpuWorkerActor, ExecutorActor, HostPoolActor, MonitorActor, ReplicaSpec
 from hearth.cluster.node_info import describe_this_node
-from hearth.cluster.placement import ModelSpec, NodeInfo, PlacementPlan, ReplicaPlan, plan_placement
+from hearth.cluster.placement import ModelSpec, NodeInfo, ReplicaPlan, plan_placement
 from hearth.cluster.router import ROUTER_NAME, ReplicaInfo, RouterActor, RouterConfig
 from hearth.config import EngineConfig, ServingConfig
 from hearth.proto.contracts import ModelInfo
@@ -49,19 +49,29 @@ class DeployOptions:
     ready_timeout_s: float = 900.0
     max_waiting: int = 64
     tool_parser: str | None = None
+    more_models: tuple[tuple[str, str | None], ...] = ()  # further (path, name) pairs, served beside the first
 
     def __post_init__(self) -> None:
         # A clear ConfigError now rather than inside an actor (each replica gets its own pool's name).
         EngineConfig(**{"host_pool_name": "check", **self.engine_options})
+        names = [name for _, name in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique (give --model NAME=DIR), got {names}")
 
     @property
     def serving(self) -> ServingConfig:
         return ServingConfig(host=self.host, port=self.port, grpc_port=self.grpc_port, api_key=self.api_key,
-                             model_names=(self.name,), max_waiting=self.max_waiting, tool_parser=self.tool_parser)
+                             model_names=tuple(name for _, name in self.models), max_waiting=self.max_waiting,
+                             tool_parser=self.tool_parser)
 
     @property
     def name(self) -> str:
         return self.model_name or Path(self.model_path).name
+
+    @property
+    def models(self) -> list[tuple[str, str]]:
+        """Every (checkpoint path, name) to serve, the first one first."""
+        return [(self.model_path, self.name)] + [(path, name or Path(path).name) for path, name in self.more_models]
 
 
 def _labels(resources: dict[str, float]) -> frozenset[str]:
@@ -114,11 +124,12 @@ def _pool_name(model: str, replica: ReplicaPlan) -> str:
     return f"{safe}-{replica.node_id[:8]}"
 
 
-def replica_specs(plan: PlacementPlan, options: DeployOptions, model_name: str) -> list[ReplicaSpec]:
+def replica_specs(replicas: list[ReplicaPlan], options: DeployOptions, model_path: str,
+                  model_name: str) -> list[ReplicaSpec]:
     specs = []
-    for r in plan.replicas:
+    for r in replicas:
         pool = _pool_name(model_name, r)
-        specs.append(ReplicaSpec(r.replica_id, model_name, str(Path(options.model_path).resolve()), r.node_id, pool,
+        specs.append(ReplicaSpec(r.replica_id, model_name, str(Path(model_path).resolve()), r.node_id, pool,
                                  replica_engine(r, options.engine_options, pool), max_waiting=options.max_waiting,
                                  monitor_interval_s=options.monitor_interval_s))
     return specs
@@ -146,31 +157,39 @@ def _head_node_id() -> str:
 
 
 def deploy(options: DeployOptions, log=print) -> dict[str, Any]:
-    """Deploy the model onto the connected cluster; returns the router's description."""
+    """Deploy the model(s) onto the connected cluster, placed together by the planner; returns the
+    router's description."""
     if find_router() is not None:
         raise RuntimeError("hearth is already deployed on this cluster (`hearth status`; `hearth down` first)")
-    name = options.name
     nodes = discover_nodes()
-    plan = plan_placement(nodes, [model_spec(options.model_path, name, options.replicas, options.require)])
-    specs = replica_specs(plan, options, name)
-    for r, spec in zip(plan.replicas, specs, strict=True):
-        log(f"hearth: replica {r.replica_id}: {r.executor} executor on {r.node_name} "
-            f"({spec.engine.experts.device}), pool '{spec.pool_name}'")
+    plan = plan_placement(nodes, [model_spec(path, name, options.replicas, options.require)
+                                  for path, name in options.models])
+    groups = []  # per model: (path, name, its replica plans, their specs)
+    for path, name in options.models:
+        replicas = [r for r in plan.replicas if r.model == name]
+        groups.append((path, name, replicas, replica_specs(replicas, options, path, name)))
+    for _, _, replicas, specs in groups:
+        for r, spec in zip(replicas, specs, strict=True):
+            log(f"hearth: replica {r.replica_id}: {r.executor} executor on {r.node_name} "
+                f"({spec.engine.experts.device}), pool '{spec.pool_name}'")
     started = time.perf_counter()
-    executors = [_start_replica(spec) for spec in specs]
+    executors = [[_start_replica(spec) for spec in specs] for *_, specs in groups]
     try:
-        infos = ray.get([e.ready.remote() for e in executors], timeout=options.ready_timeout_s)
+        infos = [ray.get([e.ready.remote() for e in group], timeout=options.ready_timeout_s) for group in executors]
     except Exception:
         teardown()
         raise
-    log(f"hearth: {len(infos)} replica(s) ready in {time.perf_counter() - started:.1f} s")
-    first = infos[0]
-    model = ModelInfo(name, str(Path(options.model_path).resolve()), first["max_model_len"], first["vocab_size"],
-                      int(time.time()))
-    replicas = tuple(ReplicaInfo(r.replica_id, name, r.node_id, r.node_name, s.actor_name("executor"),
-                                 s.actor_name("monitor"), r.executor, r.gpu_index, r.expert_cache_bytes)
-                     for r, s in zip(plan.replicas, specs, strict=True))
-    config = RouterConfig(model, replicas, options.serving, options.health_interval_s)
+    log(f"hearth: {sum(map(len, infos))} replica(s) ready in {time.perf_counter() - started:.1f} s")
+    served = []
+    for (path, name, replicas, specs), ready in zip(groups, infos, strict=True):
+        model = ModelInfo(name, str(Path(path).resolve()), ready[0]["max_model_len"], ready[0]["vocab_size"],
+                          int(time.time()))
+        served.append((model, tuple(ReplicaInfo(r.replica_id, name, r.node_id, r.node_name, s.actor_name("executor"),
+                                                s.actor_name("monitor"), r.executor, r.gpu_index,
+                                                r.expert_cache_bytes)
+                                    for r, s in zip(replicas, specs, strict=True))))
+    (first, first_replicas), *more = served
+    config = RouterConfig(first, first_replicas, options.serving, options.health_interval_s, tuple(more))
     router = ray.remote(RouterActor).options(
         name=ROUTER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_restarts=-1, max_concurrency=64,
         scheduling_strategy=_on_node(_head_node_id())).remote(config)

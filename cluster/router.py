@@ -265,29 +265,90 @@ def _as_future(ref) -> asyncio.Future:
     return asyncio.wrap_future(ref.future())
 
 
+class ModelSetClient:
+    """The router's engine clients of several models as one, for what is not per model: readiness,
+    statistics (every replica), expert-cache resizing and shutdown. Requests go to each model's own
+    client (the serving layer's :class:`~hearth.serving.app.ServedModel`)."""
+
+    def __init__(self, clients: list[RouterEngineClient]) -> None:
+        self.clients = clients
+        self.model = clients[0].model
+
+    @property
+    def ready(self) -> bool:
+        return all(c.ready for c in self.clients)
+
+    @property
+    def load_error(self) -> BaseException | None:
+        return next((c.load_error for c in self.clients if c.load_error is not None), None)
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        for c in self.clients:
+            c.wait_ready(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        parts = [c.stats() for c in self.clients]
+        routed = sum(c.routed[0] for c in self.clients)
+        return {"running": sum(p["running"] for p in parts), "waiting": 0,
+                "in_flight": sum(p["in_flight"] for p in parts),
+                "route_seconds_mean": sum(c.routed[1] for c in self.clients) / routed if routed else 0.0,
+                "replicas": {rid: r for p in parts for rid, r in p["replicas"].items()}}
+
+    async def start(self) -> None:
+        await asyncio.gather(*(c.start() for c in self.clients))
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+    async def resize_expert_cache(self, size: str, replica: str | None = None) -> dict[str, dict[str, Any]]:
+        if replica is not None:
+            owner = next((c for c in self.clients if replica in c.replicas), None)
+            if owner is None:
+                raise LookupError(f"no replica '{replica}' (the replicas: "
+                                  f"{', '.join(sorted(r for c in self.clients for r in c.replicas))})")
+            return await owner.resize_expert_cache(size, replica)
+        results: dict[str, dict[str, Any]] = {}
+        for c in self.clients:
+            results.update(await c.resize_expert_cache(size))
+        return results
+
+
 @dataclass(frozen=True)
 class RouterConfig:
-    """How the router serves: the model, its replicas and the listeners."""
+    """How the router serves: the first model and its replicas, any further (model, replicas), and
+    the listeners."""
 
     model: ModelInfo
     replicas: tuple[ReplicaInfo, ...]
     serving: ServingConfig = ServingConfig()
     health_interval_s: float = 1.0
+    more: tuple[tuple[ModelInfo, tuple[ReplicaInfo, ...]], ...] = ()
+
+    @property
+    def groups(self) -> list[tuple[ModelInfo, tuple[ReplicaInfo, ...]]]:
+        return [(self.model, self.replicas), *self.more]
 
 
 class RouterActor:
     """Runs the API server (HTTP + gRPC) on its own thread and event loop inside the actor."""
 
     def __init__(self, config: RouterConfig) -> None:
-        from hearth.serving.app import ServerState
+        from hearth.serving.app import ServedModel, ServerState
         from hearth.serving.server import BackgroundServer
 
         self.config = config
         self.started = time.time()
-        self.client = RouterEngineClient(config.model, list(config.replicas), config.health_interval_s)
         serving = config.serving
-        state = ServerState(self.client, list(serving.model_names) or [config.model.name], serving.api_keys(),
-                            serving.tool_parser, serving.max_body_bytes, serving.intake_timeout)
+        clients = [RouterEngineClient(model, list(replicas), config.health_interval_s)
+                   for model, replicas in config.groups]
+        self.client = clients[0] if len(clients) == 1 else ModelSetClient(clients)
+        # One model answers to every --served-model-name; several answer to their own names.
+        names = [list(serving.model_names) or [config.model.name]] if len(clients) == 1 else \
+            [[c.model.name] for c in clients]
+        models = [ServedModel(n, c, serving.tool_parser) for n, c in zip(names, clients, strict=True)]
+        state = ServerState(self.client, None, serving.api_keys(), serving.tool_parser, serving.max_body_bytes,
+                            serving.intake_timeout, models=models)
         self.server = BackgroundServer(state, serving, on_loop_start=self.client.start)
         self.server.start()
 
@@ -297,8 +358,10 @@ class RouterActor:
     def describe(self) -> dict[str, Any]:
         """The deployment: model, replicas and listeners (for status, down and the client)."""
         c = self.config
-        return {"model": c.model.name, "path": c.model.path, "url": self.server.url, "grpc_port": c.serving.grpc_port,
-                "replicas": [r.__dict__ for r in c.replicas], "started": self.started, "pid": os.getpid()}
+        return {"model": c.model.name, "path": c.model.path, "models": [m.name for m, _ in c.groups],
+                "url": self.server.url, "grpc_port": c.serving.grpc_port,
+                "replicas": [r.__dict__ for _, replicas in c.groups for r in replicas], "started": self.started,
+                "pid": os.getpid()}
 
     def replica_stats(self) -> dict[str, Any]:
         return self.client.stats()["replicas"]

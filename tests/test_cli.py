@@ -154,3 +154,13 @@ def test_generate_on_a_hybrid_model_with_checkpoint_flags(checkpoint):
     assert plain.stdout == cached.stdout
     bad = hearth(*common, "--prefix-caching", "--checkpoint-interval", "20")
     assert bad.returncode != 0 and "checkpoint_interval" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_model_arguments_take_an_optional_name() -> None:
+    from pathlib import Path
+
+    from hearth.cli.cluster import _model_arg
+
+    assert _model_arg("coder=/m/qwen") == ("coder", Path("/m/qwen"))
+    assert _model_arg("/m/qwen3-moe") == ("qwen3-moe", Path("/m/qwen3-moe"))
+    assert _model_arg("/m/a=b") == ("a=b", Path("/m/a=b"))  # a path with "=" in it stays a path

@@ -92,3 +92,4 @@ def test_up_status_job_client_down(ray_nodes, agent_checkpoint, tmp_path):
     assert run(hearth, "status", "--address", address, env=env, check=False).returncode == 1
     with pytest.raises(requests.ConnectionError):
         requests.get(f"http://127.0.0.1:{http}/health", timeout=5)
+
