@@ -34,6 +34,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--json", action="store_true", help="machine-readable output")
     down = sub.add_parser("down", help="remove everything `hearth up` started")
     _add_address(down)
+    drain = sub.add_parser("drain", help="take a machine out: its requests finish, then its replicas stop",
+                           description="New requests go elsewhere at once; the machine's replicas finish what "
+                                       "they hold (queued requests included), then stop. It gets no replica again "
+                                       "while this deployment runs.")
+    drain.add_argument("node", help="the machine's name (as `hearth status` shows it) or Ray node id")
+    drain.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for its requests (default 600)")
+    _add_address(drain)
 
 
 def _add_address(p: argparse.ArgumentParser) -> None:
@@ -117,6 +124,29 @@ def cmd_status(args: argparse.Namespace) -> int:
         print("hearth: nothing is deployed on this cluster", file=sys.stderr)
         return 1
     print(json.dumps(status, indent=2, default=str) if args.json else format_status(status))
+    return 0
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    import ray
+
+    from hearth.cluster.deploy import find_router
+
+    _connect(args.address)
+    router = find_router()
+    if router is None:
+        print("hearth: nothing is deployed on this cluster", file=sys.stderr)
+        return 1
+    try:
+        done = ray.get(router.drain.remote(args.node, args.timeout), timeout=args.timeout + 60)
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, LookupError):
+            print(f"hearth: error: {cause.args[0]}", file=sys.stderr)
+            return 1
+        raise
+    left = f"; {done['unfinished']} request(s) still running were cut off" if done["unfinished"] else ""
+    print(f"hearth: drained {done['node']}: stopped {', '.join(done['replicas'])}{left}", file=sys.stderr)
     return 0
 
 

@@ -264,9 +264,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cluster_handlers() -> dict:
-    from hearth.cli.cluster import cmd_down, cmd_status, cmd_up
+    from hearth.cli.cluster import cmd_down, cmd_drain, cmd_status, cmd_up
 
-    return {"up": cmd_up, "status": cmd_status, "down": cmd_down}
+    return {"up": cmd_up, "status": cmd_status, "down": cmd_down, "drain": cmd_drain}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,9 +89,13 @@ def _describe(node_id: str, address: str, labels: frozenset[str]) -> NodeInfo:
 
 def discover_nodes() -> list[NodeInfo]:
     """Every live node's capabilities, measured on the node itself."""
-    live = [n for n in ray.nodes() if n.get("Alive")]
+    return describe_nodes([n for n in ray.nodes() if n.get("Alive")])
+
+
+def describe_nodes(nodes: list[dict[str, Any]]) -> list[NodeInfo]:
+    """The capabilities of these nodes (entries of ``ray.nodes()``), each measured on itself."""
     refs = [_describe.options(scheduling_strategy=_on_node(n["NodeID"])).remote(
-        n["NodeID"], n["NodeManagerAddress"], _labels(n.get("Resources", {}))) for n in live]
+        n["NodeID"], n["NodeManagerAddress"], _labels(n.get("Resources", {}))) for n in nodes]
     return list(ray.get(refs, timeout=120))
 
 
@@ -135,7 +139,7 @@ def replica_specs(replicas: list[ReplicaPlan], options: DeployOptions, model_pat
     return specs
 
 
-def _start_replica(spec: ReplicaSpec) -> Any:
+def start_replica(spec: ReplicaSpec) -> Any:
     """Create the replica's actors on its node; returns the executor handle."""
     common = {"namespace": NAMESPACE, "lifetime": "detached", "num_cpus": 0, "max_restarts": -1,
               "scheduling_strategy": _on_node(spec.node_id)}
@@ -147,6 +151,12 @@ def _start_replica(spec: ReplicaSpec) -> Any:
                                                  **common).remote(spec)
     ray.remote(MonitorActor).options(name=spec.actor_name("monitor"), **common).remote(spec)
     return executor
+
+
+def replica_info(r: ReplicaPlan, spec: ReplicaSpec) -> ReplicaInfo:
+    """What the router knows of a replica planned as ``r`` and specified as ``spec``."""
+    return ReplicaInfo(r.replica_id, r.model, r.node_id, r.node_name, spec.actor_name("executor"),
+                       spec.actor_name("monitor"), r.executor, r.gpu_index, r.expert_cache_bytes)
 
 
 def _head_node_id() -> str:
@@ -173,7 +183,7 @@ def deploy(options: DeployOptions, log=print) -> dict[str, Any]:
             log(f"hearth: replica {r.replica_id}: {r.executor} executor on {r.node_name} "
                 f"({spec.engine.experts.device}), pool '{spec.pool_name}'")
     started = time.perf_counter()
-    executors = [[_start_replica(spec) for spec in specs] for *_, specs in groups]
+    executors = [[start_replica(spec) for spec in specs] for *_, specs in groups]
     try:
         infos = [ray.get([e.ready.remote() for e in group], timeout=options.ready_timeout_s) for group in executors]
     except Exception:
@@ -184,12 +194,9 @@ def deploy(options: DeployOptions, log=print) -> dict[str, Any]:
     for (path, name, replicas, specs), ready in zip(groups, infos, strict=True):
         model = ModelInfo(name, str(Path(path).resolve()), ready[0]["max_model_len"], ready[0]["vocab_size"],
                           int(time.time()))
-        served.append((model, tuple(ReplicaInfo(r.replica_id, name, r.node_id, r.node_name, s.actor_name("executor"),
-                                                s.actor_name("monitor"), r.executor, r.gpu_index,
-                                                r.expert_cache_bytes)
-                                    for r, s in zip(replicas, specs, strict=True))))
+        served.append((model, tuple(replica_info(r, s) for r, s in zip(replicas, specs, strict=True))))
     (first, first_replicas), *more = served
-    config = RouterConfig(first, first_replicas, options.serving, options.health_interval_s, tuple(more))
+    config = RouterConfig(first, first_replicas, options.serving, options.health_interval_s, tuple(more), options)
     router = ray.remote(RouterActor).options(
         name=ROUTER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_restarts=-1, max_concurrency=64,
         scheduling_strategy=_on_node(_head_node_id())).remote(config)
@@ -208,10 +215,13 @@ def _hearth_actors() -> list[str]:
                   if a.get("namespace") == NAMESPACE and a["name"].startswith("hearth:"))
 
 
-def teardown(log=print) -> list[str]:
+def teardown(log=print, replica_id: str | None = None) -> list[str]:
     """Stop everything ``deploy`` started: router, monitors, executors, CPU workers, then the pools
-    (closed first, so their shared memory is removed). Returns the names removed."""
+    (closed first, so their shared memory is removed); or only the actors of ``replica_id``.
+    Returns the names removed."""
     names = _hearth_actors()
+    if replica_id is not None:
+        names = [n for n in names if n.endswith(f":{replica_id}")]
     order = ("router", "monitor", "executor", "cpu", "pool")
     removed = []
     for role in order:

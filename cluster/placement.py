@@ -152,6 +152,30 @@ def plan_placement(nodes: tuple[NodeInfo, ...] | list[NodeInfo], models: tuple[M
     return PlacementPlan(tuple(replicas), committed)
 
 
+def plan_joiners(nodes: tuple[NodeInfo, ...] | list[NodeInfo], models: tuple[ModelSpec, ...] | list[ModelSpec],
+                 placed: dict[str, int], holders: dict[str, frozenset[str]],
+                 policy: PlacementPolicy | None = None) -> tuple[ReplicaPlan, ...]:
+    """Replicas to add on ``nodes`` (machines that joined, or that lost their replicas) without
+    touching the running ones: per model, every fitting node without one of its replicas
+    (``holders``: model -> node ids holding one) when it asks for one per machine, else as many
+    as it lacks (``placed``: model -> replicas alive). Their RAM is what the nodes report now, so
+    what runs on them already counts. Never refuses: what does not fit is left out."""
+    policy = policy or PlacementPolicy()
+    live = sorted((n for n in nodes if n.alive), key=_node_order)
+    ram_left = {n.node_id: n.ram_available_bytes for n in live}
+    gpus_free = {n.node_id: sorted(n.gpus, key=lambda g: (-g.free_bytes, g.index)) for n in live}
+    added: list[ReplicaPlan] = []
+    for model in sorted(models, key=lambda m: (-(m.pool_bytes + m.dense_bytes), m.name)):
+        held = holders.get(model.name, frozenset())
+        fitting = [n for n in live if n.node_id not in held and (model.require is None or model.require in n.labels)
+                   and ram_left[n.node_id] >= policy.ram_needed(model, n)]
+        wanted = len(fitting) if model.replicas is None else max(0, model.replicas - placed.get(model.name, 0))
+        for node in fitting[:wanted]:
+            ram_left[node.node_id] -= model.pool_bytes + model.dense_bytes
+            added.append(_replica(model, node, gpus_free[node.node_id], policy))
+    return tuple(added)
+
+
 def _replica(model: ModelSpec, node: NodeInfo, gpus_free: list[GpuInfo], policy: PlacementPolicy) -> ReplicaPlan:
     """A CUDA executor on the node's freest unused GPU whose budget holds the dense weights; else CPU."""
     for gpu in list(gpus_free):

@@ -61,6 +61,7 @@ class _ReplicaState:
     last_error: str | None = None
     executor_stats: dict[str, Any] = field(default_factory=dict)  # the latest, from the health loop
     lost: asyncio.Event = field(default_factory=asyncio.Event)
+    draining: bool = False  # out of rotation for new requests; removed once its requests finish
     cached: frozenset[int] = frozenset()  # its prefix cache's block hashes (health loop)
     block_size: int = 0
     prompt_tokens: int = 0  # of the requests it finished
@@ -68,8 +69,8 @@ class _ReplicaState:
 
     def load(self) -> ReplicaLoad:
         warmth = float((self.executor_stats.get("experts") or {}).get("hit_rate") or 0.0)
-        return ReplicaLoad(self.info.replica_id, self.info.model, self.healthy, self.in_flight, self.decode_tok_s,
-                           self.assigned, self.cached, self.block_size, warmth)
+        return ReplicaLoad(self.info.replica_id, self.info.model, self.healthy and not self.draining, self.in_flight,
+                           self.decode_tok_s, self.assigned, self.cached, self.block_size, warmth)
 
 
 def _app_error(exc: ray.exceptions.RayTaskError) -> BaseException:
@@ -104,7 +105,7 @@ class RouterEngineClient:
             raise TimeoutError("no replica became ready in time")
 
     def stats(self) -> dict[str, Any]:
-        states = self.replicas.values()
+        states = list(self.replicas.values())
         in_flight = sum(r.in_flight for r in states)
         routed = self.routed
         return {"running": in_flight, "waiting": 0, "in_flight": in_flight,
@@ -207,6 +208,12 @@ class RouterEngineClient:
         return {r.info.replica_id: ({"error": str(x).splitlines()[0]} if isinstance(x, BaseException) else x)
                 for r, x in zip(targets, results, strict=True)}
 
+    # -- membership ----------------------------------------------------------------------------
+    def add_replica(self, info: ReplicaInfo) -> None:
+        """A replica started after deployment (a machine joined); the health loop brings it into
+        rotation at its first good check. Called on the server's loop."""
+        self.replicas[info.replica_id] = _ReplicaState(info, ray.get_actor(info.executor_name, namespace="hearth"))
+
     # -- health --------------------------------------------------------------------------------
     def _mark_down(self, state: _ReplicaState, exc: BaseException) -> None:
         if state.healthy:
@@ -234,7 +241,7 @@ class RouterEngineClient:
             await self.check_health()
 
     async def check_health(self) -> None:
-        await asyncio.gather(*(self._check(state) for state in self.replicas.values()))
+        await asyncio.gather(*(self._check(state) for state in list(self.replicas.values())))
 
     async def _check(self, state: _ReplicaState) -> None:
         try:
@@ -324,6 +331,8 @@ class RouterConfig:
     serving: ServingConfig = ServingConfig()
     health_interval_s: float = 1.0
     more: tuple[tuple[ModelInfo, tuple[ReplicaInfo, ...]], ...] = ()
+    deploy: Any = None  # the DeployOptions, to start replicas on machines that join (None: no membership)
+    membership_interval_s: float = 5.0
 
     @property
     def groups(self) -> list[tuple[ModelInfo, tuple[ReplicaInfo, ...]]]:
@@ -342,6 +351,7 @@ class RouterActor:
         serving = config.serving
         clients = [RouterEngineClient(model, list(replicas), config.health_interval_s)
                    for model, replicas in config.groups]
+        self._clients = clients
         self.client = clients[0] if len(clients) == 1 else ModelSetClient(clients)
         # One model answers to every --served-model-name; several answer to their own names.
         names = [list(serving.model_names) or [config.model.name]] if len(clients) == 1 else \
@@ -349,8 +359,27 @@ class RouterActor:
         models = [ServedModel(n, c, serving.tool_parser) for n, c in zip(names, clients, strict=True)]
         state = ServerState(self.client, None, serving.api_keys(), serving.tool_parser, serving.max_body_bytes,
                             serving.intake_timeout, models=models)
-        self.server = BackgroundServer(state, serving, on_loop_start=self.client.start)
+        self.membership = None
+        if config.deploy is not None:
+            from hearth.cluster.membership import Membership
+
+            self.membership = Membership(config.deploy, {c.model.name: c for c in clients},
+                                         config.membership_interval_s)
+        self.server = BackgroundServer(state, serving, on_loop_start=self._start)
         self.server.start()
+
+    async def _start(self) -> None:
+        await self.client.start()
+        if self.membership is not None:
+            self.membership.start()
+
+    def drain(self, node: str, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Take every replica on ``node`` out of rotation, let its requests (queued ones included)
+        finish, then stop its actors; the node gets no replica again. The replicas drained."""
+        if self.membership is None:
+            raise RuntimeError("this deployment does not manage its machines (no membership)")
+        future = asyncio.run_coroutine_threadsafe(self.membership.drain(node, timeout_s), self.server.loop)
+        return future.result()
 
     def url(self) -> str:
         return self.server.url
@@ -360,8 +389,9 @@ class RouterActor:
         c = self.config
         return {"model": c.model.name, "path": c.model.path, "models": [m.name for m, _ in c.groups],
                 "url": self.server.url, "grpc_port": c.serving.grpc_port,
-                "replicas": [r.__dict__ for _, replicas in c.groups for r in replicas], "started": self.started,
-                "pid": os.getpid()}
+                "replicas": [r.info.__dict__ for client in self._clients for r in list(client.replicas.values())],
+                "started": self.started,
+                "pid": os.getpid(), "joined": list(self.membership.joined) if self.membership else []}
 
     def replica_stats(self) -> dict[str, Any]:
         return self.client.stats()["replicas"]

@@ -118,3 +118,20 @@ def test_plan_is_deterministic() -> None:
     nodes = [node("b", 32), node("a", 32), node("c", 32)]
     plans = {plan_placement(perm, [model(replicas=2)]).replicas for perm in (nodes, nodes[::-1])}
     assert len(plans) == 1
+
+
+def test_a_joining_node_gets_what_fits_without_moving_the_running_replicas() -> None:
+    from hearth.cluster.placement import plan_joiners
+
+    spare = node("spare", 32, gpus=(8,), label="spare")
+    big, small = model("big", pool_gib=20), model("small", pool_gib=4)
+    held = {"big": frozenset({"desktop"}), "small": frozenset({"desktop", "laptop"})}
+    added = plan_joiners([spare], [big, small], {"big": 1, "small": 2}, held)
+    assert [(r.model, r.node_name, r.executor) for r in added] == [("big", "spare", "cuda"), ("small", "spare", "cpu")]
+    # A node that already holds a model's replica gets none; one too small for a model skips it, no error.
+    assert plan_joiners([node("desktop", 64)], [big], {"big": 1}, held) == ()
+    assert [r.model for r in plan_joiners([node("tiny", 12)], [big, small], {}, {})] == ["small"]
+    # A fixed count is topped up only to what is missing (a node left), on nodes without one.
+    fixed = model("big", pool_gib=20, replicas=2)
+    assert len(plan_joiners([spare, node("other", 64)], [fixed], {"big": 1}, held)) == 1
+    assert plan_joiners([spare], [fixed], {"big": 2}, held) == ()

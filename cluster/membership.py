@@ -1,0 +1,120 @@
+"""Machines that come and go, carried out by the router: a machine that joins the Ray cluster gets
+the replicas the planner gives it, without a redeploy; a machine that is drained (``hearth drain
+NODE``) stops taking requests, finishes what it holds, then loses its replicas.
+
+The decisions are :func:`cluster.placement.plan_joiners` over the machines' own reports; this
+module only watches, starts and stops. Every ``interval_s`` it compares Ray's live nodes with the
+ones it has already planned for: only new machines are described (a task on each) and planned.
+With a fixed replica count, a model that lost replicas to a machine that left is topped up on the
+machines without one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import ray
+
+from hearth.cluster.placement import ModelSpec, NodeInfo, ReplicaPlan, plan_joiners
+
+log = logging.getLogger("hearth.membership")
+
+
+class Membership:
+    """Watches the cluster's machines for one deployment (``options``: its DeployOptions; ``clients``:
+    the router's engine client per model name)."""
+
+    def __init__(self, options: Any, clients: dict[str, Any], interval_s: float = 5.0) -> None:
+        self.options, self.clients, self.interval_s = options, clients, interval_s
+        self.paths = {name: path for path, name in options.models}
+        self.planned: set[str] = {r.info.node_id for c in clients.values() for r in c.replicas.values()}
+        self.drained: set[str] = set()  # node ids that get no replica again
+        self.specs: list[ModelSpec] | None = None
+        self.joined: list[tuple[str, float]] = []  # (replica id, seconds from noticing its machine to serving)
+        self._task: asyncio.Task | None = None
+        self._busy = asyncio.Lock()
+
+    def start(self) -> None:
+        """Run the watch loop on the current event loop (the router's)."""
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                async with self._busy:
+                    await self.reconcile()
+            except Exception:  # noqa: BLE001 - a failed round is logged and tried again next time
+                log.exception("membership round failed")
+
+    async def reconcile(self) -> list[str]:
+        """One round: start the replicas new machines get; returns their ids once they serve."""
+        noticed = time.monotonic()
+        added = await asyncio.to_thread(self._plan_round)
+        started = []
+        for plan, info, executor in await asyncio.to_thread(self._start, added):
+            try:
+                await asyncio.wrap_future(executor.ready.remote().future())
+            except Exception as exc:  # noqa: BLE001 - a replica that fails to load stays out; logged
+                log.warning("replica %s did not start: %s", plan.replica_id, exc)
+                continue
+            self.clients[plan.model].add_replica(info)
+            await self.clients[plan.model].check_health()  # in rotation now, not at the next check
+            self.joined.append((plan.replica_id, time.monotonic() - noticed))
+            log.info("replica %s joined on %s", plan.replica_id, plan.node_name)
+            started.append(plan.replica_id)
+        return started
+
+    def _plan_round(self) -> tuple[ReplicaPlan, ...]:
+        from hearth.cluster.deploy import describe_nodes, model_spec
+
+        live = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+        holders = {name: frozenset(r.info.node_id for r in c.replicas.values() if r.info.node_id in live)
+                   for name, c in self.clients.items()}
+        if self.specs is None:
+            self.specs = [model_spec(path, name, self.options.replicas, self.options.require)
+                          for path, name in self.options.models]
+        short = any(s.replicas is not None and len(holders[s.name]) < s.replicas for s in self.specs)
+        fresh = [nid for nid in live if nid not in self.drained and (nid not in self.planned or short)]
+        if not fresh:
+            return ()
+        nodes: list[NodeInfo] = describe_nodes([live[nid] for nid in fresh])
+        self.planned.update(fresh)
+        return plan_joiners(nodes, self.specs, {k: len(v) for k, v in holders.items()}, holders)
+
+    def _start(self, added: tuple[ReplicaPlan, ...]) -> list[tuple[ReplicaPlan, Any, Any]]:
+        from hearth.cluster.deploy import replica_info, replica_specs, start_replica
+
+        out = []
+        for plan in added:
+            spec = replica_specs([plan], self.options, self.paths[plan.model], plan.model)[0]
+            log.info("starting replica %s on a machine that joined (%s)", plan.replica_id, plan.executor)
+            out.append((plan, replica_info(plan, spec), start_replica(spec)))
+        return out
+
+    async def drain(self, node: str, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Drain the machine named (or with the id) ``node``; see ``RouterActor.drain``."""
+        from hearth.cluster.deploy import teardown
+
+        targets = [(c, r) for c in self.clients.values() for r in list(c.replicas.values())
+                   if node in (r.info.node_name, r.info.node_id)]
+        if not targets:
+            known = sorted({r.info.node_name for c in self.clients.values() for r in c.replicas.values()})
+            raise LookupError(f"no replica on a machine named '{node}' (machines with replicas: {known})")
+        async with self._busy:
+            self.drained.update(r.info.node_id for _, r in targets)
+            for _, r in targets:
+                r.draining = True
+            deadline = time.monotonic() + timeout_s
+            while any(r.in_flight for _, r in targets) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            left = sum(r.in_flight for _, r in targets)
+            for client, r in targets:
+                await asyncio.to_thread(teardown, lambda *_: None, r.info.replica_id)
+                client.replicas.pop(r.info.replica_id, None)
+                r.lost.set()
+            log.info("drained %s: %s", node, [r.info.replica_id for _, r in targets])
+            return {"node": node, "replicas": [r.info.replica_id for _, r in targets], "unfinished": left}
