@@ -196,7 +196,8 @@ def deploy(options: DeployOptions, log=print) -> dict[str, Any]:
                           int(time.time()))
         served.append((model, tuple(replica_info(r, s) for r, s in zip(replicas, specs, strict=True))))
     (first, first_replicas), *more = served
-    config = RouterConfig(first, first_replicas, options.serving, options.health_interval_s, tuple(more), options)
+    config = RouterConfig(first, first_replicas, options.serving, options.health_interval_s, tuple(more), options,
+                          nodes=tuple(nodes))
     router = ray.remote(RouterActor).options(
         name=ROUTER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_restarts=-1, max_concurrency=64,
         scheduling_strategy=_on_node(_head_node_id())).remote(config)

@@ -27,8 +27,10 @@ class Membership:
     """Watches the cluster's machines for one deployment (``options``: its DeployOptions; ``clients``:
     the router's engine client per model name)."""
 
-    def __init__(self, options: Any, clients: dict[str, Any], interval_s: float = 5.0) -> None:
+    def __init__(self, options: Any, clients: dict[str, Any], interval_s: float = 5.0,
+                 nodes: dict[str, NodeInfo] | None = None) -> None:
         self.options, self.clients, self.interval_s = options, clients, interval_s
+        self.nodes = nodes if nodes is not None else {}  # node id -> its report (shared with the router)
         self.paths = {name: path for path, name in options.models}
         self.planned: set[str] = {r.info.node_id for c in clients.values() for r in c.replicas.values()}
         self.drained: set[str] = set()  # node ids that get no replica again
@@ -82,6 +84,7 @@ class Membership:
         if not fresh:
             return ()
         nodes: list[NodeInfo] = describe_nodes([live[nid] for nid in fresh])
+        self.nodes.update({n.node_id: n for n in nodes})
         self.planned.update(fresh)
         return plan_joiners(nodes, self.specs, {k: len(v) for k, v in holders.items()}, holders)
 

@@ -333,6 +333,7 @@ class RouterConfig:
     more: tuple[tuple[ModelInfo, tuple[ReplicaInfo, ...]], ...] = ()
     deploy: Any = None  # the DeployOptions, to start replicas on machines that join (None: no membership)
     membership_interval_s: float = 5.0
+    nodes: tuple[Any, ...] = ()  # the NodeInfo of each machine at deployment (for the status page)
 
     @property
     def groups(self) -> list[tuple[ModelInfo, tuple[ReplicaInfo, ...]]]:
@@ -360,13 +361,22 @@ class RouterActor:
         state = ServerState(self.client, None, serving.api_keys(), serving.tool_parser, serving.max_body_bytes,
                             serving.intake_timeout, models=models)
         self.membership = None
+        self.nodes = {n.node_id: n for n in config.nodes}  # what each machine reported of itself
         if config.deploy is not None:
             from hearth.cluster.membership import Membership
 
             self.membership = Membership(config.deploy, {c.model.name: c for c in clients},
-                                         config.membership_interval_s)
+                                         config.membership_interval_s, self.nodes)
+        state.node_provider = self.node_rows
         self.server = BackgroundServer(state, serving, on_loop_start=self._start)
         self.server.start()
+
+    def node_rows(self) -> list[dict[str, Any]]:
+        """The machines for the status page: what each reported, and whether Ray sees it alive."""
+        from dataclasses import asdict
+
+        alive = {n["NodeID"]: bool(n.get("Alive")) for n in ray.nodes()}
+        return [{**asdict(n), "name": n.name, "alive": alive.get(n.node_id, False)} for n in list(self.nodes.values())]
 
     async def _start(self) -> None:
         await self.client.start()

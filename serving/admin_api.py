@@ -24,6 +24,19 @@ class ExpertCacheResize(BaseModel):
     replica: str | None = Field(None, max_length=200, description="one replica of a cluster (default: all)")
 
 
+@router.get("/admin/status")
+async def status(request: Request) -> dict[str, Any]:
+    """The status page's data: machines, replicas (health, load, speed, bandwidths, q table), the
+    queue and recent requests."""
+    import asyncio
+
+    from hearth.serving.status_page import status_snapshot
+
+    state = request.app.state.hearth
+    nodes = await asyncio.to_thread(state.node_provider) if state.node_provider is not None else None
+    return status_snapshot(state, nodes)
+
+
 @router.get("/admin/expert-cache")
 async def expert_cache(request: Request) -> dict[str, Any]:
     """Each replica's cache: slots, bytes, experts held, hit rate (from the engine's latest stats)."""

@@ -7,13 +7,14 @@ import functools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -23,9 +24,10 @@ from hearth.serving.frontend import ModelFrontend
 from hearth.serving.metrics import ServerMetrics
 from hearth.serving.responses_format import ResponseStore
 from hearth.serving.session import request_tenant
+from hearth.serving.status_page import status_page_html
 
 log = logging.getLogger("hearth.serving")
-_OPEN_PATHS = {"/health", "/"}
+_OPEN_PATHS = {"/health"}
 R = TypeVar("R")
 _TRIM_AFTER_BYTES = 1 << 20  # a request body this large gets its memory returned once it is prepared
 
@@ -107,6 +109,9 @@ class ServerState:
         self.intake_timeout = intake_timeout
         self.metrics = ServerMetrics(client)
         self.responses = ResponseStore()  # stored /v1/responses results, for previous_response_id
+        self.recent: deque[dict[str, Any]] = deque(maxlen=50)  # finished requests, for the status page
+        # The machines behind this server, for the status page (a cluster's router sets it).
+        self.node_provider: Callable[[], list[dict[str, Any]]] | None = None
         # Parsing, template rendering and tokenization run here, off the event loop: a large or slow
         # request then delays only itself, never /health or the streams of others.
         self._intake = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hearth-intake")
@@ -221,6 +226,11 @@ def create_app(state: ServerState) -> FastAPI:
             return {**health, "model": state.model_name}
         return JSONResponse(health, status_code=503)
 
+    @app.get("/", response_class=HTMLResponse)
+    async def status_page():
+        """The live status page (one static file; it polls /admin/status)."""
+        return HTMLResponse(status_page_html())
+
     @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format, so documented
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -272,6 +282,12 @@ class AuthAndAccessLog:
 
 def _authorized(scope: dict, key: str | tuple[str, ...]) -> bool:
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+    if scope["path"] == "/":  # a browser opening the status page passes the key in the address: /?key=KEY
+        from urllib.parse import parse_qs
+
+        given = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key", [""])[0]
+        if given and key_matches("", given, key):
+            return True
     return key_matches(headers.get("authorization", ""), headers.get("x-api-key"), key)
 
 

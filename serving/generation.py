@@ -96,6 +96,14 @@ async def stream_reply(app_state: Any, request: GenerateRequest, parser: OutputP
             metrics.aborted.inc()
             status = "aborted"
         metrics.requests.labels(endpoint, status).inc()
+        recent = getattr(app_state, "recent", None)
+        if recent is not None:  # the status page's list of recent requests
+            recent.append({"time": time.time(), "id": request.request_id, "model": getattr(app_state, "model_name", ""),
+                           "endpoint": endpoint, "status": status, "prompt_tokens": len(request.prompt_ids),
+                           "completion_tokens": final.metrics.num_output_tokens if final else 0,
+                           "cached_tokens": final.metrics.num_cached_tokens if final else 0,
+                           "ttft_ms": round((first - start) * 1e3, 1) if first else None,
+                           "ms": round((time.perf_counter() - start) * 1e3, 1)})
         log.info("generation", extra={"fields": {
             "id": request.request_id, "endpoint": endpoint, "status": status,
             "prompt_tokens": len(request.prompt_ids),
