@@ -1,0 +1,53 @@
+"""Pipeline stages as a pure function: which machines a too-big model is split over, and where."""
+
+from __future__ import annotations
+
+import pytest
+
+from hearth.cluster.placement import GIB, NodeInfo, PlacementError, PlacementPolicy
+from hearth.cluster.stages import plan_stages
+
+POLICY = PlacementPolicy(min_headroom_bytes=2 * GIB, headroom_fraction=0.0)
+
+
+def machine(name: str, ram_gib: float, cores: int = 8, b_h: float | None = None, alive: bool = True) -> NodeInfo:
+    return NodeInfo(name, "10.0.0.1", int(ram_gib * GIB), int(ram_gib * GIB), cores, (), frozenset({name}), alive,
+                    b_h=b_h)
+
+
+def layers(count: int, gib: float) -> list[int]:
+    return [int(gib * GIB)] * count
+
+
+def test_a_model_bigger_than_either_machine_is_split_over_both() -> None:
+    # 48 layers of 1.8 GiB (86 GiB) + 1 GiB embeddings + 1 GiB head: neither 64 nor 32 GiB holds it.
+    desktop, laptop = machine("desktop", 64, b_h=40e9), machine("laptop", 34, b_h=20e9)
+    stages = plan_stages([laptop, desktop], "big", layers(48, 1.8), GIB, GIB, POLICY)
+    assert [(s.node_name, s.first_layer, s.end_layer) for s in stages] == [("desktop", 0, 32), ("laptop", 32, 48)]
+    assert all(s.ram_bytes <= (62 if s.node_name == "desktop" else 32) * GIB for s in stages)
+    assert stages[0].ram_bytes == 32 * int(1.8 * GIB) + GIB  # 2:1 by speed
+    assert stages[1].stage_id == "big/stage1@laptop"
+
+
+def test_layers_follow_speed_where_ram_allows() -> None:
+    # Plenty of RAM on both: the 3x faster machine takes about 3/4 of the layers.
+    fast, slow = machine("fast", 200, b_h=30e9), machine("slow", 200, b_h=10e9)
+    stages = plan_stages([fast, slow], "m", layers(40, 1.0), 0, 0, POLICY, speeds={"fast": 3.0, "slow": 1.0})
+    assert len(stages) == 1  # it fits on the fastest machine alone: no hop at all
+    small_fast = machine("fast", 32, b_h=30e9)
+    stages = plan_stages([small_fast, slow], "m", layers(40, 1.0), 0, 0, POLICY)
+    assert [(s.node_name, s.end_layer - s.first_layer) for s in stages] == [("fast", 30), ("slow", 10)]
+
+
+def test_the_fewest_fastest_machines_are_used_and_dead_ones_skipped() -> None:
+    nodes = [machine("a", 40, cores=16), machine("b", 40, cores=8), machine("c", 40, cores=4),
+             machine("d", 400, cores=32, alive=False)]
+    stages = plan_stages(nodes, "m", layers(30, 2.0), 0, 0, POLICY)
+    assert [s.node_name for s in stages] == ["a", "b"]  # 60 GiB: two machines suffice
+    assert stages[0].first_layer == 0 and stages[-1].end_layer == 30
+    assert all(a.end_layer == b.first_layer for a, b in zip(stages, stages[1:], strict=False))
+
+
+def test_too_big_for_the_whole_cluster_says_how_short() -> None:
+    with pytest.raises(PlacementError, match="60.0 GiB short"):
+        plan_stages([machine("a", 22), machine("b", 22)], "huge", layers(50, 2.0), 0, 0, POLICY)
