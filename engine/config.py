@@ -101,6 +101,12 @@ class ModelConfig:
     rope_in_fp32: bool = False
     # Experts with biases on gate/up and down (GPT-OSS): kept in each bank row's last column.
     expert_bias: bool = False
+    # A pipeline stage's layers [first, end): only these are loaded, cached and run (None: all).
+    layer_range: tuple[int, int] | None = None
+
+    def in_stage(self, idx: int) -> bool:
+        """Whether layer ``idx`` is this stage's (every layer without a ``layer_range``)."""
+        return self.layer_range is None or self.layer_range[0] <= idx < self.layer_range[1]
 
     @property
     def kv_layout(self) -> tuple[int, int, int]:
@@ -123,18 +129,18 @@ class ModelConfig:
 
     @property
     def moe_layer_ids(self) -> list[int]:
-        return [i for i, is_moe in enumerate(self.moe_layers) if is_moe]
+        return [i for i, is_moe in enumerate(self.moe_layers) if is_moe and self.in_stage(i)]
 
     def is_linear_layer(self, idx: int) -> bool:
         return bool(self.layer_types) and self.layer_types[idx] == "linear_attention"
 
     @property
     def linear_layer_ids(self) -> list[int]:
-        return [i for i in range(self.num_layers) if self.is_linear_layer(i)]
+        return [i for i in range(self.num_layers) if self.is_linear_layer(i) and self.in_stage(i)]
 
     @property
     def attention_layer_ids(self) -> list[int]:
-        return [i for i in range(self.num_layers) if not self.is_linear_layer(i)]
+        return [i for i in range(self.num_layers) if not self.is_linear_layer(i) and self.in_stage(i)]
 
     @property
     def expert_bytes(self) -> int:

@@ -561,13 +561,15 @@ def load_ftw(path: str | Path, dtype: str | torch.dtype | None = None, pool_fact
 def load_checkpoint(path: str | Path, dtype: str | torch.dtype | None = None, pool_factory: PoolFactory | None = None,
                     verify: bool = True, show_progress: bool = False,
                     filled_pool: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    keep_blocks: bool = True) -> LoadedModel:
+                    keep_blocks: bool = True, layers: tuple[int, int] | None = None) -> LoadedModel:
     """Load an FTW directory, a GGUF file, or a Hugging Face directory (converted in memory to the
     same layout). ``keep_blocks``: quantized weights (a GGUF file's, an FP8 / MXFP4 checkpoint's, or
     an FTW directory's stored in blocks) may stay in their blocks (not when CPU worker processes,
     which compute float experts, share the pool)."""
     from hearth.engine.gguf_loader import is_gguf, load_gguf
 
+    if layers is not None and (is_gguf(path) or is_ftw(path)):
+        raise ConfigError("pipeline stages load Hugging Face checkpoint directories only (for now)")
     if is_gguf(path):
         if filled_pool is not None:
             raise ConfigError("re-attaching to a filled shared expert pool needs an FTW checkpoint")
@@ -578,4 +580,5 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype | None = None, po
     if filled_pool is not None:
         raise ConfigError("re-attaching to a filled shared expert pool needs an FTW checkpoint "
                           "(convert it with `hearth convert`)")
-    return load_model(path, dtype, show_progress=show_progress, pool_factory=pool_factory, keep_blocks=keep_blocks)
+    return load_model(path, dtype, show_progress=show_progress, pool_factory=pool_factory, keep_blocks=keep_blocks,
+                      layers=layers)

@@ -17,6 +17,7 @@ import torch
 from hearth.config import ConfigError, EngineConfig
 from hearth.engine import int8_mode
 from hearth.engine.anchors import anchor_token_ids
+from hearth.engine.batch import ForwardBatch
 from hearth.engine.detokenizer import IncrementalDetokenizer
 from hearth.engine.device_placement import move_module, resolve_device
 from hearth.engine.experts.build import build_hierarchy, cache_slots
@@ -68,7 +69,11 @@ class LLMEngine:
     """Continuous-batching engine over one model. Not thread-safe: drive it from one thread."""
 
     def __init__(self, model_path: str | Path, config: EngineConfig | None = None, show_progress: bool = False,
-                 logits_processors: Sequence[LogitsProcessor] = ()):
+                 logits_processors: Sequence[LogitsProcessor] = (), layers: tuple[int, int] | None = None,
+                 next_stage: Callable[[ForwardBatch, torch.Tensor], torch.Tensor] | None = None):
+        """``layers``: run as the pipeline stage holding layers [first, end) only. The first stage
+        schedules and samples; ``next_stage`` (batch, its hidden states) -> logits runs the others,
+        each an engine of its own whose :meth:`stage_forward` takes the batch."""
         self.config = config = config or EngineConfig()
         self.logits_processors = tuple(logits_processors)
         if config.threads:
@@ -85,6 +90,7 @@ class LLMEngine:
             # Quantized experts stay in blocks, through the hierarchy too, unless CPU worker processes
             # (which compute float experts) share the pool.
             keep_blocks=config.experts.cpu_workers in ("inline", "thread"),
+            layers=layers,
         )
         if self.host_pool is not None and self.host_pool.owner:
             self.host_pool.mark_filled()
@@ -120,6 +126,9 @@ class LLMEngine:
         self._weight_bytes: dict[str, int] | None = None
         states = RecurrentStatePool(cfg, config.scheduler.max_num_seqs, self.device) if cfg.linear_layer_ids else None
         self.runner = ModelRunner(loaded.model, kv, states)
+        if layers is not None:
+            self._check_stage(cfg, next_stage)
+        self.runner.next_stage = next_stage
         if config.static_decode != "off":
             self.runner.static = StaticDecoder(loaded.model, kv, self.max_model_len, config.static_decode,
                                                states=states, experts=self.experts)
@@ -463,4 +472,20 @@ class LLMEngine:
         if prefix is None:
             return None
         return {"block_size": prefix.block_size, "hashes": prefix.block_hashes(limit)}
+
+    def _check_stage(self, cfg, next_stage) -> None:
+        first, end = cfg.layer_range
+        if self.experts is not None or self.config.static_decode != "off" or cfg.linear_layer_ids:
+            raise ConfigError("pipeline stages run the plain expert backend, eager steps and no linear-attention "
+                              "layers for now (--expert-device none, --static-decode off)")
+        if first == 0 and end < cfg.num_layers and next_stage is None:
+            raise ConfigError(f"the first stage [{first}, {end}) needs the later stages (next_stage) to reach "
+                              f"the model's {cfg.num_layers} layers")
+
+    @torch.inference_mode()
+    def stage_forward(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """A later pipeline stage's step: the first stage's ``batch`` (the same block tables: the KV
+        caches of all stages have the same blocks) and the previous stage's hidden states [T, H]; its
+        hidden states, or the logits on the last stage."""
+        return self.runner.model(batch, self.runner.kv, self.runner.states, hidden.to(self.device))
 

@@ -15,7 +15,7 @@ import json
 import logging
 import re
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -194,7 +194,8 @@ def _load_tensors(model_dir: Path, cfg, model: MoECausalLM, pool: ExpertPool, fa
     the checkpoint's quantized tensors, kept in blocks (dense ones where ``keep_dense``)."""
     files = checkpoint_files(model_dir)
     params = dict(model.named_parameters(remove_duplicate=False))
-    expected = set(params) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    expected = {name for name in params if stage_owns(name, cfg)} - (
+        {"lm_head.weight"} if cfg.tie_word_embeddings else set())
     parts = _BIASED_PARTS if cfg.expert_bias else ("gate_proj", "up_proj", "down_proj")
     experts = {(l, e, p) for l in cfg.moe_layer_ids for e in range(cfg.num_experts) for p in parts}
     progress = _Progress(params=expected, experts=experts)
@@ -237,6 +238,21 @@ def is_unused_tensor(canonical: str, cfg) -> bool:
     return bool(_UNUSED.search(canonical)) or (layer is not None and int(layer.group(1)) >= cfg.num_layers)
 
 
+def stage_owns(canonical: str, cfg) -> bool:
+    """Whether a pipeline stage (``cfg.layer_range``) holds this tensor: its own layers' tensors, the
+    embeddings on the first stage, the final norm and the head on the last."""
+    if cfg.layer_range is None:
+        return True
+    first, end = cfg.layer_range
+    layer = _LAYER.match(canonical)
+    if layer is not None:
+        return first <= int(layer.group(1)) < end
+    if canonical.startswith("model.embed_tokens."):
+        return first == 0 or (canonical == "model.embed_tokens.weight" and cfg.tie_word_embeddings
+                              and end == cfg.num_layers)
+    return end == cfg.num_layers  # the final norm and the head
+
+
 def skipped_summary(names: list[str]) -> str:
     """Skipped tensor names grouped by where they sit: ``mtp.* (12), model.layers.3.* (9)``."""
     groups: dict[str, int] = {}
@@ -260,6 +276,8 @@ def _load_one(name, canonical, f, cfg, params, pool, progress: _Progress, quant=
         # An empty canonical name: a tensor the family does not use (e.g. multi-token prediction).
         if not canonical or is_unused_tensor(canonical, cfg):
             progress.skipped.append(name)
+            return
+        if not stage_owns(canonical, cfg):  # another pipeline stage's
             return
         if quant is not None and quant.load(name, canonical, f, params):
             return
@@ -292,6 +310,16 @@ def _report(progress: _Progress) -> None:
         shown = "\n  ".join(errors[:12])
         more = f"\n  … and {len(errors) - 12} more" if len(errors) > 12 else ""
         raise CheckpointError(f"checkpoint does not match its config:\n  {shown}{more}")
+
+
+def stage_config(cfg, layers: tuple[int, int]):
+    """``cfg`` for the pipeline stage holding layers [first, end)."""
+    first, end = layers
+    if not 0 <= first < end <= cfg.num_layers:
+        raise ConfigError(f"stage layers [{first}, {end}) are not within the model's {cfg.num_layers} layers")
+    if cfg.architecture == "DeepseekV4ForCausalLM":
+        raise ConfigError("DeepSeek-V4 does not run as pipeline stages yet")
+    return replace(cfg, layer_range=(first, end))
 
 
 def load_config(model_dir: str | Path, dtype: str | torch.dtype | None = None):
@@ -329,7 +357,7 @@ def load_config(model_dir: str | Path, dtype: str | torch.dtype | None = None):
 
 def load_model(
     model_dir: str | Path, dtype: str | torch.dtype | None = None, show_progress: bool = False, pool_factory=None,
-    keep_blocks: bool = True, for_storage: bool = False,
+    keep_blocks: bool = True, for_storage: bool = False, layers: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """Build the model described by ``model_dir`` and fill every weight from its safetensors.
 
@@ -345,6 +373,8 @@ def load_model(
     if not model_dir.is_dir():
         raise ConfigError(f"model directory '{model_dir}' does not exist")
     family, cfg = load_config(model_dir, dtype)
+    if layers is not None:
+        cfg = stage_config(cfg, layers)
     quant = quant_spec(read_config_json(model_dir), model_dir)
     keep = quant is not None and keep_blocks and blocks_can_stay(cfg, kernels=not for_storage)
     blocks = expert_blocks(quant, cfg) if keep and pool_factory is None else None

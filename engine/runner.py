@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hearth.engine.batch import ForwardBatch, SequenceSlice
@@ -64,6 +66,8 @@ class ModelRunner:
         self.last_captures: list[tuple[Request, int, StateSnapshot]] = []
         self.static = None  # a StaticDecoder (engine/static_step.py) that takes the pure decode steps
         self.device = kv.device  # where the model runs: the batches are made there
+        # Pipeline stages: the later stages' forward, (batch, this stage's hidden states) -> logits.
+        self.next_stage: Callable[[ForwardBatch, torch.Tensor], torch.Tensor] | None = None
 
     def execute(
         self, items: list[tuple[Request, int]], captures: dict[str, list[int]] | None = None,
@@ -82,6 +86,8 @@ class ModelRunner:
         batch, sampled = build_batch(items, self.kv.block_size, captures, self.device)
         batch.experts = experts
         logits = self.model(batch, self.kv, self.states)
+        if self.next_stage is not None:
+            logits = self.next_stage(batch, logits)
         self.last_captures = [
             (items[index][0], batch.sequences[index].context_len - batch.sequences[index].query_len + offset,
              StateSnapshot(layers))

@@ -51,3 +51,48 @@ def test_the_fewest_fastest_machines_are_used_and_dead_ones_skipped() -> None:
 def test_too_big_for_the_whole_cluster_says_how_short() -> None:
     with pytest.raises(PlacementError, match="60.0 GiB short"):
         plan_stages([machine("a", 22), machine("b", 22)], "huge", layers(50, 2.0), 0, 0, POLICY)
+
+
+@pytest.mark.parametrize("family, cut", [("qwen3_moe", 1), ("qwen3_moe", 2), ("deepseek_v3", 2), ("gpt_oss", 1),
+                                         ("glm4_moe", 1)])
+def test_two_stages_give_one_engines_tokens_and_logits(checkpoint, family, cut) -> None:
+    """A model split into two engines, each loading only its layers (and their experts and KV cache):
+    the first schedules, embeds and samples; the second runs the rest and the head. Staggered
+    requests with chunked prefill give the tokens and logits of one engine."""
+    from hearth.config import EngineConfig
+    from hearth.engine import LLM, LLMEngine
+    from tests.helpers import greedy, max_rel_error, record_logits
+    from tests.test_batching import PROMPTS, run_staggered
+
+    path, _ = checkpoint(family)
+    config = EngineConfig(kv_cache_tokens=1024, prefill_chunk=8, max_num_batched_tokens=12)
+    whole = LLM(path, config=config)
+    layers = whole.engine.model_config.num_layers
+    later = LLMEngine(path, config, layers=(cut, layers))
+    staged = object.__new__(LLM)
+    staged.engine = LLMEngine(path, config, layers=(0, cut), next_stage=later.stage_forward)
+    # Each stage holds only its own part.
+    assert later.pool.moe_layer_ids == [i for i in whole.engine.pool.moe_layer_ids if i >= cut]
+    assert staged.engine.pool.moe_layer_ids == [i for i in whole.engine.pool.moe_layer_ids if i < cut]
+    assert [k.numel() > 0 for k in later.runner.kv.keys] == [i >= cut for i in range(layers)]
+    recorded = {"whole": record_logits(whole), "staged": record_logits(staged)}
+    results = {name: run_staggered(llm, [greedy(12)] * len(PROMPTS)) for name, llm in
+               (("whole", whole), ("staged", staged))}
+    assert results["staged"] == results["whole"]
+    for rid, logits in recorded["whole"].items():
+        staged_logits = recorded["staged"][rid]
+        assert len(staged_logits) == len(logits) and all(
+            max_rel_error(a, b) <= 1e-5 for a, b in zip(staged_logits, logits, strict=True))
+
+
+def test_stage_bounds_and_unsupported_kinds_are_refused(checkpoint) -> None:
+    from hearth.config import ConfigError, EngineConfig
+    from hearth.engine import LLMEngine
+
+    path, _ = checkpoint("qwen3_moe")
+    with pytest.raises(ConfigError, match="not within"):
+        LLMEngine(path, EngineConfig(), layers=(2, 9))
+    with pytest.raises(ConfigError, match="needs the later stages"):
+        LLMEngine(path, EngineConfig(), layers=(0, 1))
+    with pytest.raises(ConfigError, match="plain expert backend"):
+        LLMEngine(path, EngineConfig(expert_device="virtual"), layers=(1, 3))

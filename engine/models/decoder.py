@@ -80,12 +80,18 @@ class MoECausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch | StaticBatch, kv: PagedKVCache,
-                states: RecurrentStatePool | None = None) -> torch.Tensor:
+                states: RecurrentStatePool | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in fp32. Hybrid models also need ``states``
         (each sequence's slot named in the batch). A :class:`StaticBatch` (a fixed-shape decode step,
-        ``engine/static_step.py``) goes through the modules, never the native layer calls."""
+        ``engine/static_step.py``) goes through the modules, never the native layer calls.
+
+        A pipeline stage (``config.layer_range``) runs only its layers: from ``hidden`` [T, H] (the
+        previous stage's output) unless it is the first, and it returns its hidden states [T, H]
+        unless it is the last."""
         if self.config.linear_layer_ids and states is None:
             raise ValueError(f"{self.config.architecture} has linear-attention layers: forward needs a state pool")
+        if self.config.layer_range is not None:
+            return self._forward_stage(batch, kv, states, hidden)
         h = self.model.embed_tokens(batch.token_ids)  # [T, H]
         rope_dtype = torch.float32 if self.config.rope_in_fp32 else h.dtype
         ctx = LayerContext(batch, kv, states, self.model.rotary(batch.positions, rope_dtype))
@@ -100,3 +106,20 @@ class MoECausalLM(nn.Module):
                     h = h + layer.mlp(layer.post_attention_layernorm(h), ctx)
         h = self.model.norm(h.index_select(0, batch.logits_indices))
         return linear(h, self.lm_head.weight).float()
+
+    def _forward_stage(self, batch: ForwardBatch, kv: PagedKVCache, states: RecurrentStatePool | None,
+                       hidden: torch.Tensor | None) -> torch.Tensor:
+        """The layers of one pipeline stage, module by module (see :meth:`forward`)."""
+        first, end = self.config.layer_range
+        h = self.model.embed_tokens(batch.token_ids) if first == 0 else hidden  # [T, H]
+        if h is None:
+            raise ValueError(f"pipeline stage [{first}, {end}) needs the previous stage's hidden states")
+        rope_dtype = torch.float32 if self.config.rope_in_fp32 else h.dtype
+        ctx = LayerContext(batch, kv, states, self.model.rotary(batch.positions, rope_dtype))
+        for layer in self.model.layers[first:end]:
+            h = layer(h, ctx)
+        if end < self.config.num_layers:
+            return h
+        h = self.model.norm(h.index_select(0, batch.logits_indices))
+        return linear(h, self.lm_head.weight).float()
+
