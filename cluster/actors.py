@@ -53,9 +53,17 @@ class ReplicaSpec:
     max_waiting: int = 64
     monitor_interval_s: float = 2.0
     probe_idle_s: float = 300.0
+    # Pipeline stages: this actor's layers [first, end) (None: the whole model), and the actor
+    # names of the later stages, in order (on the first stage).
+    layers: tuple[int, int] | None = None
+    next_stages: tuple[str, ...] = ()
 
     def actor_name(self, role: str) -> str:
         return f"hearth:{role}:{self.replica_id}"
+
+    @property
+    def staged(self) -> bool:
+        return self.layers is not None
 
     @property
     def uses_cpu_worker(self) -> bool:
@@ -212,10 +220,12 @@ class ExecutorActor:
 
         self.spec = spec
         started = time.perf_counter()
-        pool = _wait_for_pool(spec)
+        # A pipeline stage loads its own layers from the checkpoint (no shared pool of all experts).
+        pool = {"path": spec.model_path} if spec.staged else _wait_for_pool(spec)
         self.pool_wait_seconds = time.perf_counter() - started
         self.started = time.perf_counter()
         self.model_path = pool["path"]
+        self.hops = [0, 0.0]  # calls to the later stages, seconds in them (the hop included)
         torch.set_num_threads(spec.engine.threads or len(physical_cores()))
         self.load_seconds = 0.0
         self.attached_pool = False
@@ -225,6 +235,11 @@ class ExecutorActor:
     def _build_engine(self):
         from hearth.engine.llm_engine import LLMEngine
 
+        if self.spec.staged:
+            engine = LLMEngine(self.model_path, self.spec.engine, layers=self.spec.layers,
+                               next_stage=self._next_stages if self.spec.next_stages else None)
+            self.load_seconds = time.perf_counter() - self.started
+            return engine
         engine = LLMEngine(self.model_path, self.spec.engine)
         self.attached_pool = engine.host_pool is not None and not engine.host_pool.owner
         control = engine.expert_control
@@ -234,6 +249,15 @@ class ExecutorActor:
             control.wait_attached()
         self.load_seconds = time.perf_counter() - self.started
         return engine
+
+    def _next_stages(self, batch, hidden):
+        """The later stages of a step, in turn (runs on the engine's thread): their logits."""
+        started = time.perf_counter()
+        for name in self.spec.next_stages:
+            hidden = ray.get(_handle(name).forward.remote(batch, hidden))
+        self.hops[0] += 1
+        self.hops[1] += time.perf_counter() - started
+        return hidden
 
     async def ready(self) -> dict[str, Any]:
         """Waits until the model is loaded (re-raises a load failure); what the router needs."""
@@ -281,8 +305,11 @@ class ExecutorActor:
             task.cancel()  # the caller left: the engine client aborts the request
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.client.stats(), ready=self.client.ready, pid=os.getpid(), load_seconds=self.load_seconds,
-                    attached_pool=self.attached_pool, bandwidth_updates=self.bandwidth_updates)
+        out = dict(self.client.stats(), ready=self.client.ready, pid=os.getpid(), load_seconds=self.load_seconds,
+                   attached_pool=self.attached_pool, bandwidth_updates=self.bandwidth_updates)
+        if self.spec.next_stages:
+            out["stage_calls"], out["stage_seconds"] = self.hops
+        return out
 
     def ring(self) -> tuple[str, str, int] | None:
         """(pool, ring, owner pid) for a restarted CPU-worker actor, or None."""
@@ -326,6 +353,30 @@ class ExecutorActor:
 
     def ping(self) -> int:
         return os.getpid()
+
+
+class StageActor:
+    """A later pipeline stage of a replica: its layers, their experts and KV cache, on its machine;
+    the first stage (the replica's executor) calls :meth:`forward` once per step."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        import torch
+
+        from hearth.engine.experts.mechanism.cpu_workers import physical_cores
+        from hearth.engine.llm_engine import LLMEngine
+
+        torch.set_num_threads(spec.engine.threads or len(physical_cores()))
+        started = time.perf_counter()
+        self.spec = spec
+        self.engine = LLMEngine(spec.model_path, spec.engine, layers=spec.layers)
+        self.load_seconds = time.perf_counter() - started
+
+    def forward(self, batch, hidden):
+        """This stage's layers over the first stage's batch and the previous stage's hidden states."""
+        return self.engine.stage_forward(batch, hidden)
+
+    def ping(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "layers": self.spec.layers, "load_seconds": self.load_seconds}
 
 
 class MonitorActor:

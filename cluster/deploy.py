@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from hearth.cluster.actors import NAMESPACE, CpuWorkerActor, ExecutorActor, HostPoolActor, MonitorActor, ReplicaSpec
 from hearth.cluster.node_info import describe_this_node
-from hearth.cluster.placement import ModelSpec, NodeInfo, ReplicaPlan, plan_placement
+from hearth.cluster.placement import ModelSpec, NodeInfo, PlacementError, ReplicaPlan, plan_placement
 from hearth.cluster.router import ROUTER_NAME, ReplicaInfo, RouterActor, RouterConfig
 from hearth.config import EngineConfig, ServingConfig
 from hearth.proto.contracts import ModelInfo
@@ -50,6 +50,7 @@ class DeployOptions:
     max_waiting: int = 64
     tool_parser: str | None = None
     more_models: tuple[tuple[str, str | None], ...] = ()  # further (path, name) pairs, served beside the first
+    stages: bool = False  # split the (one) model by layers over the machines even where one would hold it
 
     def __post_init__(self) -> None:
         # A clear ConfigError now rather than inside an actor (each replica gets its own pool's name).
@@ -172,8 +173,15 @@ def deploy(options: DeployOptions, log=print) -> dict[str, Any]:
     if find_router() is not None:
         raise RuntimeError("hearth is already deployed on this cluster (`hearth status`; `hearth down` first)")
     nodes = discover_nodes()
-    plan = plan_placement(nodes, [model_spec(path, name, options.replicas, options.require)
-                                  for path, name in options.models])
+    try:
+        if options.stages:
+            raise PlacementError("pipeline stages asked for")
+        plan = plan_placement(nodes, [model_spec(path, name, options.replicas, options.require)
+                                      for path, name in options.models])
+    except PlacementError as why:
+        if len(options.models) > 1:
+            raise
+        return _deploy_stages(options, nodes, why, log)
     groups = []  # per model: (path, name, its replica plans, their specs)
     for path, name in options.models:
         replicas = [r for r in plan.replicas if r.model == name]
@@ -204,6 +212,66 @@ def deploy(options: DeployOptions, log=print) -> dict[str, Any]:
     return ray.get(router.describe.remote(), timeout=120)
 
 
+def layer_sizes(path: str) -> tuple[list[int], int, int]:
+    """(bytes of each decoder layer, experts included; embeddings; head) from the config alone."""
+    from hearth.engine.inspect import summarize
+    from hearth.engine.loader import load_config
+
+    _, cfg = load_config(path)
+    s = summarize(cfg)
+    item = s.expert_pool_bytes // max(s.expert_params, 1)
+    embed = cfg.vocab_size * cfg.hidden_size * item
+    head = 0 if cfg.tie_word_embeddings else embed
+    dense = (s.total_params - s.expert_params) * item - embed - head
+    per_moe = cfg.num_experts * s.expert_bytes
+    return ([dense // cfg.num_layers + (per_moe if cfg.moe_layers[i] else 0) for i in range(cfg.num_layers)],
+            embed, head)
+
+
+def _deploy_stages(options: DeployOptions, nodes: list[NodeInfo], why: Exception, log) -> dict[str, Any]:
+    """One replica split by layers over machines (``plan_stages``): the first stage is the replica's
+    executor, which schedules and samples; the later stages are stage actors it calls each step."""
+    from hearth.cluster.actors import StageActor
+    from hearth.cluster.stages import plan_stages
+
+    path, name = options.models[0]
+    sizes, embed, head = layer_sizes(path)
+    stages = plan_stages(nodes, name, sizes, embed, head, min_stages=2 if options.stages else 1)
+    if len(stages) == 1 and not options.stages:
+        raise why  # it fits one machine after all: the placement error stands
+    log(f"hearth: '{name}' as {len(stages)} pipeline stage(s) ({why}): " + ", ".join(
+        f"layers {s.first_layer}-{s.end_layer - 1} on {s.node_name}" for s in stages))
+    engine = EngineConfig(**{**options.engine_options, "expert_device": "none", "static_decode": "off"})
+    replica_id = f"{name}@{stages[0].node_name}"
+    resolved = str(Path(path).resolve())
+    later = [ReplicaSpec(f"{replica_id}/{s.index}", name, resolved, s.node_id, "", engine,
+                         layers=(s.first_layer, s.end_layer)) for s in stages[1:]]
+    first = ReplicaSpec(replica_id, name, resolved, stages[0].node_id, "", engine, max_waiting=options.max_waiting,
+                        layers=(stages[0].first_layer, stages[0].end_layer),
+                        next_stages=tuple(spec.actor_name("stage") for spec in later))
+    common = {"namespace": NAMESPACE, "lifetime": "detached", "num_cpus": 0, "max_restarts": 0}
+    for spec in later:  # a stage that restarts would have lost its KV cache: it stays down instead
+        ray.remote(StageActor).options(name=spec.actor_name("stage"), scheduling_strategy=_on_node(spec.node_id),
+                                       **common).remote(spec)
+    executor = ray.remote(ExecutorActor).options(name=first.actor_name("executor"),
+                                                 scheduling_strategy=_on_node(first.node_id), **common).remote(first)
+    try:
+        ready = ray.get(executor.ready.remote(), timeout=options.ready_timeout_s)
+        ray.get([ray.get_actor(spec.actor_name("stage"), namespace=NAMESPACE).ping.remote() for spec in later],
+                timeout=options.ready_timeout_s)
+    except Exception:
+        teardown()
+        raise
+    model = ModelInfo(name, resolved, ready["max_model_len"], ready["vocab_size"], int(time.time()))
+    info = ReplicaInfo(replica_id, name, stages[0].node_id, stages[0].node_name, first.actor_name("executor"),
+                       first.actor_name("monitor"), "cpu", None, 0)
+    config = RouterConfig(model, (info,), options.serving, options.health_interval_s, nodes=tuple(nodes))
+    router = ray.remote(RouterActor).options(
+        name=ROUTER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_restarts=-1, max_concurrency=64,
+        scheduling_strategy=_on_node(_head_node_id())).remote(config)
+    return ray.get(router.describe.remote(), timeout=120) | {"stages": [s.__dict__ for s in stages]}
+
+
 def find_router():
     try:
         return ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
@@ -223,7 +291,7 @@ def teardown(log=print, replica_id: str | None = None) -> list[str]:
     names = _hearth_actors()
     if replica_id is not None:
         names = [n for n in names if n.endswith(f":{replica_id}")]
-    order = ("router", "monitor", "executor", "cpu", "pool")
+    order = ("router", "monitor", "executor", "stage", "cpu", "pool")
     removed = []
     for role in order:
         for name in [n for n in names if n.split(":")[1] == role]:

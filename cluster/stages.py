@@ -41,10 +41,11 @@ def node_speed(node: NodeInfo) -> float:
 
 def plan_stages(nodes: Sequence[NodeInfo], model: str, layer_bytes: Sequence[int], embed_bytes: int,
                 head_bytes: int, policy: PlacementPolicy | None = None,
-                speeds: Mapping[str, float] | None = None) -> tuple[StagePlan, ...]:
+                speeds: Mapping[str, float] | None = None, min_stages: int = 1) -> tuple[StagePlan, ...]:
     """Split ``model`` (``layer_bytes``: each decoder layer's weights, experts included) over the
-    live ``nodes``; ``speeds``: node id -> relative speed (default :func:`node_speed`). Raises
-    :class:`PlacementError` when even all the machines together cannot hold it."""
+    live ``nodes``, over ``min_stages`` machines at least; ``speeds``: node id -> relative speed
+    (default :func:`node_speed`). Raises :class:`PlacementError` when even all the machines
+    together cannot hold it."""
     policy = policy or PlacementPolicy()
     if not layer_bytes:
         raise PlacementError(f"model '{model}' has no layers to place")
@@ -55,7 +56,7 @@ def plan_stages(nodes: Sequence[NodeInfo], model: str, layer_bytes: Sequence[int
     chosen: list[NodeInfo] = []
     for node in live:  # the fewest machines, fastest first, whose room holds everything
         chosen.append(node)
-        if sum(room[n.node_id] for n in chosen) >= total:
+        if len(chosen) >= min_stages and sum(room[n.node_id] for n in chosen) >= total:
             break
     else:
         have = sum(room.values())

@@ -48,7 +48,9 @@ def kv_cache_tokens(config: EngineConfig, cfg, max_model_len: int) -> int:
     kv = config.kv_cache
     if kv.num_tokens:
         return kv.num_tokens
-    per_token = cfg.kv_bytes_per_token
+    # Pipeline stages size their caches alike (their block tables are the first stage's): by the
+    # whole model's bytes per token.
+    per_token = (replace(cfg, layer_range=None) if cfg.layer_range is not None else cfg).kv_bytes_per_token
     wanted = config.scheduler.max_num_seqs * max_model_len
     return max(kv.block_size, min(wanted, kv.num_bytes // per_token))
 

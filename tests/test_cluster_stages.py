@@ -1,0 +1,86 @@
+"""One replica split by layers over two machines (pipeline stages): the first stage (the replica's
+executor, on one machine) schedules, embeds and samples; the second (a stage actor on the other)
+runs the remaining layers and the head each step. Its tokens and log-probabilities are one
+machine's. Prints the per-step cost of the hop. Marked ``multinode``."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from hearth.cluster.deploy import DeployOptions, deploy, find_router, teardown  # noqa: E402
+from hearth.engine.experts.mechanism.host_pool import cleanup  # noqa: E402
+from hearth.serving.server import free_port  # noqa: E402
+
+pytestmark = pytest.mark.multinode
+PROMPT = "def fibonacci(n):"
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory, agent_checkpoint):
+    old = os.environ.get("HEARTH_CACHE")
+    os.environ["HEARTH_CACHE"] = str(tmp_path_factory.mktemp("hearth-cache"))
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "resources": {"desktop": 1}, "num_cpus": 2, "node_ip_address": "127.0.0.2", "include_dashboard": False})
+    cluster.add_node(resources={"laptop": 1}, num_cpus=2, node_ip_address="127.0.0.2")
+    ray.init(address=cluster.address)
+    try:
+        yield deploy(DeployOptions(str(agent_checkpoint), "tiny", port=free_port(), grpc_port=None, stages=True,
+                                   engine_options={"max_model_len": 512, "kv_cache_tokens": 2048},
+                                   health_interval_s=0.5), log=lambda *_: None)
+    finally:
+        try:
+            teardown(log=lambda *_: None)
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            for segment in Path("/dev/shm").glob("hearth-tiny-*"):
+                cleanup(segment.name)
+            if old is None:
+                os.environ.pop("HEARTH_CACHE", None)
+            else:
+                os.environ["HEARTH_CACHE"] = old
+
+
+def test_two_stages_on_two_machines_match_one_machine(staged, agent_checkpoint) -> None:
+    import torch
+
+    from hearth.engine import LLM, SamplingParams
+    from tests.helpers import record_logits
+
+    stages = staged["stages"]
+    assert [s["node_name"] for s in stages] == ["desktop", "laptop"] or [s["node_name"] for s in stages] == [
+        "laptop", "desktop"]
+    assert stages[0]["first_layer"] == 0 and stages[0]["end_layer"] == stages[1]["first_layer"]
+    llm = LLM(agent_checkpoint, max_model_len=512)
+    recorded = record_logits(llm)
+    ids = llm.engine.encode(PROMPT)
+    out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    reference = [float(torch.log_softmax(step, -1)[token]) for step, token in
+                 zip(recorded[out.request_id], out.token_ids, strict=True)]
+    llm.close()
+    reply = requests.post(f"{staged['url']}/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True, "logprobs": 0})
+    assert reply.status_code == 200, reply.text
+    choice = reply.json()["choices"][0]
+    assert choice["token_ids"] == out.token_ids
+    assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], reference, strict=True)) <= 1e-4
+    # The hop: the first stage's time in the later stage, per step, against a step's whole time.
+    start = time.perf_counter()
+    reply = requests.post(f"{staged['url']}/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 64, "temperature": 0, "ignore_eos": True})
+    took = time.perf_counter() - start
+    executor = ray.get_actor(staged["replicas"][0]["executor_name"], namespace="hearth")
+    stats = ray.get(executor.stats.remote())
+    per_step = stats["stage_seconds"] / stats["stage_calls"]
+    print(f"\nstage hop (later stage's compute included): {per_step * 1e3:.2f} ms a step; "
+          f"64 tokens in {took:.2f} s ({64 / took:.1f} tok/s)")
+    assert find_router() is not None
