@@ -73,12 +73,28 @@ def decode_speed(url: str, gen: int) -> float:
     return (gen - 1) / (last - first)
 
 
+def concurrent_speed(url: str, gen: int, streams: int) -> float:
+    """Tokens per second over ``streams`` greedy requests at once (all their tokens over the wall time)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import requests
+
+    body = {"model": "m", "prompt": "def fibonacci(n):", "max_tokens": gen, "temperature": 0, "ignore_eos": True}
+    start = time.perf_counter()
+    with ThreadPoolExecutor(streams) as pool:
+        for reply in pool.map(lambda _: requests.post(f"{url}/v1/completions", json=body, timeout=600),
+                              range(streams)):
+            reply.raise_for_status()
+    return streams * gen / (time.perf_counter() - start)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path)
     ap.add_argument("--build-random", type=Path, help="a ~1B random Qwen3-MoE here (built if absent)")
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--concurrent", type=int, default=4, help="streams for the throughput test (0: skip)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.build_random:
@@ -111,7 +127,10 @@ def main() -> int:
             try:
                 decode_speed(desc["url"], 8)  # warm-up
                 runs = [decode_speed(desc["url"], args.gen) for _ in range(args.runs)]
+                together = [concurrent_speed(desc["url"], args.gen, args.concurrent) for _ in range(args.runs)] \
+                    if args.concurrent else [0.0]
                 result[label] = {"decode_tok_s": statistics.median(runs), "runs": runs,
+                                 "concurrent_tok_s": statistics.median(together), "concurrent_runs": together,
                                  "stages": [(s["node_name"], s["first_layer"], s["end_layer"])
                                             for s in desc.get("stages", [])]}
             finally:
@@ -124,9 +143,11 @@ def main() -> int:
     print(f"\n{args.model} ({cfg.architecture}), {args.gen} tokens, median of {args.runs}; two Ray nodes on one "
           f"machine\n")
     print(f"stage hop (1-token batch + hidden [1, {cfg.hidden_size}] bf16, there and back): {result['hop_ms']:.2f} ms")
-    print("| deployment | decode tok/s |\n|---|---:|")
-    print(f"| one machine | {one:.2f} |\n| two stages {result['two stages']['stages']} | {two:.2f} |")
-    print(f"| ratio | {result['ratio']:.2f}x |")
+    c1, c2 = result["one machine"]["concurrent_tok_s"], result["two stages"]["concurrent_tok_s"]
+    print(f"| deployment | decode tok/s (1 stream) | tok/s ({args.concurrent} streams) |\n|---|---:|---:|")
+    print(f"| one machine | {one:.2f} | {c1:.2f} |")
+    print(f"| two stages {result['two stages']['stages']} | {two:.2f} | {c2:.2f} |")
+    print(f"| ratio | {result['ratio']:.2f}x | {c2 / c1 if c1 else 0:.2f}x |")
     emit(result, args.json)
     return 0
 

@@ -238,6 +238,7 @@ class ExecutorActor:
         if self.spec.staged:
             engine = LLMEngine(self.model_path, self.spec.engine, layers=self.spec.layers,
                                next_stage=self._next_stages if self.spec.next_stages else None)
+            engine.runner.micro_batches = len(self.spec.next_stages) + 1  # one per stage: all busy at once
             self.load_seconds = time.perf_counter() - self.started
             return engine
         engine = LLMEngine(self.model_path, self.spec.engine)
@@ -250,14 +251,13 @@ class ExecutorActor:
         self.load_seconds = time.perf_counter() - self.started
         return engine
 
-    def _next_stages(self, batch, hidden):
-        """The later stages of a step, in turn (runs on the engine's thread): their logits."""
-        started = time.perf_counter()
+    def _next_stages(self, batch, hidden) -> _StageResult:
+        """Send a (micro-)batch through the later stages, chained by reference so that each starts
+        as soon as the one before is done; its logits come from ``result()``."""
+        ref = hidden
         for name in self.spec.next_stages:
-            hidden = ray.get(_handle(name).forward.remote(batch, hidden))
-        self.hops[0] += 1
-        self.hops[1] += time.perf_counter() - started
-        return hidden
+            ref = _handle(name).forward.remote(batch, ref)
+        return _StageResult(ref, self.hops)
 
     async def ready(self) -> dict[str, Any]:
         """Waits until the model is loaded (re-raises a load failure); what the router needs."""
@@ -353,6 +353,19 @@ class ExecutorActor:
 
     def ping(self) -> int:
         return os.getpid()
+
+
+class _StageResult:
+    """The later stages' logits for one (micro-)batch, once asked for; times the wait."""
+
+    def __init__(self, ref: Any, hops: list) -> None:
+        self.ref, self.hops, self.sent = ref, hops, time.perf_counter()
+
+    def result(self):
+        logits = ray.get(self.ref)
+        self.hops[0] += 1
+        self.hops[1] += time.perf_counter() - self.sent
+        return logits
 
 
 class StageActor:

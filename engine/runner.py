@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -66,8 +67,10 @@ class ModelRunner:
         self.last_captures: list[tuple[Request, int, StateSnapshot]] = []
         self.static = None  # a StaticDecoder (engine/static_step.py) that takes the pure decode steps
         self.device = kv.device  # where the model runs: the batches are made there
-        # Pipeline stages: the later stages' forward, (batch, this stage's hidden states) -> logits.
-        self.next_stage: Callable[[ForwardBatch, torch.Tensor], torch.Tensor] | None = None
+        # Pipeline stages: the later stages' forward, (batch, this stage's hidden states) -> logits,
+        # or, to overlap the stages across requests, a handle whose ``result()`` gives them.
+        self.next_stage: Callable[[ForwardBatch, torch.Tensor], Any] | None = None
+        self.micro_batches = 1  # split a step's sequences in this many, so the stages work at once
 
     def execute(
         self, items: list[tuple[Request, int]], captures: dict[str, list[int]] | None = None,
@@ -83,14 +86,36 @@ class ModelRunner:
                 n == 1 and req.num_computed + 1 == req.num_tokens for req, n in items):
             self.last_captures = []
             return self.static.execute(items, experts)
+        if self.next_stage is not None and self.micro_batches > 1 and len(items) > 1 and not captures:
+            self.last_captures = []
+            return self._pipelined(items, experts)
         batch, sampled = build_batch(items, self.kv.block_size, captures, self.device)
         batch.experts = experts
         logits = self.model(batch, self.kv, self.states)
         if self.next_stage is not None:
-            logits = self.next_stage(batch, logits)
+            logits = _result(self.next_stage(batch, logits))
         self.last_captures = [
             (items[index][0], batch.sequences[index].context_len - batch.sequences[index].query_len + offset,
              StateSnapshot(layers))
             for (index, offset), layers in batch.captured.items()
         ]
         return logits, sampled
+
+    def _pipelined(self, items: list[tuple[Request, int]],
+                   experts: StepContext | None) -> tuple[torch.Tensor, list[Request]]:
+        """A pipeline stage's step in micro-batches: each goes on to the later stages as soon as this
+        stage is done with it, so that they work on one while this stage computes the next."""
+        size = -(-len(items) // min(self.micro_batches, len(items)))
+        handles, sampled = [], []
+        for start in range(0, len(items), size):
+            batch, part = build_batch(items[start : start + size], self.kv.block_size, None, self.device)
+            batch.experts = experts
+            handles.append(self.next_stage(batch, self.model(batch, self.kv, self.states)))
+            sampled += part
+        return torch.cat([_result(h) for h in handles]), sampled
+
+
+def _result(handle: Any) -> torch.Tensor:
+    """Logits from a later stage: given, or from a handle (a future, a Ray reference's wrapper)."""
+    return handle if isinstance(handle, torch.Tensor) else handle.result()
+

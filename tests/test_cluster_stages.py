@@ -73,6 +73,16 @@ def test_two_stages_on_two_machines_match_one_machine(staged, agent_checkpoint) 
     choice = reply.json()["choices"][0]
     assert choice["token_ids"] == out.token_ids
     assert max(abs(a - b) for a, b in zip(choice["logprobs"]["token_logprobs"], reference, strict=True)) <= 1e-4
+    # Concurrent requests: each step goes through the stages in micro-batches (the later stage works
+    # on one while the first computes the next), and every reply is still one machine's.
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(lambda _: requests.post(f"{staged['url']}/v1/completions", json=body, timeout=120),
+                                range(4)))
+    assert [r.json()["choices"][0]["token_ids"] for r in replies] == [out.token_ids] * 4
     # The hop: the first stage's time in the later stage, per step, against a step's whole time.
     start = time.perf_counter()
     reply = requests.post(f"{staged['url']}/v1/completions", timeout=120, json={

@@ -53,12 +53,16 @@ def test_too_big_for_the_whole_cluster_says_how_short() -> None:
         plan_stages([machine("a", 22), machine("b", 22)], "huge", layers(50, 2.0), 0, 0, POLICY)
 
 
-@pytest.mark.parametrize("family, cut", [("qwen3_moe", 1), ("qwen3_moe", 2), ("deepseek_v3", 2), ("gpt_oss", 1),
-                                         ("glm4_moe", 1)])
-def test_two_stages_give_one_engines_tokens_and_logits(checkpoint, family, cut) -> None:
+@pytest.mark.parametrize("family, cut, micro", [("qwen3_moe", 1, 1), ("qwen3_moe", 2, 2), ("deepseek_v3", 2, 1),
+                                                ("deepseek_v3", 2, 2), ("gpt_oss", 1, 2), ("glm4_moe", 1, 1)])
+def test_two_stages_give_one_engines_tokens_and_logits(checkpoint, family, cut, micro) -> None:
     """A model split into two engines, each loading only its layers (and their experts and KV cache):
     the first schedules, embeds and samples; the second runs the rest and the head. Staggered
-    requests with chunked prefill give the tokens and logits of one engine."""
+    requests with chunked prefill give the tokens and logits of one engine; with ``micro`` 2, each
+    step goes in two micro-batches, the second stage (on its own thread) working on one while the
+    first computes the next."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from hearth.config import EngineConfig
     from hearth.engine import LLM, LLMEngine
     from tests.helpers import greedy, max_rel_error, record_logits
@@ -70,7 +74,11 @@ def test_two_stages_give_one_engines_tokens_and_logits(checkpoint, family, cut) 
     layers = whole.engine.model_config.num_layers
     later = LLMEngine(path, config, layers=(cut, layers))
     staged = object.__new__(LLM)
-    staged.engine = LLMEngine(path, config, layers=(0, cut), next_stage=later.stage_forward)
+    thread = ThreadPoolExecutor(1)  # the second stage's own worker: one step at a time, in order
+    hand_on = (lambda batch, hidden: thread.submit(later.stage_forward, batch, hidden)) if micro > 1 \
+        else later.stage_forward
+    staged.engine = LLMEngine(path, config, layers=(0, cut), next_stage=hand_on)
+    staged.engine.runner.micro_batches = micro
     # Each stage holds only its own part.
     assert later.pool.moe_layer_ids == [i for i in whole.engine.pool.moe_layer_ids if i >= cut]
     assert staged.engine.pool.moe_layer_ids == [i for i in whole.engine.pool.moe_layer_ids if i < cut]
