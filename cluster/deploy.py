@@ -206,6 +206,11 @@ def deploy(options: DeployOptions, log=print) -> dict[str, Any]:
     (first, first_replicas), *more = served
     config = RouterConfig(first, first_replicas, options.serving, options.health_interval_s, tuple(more), options,
                           nodes=tuple(nodes))
+    return _start_router(config)
+
+
+def _start_router(config: RouterConfig) -> dict[str, Any]:
+    """The router on the head node, for ``config``; its description once it serves."""
     router = ray.remote(RouterActor).options(
         name=ROUTER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_restarts=-1, max_concurrency=64,
         scheduling_strategy=_on_node(_head_node_id())).remote(config)
@@ -266,10 +271,7 @@ def _deploy_stages(options: DeployOptions, nodes: list[NodeInfo], why: Exception
     info = ReplicaInfo(replica_id, name, stages[0].node_id, stages[0].node_name, first.actor_name("executor"),
                        first.actor_name("monitor"), "cpu", None, 0)
     config = RouterConfig(model, (info,), options.serving, options.health_interval_s, nodes=tuple(nodes))
-    router = ray.remote(RouterActor).options(
-        name=ROUTER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_restarts=-1, max_concurrency=64,
-        scheduling_strategy=_on_node(_head_node_id())).remote(config)
-    return ray.get(router.describe.remote(), timeout=120) | {"stages": [s.__dict__ for s in stages]}
+    return _start_router(config) | {"stages": [s.__dict__ for s in stages]}
 
 
 def find_router():

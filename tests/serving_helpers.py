@@ -97,3 +97,22 @@ def running_server(model_dir, engine_options: dict | None = None, scripted: bool
         yield server
     finally:
         server.stop()
+
+
+def assert_forced_calls(client: Any, tool: dict[str, Any], marker: str, max_tokens: int, seeds: int = 2) -> None:
+    """Sampled replies to ``tool_choice: required`` (openai SDK ``client``) come back as a call to
+    ``tool`` whose arguments match its schema, with no ``marker`` of the call format left in the text."""
+    import json
+
+    import jsonschema
+
+    for seed in range(seeds):
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "weather?"}],
+                                               tools=[tool], tool_choice="required", max_tokens=max_tokens,
+                                               seed=seed, temperature=1.0)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        call = choice.message.tool_calls[0]
+        assert call.function.name == tool["function"]["name"]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        assert marker not in (choice.message.content or "")

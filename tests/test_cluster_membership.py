@@ -5,21 +5,18 @@ requests, finishes the ones it holds (queued ones included), then loses its repl
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
 
-from hearth.cluster.deploy import DeployOptions, cluster_status, deploy, find_router, teardown  # noqa: E402
+from hearth.cluster.deploy import DeployOptions, cluster_status, find_router  # noqa: E402
 from hearth.cluster.routing import ReplicaLoad, choose_replica  # noqa: E402
-from hearth.engine.experts.mechanism.host_pool import cleanup  # noqa: E402
 from hearth.serving.server import free_port  # noqa: E402
+from tests.cluster_helpers import deployed_on_two_nodes  # noqa: E402
 
 pytestmark = pytest.mark.multinode
 # A slow virtual link (tens of milliseconds a token) and one running request per replica: further
@@ -30,28 +27,10 @@ ENGINE = {"expert_device": "virtual", "expert_cache": "8slots", "cpu_experts": "
 
 @pytest.fixture(scope="module")
 def running(tmp_path_factory, agent_checkpoint):
-    old = os.environ.get("HEARTH_CACHE")
-    os.environ["HEARTH_CACHE"] = str(tmp_path_factory.mktemp("hearth-cache"))
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "resources": {"desktop": 1}, "num_cpus": 2, "node_ip_address": "127.0.0.2", "include_dashboard": False})
-    cluster.add_node(resources={"laptop": 1}, num_cpus=2, node_ip_address="127.0.0.2")
-    ray.init(address=cluster.address)
-    try:
-        desc = deploy(DeployOptions(str(agent_checkpoint), "tiny", port=free_port(), grpc_port=None,
-                                    engine_options=ENGINE, health_interval_s=0.5), log=lambda *_: None)
-        yield cluster, desc
-    finally:
-        try:
-            teardown(log=lambda *_: None)
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
-            for segment in Path("/dev/shm").glob("hearth-tiny-*"):
-                cleanup(segment.name)
-            if old is None:
-                os.environ.pop("HEARTH_CACHE", None)
-            else:
-                os.environ["HEARTH_CACHE"] = old
+    options = DeployOptions(str(agent_checkpoint), "tiny", port=free_port(), grpc_port=None, engine_options=ENGINE,
+                            health_interval_s=0.5)
+    with deployed_on_two_nodes(tmp_path_factory.mktemp("hearth-cache"), options) as found:
+        yield found
 
 
 def rows() -> dict[str, dict]:

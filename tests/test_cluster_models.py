@@ -4,49 +4,27 @@ is a 404 in each API's format, and ``hearth status`` shows every replica. Marked
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import requests
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
 
-from hearth.cluster.deploy import DeployOptions, cluster_status, deploy, teardown  # noqa: E402
-from hearth.engine.experts.mechanism.host_pool import cleanup  # noqa: E402
+from hearth.cluster.deploy import DeployOptions, cluster_status  # noqa: E402
 from hearth.serving.server import free_port  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
+from tests.cluster_helpers import deployed_on_two_nodes  # noqa: E402
 
 pytestmark = pytest.mark.multinode
 
 
 @pytest.fixture(scope="module")
 def two_models(tmp_path_factory, agent_checkpoint):
-    old = os.environ.get("HEARTH_CACHE")
-    os.environ["HEARTH_CACHE"] = str(tmp_path_factory.mktemp("hearth-cache"))
     other, _ = make_checkpoint(tmp_path_factory.mktemp("olmo"), "olmoe")
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "resources": {"desktop": 1}, "num_cpus": 2, "node_ip_address": "127.0.0.2", "include_dashboard": False})
-    cluster.add_node(resources={"laptop": 1}, num_cpus=2, node_ip_address="127.0.0.2")
-    ray.init(address=cluster.address)
-    try:
-        desc = deploy(DeployOptions(str(agent_checkpoint), "tiny", port=free_port(), grpc_port=None,
-                                    engine_options={"max_model_len": 512}, health_interval_s=0.5,
-                                    more_models=((str(other), "olmo"),)), log=lambda *_: None)
+    options = DeployOptions(str(agent_checkpoint), "tiny", port=free_port(), grpc_port=None,
+                            engine_options={"max_model_len": 512}, health_interval_s=0.5,
+                            more_models=((str(other), "olmo"),))
+    with deployed_on_two_nodes(tmp_path_factory.mktemp("hearth-cache"), options, ("tiny", "olmo")) as (_, desc):
         yield desc
-    finally:
-        try:
-            teardown(log=lambda *_: None)
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
-            for segment in [*Path("/dev/shm").glob("hearth-tiny-*"), *Path("/dev/shm").glob("hearth-olmo-*")]:
-                cleanup(segment.name)
-            if old is None:
-                os.environ.pop("HEARTH_CACHE", None)
-            else:
-                os.environ["HEARTH_CACHE"] = old
 
 
 def test_two_models_are_placed_together_and_served_by_name(two_models) -> None:

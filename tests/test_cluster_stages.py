@@ -5,19 +5,16 @@ machine's. Prints the per-step cost of the hop. Marked ``multinode``."""
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
 
-from hearth.cluster.deploy import DeployOptions, deploy, find_router, teardown  # noqa: E402
-from hearth.engine.experts.mechanism.host_pool import cleanup  # noqa: E402
+from hearth.cluster.deploy import DeployOptions, find_router  # noqa: E402
 from hearth.serving.server import free_port  # noqa: E402
+from tests.cluster_helpers import deployed_on_two_nodes  # noqa: E402
 
 pytestmark = pytest.mark.multinode
 PROMPT = "def fibonacci(n):"
@@ -25,28 +22,10 @@ PROMPT = "def fibonacci(n):"
 
 @pytest.fixture(scope="module")
 def staged(tmp_path_factory, agent_checkpoint):
-    old = os.environ.get("HEARTH_CACHE")
-    os.environ["HEARTH_CACHE"] = str(tmp_path_factory.mktemp("hearth-cache"))
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "resources": {"desktop": 1}, "num_cpus": 2, "node_ip_address": "127.0.0.2", "include_dashboard": False})
-    cluster.add_node(resources={"laptop": 1}, num_cpus=2, node_ip_address="127.0.0.2")
-    ray.init(address=cluster.address)
-    try:
-        yield deploy(DeployOptions(str(agent_checkpoint), "tiny", port=free_port(), grpc_port=None, stages=True,
-                                   engine_options={"max_model_len": 512, "kv_cache_tokens": 2048},
-                                   health_interval_s=0.5), log=lambda *_: None)
-    finally:
-        try:
-            teardown(log=lambda *_: None)
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
-            for segment in Path("/dev/shm").glob("hearth-tiny-*"):
-                cleanup(segment.name)
-            if old is None:
-                os.environ.pop("HEARTH_CACHE", None)
-            else:
-                os.environ["HEARTH_CACHE"] = old
+    options = DeployOptions(str(agent_checkpoint), "tiny", port=free_port(), grpc_port=None, stages=True,
+                            engine_options={"max_model_len": 512, "kv_cache_tokens": 2048}, health_interval_s=0.5)
+    with deployed_on_two_nodes(tmp_path_factory.mktemp("hearth-cache"), options) as (_, desc):
+        yield desc
 
 
 def test_two_stages_on_two_machines_match_one_machine(staged, agent_checkpoint) -> None:

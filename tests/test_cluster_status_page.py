@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import requests
 
 ray = pytest.importorskip("ray")
 sync_api = pytest.importorskip("playwright.sync_api")
-from ray.cluster_utils import Cluster  # noqa: E402
 
-from hearth.cluster.deploy import DeployOptions, deploy, teardown  # noqa: E402
-from hearth.engine.experts.mechanism.host_pool import cleanup  # noqa: E402
+from hearth.cluster.deploy import DeployOptions  # noqa: E402
 from hearth.serving.server import free_port  # noqa: E402
+from tests.cluster_helpers import deployed_on_two_nodes  # noqa: E402
 
 pytestmark = pytest.mark.multinode
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -31,28 +29,10 @@ ENGINE = {"expert_device": "virtual", "expert_cache": "0.5", "cpu_experts": "ext
 def deployment(tmp_path_factory, agent_checkpoint):
     if CHROMIUM is None:
         pytest.skip("no system Chromium (Debian package chromium); .ci/run installs it")
-    old = os.environ.get("HEARTH_CACHE")
-    os.environ["HEARTH_CACHE"] = str(tmp_path_factory.mktemp("hearth-cache"))
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "resources": {"desktop": 1}, "num_cpus": 2, "node_ip_address": "127.0.0.2", "include_dashboard": False})
-    cluster.add_node(resources={"laptop": 1}, num_cpus=2, node_ip_address="127.0.0.2")
-    ray.init(address=cluster.address)
-    try:
-        yield deploy(DeployOptions(str(agent_checkpoint), "tiny", port=free_port(), grpc_port=None, api_key=KEY,
-                                   engine_options=ENGINE, health_interval_s=0.5, monitor_interval_s=0.5),
-                     log=lambda *_: None)
-    finally:
-        try:
-            teardown(log=lambda *_: None)
-        finally:
-            ray.shutdown()
-            cluster.shutdown()
-            for segment in Path("/dev/shm").glob("hearth-tiny-*"):
-                cleanup(segment.name)
-            if old is None:
-                os.environ.pop("HEARTH_CACHE", None)
-            else:
-                os.environ["HEARTH_CACHE"] = old
+    options = DeployOptions(str(agent_checkpoint), "tiny", port=free_port(), grpc_port=None, api_key=KEY,
+                            engine_options=ENGINE, health_interval_s=0.5, monitor_interval_s=0.5)
+    with deployed_on_two_nodes(tmp_path_factory.mktemp("hearth-cache"), options) as (_, desc):
+        yield desc
 
 
 def test_the_status_page_shows_machines_bandwidths_and_q_tables_live(deployment) -> None:

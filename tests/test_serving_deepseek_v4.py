@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
 import pytest
 
 from tests.checkpoints import make_checkpoint
-from tests.serving_helpers import running_server
+from tests.serving_helpers import assert_forced_calls, running_server
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "required": ["city", "unit"], "additionalProperties": False,
@@ -68,16 +67,7 @@ def test_the_builtin_template_writes_deepseek_v4s_format(checkpoint_dir) -> None
 
 
 def test_a_forced_call_comes_back_as_a_tool_call(client) -> None:
-    for seed in range(2):
-        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "weather?"}],
-                                               tools=[TOOL], tool_choice="required", max_tokens=400, seed=seed,
-                                               temperature=1.0)
-        choice = reply.choices[0]
-        assert choice.finish_reason == "tool_calls", choice
-        call = choice.message.tool_calls[0]
-        assert call.function.name == "get_weather"
-        jsonschema.validate(json.loads(call.function.arguments), TOOL["function"]["parameters"])
-        assert "DSML" not in (choice.message.content or "")
+    assert_forced_calls(client, TOOL, 'DSML', 400)
 
 
 def test_a_plain_chat_streams_a_reply(client) -> None:

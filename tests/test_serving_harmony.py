@@ -4,13 +4,10 @@ reply's text keeps, so that the harmony parser reads channels and calls from the
 
 from __future__ import annotations
 
-import json
-
-import jsonschema
 import pytest
 
 from tests.checkpoints import make_checkpoint
-from tests.serving_helpers import running_server
+from tests.serving_helpers import assert_forced_calls, running_server
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "required": ["unit"], "additionalProperties": False,
@@ -27,16 +24,7 @@ def client(tmp_path_factory):
 
 
 def test_a_forced_call_comes_back_as_a_tool_call(client) -> None:
-    for seed in range(2):
-        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "weather?"}],
-                                               tools=[TOOL], tool_choice="required", max_tokens=200, seed=seed,
-                                               temperature=1.0)
-        choice = reply.choices[0]
-        assert choice.finish_reason == "tool_calls", choice
-        call = choice.message.tool_calls[0]
-        assert call.function.name == "get_weather"
-        jsonschema.validate(json.loads(call.function.arguments), TOOL["function"]["parameters"])
-        assert "<|" not in (choice.message.content or "")
+    assert_forced_calls(client, TOOL, '<|', 200)
 
 
 def test_a_free_reply_never_leaks_markers_as_calls(client) -> None:
