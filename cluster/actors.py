@@ -23,6 +23,7 @@ import os
 import shutil
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,12 +32,13 @@ import ray
 
 from hearth.cluster.bandwidth import BandwidthTracker, MonitorPolicy
 from hearth.config import EngineConfig
-from hearth.proto.contracts import GenerateRequest, GenerationChunk
+from hearth.proto.contracts import GenerateRequest, GenerationChunk, StageLost
 from hearth.serving.client import InProcessEngineClient
 
 log = logging.getLogger("hearth.cluster")
 NAMESPACE = "hearth"
 STREAM_INTERVAL_S = 0.02  # an executor sends a stream's chunks at most this often (after the first)
+STAGE_WAIT_S = 900.0  # how long a step waits for a restarting pipeline stage (it reads its layers again)
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,8 @@ class ExecutorActor:
         self.started = time.perf_counter()
         self.model_path = pool["path"]
         self.hops = [0, 0.0]  # calls to the later stages, seconds in them (the hop included)
+        self.stages_lost = 0  # steps that lost a later stage (its requests were ended)
+        self._stage_ids: dict[str, str] | None = None  # each later stage's instance, as last seen
         torch.set_num_threads(spec.engine.threads or len(physical_cores()))
         self.load_seconds = 0.0
         self.attached_pool = False
@@ -254,10 +258,42 @@ class ExecutorActor:
     def _next_stages(self, batch, hidden) -> _StageResult:
         """Send a (micro-)batch through the later stages, chained by reference so that each starts
         as soon as the one before is done; its logits come from ``result()``."""
+        ids = self._stage_instances()
         ref = hidden
-        for name in self.spec.next_stages:
-            ref = _handle(name).forward.remote(batch, ref)
-        return _StageResult(ref, self.hops)
+        try:
+            for name in self.spec.next_stages:
+                ref = _handle(name).forward.remote(batch, ref, ids[name])
+        except ValueError as exc:  # a stage that is gone for good (its machine left) has no handle
+            raise self._lost(exc) from None
+        return _StageResult(ref, self)
+
+    def _stage_instances(self) -> dict[str, str]:
+        """Each later stage's instance id, asked for again after a loss: a stage that Ray restarted
+        is a new instance with an empty KV cache, and refuses a step meant for the old one."""
+        deadline = time.monotonic() + STAGE_WAIT_S
+        while self._stage_ids is None:
+            try:
+                pings = ray.get([_handle(n).ping.remote() for n in self.spec.next_stages],
+                                timeout=max(deadline - time.monotonic(), 1.0))
+            except ray.exceptions.ActorUnavailableError as exc:  # restarting: wait for it
+                if time.monotonic() > deadline:
+                    raise self._lost(exc) from None
+                time.sleep(0.5)
+                continue
+            except Exception as exc:  # noqa: BLE001 - dead for good, or not back in time
+                raise self._lost(exc) from None
+            self._stage_ids = {n: p["instance"] for n, p in zip(self.spec.next_stages, pings, strict=True)}
+        return self._stage_ids
+
+    def _lost(self, exc: BaseException) -> StageLost:
+        """The error every request of a step that lost a later stage ends with."""
+        self._stage_ids = None
+        self.stages_lost += 1
+        cause = getattr(exc, "cause", None)
+        why = str(cause) if isinstance(cause, StageLost) else f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        return StageLost(f"a pipeline stage of replica {self.spec.replica_id} was lost during this request ({why}); "
+                         "the request was ended and can be retried: the stage restarts on its machine while that "
+                         "machine is up, and the deployment plans the stages again when it is not")
 
     async def ready(self) -> dict[str, Any]:
         """Waits until the model is loaded (re-raises a load failure); what the router needs."""
@@ -309,6 +345,7 @@ class ExecutorActor:
                    attached_pool=self.attached_pool, bandwidth_updates=self.bandwidth_updates)
         if self.spec.next_stages:
             out["stage_calls"], out["stage_seconds"] = self.hops
+            out["stages_lost"] = self.stages_lost
         return out
 
     def ring(self) -> tuple[str, str, int] | None:
@@ -356,15 +393,20 @@ class ExecutorActor:
 
 
 class _StageResult:
-    """The later stages' logits for one (micro-)batch, once asked for; times the wait."""
+    """The later stages' logits for one (micro-)batch, once asked for; times the wait. A stage that
+    failed (died, restarted, raised) turns into :class:`StageLost`."""
 
-    def __init__(self, ref: Any, hops: list) -> None:
-        self.ref, self.hops, self.sent = ref, hops, time.perf_counter()
+    def __init__(self, ref: Any, executor: ExecutorActor) -> None:
+        self.ref, self.executor, self.sent = ref, executor, time.perf_counter()
 
     def result(self):
-        logits = ray.get(self.ref)
-        self.hops[0] += 1
-        self.hops[1] += time.perf_counter() - self.sent
+        try:
+            logits = ray.get(self.ref)
+        except ray.exceptions.RayError as exc:
+            raise self.executor._lost(exc) from None
+        hops = self.executor.hops
+        hops[0] += 1
+        hops[1] += time.perf_counter() - self.sent
         return logits
 
 
@@ -383,13 +425,19 @@ class StageActor:
         self.spec = spec
         self.engine = LLMEngine(spec.model_path, spec.engine, layers=spec.layers)
         self.load_seconds = time.perf_counter() - started
+        self.instance = uuid.uuid4().hex  # a restart is a new instance: its KV cache starts empty
 
-    def forward(self, batch, hidden):
-        """This stage's layers over the first stage's batch and the previous stage's hidden states."""
+    def forward(self, batch, hidden, instance: str):
+        """This stage's layers over the first stage's batch and the previous stage's hidden states;
+        refused when meant for an earlier instance of this stage (whose KV cache died with it)."""
+        if instance != self.instance:
+            first, end = self.spec.layers
+            raise StageLost(f"stage {self.spec.replica_id} (layers {first}-{end - 1}) restarted and lost its KV cache")
         return self.engine.stage_forward(batch, hidden)
 
     def ping(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "layers": self.spec.layers, "load_seconds": self.load_seconds}
+        return {"pid": os.getpid(), "layers": self.spec.layers, "load_seconds": self.load_seconds,
+                "instance": self.instance}
 
 
 class MonitorActor:

@@ -254,8 +254,10 @@ def _deploy_stages(options: DeployOptions, nodes: list[NodeInfo], why: Exception
     first = ReplicaSpec(replica_id, name, resolved, stages[0].node_id, "", engine, max_waiting=options.max_waiting,
                         layers=(stages[0].first_layer, stages[0].end_layer),
                         next_stages=tuple(spec.actor_name("stage") for spec in later))
-    common = {"namespace": NAMESPACE, "lifetime": "detached", "num_cpus": 0, "max_restarts": 0}
-    for spec in later:  # a stage that restarts would have lost its KV cache: it stays down instead
+    # A stage that dies is restarted on its machine (empty: the executor ends the requests it held);
+    # one whose machine left stays down until the stages are planned again.
+    common = {"namespace": NAMESPACE, "lifetime": "detached", "num_cpus": 0, "max_restarts": -1}
+    for spec in later:
         ray.remote(StageActor).options(name=spec.actor_name("stage"), scheduling_strategy=_on_node(spec.node_id),
                                        **common).remote(spec)
     executor = ray.remote(ExecutorActor).options(name=first.actor_name("executor"),

@@ -37,7 +37,14 @@ from hearth.engine.state_pool import RecurrentStatePool
 from hearth.engine.static_step import StaticDecoder
 from hearth.engine.structured import Grammars
 from hearth.engine.tokenizer import load_tokenizer
-from hearth.proto.contracts import GenerationChunk, RequestMetrics, RequestOutput, SamplingParams, TokenLogprob
+from hearth.proto.contracts import (
+    GenerationChunk,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    StageLost,
+    TokenLogprob,
+)
 
 log = logging.getLogger("hearth.engine")
 
@@ -306,10 +313,25 @@ class LLMEngine:
         if self.experts is not None:
             step = self.experts.begin_step(scheduled.num_tokens, self._next_prefill_tokens(scheduled))
         plan = self._capture_plan(scheduled)
-        logits, sampled = self.runner.execute(scheduled.items, {rid: list(p) for rid, p in plan.items()}, step)
+        try:
+            logits, sampled = self.runner.execute(scheduled.items, {rid: list(p) for rid, p in plan.items()}, step)
+        except StageLost as exc:
+            raise StageLost(str(exc), self._drop_stage_state()) from exc
         self._write_routing()
         self._steps += 1
         return self._update(scheduled, logits, sampled, plan)
+
+    def _drop_stage_state(self) -> tuple[str, ...]:
+        """After a later stage lost its KV cache: end every request that has KV (the running ones) and
+        forget the cached prefixes, so that nothing relies on the stage's old pages; the waiting
+        requests start afresh. Returns the ended request ids."""
+        ended = tuple(req.request_id for req in self.scheduler.running)
+        for rid in ended:
+            self.abort(rid)
+        freed = self.scheduler.forget_prefixes()
+        log.warning("a pipeline stage was lost: %d request(s) ended, %d cached prefix block(s) dropped",
+                    len(ended), freed)
+        return ended
 
     def _next_prefill_tokens(self, scheduled: ScheduledStep) -> int:
         """About how many prompt tokens the step after this one will prefill (chunks left of the

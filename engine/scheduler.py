@@ -209,6 +209,15 @@ class Scheduler:
             self.prefix.unlock(req.prefix_node)
         req.block_table, req.prefix_node, req.num_tree_blocks = [], None, 0
 
+    def forget_prefixes(self) -> int:
+        """Drop every cached prefix no request holds (their KV is no longer valid everywhere, e.g. a
+        pipeline stage restarted empty); returns the blocks freed."""
+        if self.prefix is None:
+            return 0
+        freed = self.prefix.evict(self.prefix.num_blocks)
+        self.allocator.free(freed)
+        return len(freed)
+
     def _can_allocate(self, need: int) -> bool:
         """Whether ``need`` blocks are free, after evicting unpinned tree blocks if necessary."""
         short = need - self.allocator.num_free

@@ -34,6 +34,19 @@ class EngineNotReady(Exception):
     """The model is still loading (or failed to load)."""
 
 
+class StageLost(RuntimeError):
+    """A later pipeline stage of the replica went away (its process or its machine) during a step.
+    The requests whose KV cache it held are ended with this message; ``request_ids`` names them (set
+    by the engine), and requests still waiting go on once the stage is back."""
+
+    def __init__(self, message: str, request_ids: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.request_ids = request_ids
+
+    def __reduce__(self):  # picklable with its ids (it crosses Ray processes)
+        return type(self), (str(self), self.request_ids)
+
+
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
 
 

@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from hearth.engine.experts.mechanism.vram_watch import watch_engine
-from hearth.proto.contracts import EngineNotReady, EngineOverloaded, GenerateRequest, GenerationChunk, ModelInfo
+from hearth.proto.contracts import (
+    EngineNotReady,
+    EngineOverloaded,
+    GenerateRequest,
+    GenerationChunk,
+    ModelInfo,
+    StageLost,
+)
 from hearth.serving.admission import AdmissionLimits, Backlog, FairQueue, refusal
 
 log = logging.getLogger("hearth.serving")
@@ -275,6 +282,12 @@ class InProcessEngineClient:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except StageLost as exc:  # the engine ended the requests the stage held; the others go on
+            log.warning("%s", exc)
+            for rid in exc.request_ids:
+                self._deliver(rid, StageLost(str(exc)))
+            self._publish_stats()
+            return
         except Exception:  # noqa: BLE001 - fail the running requests, keep serving
             log.exception("engine step failed")
             for rid in list(self._streams):

@@ -73,3 +73,39 @@ def test_two_stages_on_two_machines_match_one_machine(staged, agent_checkpoint) 
     print(f"\nstage hop (later stage's compute included): {per_step * 1e3:.2f} ms a step; "
           f"64 tokens in {took:.2f} s ({64 / took:.1f} tok/s)")
     assert find_router() is not None
+
+
+def test_killing_a_stage_mid_stream_ends_it_with_an_error_and_the_next_request_succeeds(staged) -> None:
+    """The later stage's process dies while a reply streams: the stream ends with one error event
+    that says what happened; Ray restarts the stage on its machine (empty), and the next request
+    gets one machine's tokens again."""
+    import json
+
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    before = requests.post(f"{staged['url']}/v1/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
+    stage = ray.get_actor(f"hearth:stage:{staged['replicas'][0]['replica_id']}/1", namespace="hearth")
+    pid = ray.get(stage.ping.remote())["pid"]
+    events, killed = [], False
+    with requests.post(f"{staged['url']}/v1/completions", stream=True, timeout=120,
+                       json=body | {"max_tokens": 400, "stream": True}) as reply:
+        assert reply.status_code == 200
+        for line in reply.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            events.append(json.loads(line[6:]))
+            if len(events) == 3 and not killed:
+                ray.kill(stage, no_restart=False)
+                killed = True
+    assert killed and "error" in events[-1], events[-1]
+    message = events[-1]["error"]["message"]
+    assert "pipeline stage" in message and "retried" in message, message
+    assert not any(e.get("choices", [{}])[0].get("finish_reason") for e in events[:-1])  # it did not just finish
+    start = time.perf_counter()
+    after = requests.post(f"{staged['url']}/v1/completions", json=body, timeout=300)
+    assert after.status_code == 200, after.text
+    assert after.json()["choices"][0]["token_ids"] == before
+    assert ray.get(stage.ping.remote())["pid"] != pid  # a new process
+    executor = ray.get_actor(staged["replicas"][0]["executor_name"], namespace="hearth")
+    assert ray.get(executor.stats.remote())["stages_lost"] >= 1
+    print(f"\nnext request after the stage died: {time.perf_counter() - start:.1f} s (the stage reloading included)")

@@ -104,3 +104,49 @@ def test_stage_bounds_and_unsupported_kinds_are_refused(checkpoint) -> None:
         LLMEngine(path, EngineConfig(), layers=(0, 1))
     with pytest.raises(ConfigError, match="plain expert backend"):
         LLMEngine(path, EngineConfig(expert_device="virtual"), layers=(1, 3))
+
+
+def test_a_lost_stage_ends_the_requests_it_held_and_the_engine_goes_on(checkpoint) -> None:
+    """A later stage that dies mid-step (and comes back empty) ends the running requests with a
+    StageLost naming them; a request still waiting goes on, and a prompt whose prefix was cached
+    before the loss is computed afresh through the new stage: both equal one engine's tokens."""
+    from hearth.config import EngineConfig
+    from hearth.engine import LLM, LLMEngine
+    from hearth.proto.contracts import StageLost
+    from tests.helpers import greedy
+
+    path, _ = checkpoint("qwen3_moe")
+    config = EngineConfig(kv_cache_tokens=1024, max_num_seqs=1)
+    whole = LLM(path, config=config)
+    prompts = ["the cached prefix of a long agent prompt, then one", "a second prompt that waits its turn"]
+    expected = [whole.generate([p], greedy(8))[0].token_ids for p in prompts]
+    layers = whole.engine.model_config.num_layers
+    stage = {"engine": LLMEngine(path, config, layers=(1, layers)), "fail_at": None, "calls": 0}
+
+    def later(batch, hidden):
+        stage["calls"] += 1
+        if stage["calls"] == stage["fail_at"]:
+            stage["engine"] = LLMEngine(path, config, layers=(1, layers))  # restarted: an empty KV cache
+            raise StageLost("stage 1 died")
+        return stage["engine"].stage_forward(batch, hidden)
+
+    engine = LLMEngine(path, config, layers=(0, 1), next_stage=later)
+
+    def run(request_ids: list[str]) -> dict[str, list[int]]:
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.token_ids
+        return {rid: done[rid] for rid in request_ids}
+
+    assert run([engine.add_request(prompts[0], greedy(8), "warm")]) == {"warm": expected[0]}  # now cached
+    stage["fail_at"] = stage["calls"] + 4  # mid-decode of the next request
+    first = engine.add_request(prompts[0], greedy(8), "lost")
+    waiting = engine.add_request(prompts[1], greedy(8), "waits")
+    with pytest.raises(StageLost) as lost:
+        run([first, waiting])
+    assert lost.value.request_ids == ("lost",) and "stage 1 died" in str(lost.value)
+    assert engine.stats()["kv_blocks_cached"] == 0  # the old stage's pages are not trusted again
+    again = engine.add_request(prompts[0], greedy(8), "again")
+    assert run([waiting, again]) == {"waits": expected[1], "again": expected[0]}
