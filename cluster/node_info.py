@@ -48,9 +48,24 @@ def nvidia_gpus() -> tuple[GpuInfo, ...]:
         pynvml.nvmlShutdown()
 
 
+def ram_limit() -> int | None:
+    """The RAM its owner lets hearth use on this machine: ``HEARTH_RAM_LIMIT`` in the environment
+    the node was started with (``HEARTH_RAM_LIMIT=24GiB ray start ...``), or None."""
+    from hearth.config import ConfigError, parse_bytes
+
+    text = os.environ.get("HEARTH_RAM_LIMIT", "").strip()
+    if not text:
+        return None
+    try:
+        return parse_bytes(text)
+    except (ConfigError, ValueError) as exc:
+        raise ConfigError(f"HEARTH_RAM_LIMIT={text!r} is not a size (like 24GiB or 512MiB): {exc}") from None
+
+
 def describe_this_node(node_id: str, address: str, labels: frozenset[str]) -> NodeInfo:
     """A :class:`NodeInfo` for the machine this runs on."""
     from hearth.engine.experts.mechanism.cpu_workers import physical_cores
 
     total, available = meminfo()
-    return NodeInfo(node_id, address, total, available, len(physical_cores()), nvidia_gpus(), labels)
+    return NodeInfo(node_id, address, total, available, len(physical_cores()), nvidia_gpus(), labels,
+                    ram_limit_bytes=ram_limit())

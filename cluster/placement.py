@@ -6,7 +6,8 @@ asked for and returns a :class:`PlacementPlan`; the deployment code only carries
 
 Rules:
 - a node hosts a model when its available RAM holds the expert pool, the dense weights and a
-  headroom (the OS, the KV cache, the other programs of a home machine);
+  headroom (the OS, the KV cache, the other programs of a home machine); where the machine's owner
+  set ``HEARTH_RAM_LIMIT``, within that limit instead;
 - a node runs at most one replica of a model (one pool per machine; a second replica there
   would only split the same memory bandwidth);
 - nodes with a GPU come first (the one with most free VRAM), then by RAM and cores;
@@ -49,6 +50,14 @@ class NodeInfo:
     alive: bool = True
     b_p: float | None = None  # measured link bandwidth (bytes/s), when known
     b_h: float | None = None  # measured host expert bandwidth (bytes/s), when known
+    ram_limit_bytes: int | None = None  # what its owner lets hearth use (HEARTH_RAM_LIMIT there), if set
+
+    @property
+    def usable_ram_bytes(self) -> int:
+        """The RAM a plan may fill: what is available, within the owner's limit where one is set."""
+        if self.ram_limit_bytes is None:
+            return self.ram_available_bytes
+        return min(self.ram_available_bytes, self.ram_limit_bytes)
 
     @property
     def name(self) -> str:
@@ -99,13 +108,16 @@ class PlacementPlan:
 
 @dataclass(frozen=True)
 class PlacementPolicy:
-    """Tunables. The headroom is max(min_headroom_bytes, headroom_fraction x node RAM)."""
+    """Tunables. The headroom is max(min_headroom_bytes, headroom_fraction x node RAM), and none on a
+    machine whose owner set a RAM limit (the limit is the whole budget)."""
 
     min_headroom_bytes: int = 2 * GIB
     headroom_fraction: float = 0.10
     vram_fraction: float = 0.80  # of a GPU's free memory, for the dense weights and the expert cache
 
     def headroom(self, node: NodeInfo) -> int:
+        if node.ram_limit_bytes is not None:
+            return 0
         return max(self.min_headroom_bytes, int(self.headroom_fraction * node.ram_bytes))
 
     def ram_needed(self, model: ModelSpec, node: NodeInfo) -> int:
@@ -118,7 +130,7 @@ def _fmt(nbytes: float) -> str:
 
 def _node_order(node: NodeInfo) -> tuple:
     best_gpu = max((g.free_bytes for g in node.gpus), default=-1)
-    return (-best_gpu, -node.ram_available_bytes, -node.physical_cores, node.node_id)
+    return (-best_gpu, -node.usable_ram_bytes, -node.physical_cores, node.node_id)
 
 
 def plan_placement(nodes: tuple[NodeInfo, ...] | list[NodeInfo], models: tuple[ModelSpec, ...] | list[ModelSpec],
@@ -131,7 +143,7 @@ def plan_placement(nodes: tuple[NodeInfo, ...] | list[NodeInfo], models: tuple[M
     live = sorted((n for n in nodes if n.alive), key=_node_order)
     if not live:
         raise PlacementError("the cluster has no live node")
-    ram_left = {n.node_id: n.ram_available_bytes for n in live}
+    ram_left = {n.node_id: n.usable_ram_bytes for n in live}
     gpus_free = {n.node_id: sorted(n.gpus, key=lambda g: (-g.free_bytes, g.index)) for n in live}
     replicas: list[ReplicaPlan] = []
     # Largest models first: they have the fewest choices.
@@ -148,7 +160,7 @@ def plan_placement(nodes: tuple[NodeInfo, ...] | list[NodeInfo], models: tuple[M
         for node in fitting[:wanted]:
             ram_left[node.node_id] -= model.pool_bytes + model.dense_bytes
             replicas.append(_replica(model, node, gpus_free[node.node_id], policy))
-    committed = {n.node_id: n.ram_available_bytes - ram_left[n.node_id] for n in live}
+    committed = {n.node_id: n.usable_ram_bytes - ram_left[n.node_id] for n in live}
     return PlacementPlan(tuple(replicas), committed)
 
 
@@ -162,7 +174,7 @@ def plan_joiners(nodes: tuple[NodeInfo, ...] | list[NodeInfo], models: tuple[Mod
     what runs on them already counts. Never refuses: what does not fit is left out."""
     policy = policy or PlacementPolicy()
     live = sorted((n for n in nodes if n.alive), key=_node_order)
-    ram_left = {n.node_id: n.ram_available_bytes for n in live}
+    ram_left = {n.node_id: n.usable_ram_bytes for n in live}
     gpus_free = {n.node_id: sorted(n.gpus, key=lambda g: (-g.free_bytes, g.index)) for n in live}
     added: list[ReplicaPlan] = []
     for model in sorted(models, key=lambda m: (-(m.pool_bytes + m.dense_bytes), m.name)):

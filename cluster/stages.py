@@ -50,8 +50,8 @@ def plan_stages(nodes: Sequence[NodeInfo], model: str, layer_bytes: Sequence[int
     if not layer_bytes:
         raise PlacementError(f"model '{model}' has no layers to place")
     speed = {n.node_id: (speeds or {}).get(n.node_id) or node_speed(n) for n in nodes}
-    live = sorted((n for n in nodes if n.alive), key=lambda n: (-speed[n.node_id], -n.ram_available_bytes, n.node_id))
-    room = {n.node_id: max(0, n.ram_available_bytes - policy.headroom(n)) for n in live}
+    live = sorted((n for n in nodes if n.alive), key=lambda n: (-speed[n.node_id], -n.usable_ram_bytes, n.node_id))
+    room = {n.node_id: max(0, n.usable_ram_bytes - policy.headroom(n)) for n in live}
     total = sum(layer_bytes) + embed_bytes + head_bytes
     chosen: list[NodeInfo] = []
     for node in live:  # the fewest machines, fastest first, whose room holds everything

@@ -1,7 +1,9 @@
-"""One replica split by layers over two machines (pipeline stages): the first stage (the replica's
-executor, on one machine) schedules, embeds and samples; the second (a stage actor on the other)
-runs the remaining layers and the head each step. Its tokens and log-probabilities are one
-machine's. Prints the per-step cost of the hop. Marked ``multinode``."""
+"""One replica split by layers over two machines (pipeline stages): each machine lets hearth use
+600 KiB of RAM (``HEARTH_RAM_LIMIT``) and the tiny model needs about 920 KiB, so no machine holds it
+and the deployment splits it. The first stage (the replica's executor, on one machine) schedules,
+embeds and samples; the second (a stage actor on the other) runs the remaining layers and the head
+each step. Its tokens and log-probabilities are one machine's. Prints the per-step cost of the hop.
+Marked ``multinode``."""
 
 from __future__ import annotations
 
@@ -22,9 +24,14 @@ PROMPT = "def fibonacci(n):"
 
 @pytest.fixture(scope="module")
 def staged(tmp_path_factory, agent_checkpoint):
-    options = DeployOptions(str(agent_checkpoint), "tiny", port=free_port(), grpc_port=None, stages=True,
+    from hearth.cluster.deploy import layer_sizes
+
+    sizes, embed, head = layer_sizes(str(agent_checkpoint))
+    assert 600 * 1024 < sum(sizes) + embed + head < 2 * 600 * 1024
+    options = DeployOptions(str(agent_checkpoint), "tiny", port=free_port(), grpc_port=None,
                             engine_options={"max_model_len": 512, "kv_cache_tokens": 2048}, health_interval_s=0.5)
-    with deployed_on_two_nodes(tmp_path_factory.mktemp("hearth-cache"), options) as (_, desc):
+    with deployed_on_two_nodes(tmp_path_factory.mktemp("hearth-cache"), options,
+                               env={"HEARTH_RAM_LIMIT": "600KiB"}) as (_, desc):
         yield desc
 
 

@@ -150,3 +150,29 @@ def test_a_lost_stage_ends_the_requests_it_held_and_the_engine_goes_on(checkpoin
     assert engine.stats()["kv_blocks_cached"] == 0  # the old stage's pages are not trusted again
     again = engine.add_request(prompts[0], greedy(8), "again")
     assert run([waiting, again]) == {"waits": expected[1], "again": expected[0]}
+
+
+def test_an_owners_ram_limit_is_the_budget(monkeypatch) -> None:
+    """``HEARTH_RAM_LIMIT`` on a machine caps what a plan may fill there (no headroom on top): a
+    model that the machines' free RAM would hold alone is split once each lets hearth use less."""
+    from dataclasses import replace
+
+    from hearth.cluster.node_info import ram_limit
+    from hearth.cluster.placement import ModelSpec, plan_placement
+    from hearth.config import ConfigError
+
+    big = [machine("desktop", 64), machine("laptop", 32)]
+    model = ModelSpec("m", "/m", int(36 * GIB), int(4 * GIB))
+    assert [r.node_name for r in plan_placement(big, [model]).replicas] == ["desktop"]
+    limited = [replace(n, ram_limit_bytes=24 * GIB) for n in big]
+    with pytest.raises(PlacementError, match="fits on no node"):
+        plan_placement(limited, [model])
+    stages = plan_stages(limited, "m", layers(40, 1.0), 0, 0)
+    assert [(s.node_name, s.end_layer - s.first_layer) for s in stages] == [("desktop", 20), ("laptop", 20)]
+    monkeypatch.setenv("HEARTH_RAM_LIMIT", "24GiB")
+    assert ram_limit() == 24 * GIB
+    monkeypatch.setenv("HEARTH_RAM_LIMIT", "lots")
+    with pytest.raises(ConfigError, match="HEARTH_RAM_LIMIT='lots'"):
+        ram_limit()
+    monkeypatch.delenv("HEARTH_RAM_LIMIT")
+    assert ram_limit() is None
