@@ -439,6 +439,10 @@ class StageActor:
         return {"pid": os.getpid(), "layers": self.spec.layers, "load_seconds": self.load_seconds,
                 "instance": self.instance}
 
+    def stats(self) -> dict[str, Any]:
+        """The stage engine's statistics (its KV occupancy, memory, expert hierarchy counters)."""
+        return self.engine.stats()
+
 
 class MonitorActor:
     """Polls the executor's expert timings and pushes new bandwidths when they drift."""

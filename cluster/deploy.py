@@ -236,44 +236,65 @@ def layer_sizes(path: str) -> tuple[list[int], int, int]:
 def _deploy_stages(options: DeployOptions, nodes: list[NodeInfo], why: Exception, log) -> dict[str, Any]:
     """One replica split by layers over machines (``plan_stages``): the first stage is the replica's
     executor, which schedules and samples; the later stages are stage actors it calls each step."""
-    from hearth.cluster.actors import StageActor
-    from hearth.cluster.stages import plan_stages
-
     path, name = options.models[0]
-    sizes, embed, head = layer_sizes(path)
-    stages = plan_stages(nodes, name, sizes, embed, head, min_stages=2 if options.stages else 1)
+    stages = plan_model_stages(options, nodes)
     if len(stages) == 1 and not options.stages:
         raise why  # it fits one machine after all: the placement error stands
     log(f"hearth: '{name}' as {len(stages)} pipeline stage(s) ({why}): " + ", ".join(
         f"layers {s.first_layer}-{s.end_layer - 1} on {s.node_name}" for s in stages))
-    engine = EngineConfig(**{**options.engine_options, "expert_device": "none", "static_decode": "off"})
+    info, ready = start_stages(options, stages)
+    model = ModelInfo(name, str(Path(path).resolve()), ready["max_model_len"], ready["vocab_size"], int(time.time()))
+    config = RouterConfig(model, (info,), options.serving, options.health_interval_s, deploy=options,
+                          nodes=tuple(nodes), stage_plan=stages)
+    return _start_router(config)
+
+
+def plan_model_stages(options: DeployOptions, nodes: list[NodeInfo]) -> tuple[Any, ...]:
+    """The stage plan of the (one) model of ``options`` over ``nodes`` (raises PlacementError)."""
+    from hearth.cluster.stages import plan_stages
+
+    path, name = options.models[0]
+    sizes, embed, head = layer_sizes(path)
+    return plan_stages(nodes, name, sizes, embed, head, min_stages=2 if options.stages else 1)
+
+
+def start_stages(options: DeployOptions, stages: tuple[Any, ...]) -> tuple[ReplicaInfo, dict[str, Any]]:
+    """Start the actors of a staged replica for the plan ``stages`` and wait until it serves; its
+    router entry and the executor's ``ready`` report. A failed start removes what it started."""
+    from hearth.cluster.actors import StageActor
+
+    path, name = options.models[0]
+
+    def engine(stage) -> EngineConfig:  # on a GPU, the stage's layers run the expert hierarchy there
+        return EngineConfig(**{"expert_device": "cuda" if stage.executor == "cuda" else "none",
+                               **options.engine_options, "static_decode": "off"})
+
     replica_id = f"{name}@{stages[0].node_name}"
     resolved = str(Path(path).resolve())
-    later = [ReplicaSpec(f"{replica_id}/{s.index}", name, resolved, s.node_id, "", engine,
+    later = [ReplicaSpec(f"{replica_id}/{s.index}", name, resolved, s.node_id, "", engine(s),
                          layers=(s.first_layer, s.end_layer)) for s in stages[1:]]
-    first = ReplicaSpec(replica_id, name, resolved, stages[0].node_id, "", engine, max_waiting=options.max_waiting,
-                        layers=(stages[0].first_layer, stages[0].end_layer),
+    first = ReplicaSpec(replica_id, name, resolved, stages[0].node_id, "", engine(stages[0]),
+                        max_waiting=options.max_waiting, layers=(stages[0].first_layer, stages[0].end_layer),
                         next_stages=tuple(spec.actor_name("stage") for spec in later))
+    gpus = {spec.node_id: 1 if spec.engine.experts.device == "cuda" else 0 for spec in (first, *later)}
     # A stage that dies is restarted on its machine (empty: the executor ends the requests it held);
     # one whose machine left stays down until the stages are planned again.
     common = {"namespace": NAMESPACE, "lifetime": "detached", "num_cpus": 0, "max_restarts": -1}
     for spec in later:
         ray.remote(StageActor).options(name=spec.actor_name("stage"), scheduling_strategy=_on_node(spec.node_id),
-                                       **common).remote(spec)
-    executor = ray.remote(ExecutorActor).options(name=first.actor_name("executor"),
+                                       num_gpus=gpus[spec.node_id], **common).remote(spec)
+    executor = ray.remote(ExecutorActor).options(name=first.actor_name("executor"), num_gpus=gpus[first.node_id],
                                                  scheduling_strategy=_on_node(first.node_id), **common).remote(first)
     try:
         ready = ray.get(executor.ready.remote(), timeout=options.ready_timeout_s)
         ray.get([ray.get_actor(spec.actor_name("stage"), namespace=NAMESPACE).ping.remote() for spec in later],
                 timeout=options.ready_timeout_s)
     except Exception:
-        teardown()
+        teardown(lambda *_: None, replica_id)
         raise
-    model = ModelInfo(name, resolved, ready["max_model_len"], ready["vocab_size"], int(time.time()))
     info = ReplicaInfo(replica_id, name, stages[0].node_id, stages[0].node_name, first.actor_name("executor"),
                        first.actor_name("monitor"), "cpu", None, 0)
-    config = RouterConfig(model, (info,), options.serving, options.health_interval_s, nodes=tuple(nodes))
-    return _start_router(config) | {"stages": [s.__dict__ for s in stages]}
+    return info, ready
 
 
 def find_router():
@@ -293,8 +314,8 @@ def teardown(log=print, replica_id: str | None = None) -> list[str]:
     (closed first, so their shared memory is removed); or only the actors of ``replica_id``.
     Returns the names removed."""
     names = _hearth_actors()
-    if replica_id is not None:
-        names = [n for n in names if n.endswith(f":{replica_id}")]
+    if replica_id is not None:  # its actors, and its later pipeline stages (named replica/index)
+        names = [n for n in names if n.endswith(f":{replica_id}") or re.search(f":{re.escape(replica_id)}/\\d+$", n)]
     order = ("router", "monitor", "executor", "stage", "cpu", "pool")
     removed = []
     for role in order:

@@ -7,6 +7,11 @@ module only watches, starts and stops. Every ``interval_s`` it compares Ray's li
 ones it has already planned for: only new machines are described (a task on each) and planned.
 With a fixed replica count, a model that lost replicas to a machine that left is topped up on the
 machines without one.
+
+A model split into pipeline stages (``stages``) is watched differently: when a machine holding one
+of its stages leaves, the stages are planned again (``plan_stages``) over the machines there are,
+as soon as they hold the model (at once, or when the machine comes back), and the new replica
+replaces the broken one. Until then its requests end with a clear error.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Any
 
 import ray
 
-from hearth.cluster.placement import ModelSpec, NodeInfo, ReplicaPlan, plan_joiners
+from hearth.cluster.placement import ModelSpec, NodeInfo, PlacementError, ReplicaPlan, plan_joiners
 
 log = logging.getLogger("hearth.membership")
 
@@ -28,8 +33,10 @@ class Membership:
     the router's engine client per model name)."""
 
     def __init__(self, options: Any, clients: dict[str, Any], interval_s: float = 5.0,
-                 nodes: dict[str, NodeInfo] | None = None) -> None:
+                 nodes: dict[str, NodeInfo] | None = None, stages: tuple[Any, ...] = ()) -> None:
         self.options, self.clients, self.interval_s = options, clients, interval_s
+        self.stages = stages  # the StagePlan of a staged deployment (empty: replicas)
+        self._restage_tried: frozenset[str] | None = None  # the live machines of the last plan that failed
         self.nodes = nodes if nodes is not None else {}  # node id -> its report (shared with the router)
         self.paths = {name: path for path, name in options.models}
         self.planned: set[str] = {r.info.node_id for c in clients.values() for r in c.replicas.values()}
@@ -54,6 +61,8 @@ class Membership:
 
     async def reconcile(self) -> list[str]:
         """One round: start the replicas new machines get; returns their ids once they serve."""
+        if self.stages:
+            return await self._restage()
         noticed = time.monotonic()
         added = await asyncio.to_thread(self._plan_round)
         started = []
@@ -69,6 +78,47 @@ class Membership:
             log.info("replica %s joined on %s", plan.replica_id, plan.node_name)
             started.append(plan.replica_id)
         return started
+
+    async def _restage(self) -> list[str]:
+        """A staged deployment's round: if a machine holding a stage left, stop the broken replica and
+        plan the stages again over the live machines (now, or in a later round once machines join);
+        returns the new replica's id once it serves."""
+        from hearth.cluster.deploy import teardown
+
+        live = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+        if all(s.node_id in live for s in self.stages) or self._restage_tried == frozenset(live):
+            return []  # intact, or no machine came or went since the last plan that failed
+        noticed = time.monotonic()
+        self._restage_tried = frozenset(live)
+        name = self.stages[0].model
+        client = self.clients[name]
+        broken = [r for r in client.replicas.values() if r.note is None]
+        for state in broken:  # its requests end with a clear error from now on
+            state.healthy, state.note = False, (f"a machine holding its pipeline stages left; the stages of '{name}' "
+                                                "are planned again as soon as the machines hold them")
+            state.lost.set()
+        await asyncio.to_thread(lambda: [teardown(lambda *_: None, r.info.replica_id) for r in broken])
+        try:
+            stages, info = await asyncio.to_thread(self._start_stages, live)
+        except PlacementError as exc:
+            log.warning("the stages of '%s' lost a machine; waiting for machines that hold it: %s", name, exc)
+            return []
+        client.replicas.clear()
+        client.add_replica(info)
+        await client.check_health()
+        self.stages, self._restage_tried = stages, None
+        self.joined.append((info.replica_id, time.monotonic() - noticed))
+        log.info("'%s' planned again as %d stage(s): %s", name, len(stages), ", ".join(
+            f"layers {s.first_layer}-{s.end_layer - 1} on {s.node_name}" for s in stages))
+        return [info.replica_id]
+
+    def _start_stages(self, live: dict[str, dict]) -> tuple[tuple[Any, ...], Any]:
+        from hearth.cluster.deploy import describe_nodes, plan_model_stages, start_stages
+
+        nodes = describe_nodes(list(live.values()))
+        self.nodes.update({n.node_id: n for n in nodes})
+        stages = plan_model_stages(self.options, nodes)
+        return stages, start_stages(self.options, stages)[0]
 
     def _plan_round(self) -> tuple[ReplicaPlan, ...]:
         from hearth.cluster.deploy import describe_nodes, model_spec

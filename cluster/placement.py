@@ -125,7 +125,11 @@ class PlacementPolicy:
 
 
 def _fmt(nbytes: float) -> str:
-    return f"{nbytes / GIB:.1f} GiB"
+    """GiB with one decimal; MiB or KiB below a GiB (tiny test models)."""
+    for unit, size in (("GiB", GIB), ("MiB", 1 << 20)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes / 1024:.1f} KiB"
 
 
 def _node_order(node: NodeInfo) -> tuple:

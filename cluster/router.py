@@ -66,6 +66,7 @@ class _ReplicaState:
     block_size: int = 0
     prompt_tokens: int = 0  # of the requests it finished
     cached_prompt_tokens: int = 0  # of those, served from its prefix cache
+    note: str | None = None  # why it is out of rotation, where more is known than the last error
 
     def load(self) -> ReplicaLoad:
         warmth = float((self.executor_stats.get("experts") or {}).get("hit_rate") or 0.0)
@@ -103,6 +104,12 @@ class RouterEngineClient:
     def wait_ready(self, timeout: float | None = None) -> None:
         if not self._loaded.wait(timeout):
             raise TimeoutError("no replica became ready in time")
+
+    def unavailable(self) -> str | None:
+        """Why no replica serves, once the deployment served (None while it still loads)."""
+        if not self._loaded.is_set() or self.ready:
+            return None
+        return f"no replica of '{self.model.name}' is available ({self._describe_unavailable()})"
 
     def stats(self) -> dict[str, Any]:
         states = list(self.replicas.values())
@@ -223,7 +230,8 @@ class RouterEngineClient:
         state.lost.set()  # ends the other streams on it now
 
     def _describe_unavailable(self) -> str:
-        return ", ".join(f"{r.info.replica_id}: {r.last_error or 'not ready'}" for r in self.replicas.values())
+        return ", ".join(f"{r.info.replica_id}: {r.note or r.last_error or 'not ready'}"
+                         for r in self.replicas.values())
 
     def _ensure_health_loop(self) -> None:
         if self._health_task is None or self._health_task.done():
@@ -253,7 +261,7 @@ class RouterEngineClient:
             return
         if prefix:
             state.cached, state.block_size = frozenset(prefix["hashes"]), int(prefix["block_size"])
-        if not stats.get("ready"):
+        if not stats.get("ready") or state.note is not None:  # loading, or taken out (see ``note``)
             return
         if not state.healthy:
             log.info("replica %s is in rotation", state.info.replica_id)
@@ -334,6 +342,7 @@ class RouterConfig:
     deploy: Any = None  # the DeployOptions, to start replicas on machines that join (None: no membership)
     membership_interval_s: float = 5.0
     nodes: tuple[Any, ...] = ()  # the NodeInfo of each machine at deployment (for the status page)
+    stage_plan: tuple[Any, ...] = ()  # a staged deployment's StagePlan (planned again when a machine leaves)
 
     @property
     def groups(self) -> list[tuple[ModelInfo, tuple[ReplicaInfo, ...]]]:
@@ -366,7 +375,7 @@ class RouterActor:
             from hearth.cluster.membership import Membership
 
             self.membership = Membership(config.deploy, {c.model.name: c for c in clients},
-                                         config.membership_interval_s, self.nodes)
+                                         config.membership_interval_s, self.nodes, config.stage_plan)
         state.node_provider = self.node_rows
         self.server = BackgroundServer(state, serving, on_loop_start=self._start)
         self.server.start()
@@ -401,7 +410,8 @@ class RouterActor:
                 "url": self.server.url, "grpc_port": c.serving.grpc_port,
                 "replicas": [r.info.__dict__ for client in self._clients for r in list(client.replicas.values())],
                 "started": self.started,
-                "pid": os.getpid(), "joined": list(self.membership.joined) if self.membership else []}
+                "pid": os.getpid(), "joined": list(self.membership.joined) if self.membership else [],
+                "stages": [s.__dict__ for s in self.membership.stages] if self.membership else []}
 
     def replica_stats(self) -> dict[str, Any]:
         return self.client.stats()["replicas"]

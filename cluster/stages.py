@@ -27,6 +27,7 @@ class StagePlan:
     first_layer: int
     end_layer: int
     ram_bytes: int  # its layers' weights (experts included), and the embeddings or head where it has them
+    executor: str = "cpu"  # "cuda": its machine has a GPU, and the stage runs the expert hierarchy there
 
     @property
     def stage_id(self) -> str:
@@ -72,7 +73,8 @@ def plan_stages(nodes: Sequence[NodeInfo], model: str, layer_bytes: Sequence[int
     stages = []
     for i, (node, (first, end)) in enumerate(zip(chosen, bounds, strict=True)):
         ends = (embed_bytes if i == 0 else 0) + (head_bytes if i == len(chosen) - 1 else 0)
-        stages.append(StagePlan(model, i, node.node_id, node.name, first, end, sum(layer_bytes[first:end]) + ends))
+        stages.append(StagePlan(model, i, node.node_id, node.name, first, end, sum(layer_bytes[first:end]) + ends,
+                                "cuda" if node.gpus else "cpu"))
     return tuple(stages)
 
 

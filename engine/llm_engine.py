@@ -499,9 +499,9 @@ class LLMEngine:
 
     def _check_stage(self, cfg, next_stage) -> None:
         first, end = cfg.layer_range
-        if self.experts is not None or self.config.static_decode != "off" or cfg.linear_layer_ids:
-            raise ConfigError("pipeline stages run the plain expert backend, eager steps and no linear-attention "
-                              "layers for now (--expert-device none, --static-decode off)")
+        if self.config.static_decode != "off" or cfg.linear_layer_ids:
+            raise ConfigError("pipeline stages run eager steps and no linear-attention layers for now "
+                              "(--static-decode off)")
         if first == 0 and end < cfg.num_layers and next_stage is None:
             raise ConfigError(f"the first stage [{first}, {end}) needs the later stages (next_stage) to reach "
                               f"the model's {cfg.num_layers} layers")
@@ -511,5 +511,9 @@ class LLMEngine:
         """A later pipeline stage's step: the first stage's ``batch`` (the same block tables: the KV
         caches of all stages have the same blocks) and the previous stage's hidden states [T, H]; its
         hidden states, or the logits on the last stage."""
+        if self.experts is not None:  # this stage's own hierarchy decides how its MoE layers run
+            told = batch.experts
+            batch = replace(batch, experts=self.experts.begin_step(
+                told.num_tokens if told else int(batch.token_ids.numel()), told.next_tokens if told else 0))
         return self.runner.model(batch, self.runner.kv, self.runner.states, hidden.to(self.device))
 

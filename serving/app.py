@@ -69,8 +69,10 @@ class ServedModel:
     def check_ready(self) -> None:
         if not self.client.ready:
             error = getattr(self.client, "load_error", None)
-            raise APIError(503, f"the model '{self.name}' is still loading, retry shortly" if error is None
-                           else f"the model '{self.name}' failed to load: {error}")
+            unavailable = getattr(self.client, "unavailable", None)  # a router: why no replica serves
+            why = unavailable() if error is None and callable(unavailable) else None
+            raise APIError(503, why or (f"the model '{self.name}' is still loading, retry shortly" if error is None
+                                        else f"the model '{self.name}' failed to load: {error}"))
 
     def answers_to(self, name: str) -> bool:
         return name in self.names or name == self.client.model.path

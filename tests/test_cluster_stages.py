@@ -29,10 +29,11 @@ def staged(tmp_path_factory, agent_checkpoint):
     sizes, embed, head = layer_sizes(str(agent_checkpoint))
     assert 600 * 1024 < sum(sizes) + embed + head < 2 * 600 * 1024
     options = DeployOptions(str(agent_checkpoint), "tiny", port=free_port(), grpc_port=None,
-                            engine_options={"max_model_len": 512, "kv_cache_tokens": 2048}, health_interval_s=0.5)
+                            engine_options={"max_model_len": 512, "kv_cache_tokens": 2048, "expert_device": "virtual",
+                                            "expert_cache": "0.3"}, health_interval_s=0.5)
     with deployed_on_two_nodes(tmp_path_factory.mktemp("hearth-cache"), options,
-                               env={"HEARTH_RAM_LIMIT": "600KiB"}) as (_, desc):
-        yield desc
+                               env={"HEARTH_RAM_LIMIT": "600KiB"}) as (cluster, desc):
+        yield desc | {"cluster": cluster}
 
 
 def test_two_stages_on_two_machines_match_one_machine(staged, agent_checkpoint) -> None:
@@ -69,6 +70,10 @@ def test_two_stages_on_two_machines_match_one_machine(staged, agent_checkpoint) 
         replies = list(pool.map(lambda _: requests.post(f"{staged['url']}/v1/completions", json=body, timeout=120),
                                 range(4)))
     assert [r.json()["choices"][0]["token_ids"] for r in replies] == [out.token_ids] * 4
+    # Each stage ran the expert hierarchy over its own layers (a device cache; misses filled or on the CPU).
+    for name in (staged["replicas"][0]["executor_name"], f"hearth:stage:{staged['replicas'][0]['replica_id']}/1"):
+        experts = ray.get(ray.get_actor(name, namespace="hearth").stats.remote())["experts"]
+        assert experts["fill_calls"] + experts["cpu_calls"] > 0, experts
     # The hop: the first stage's time in the later stage, per step, against a step's whole time.
     start = time.perf_counter()
     reply = requests.post(f"{staged['url']}/v1/completions", timeout=120, json={
@@ -116,3 +121,33 @@ def test_killing_a_stage_mid_stream_ends_it_with_an_error_and_the_next_request_s
     executor = ray.get_actor(staged["replicas"][0]["executor_name"], namespace="hearth")
     assert ray.get(executor.stats.remote())["stages_lost"] >= 1
     print(f"\nnext request after the stage died: {time.perf_counter() - start:.1f} s (the stage reloading included)")
+
+
+def test_a_machine_that_leaves_gets_its_stages_planned_again_when_it_comes_back(staged) -> None:
+    """The laptop (holding a stage) leaves: requests get a clear error while the desktop alone cannot
+    hold the model; once a laptop joins again the stages are planned anew over both machines, and
+    the replies are one machine's again (within 60 s of the join)."""
+    cluster = staged["cluster"]
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    before = requests.post(f"{staged['url']}/v1/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
+    laptop = next(node for node in cluster.worker_nodes)
+    cluster.remove_node(laptop)
+    time.sleep(8)  # Ray declares the node dead; the membership round notices
+    reply = requests.post(f"{staged['url']}/v1/completions", json=body, timeout=120)
+    assert reply.status_code in (500, 503), reply.text
+    message = reply.json()["error"]["message"]
+    assert "pipeline stage" in message, message
+    cluster.add_node(resources={"laptop": 1}, num_cpus=2, node_ip_address="127.0.0.2")
+    joined = time.perf_counter()
+    while True:
+        reply = requests.post(f"{staged['url']}/v1/completions", json=body, timeout=120)
+        if reply.status_code == 200 or time.perf_counter() - joined > 60:
+            break
+        time.sleep(1)
+    took = time.perf_counter() - joined
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["token_ids"] == before
+    stages = ray.get(find_router().describe.remote())["stages"]
+    assert sorted(s["node_name"] for s in stages) == ["desktop", "laptop"]
+    print(f"\nstages planned again and serving {took:.1f} s after the machine came back")

@@ -53,14 +53,16 @@ def test_too_big_for_the_whole_cluster_says_how_short() -> None:
         plan_stages([machine("a", 22), machine("b", 22)], "huge", layers(50, 2.0), 0, 0, POLICY)
 
 
-@pytest.mark.parametrize("family, cut, micro", [("qwen3_moe", 1, 1), ("qwen3_moe", 2, 2), ("deepseek_v3", 2, 1),
-                                                ("deepseek_v3", 2, 2), ("gpt_oss", 1, 2), ("glm4_moe", 1, 1)])
-def test_two_stages_give_one_engines_tokens_and_logits(checkpoint, family, cut, micro) -> None:
+@pytest.mark.parametrize("family, cut, micro, hierarchy", [
+    ("qwen3_moe", 1, 1, False), ("qwen3_moe", 2, 2, False), ("deepseek_v3", 2, 1, False), ("deepseek_v3", 2, 2, False),
+    ("gpt_oss", 1, 2, False), ("glm4_moe", 1, 1, False), ("qwen3_moe", 1, 2, True), ("deepseek_v3", 2, 1, True)])
+def test_two_stages_give_one_engines_tokens_and_logits(checkpoint, family, cut, micro, hierarchy) -> None:
     """A model split into two engines, each loading only its layers (and their experts and KV cache):
     the first schedules, embeds and samples; the second runs the rest and the head. Staggered
     requests with chunked prefill give the tokens and logits of one engine; with ``micro`` 2, each
     step goes in two micro-batches, the second stage (on its own thread) working on one while the
-    first computes the next."""
+    first computes the next. With ``hierarchy``, each stage runs the expert hierarchy (a device
+    expert cache, misses split between fills and the CPU) over its own layers."""
     from concurrent.futures import ThreadPoolExecutor
 
     from hearth.config import EngineConfig
@@ -69,7 +71,8 @@ def test_two_stages_give_one_engines_tokens_and_logits(checkpoint, family, cut, 
     from tests.test_batching import PROMPTS, run_staggered
 
     path, _ = checkpoint(family)
-    config = EngineConfig(kv_cache_tokens=1024, prefill_chunk=8, max_num_batched_tokens=12)
+    config = EngineConfig(kv_cache_tokens=1024, prefill_chunk=8, max_num_batched_tokens=12,
+                          **({"expert_device": "virtual", "expert_cache": "0.3"} if hierarchy else {}))
     whole = LLM(path, config=config)
     layers = whole.engine.model_config.num_layers
     later = LLMEngine(path, config, layers=(cut, layers))
@@ -87,6 +90,10 @@ def test_two_stages_give_one_engines_tokens_and_logits(checkpoint, family, cut, 
     results = {name: run_staggered(llm, [greedy(12)] * len(PROMPTS)) for name, llm in
                (("whole", whole), ("staged", staged))}
     assert results["staged"] == results["whole"]
+    if hierarchy:  # both stages' caches missed and filled or ran experts on the CPU, for their layers only
+        for engine in (staged.engine, later):
+            experts = engine.stats()["experts"]
+            assert experts["fill_calls"] + experts["cpu_calls"] > 0, experts
     for rid, logits in recorded["whole"].items():
         staged_logits = recorded["staged"][rid]
         assert len(staged_logits) == len(logits) and all(
@@ -102,8 +109,8 @@ def test_stage_bounds_and_unsupported_kinds_are_refused(checkpoint) -> None:
         LLMEngine(path, EngineConfig(), layers=(2, 9))
     with pytest.raises(ConfigError, match="needs the later stages"):
         LLMEngine(path, EngineConfig(), layers=(0, 1))
-    with pytest.raises(ConfigError, match="plain expert backend"):
-        LLMEngine(path, EngineConfig(expert_device="virtual"), layers=(1, 3))
+    with pytest.raises(ConfigError, match="eager steps"):
+        LLMEngine(path, EngineConfig(static_decode="eager"), layers=(1, 3))
 
 
 def test_a_lost_stage_ends_the_requests_it_held_and_the_engine_goes_on(checkpoint) -> None:
