@@ -568,12 +568,14 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype | None = None, po
     which compute float experts, share the pool)."""
     from hearth.engine.gguf_loader import is_gguf, load_gguf
 
-    if layers is not None and (is_gguf(path) or is_ftw(path)):
-        raise ConfigError("pipeline stages load Hugging Face checkpoint directories only (for now)")
+    if layers is not None and is_ftw(path):
+        raise ConfigError("pipeline stages load Hugging Face checkpoint directories and GGUF files, not FTW "
+                          "(for now): give the checkpoint the FTW directory was converted from")
     if is_gguf(path):
         if filled_pool is not None:
             raise ConfigError("re-attaching to a filled shared expert pool needs an FTW checkpoint")
-        return load_gguf(path, dtype, show_progress=show_progress, pool_factory=pool_factory, keep_blocks=keep_blocks)
+        return load_gguf(path, dtype, show_progress=show_progress, pool_factory=pool_factory, keep_blocks=keep_blocks,
+                         layers=layers)
     if is_ftw(path):
         return load_ftw(path, dtype, pool_factory, verify, show_progress, filled_pool=filled_pool,
                         keep_blocks=keep_blocks)

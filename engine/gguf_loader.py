@@ -83,21 +83,26 @@ def _config(f: GGUFFile, dtype: str | torch.dtype | None):
 
 
 def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_progress: bool = False,
-              pool_factory=None, keep_blocks: bool = True, for_storage: bool = False):
+              pool_factory=None, keep_blocks: bool = True, for_storage: bool = False,
+              layers: tuple[int, int] | None = None):
     """Build the model of a GGUF file and fill every weight from it (``keep_blocks``: quantized
     weights may stay in their blocks; ``for_storage``: they do even where the native kernels do not
-    run here, as ``hearth convert`` writes them to FTW)."""
+    run here, as ``hearth convert`` writes them to FTW; ``layers``: only the tensors of the pipeline
+    stage holding layers [first, end))."""
     import gguf
 
-    from hearth.engine.loader import CheckpointError, LoadedModel
+    from hearth.engine.loader import CheckpointError, LoadedModel, stage_config, stage_owns
 
     f = GGUFFile(path)
     family, cfg = _config(f, dtype)
+    if layers is not None:
+        cfg = stage_config(cfg, layers)
     keep_blocks = keep_blocks and blocks_can_stay(cfg, kernels=not for_storage)
     blocks = _expert_blocks(f, cfg) if pool_factory is None and keep_blocks else None
     pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None, blocks)
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
     names = gguf.TensorNameMap(gguf.MODEL_ARCH[f.architecture.upper()], cfg.num_layers)
+    known: set[str] = set()  # every tensor the whole model reads (a stage loads its own of them)
     expected: dict[str, torch.nn.Parameter] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -106,10 +111,14 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
         target = names.get_name(base)
         if target is None:
             raise CheckpointError(f"{f.path}: no GGUF name for '{name}' ({cfg.architecture})")
-        expected[f"{target}.{suffix}"] = param
+        known.add(f"{target}.{suffix}")
+        if stage_owns(name, cfg):
+            expected[f"{target}.{suffix}"] = param
+    known |= {f"blk.{layer}.ffn_{part}_exps.weight" for layer, moe in enumerate(cfg.moe_layers) if moe
+              for part in _EXPERT_PARTS}
     experts = {f"blk.{layer}.ffn_{part}_exps.weight": (layer, part)
                for layer in cfg.moe_layer_ids for part in _EXPERT_PARTS}
-    errors = [f"unexpected tensor '{n}'" for n in f.tensors if n not in expected and n not in experts]
+    errors = [f"unexpected tensor '{n}'" for n in f.tensors if n not in known]
     errors += [f"missing tensor '{n}'" for n in [*expected, *experts] if n not in f.tensors]
     if errors:
         more = f"; … and {len(errors) - 6} more" if len(errors) > 6 else ""

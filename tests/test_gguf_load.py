@@ -130,3 +130,28 @@ def test_quantized_weights_stay_in_their_blocks_and_both_paths_agree(hf_checkpoi
     assert not torch.allclose(kernel, decoded)  # a different activation gives a different result
     # The hierarchy keeps them in blocks too (tests/test_gguf_hierarchy.py runs it).
     assert LLM(path, expert_device="virtual").engine.pool.blocks is not None
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
+def test_a_gguf_file_splits_into_pipeline_stages(hf_checkpoint, tmp_path, fmt) -> None:
+    """Two stages of a GGUF file, each reading only its layers' tensors (the first the embeddings,
+    the last the head): one engine's tokens and logits."""
+    from hearth.config import EngineConfig
+    from hearth.engine import LLMEngine
+    from tests.helpers import greedy, max_rel_error, record_logits
+
+    path = write_gguf(hf_checkpoint, tmp_path / f"m-{fmt}.gguf", fmt)
+    config = EngineConfig(kv_cache_tokens=512)
+    whole = LLM(path, config=config)
+    layers = whole.engine.model_config.num_layers
+    later = LLMEngine(path, config, layers=(1, layers))
+    assert later.pool.moe_layer_ids == list(range(1, layers))
+    staged = object.__new__(LLM)
+    staged.engine = LLMEngine(path, config, layers=(0, 1), next_stage=later.stage_forward)
+    recorded = {"whole": record_logits(whole), "staged": record_logits(staged)}
+    prompt = "def fibonacci(n):"
+    outs = {name: llm.generate([prompt], greedy(8))[0] for name, llm in (("whole", whole), ("staged", staged))}
+    assert outs["staged"].token_ids == outs["whole"].token_ids
+    for a, b in zip(recorded["staged"][outs["staged"].request_id], recorded["whole"][outs["whole"].request_id],
+                    strict=True):
+        assert max_rel_error(a, b) <= 1e-5
