@@ -89,9 +89,11 @@ class NativeLayers:
         # fp32 models run the attention core natively too; in bf16/fp16 it stays torch's SDPA, whose
         # roundings the module path (and transformers) share bit for bit.
         self.native_attention = self.dtype == torch.float32
-        self.layers: list[tuple[torch.Tensor, bool] | None] = [self._describe(layer) for layer in model.model.layers]
+        cfg = model.config  # a pipeline stage describes its own layers only (the others hold no weights here)
+        self.layers: list[tuple[torch.Tensor, bool] | None] = [
+            self._describe(layer) if cfg.in_stage(i) else None for i, layer in enumerate(model.model.layers)]
         # Every layer whole and native (fp32): one call runs them all (decode_layers).
-        whole = self.native_attention and all(d is not None and d[1] for d in self.layers)
+        whole = self.native_attention and cfg.layer_range is None and all(d is not None and d[1] for d in self.layers)
         self._all = torch.tensor([d[0].data_ptr() for d in self.layers], dtype=torch.int64) if whole else None
         self._attention = [getattr(layer, "_mixer", None) for layer in model.model.layers]
         self._mlp = [layer.mlp for layer in model.model.layers]

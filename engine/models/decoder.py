@@ -98,26 +98,35 @@ class MoECausalLM(nn.Module):
         native = self.native_layers(kv) if h.is_cpu and not isinstance(batch, StaticBatch) else None
         step = native.step(batch, ctx.rope) if native is not None else None
         if step is None or not native.run_all(h, step):  # layer by layer, natively where each can
-            for index, layer in enumerate(self.model.layers):
-                ran = native.run(index, h, step) if step is not None else None
-                if ran is None:
-                    h = layer(h, ctx)
-                elif not ran:  # attention ran natively; the feed-forward is the module's
-                    h = h + layer.mlp(layer.post_attention_layernorm(h), ctx)
+            h = self._run_layers(h, ctx, range(len(self.model.layers)), native, step)
         h = self.model.norm(h.index_select(0, batch.logits_indices))
         return linear(h, self.lm_head.weight).float()
 
+    def _run_layers(self, h: torch.Tensor, ctx: LayerContext, indices: range, native: NativeLayers | None,
+                    step) -> torch.Tensor:
+        """Layers ``indices`` over ``h`` [T, H]: each natively where it can (in place), else its modules."""
+        for index in indices:
+            layer = self.model.layers[index]
+            ran = native.run(index, h, step) if step is not None else None
+            if ran is None:
+                h = layer(h, ctx)
+            elif not ran:  # attention ran natively; the feed-forward is the module's
+                h = h + layer.mlp(layer.post_attention_layernorm(h), ctx)
+        return h
+
     def _forward_stage(self, batch: ForwardBatch, kv: PagedKVCache, states: RecurrentStatePool | None,
                        hidden: torch.Tensor | None) -> torch.Tensor:
-        """The layers of one pipeline stage, module by module (see :meth:`forward`)."""
+        """The layers of one pipeline stage, natively where they can be (see :meth:`forward`)."""
         first, end = self.config.layer_range
-        h = self.model.embed_tokens(batch.token_ids) if first == 0 else hidden  # [T, H]
-        if h is None:
+        if first > 0 and hidden is None:
             raise ValueError(f"pipeline stage [{first}, {end}) needs the previous stage's hidden states")
+        # The native layers work in place: never on the caller's tensor (another stage's, or Ray's buffer).
+        h = self.model.embed_tokens(batch.token_ids) if first == 0 else hidden.clone()  # [T, H]
         rope_dtype = torch.float32 if self.config.rope_in_fp32 else h.dtype
         ctx = LayerContext(batch, kv, states, self.model.rotary(batch.positions, rope_dtype))
-        for layer in self.model.layers[first:end]:
-            h = layer(h, ctx)
+        native = self.native_layers(kv) if h.is_cpu and isinstance(batch, ForwardBatch) else None
+        step = native.step(batch, ctx.rope) if native is not None else None
+        h = self._run_layers(h, ctx, range(first, end), native, step)
         if end < self.config.num_layers:
             return h
         h = self.model.norm(h.index_select(0, batch.logits_indices))
