@@ -420,7 +420,8 @@ class StageActor:
         from hearth.engine.experts.mechanism.cpu_workers import physical_cores
         from hearth.engine.llm_engine import LLMEngine
 
-        torch.set_num_threads(spec.engine.threads or len(physical_cores()))
+        self.threads = spec.engine.threads or len(physical_cores())
+        torch.set_num_threads(self.threads)
         started = time.perf_counter()
         self.spec = spec
         self.engine = LLMEngine(spec.model_path, spec.engine, layers=spec.layers)
@@ -430,9 +431,13 @@ class StageActor:
     def forward(self, batch, hidden, instance: str):
         """This stage's layers over the first stage's batch and the previous stage's hidden states;
         refused when meant for an earlier instance of this stage (whose KV cache died with it)."""
+        import torch
+
         if instance != self.instance:
             first, end = self.spec.layers
             raise StageLost(f"stage {self.spec.replica_id} (layers {first}-{end - 1}) restarted and lost its KV cache")
+        if torch.get_num_threads() != self.threads:  # OpenMP's thread count is per thread: Ray's may differ
+            torch.set_num_threads(self.threads)
         return self.engine.stage_forward(batch, hidden)
 
     def ping(self) -> dict[str, Any]:

@@ -377,6 +377,7 @@ class RouterActor:
             self.membership = Membership(config.deploy, {c.model.name: c for c in clients},
                                          config.membership_interval_s, self.nodes, config.stage_plan)
         state.node_provider = self.node_rows
+        state.stage_provider = self.stage_rows
         self.server = BackgroundServer(state, serving, on_loop_start=self._start)
         self.server.start()
 
@@ -386,6 +387,29 @@ class RouterActor:
 
         alive = {n["NodeID"]: bool(n.get("Alive")) for n in ray.nodes()}
         return [{**asdict(n), "name": n.name, "alive": alive.get(n.node_id, False)} for n in list(self.nodes.values())]
+
+    def stage_rows(self) -> list[dict[str, Any]]:
+        """A split model's stages for the status page: machine, layers and whether each answers (the
+        first stage is the replica's executor: its health is the replica's)."""
+        stages = self.membership.stages if self.membership is not None else ()
+        if not stages:
+            return []
+        replica = next(iter(self.membership.clients[stages[0].model].replicas.values()), None)
+        rows = []
+        for s in stages:
+            row = {**s.__dict__, "healthy": bool(replica and replica.healthy), "error": None}
+            if replica is None:
+                row["error"] = "not started"
+            elif replica.note or not replica.healthy:
+                row["error"] = "out: " + (replica.note or replica.last_error or "not ready")
+            elif s.index > 0:
+                try:
+                    ray.get(ray.get_actor(f"hearth:stage:{replica.info.replica_id}/{s.index}",
+                                          namespace="hearth").ping.remote(), timeout=1.0)
+                except Exception as exc:  # noqa: BLE001 - down, restarting or gone: shown as such
+                    row["healthy"], row["error"] = False, type(exc).__name__
+            rows.append(row)
+        return rows
 
     async def _start(self) -> None:
         await self.client.start()

@@ -34,7 +34,8 @@ async def status(request: Request) -> dict[str, Any]:
 
     state = request.app.state.hearth
     nodes = await asyncio.to_thread(state.node_provider) if state.node_provider is not None else None
-    return status_snapshot(state, nodes)
+    stages = await asyncio.to_thread(state.stage_provider) if state.stage_provider is not None else None
+    return status_snapshot(state, nodes, stages)
 
 
 @router.get("/admin/expert-cache")

@@ -114,6 +114,7 @@ class ServerState:
         self.recent: deque[dict[str, Any]] = deque(maxlen=50)  # finished requests, for the status page
         # The machines behind this server, for the status page (a cluster's router sets it).
         self.node_provider: Callable[[], list[dict[str, Any]]] | None = None
+        self.stage_provider: Callable[[], list[dict[str, Any]]] | None = None  # a split model's stages
         # Parsing, template rendering and tokenization run here, off the event loop: a large or slow
         # request then delays only itself, never /health or the streams of others.
         self._intake = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hearth-intake")

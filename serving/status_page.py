@@ -1,8 +1,9 @@
 """The status page: one static HTML file (``static/status.html``, no build step, nothing from a CDN)
 that polls ``/admin/status`` once a second, and the snapshot that endpoint returns. The snapshot
 reads the same engine statistics as ``/metrics``: machines (RAM, GPUs and VRAM; a cluster's router
-supplies them), replicas with their health, load, decode speed, cache hit rate, live bandwidths
-B_P and B_H and q table, the queue, and the most recent requests."""
+supplies them), replicas with their health (and the pipeline stages of a split model), load,
+decode speed, cache hit rate, live bandwidths B_P and B_H and q table, the queue, and the most
+recent requests."""
 
 from __future__ import annotations
 
@@ -17,8 +18,10 @@ def status_page_html() -> str:
     return (Path(__file__).parent / "static" / "status.html").read_text()
 
 
-def status_snapshot(state: Any, nodes: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """What the page shows, from ``state``'s engine client(s) and ``nodes`` (None: no machine list)."""
+def status_snapshot(state: Any, nodes: list[dict[str, Any]] | None,
+                    stages: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """What the page shows, from ``state``'s engine client(s), ``nodes`` (None: no machine list) and
+    ``stages`` (a model split over machines: each stage's machine, layers and health)."""
     stats = state.client.stats()
     engines = stats.get("replicas") or {"local": {"healthy": state.client.ready, "in_flight": stats.get("in_flight", 0),
                                                   "node": "this machine", "executor": stats,
@@ -39,7 +42,7 @@ def status_snapshot(state: Any, nodes: list[dict[str, Any]] | None) -> dict[str,
     return {
         "time": time.time(),
         "models": [{"name": m.name, "ready": bool(m.client.ready)} for m in state.models],
-        "nodes": nodes, "replicas": replicas,
+        "nodes": nodes, "replicas": replicas, "stages": stages or [],
         "queue": {"in_flight": stats.get("in_flight", 0), "running": sum(r["running"] for r in replicas),
                   "waiting": sum(r["waiting"] for r in replicas)},
         "recent": list(state.recent)[::-1][:20],

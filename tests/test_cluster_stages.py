@@ -70,6 +70,12 @@ def test_two_stages_on_two_machines_match_one_machine(staged, agent_checkpoint) 
         replies = list(pool.map(lambda _: requests.post(f"{staged['url']}/v1/completions", json=body, timeout=120),
                                 range(4)))
     assert [r.json()["choices"][0]["token_ids"] for r in replies] == [out.token_ids] * 4
+    # The status page lists both stages, serving, with their machines and layers (in a browser where
+    # the system Chromium is installed).
+    status = requests.get(f"{staged['url']}/admin/status", timeout=30).json()
+    assert [(t["index"], t["node_name"], t["healthy"]) for t in status["stages"]] == [
+        (s["index"], s["node_name"], True) for s in stages]
+    _check_stage_table(staged["url"])
     # Each stage ran the expert hierarchy over its own layers (a device cache; misses filled or on the CPU).
     for name in (staged["replicas"][0]["executor_name"], f"hearth:stage:{staged['replicas'][0]['replica_id']}/1"):
         experts = ray.get(ray.get_actor(name, namespace="hearth").stats.remote())["experts"]
@@ -151,3 +157,25 @@ def test_a_machine_that_leaves_gets_its_stages_planned_again_when_it_comes_back(
     stages = ray.get(find_router().describe.remote())["stages"]
     assert sorted(s["node_name"] for s in stages) == ["desktop", "laptop"]
     print(f"\nstages planned again and serving {took:.1f} s after the machine came back")
+
+
+def _check_stage_table(url: str) -> None:
+    import shutil
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        return
+    if chromium is None:
+        return
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(f"{url}/")
+            page.wait_for_function("[...document.querySelectorAll('#stages tbody tr')].length === 2", timeout=30_000)
+            table = page.inner_text("#stages tbody")
+            assert table.count("serving") == 2 and "desktop" in table and "laptop" in table, table
+        finally:
+            browser.close()
