@@ -49,6 +49,9 @@ class ForwardBatch:
     captured: dict[tuple[int, int], dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     # What the expert hierarchy was told about this step (None: the plain backend, decode rules).
     experts: StepContext | None = None
+    # Pipeline stages of a hybrid model: the state slots of requests new in this step, which each
+    # later stage starts from zeros (the first stage prepares its own before the step).
+    fresh_slots: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:

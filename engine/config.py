@@ -135,6 +135,11 @@ class ModelConfig:
         return bool(self.layer_types) and self.layer_types[idx] == "linear_attention"
 
     @property
+    def hybrid(self) -> bool:
+        """Whether any layer of the whole model (not only this stage's) is linear attention."""
+        return any(self.is_linear_layer(i) for i in range(self.num_layers))
+
+    @property
     def linear_layer_ids(self) -> list[int]:
         return [i for i in range(self.num_layers) if self.is_linear_layer(i) and self.in_stage(i)]
 

@@ -147,7 +147,7 @@ class LLMEngine:
                 self.runner.static.after_step = self.experts.check_static_step
         prefix = RadixCache(bs) if config.kv_cache.prefix_caching else None
         self.scheduler = Scheduler(config.scheduler, BlockAllocator(num_blocks, bs), prefix,
-                                   self._recurrent_config(states))
+                                   self._recurrent_config(cfg, staged=layers is not None))
         self.anchor_ids = anchor_token_ids(self.tokenizer) if self.tokenizer is not None else frozenset()
         self._requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
@@ -181,12 +181,16 @@ class LLMEngine:
             log.warning(plan.warning())
         return plan
 
-    def _recurrent_config(self, states: RecurrentStatePool | None) -> RecurrentConfig | None:
-        if states is None:
+    def _recurrent_config(self, cfg, staged: bool) -> RecurrentConfig | None:
+        """Hybrid models: a state slot per sequence (on a pipeline stage too where its own layers are
+        all full attention: the later stages' states use the same slots), and the state checkpoints
+        prefix reuse restores from. Stages keep no checkpoints (each stage's states are its own), so
+        a split hybrid model recomputes shared prefixes."""
+        if not cfg.hybrid:
             return None
         checkpoints = self.config.checkpoints
-        store = CheckpointStore(checkpoints.budget_bytes) if checkpoints.policy != "none" else None
-        return RecurrentConfig(states.num_slots, store)
+        store = CheckpointStore(checkpoints.budget_bytes) if checkpoints.policy != "none" and not staged else None
+        return RecurrentConfig(self.config.scheduler.max_num_seqs, store)
 
     def _capture_plan(self, scheduled: ScheduledStep) -> dict[str, dict[int, frozenset[str]]]:
         """Per request of the step: positions to checkpoint the recurrent state at (-> anchor kinds)."""
@@ -499,9 +503,8 @@ class LLMEngine:
 
     def _check_stage(self, cfg, next_stage) -> None:
         first, end = cfg.layer_range
-        if self.config.static_decode != "off" or cfg.linear_layer_ids:
-            raise ConfigError("pipeline stages run eager steps and no linear-attention layers for now "
-                              "(--static-decode off)")
+        if self.config.static_decode != "off":
+            raise ConfigError("pipeline stages run eager steps for now (--static-decode off)")
         if first == 0 and end < cfg.num_layers and next_stage is None:
             raise ConfigError(f"the first stage [{first}, {end}) needs the later stages (next_stage) to reach "
                               f"the model's {cfg.num_layers} layers")
@@ -511,6 +514,10 @@ class LLMEngine:
         """A later pipeline stage's step: the first stage's ``batch`` (the same block tables: the KV
         caches of all stages have the same blocks) and the previous stage's hidden states [T, H]; its
         hidden states, or the logits on the last stage."""
+        states = self.runner.states
+        if states is not None:  # a hybrid model's requests new in this step start from zeros here too
+            for slot in batch.fresh_slots:
+                states.prepare(slot, None)
         if self.experts is not None:  # this stage's own hierarchy decides how its MoE layers run
             told = batch.experts
             batch = replace(batch, experts=self.experts.begin_step(

@@ -77,20 +77,22 @@ class ModelRunner:
         experts: StepContext | None = None,
     ) -> tuple[torch.Tensor, list[Request]]:
         """Run the step; ``experts`` is what the expert hierarchy made of it (its MoE layers read it)."""
-        if self.states is not None:
-            for req, _ in items:
-                if not req.state_ready:  # first step since admission: zeros or a checkpoint
+        fresh: set[int] = set()  # state slots new in this step (the later stages zero theirs)
+        for req, _ in items:
+            if req.state_slot >= 0 and not req.state_ready:  # first step since admission: zeros or a checkpoint
+                if self.states is not None:
                     self.states.prepare(req.state_slot, req.state_source)
-                    req.state_ready, req.state_source = True, None
+                req.state_ready, req.state_source = True, None
+                fresh.add(req.state_slot)
         if self.static is not None and not captures and (experts is None or experts.mode == "decode") and all(
                 n == 1 and req.num_computed + 1 == req.num_tokens for req, n in items):
             self.last_captures = []
             return self.static.execute(items, experts)
         if self.next_stage is not None and self.micro_batches > 1 and len(items) > 1 and not captures:
             self.last_captures = []
-            return self._pipelined(items, experts)
+            return self._pipelined(items, experts, fresh)
         batch, sampled = build_batch(items, self.kv.block_size, captures, self.device)
-        batch.experts = experts
+        batch.experts, batch.fresh_slots = experts, tuple(sorted(fresh))
         logits = self.model(batch, self.kv, self.states)
         if self.next_stage is not None:
             logits = _result(self.next_stage(batch, logits))
@@ -101,8 +103,8 @@ class ModelRunner:
         ]
         return logits, sampled
 
-    def _pipelined(self, items: list[tuple[Request, int]],
-                   experts: StepContext | None) -> tuple[torch.Tensor, list[Request]]:
+    def _pipelined(self, items: list[tuple[Request, int]], experts: StepContext | None,
+                   fresh: set[int]) -> tuple[torch.Tensor, list[Request]]:
         """A pipeline stage's step in micro-batches: each goes on to the later stages as soon as this
         stage is done with it, so that they work on one while this stage computes the next."""
         size = -(-len(items) // min(self.micro_batches, len(items)))
@@ -110,6 +112,8 @@ class ModelRunner:
         for start in range(0, len(items), size):
             batch, part = build_batch(items[start : start + size], self.kv.block_size, None, self.device)
             batch.experts = experts
+            batch.fresh_slots = tuple(sorted(req.state_slot for req, _ in items[start : start + size]
+                                             if req.state_slot in fresh))
             handles.append(self.next_stage(batch, self.model(batch, self.kv, self.states)))
             sampled += part
         return torch.cat([_result(h) for h in handles]), sampled

@@ -55,14 +55,16 @@ def test_too_big_for_the_whole_cluster_says_how_short() -> None:
 
 @pytest.mark.parametrize("family, cut, micro, hierarchy", [
     ("qwen3_moe", 1, 1, False), ("qwen3_moe", 2, 2, False), ("deepseek_v3", 2, 1, False), ("deepseek_v3", 2, 2, False),
-    ("gpt_oss", 1, 2, False), ("glm4_moe", 1, 1, False), ("qwen3_moe", 1, 2, True), ("deepseek_v3", 2, 1, True)])
+    ("gpt_oss", 1, 2, False), ("glm4_moe", 1, 1, False), ("qwen3_moe", 1, 2, True), ("deepseek_v3", 2, 1, True),
+    ("qwen3_next", 1, 1, False), ("qwen3_next", 2, 2, False), ("qwen3_5_moe", 3, 2, True)])
 def test_two_stages_give_one_engines_tokens_and_logits(checkpoint, family, cut, micro, hierarchy) -> None:
     """A model split into two engines, each loading only its layers (and their experts and KV cache):
     the first schedules, embeds and samples; the second runs the rest and the head. Staggered
     requests with chunked prefill give the tokens and logits of one engine; with ``micro`` 2, each
     step goes in two micro-batches, the second stage (on its own thread) working on one while the
     first computes the next. With ``hierarchy``, each stage runs the expert hierarchy (a device
-    expert cache, misses split between fills and the CPU) over its own layers."""
+    expert cache, misses split between fills and the CPU) over its own layers. Hybrid models
+    (Qwen3-Next, Qwen3.5) keep each stage's recurrent states in the first stage's slots."""
     from concurrent.futures import ThreadPoolExecutor
 
     from hearth.config import EngineConfig
@@ -71,8 +73,11 @@ def test_two_stages_give_one_engines_tokens_and_logits(checkpoint, family, cut, 
     from tests.test_batching import PROMPTS, run_staggered
 
     path, _ = checkpoint(family)
+    # Hybrid models: two sequences at a time, so that state slots are reused (a later stage must
+    # start a new request's states from zeros, not from the last owner's).
     config = EngineConfig(kv_cache_tokens=1024, prefill_chunk=8, max_num_batched_tokens=12,
-                          **({"expert_device": "virtual", "expert_cache": "0.3"} if hierarchy else {}))
+                          **({"expert_device": "virtual", "expert_cache": "0.3"} if hierarchy else {}),
+                          **({"max_num_seqs": 2} if family in ("qwen3_next", "qwen3_5_moe") else {}))
     whole = LLM(path, config=config)
     layers = whole.engine.model_config.num_layers
     later = LLMEngine(path, config, layers=(cut, layers))
@@ -85,7 +90,9 @@ def test_two_stages_give_one_engines_tokens_and_logits(checkpoint, family, cut, 
     # Each stage holds only its own part.
     assert later.pool.moe_layer_ids == [i for i in whole.engine.pool.moe_layer_ids if i >= cut]
     assert staged.engine.pool.moe_layer_ids == [i for i in whole.engine.pool.moe_layer_ids if i < cut]
-    assert [k.numel() > 0 for k in later.runner.kv.keys] == [i >= cut for i in range(layers)]
+    full = whole.engine.model_config
+    assert [k.numel() > 0 for k in later.runner.kv.keys] == [i >= cut and not full.is_linear_layer(i)
+                                                            for i in range(layers)]
     recorded = {"whole": record_logits(whole), "staged": record_logits(staged)}
     results = {name: run_staggered(llm, [greedy(12)] * len(PROMPTS)) for name, llm in
                (("whole", whole), ("staged", staged))}
@@ -183,3 +190,35 @@ def test_an_owners_ram_limit_is_the_budget(monkeypatch) -> None:
         ram_limit()
     monkeypatch.delenv("HEARTH_RAM_LIMIT")
     assert ram_limit() is None
+
+
+def test_a_hybrid_stage_starts_each_new_request_from_zero_states(checkpoint) -> None:
+    """A later stage of a hybrid model whose state slot still holds a finished request's convolution
+    window and recurrent state starts the next request in that slot from zeros, as the first stage
+    does (the tiny model's fast decay hides stale state in its tokens, so the states are compared)."""
+    import torch
+
+    from hearth.config import EngineConfig
+    from hearth.engine import LLMEngine
+    from tests.helpers import greedy
+
+    path, _ = checkpoint("qwen3_next")
+    config = EngineConfig(kv_cache_tokens=512, max_num_seqs=1)
+    layers = 4
+    clean, reused = (LLMEngine(path, config, layers=(1, layers)) for _ in range(2))
+    for pool in (reused.runner.states.conv, reused.runner.states.recurrent):
+        for state in pool.values():
+            state.fill_(3.0)  # what the slot's last request left
+
+    def both(batch, hidden):
+        reused.stage_forward(batch, hidden)
+        return clean.stage_forward(batch, hidden)
+
+    first = LLMEngine(path, config, layers=(0, 1), next_stage=both)
+    first.add_request("a new request in a used slot", greedy(4))
+    while first.has_unfinished():
+        first.step()
+    for pool in ("conv", "recurrent"):
+        mine, theirs = getattr(reused.runner.states, pool), getattr(clean.runner.states, pool)
+        assert mine.keys() == theirs.keys() == {1, 2}
+        assert all(torch.equal(mine[i], theirs[i]) for i in mine), pool
