@@ -317,8 +317,6 @@ def stage_config(cfg, layers: tuple[int, int]):
     first, end = layers
     if not 0 <= first < end <= cfg.num_layers:
         raise ConfigError(f"stage layers [{first}, {end}) are not within the model's {cfg.num_layers} layers")
-    if cfg.architecture == "DeepseekV4ForCausalLM":
-        raise ConfigError("DeepSeek-V4 does not run as pipeline stages yet")
     return replace(cfg, layer_range=(first, end))
 
 

@@ -56,7 +56,8 @@ def test_too_big_for_the_whole_cluster_says_how_short() -> None:
 @pytest.mark.parametrize("family, cut, micro, hierarchy", [
     ("qwen3_moe", 1, 1, False), ("qwen3_moe", 2, 2, False), ("deepseek_v3", 2, 1, False), ("deepseek_v3", 2, 2, False),
     ("gpt_oss", 1, 2, False), ("glm4_moe", 1, 1, False), ("qwen3_moe", 1, 2, True), ("deepseek_v3", 2, 1, True),
-    ("qwen3_next", 1, 1, False), ("qwen3_next", 2, 2, False), ("qwen3_5_moe", 3, 2, True)])
+    ("qwen3_next", 1, 1, False), ("qwen3_next", 2, 2, False), ("qwen3_5_moe", 3, 2, True),
+    ("deepseek_v4", 1, 2, False), ("deepseek_v4", 2, 1, True)])
 def test_two_stages_give_one_engines_tokens_and_logits(checkpoint, family, cut, micro, hierarchy) -> None:
     """A model split into two engines, each loading only its layers (and their experts and KV cache):
     the first schedules, embeds and samples; the second runs the rest and the head. Staggered
@@ -64,7 +65,8 @@ def test_two_stages_give_one_engines_tokens_and_logits(checkpoint, family, cut, 
     step goes in two micro-batches, the second stage (on its own thread) working on one while the
     first computes the next. With ``hierarchy``, each stage runs the expert hierarchy (a device
     expert cache, misses split between fills and the CPU) over its own layers. Hybrid models
-    (Qwen3-Next, Qwen3.5) keep each stage's recurrent states in the first stage's slots."""
+    (Qwen3-Next, Qwen3.5) keep each stage's recurrent states in the first stage's slots; DeepSeek-V4
+    passes its hyper-connection streams between the stages."""
     from concurrent.futures import ThreadPoolExecutor
 
     from hearth.config import EngineConfig

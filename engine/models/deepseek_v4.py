@@ -150,17 +150,28 @@ class HyperCausalLM(MoECausalLM):
         return None  # the native decode kernels know no hyper-connections
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch | StaticBatch, kv, states=None) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab] in fp32."""
+    def forward(self, batch: ForwardBatch | StaticBatch, kv, states=None, hidden: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Logits [len(batch.logits_indices), vocab] in fp32. A pipeline stage (``layer_range``) runs
+        its layers only: from ``hidden`` [T, streams, hidden] (the previous stage's streams) unless it
+        is the first, and returns its streams unless it is the last."""
         if isinstance(batch, StaticBatch):
             raise NotImplementedError("fixed-shape decode steps do not run DeepSeek-V4")
-        h = self.model.embed_tokens(batch.token_ids)  # [T, hidden]
+        first, end = self.config.layer_range or (0, self.config.num_layers)
+        if first == 0:
+            h = self.model.embed_tokens(batch.token_ids)  # [T, hidden]
+            h = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()  # [T, streams, hidden]
+        elif hidden is None:
+            raise ValueError(f"pipeline stage [{first}, {end}) needs the previous stage's hidden states")
+        else:
+            h = hidden
         rotary = self.model.pair_rotary
         tables = {kind: rotary.table(kind, batch.positions, h.dtype) for kind in ("main", "compress")}
         ctx = LayerContext(batch, kv, states, tables["main"], {**tables, "rotary": rotary})
-        h = h.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()  # [T, streams, hidden]
-        for layer in self.model.layers:
+        for layer in self.model.layers[first:end]:
             h = layer(h, ctx)
+        if end < self.config.num_layers:
+            return h
         h = self.model.norm(self.model.hc_head(h.index_select(0, batch.logits_indices)))
         return linear(h, self.lm_head.weight).float()
 
