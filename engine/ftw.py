@@ -34,7 +34,7 @@ from hearth.engine import hugepages
 from hearth.engine.config import ConfigError, parse_dtype
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
-from hearth.engine.loader import CheckpointError, LoadedModel, load_config, load_model
+from hearth.engine.loader import CheckpointError, LoadedModel, load_config, load_model, stage_config, stage_owns
 from hearth.engine.models import MoECausalLM, build_model
 from hearth.engine.quant.formats import BlockFormat, block_format, dequantize
 
@@ -310,13 +310,28 @@ def _bank_blocks(banks: dict, cfg) -> dict[int, ExpertBlocks] | None:
     stored = banks.get("blocks")
     if stored is None:
         return None
-    if sorted(int(layer) for layer in stored) != list(cfg.moe_layer_ids):
+    if sorted(int(layer) for layer in stored) != _all_moe_layers(cfg):
         raise CheckpointError(f"FTW bank formats name layers {sorted(map(int, stored))}, the MoE layers are "
-                              f"{list(cfg.moe_layer_ids)}")
+                              f"{_all_moe_layers(cfg)}")
     return {int(layer): ExpertBlocks(_format(f["gate_up"], f"expert bank gate_up of layer {layer}"),
                                      _format(f["down"], f"expert bank down of layer {layer}"),
                                      cfg.hidden_size, cfg.moe_intermediate_size, bias=cfg.expert_bias)
-            for layer, f in stored.items()}
+            for layer, f in stored.items() if cfg.in_stage(int(layer))}
+
+
+def _all_moe_layers(cfg) -> list[int]:
+    """The whole model's MoE layers (a pipeline stage's config lists only its own)."""
+    return [i for i, moe in enumerate(cfg.moe_layers) if moe]
+
+
+def _stage_rows(cfg) -> tuple[int, int]:
+    """The bank rows [lo, hi) of the whole model's banks that this stage's pool holds (its pool's row
+    0 is the file's row ``lo``); every row without a layer range."""
+    every, own, e = _all_moe_layers(cfg), cfg.moe_layer_ids, cfg.num_experts
+    if not own:
+        return 0, 0
+    lo = every.index(own[0]) * e
+    return lo, lo + len(own) * e
 
 
 def _adopt_block_tensors(index: dict, model: MoECausalLM, wanted: dict[str, torch.nn.Parameter],
@@ -371,9 +386,10 @@ def _plan_regions(index: dict, model: MoECausalLM, pool: ExpertPool, cfg, keep_d
         raise CheckpointError(
             f"FTW tensor table does not match the model: missing {missing[:5]}, unexpected {extra[:5]}"
         )
+    wanted = {n: p for n, p in wanted.items() if stage_owns(n, cfg)}  # a pipeline stage reads its own
     float_shapes = {n: tuple(p.shape) for n, p in wanted.items()}
     formats = _adopt_block_tensors(index, model, wanted, keep_dense)
-    params = {n: p for n, p in model.named_parameters() if n not in tied}  # block weights where kept
+    params = {n: p for n, p in model.named_parameters() if n in wanted}  # block weights where kept
     regions: list[_Region] = []
     for name, param in params.items():
         entry, fmt = index["tensors"][name], formats.get(name)
@@ -395,26 +411,37 @@ def _plan_regions(index: dict, model: MoECausalLM, pool: ExpertPool, cfg, keep_d
                 region.decode = _decoder(param.data, fmt, rows, cols)
         regions.append(region)
     i, h, e = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
+    every = _all_moe_layers(cfg)
+    lo, hi = _stage_rows(cfg) if cfg.layer_range is not None else (0, len(every) * e)
     for bank in _BANKS:
         t = getattr(pool, bank)
         covered = 0
         for piece in index["banks"][bank]:
-            r0, r1 = piece["rows"]
-            what = f"expert bank {bank} rows {r0}..{r1}"
-            covered += r1 - r0
-            if bank_blocks is None:  # float banks
-                if list(piece["shape"]) != list(t[r0:r1].shape):
-                    raise CheckpointError(f"FTW tensor '{what}' has shape {piece['shape']}, expected "
-                                          f"{list(t[r0:r1].shape)}")
-                if read_banks:
-                    region = _region(piece, t[r0:r1].nbytes, what, crcs)
-                    region.segments = [_bytes_of(t[r0:r1])]
-                    regions.append(region)
+            f0, f1 = piece["rows"]  # rows of the whole model's bank
+            what = f"expert bank {bank} rows {f0}..{f1}"
+            a, b = max(f0, lo), min(f1, hi)  # the part this pool holds
+            if a >= b:
                 continue
-            rank = r0 // e
-            if not (0 <= rank < len(cfg.moe_layer_ids) and r0 < r1 <= (rank + 1) * e):
+            covered += b - a
+            r0, r1 = f0 - lo, f1 - lo  # the piece's rows in this pool (outside it where only a part is ours)
+            if bank_blocks is None:  # float banks
+                row_shape = list(t.shape[1:])
+                if list(piece["shape"]) != [f1 - f0, *row_shape]:
+                    raise CheckpointError(f"FTW tensor '{what}' has shape {piece['shape']}, expected "
+                                          f"{[f1 - f0, *row_shape]}")
+                if not read_banks:
+                    continue
+                region = _region(piece, (f1 - f0) * t[0].nbytes, what, crcs)
+                if (a, b) == (f0, f1):
+                    region.segments = [_bytes_of(t[r0:r1])]
+                else:  # a piece across a stage boundary: read whole, keep this stage's rows
+                    region.decode = _rows_copier(t, a - lo, b - lo, a - f0, f1 - f0)
+                regions.append(region)
+                continue
+            rank = f0 // e
+            if not (0 <= rank < len(every) and f0 < f1 <= (rank + 1) * e):
                 raise CheckpointError(f"FTW '{what}' does not lie within one MoE layer's rows")
-            blocks = bank_blocks[cfg.moe_layer_ids[rank]]
+            blocks = bank_blocks[every[rank]]
             used = blocks.gate_up_row_bytes if bank == "gate_up" else blocks.down_row_bytes
             if list(piece["shape"]) != [r1 - r0, used]:
                 raise CheckpointError(f"FTW tensor '{what}' has shape {piece['shape']}, expected {[r1 - r0, used]}")
@@ -434,6 +461,12 @@ def _plan_regions(index: dict, model: MoECausalLM, pool: ExpertPool, cfg, keep_d
         if covered != t.shape[0]:
             raise CheckpointError(f"FTW bank {bank} covers {covered} expert rows, the model has {t.shape[0]}")
     return regions
+
+
+def _rows_copier(dst: torch.Tensor, d0: int, d1: int, s0: int, rows: int) -> Callable[[torch.Tensor], None]:
+    """Copy rows [s0, s0 + d1 - d0) of a temporary holding ``rows`` rows of ``dst``'s kind into
+    ``dst[d0:d1]``."""
+    return lambda raw: dst[d0:d1].copy_(raw.view(dst.dtype).view(rows, *dst.shape[1:])[s0 : s0 + d1 - d0])
 
 
 def _cut(segments: list[memoryview], lengths: list[int]) -> list[list[memoryview]]:
@@ -486,11 +519,13 @@ def _pread_into(fd: int, dst: list[memoryview], offset: int) -> int:
 
 def load_ftw(path: str | Path, dtype: str | torch.dtype | None = None, pool_factory: PoolFactory | None = None,
              verify: bool = True, show_progress: bool = False, threads: int | None = None,
-             filled_pool: tuple[torch.Tensor, torch.Tensor] | None = None, keep_blocks: bool = True) -> LoadedModel:
+             filled_pool: tuple[torch.Tensor, torch.Tensor] | None = None, keep_blocks: bool = True,
+             layers: tuple[int, int] | None = None) -> LoadedModel:
     """Load an FTW directory. ``pool_factory(gate_up_shape, down_shape, dtype)`` supplies the expert
     bank storage (e.g. a shared-memory segment); ``filled_pool`` is an already filled one (a
     restarted executor re-attaching to the host pool): its banks are not read again.
-    ``verify=False`` skips the checksums.
+    ``verify=False`` skips the checksums. ``layers``: only the tensors and expert rows of the
+    pipeline stage holding layers [first, end).
 
     Weights stored in blocks stay in them (as a GGUF file's or a quantized checkpoint's would) where
     the native kernels run and ``keep_blocks``; the experts only in a pool of the loader's own (a
@@ -503,8 +538,12 @@ def load_ftw(path: str | Path, dtype: str | torch.dtype | None = None, pool_fact
     if dtype not in (None, "auto") and parse_dtype({}, dtype) != stored:
         raise ConfigError(f"{path} stores {index['dtype']} weights; convert it again with --dtype to use {dtype}")
     _, cfg = load_config(path, stored)
+    if layers is not None:
+        if filled_pool is not None:
+            raise ConfigError("a pipeline stage reads its own layers; it does not attach to a shared pool")
+        cfg = stage_config(cfg, layers)
     banks = index["banks"]
-    if list(banks["moe_layers"]) != list(cfg.moe_layer_ids) or banks["num_experts"] != cfg.num_experts:
+    if list(banks["moe_layers"]) != _all_moe_layers(cfg) or banks["num_experts"] != cfg.num_experts:
         raise CheckpointError(f"{path}: FTW bank layout does not match config.json")
     files = _check_shards(path, index)
     bank_blocks = _bank_blocks(banks, cfg)
@@ -568,9 +607,6 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype | None = None, po
     which compute float experts, share the pool)."""
     from hearth.engine.gguf_loader import is_gguf, load_gguf
 
-    if layers is not None and is_ftw(path):
-        raise ConfigError("pipeline stages load Hugging Face checkpoint directories and GGUF files, not FTW "
-                          "(for now): give the checkpoint the FTW directory was converted from")
     if is_gguf(path):
         if filled_pool is not None:
             raise ConfigError("re-attaching to a filled shared expert pool needs an FTW checkpoint")
@@ -578,7 +614,7 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype | None = None, po
                          layers=layers)
     if is_ftw(path):
         return load_ftw(path, dtype, pool_factory, verify, show_progress, filled_pool=filled_pool,
-                        keep_blocks=keep_blocks)
+                        keep_blocks=keep_blocks, layers=layers)
     if filled_pool is not None:
         raise ConfigError("re-attaching to a filled shared expert pool needs an FTW checkpoint "
                           "(convert it with `hearth convert`)")

@@ -103,3 +103,41 @@ def test_loads_into_shared_memory_pool(ftw_dir):
     finally:
         del loaded
         made[0].close()
+
+
+@pytest.mark.parametrize("source", ["hf", "q8_0"])
+def test_pipeline_stages_read_their_rows_of_an_ftw_directory(checkpoint, tmp_path, source):
+    """Each pipeline stage of an FTW directory reads only its own layers' tensors and expert rows,
+    also from a float bank piece that straddles the stage boundary (pieces of 3 rows, 8 experts a
+    layer) or from blocks (a GGUF file's q8_0): one engine's tokens and logits."""
+    from hearth.config import EngineConfig
+    from hearth.engine import LLMEngine
+    from tests.helpers import max_rel_error
+
+    src, _ = checkpoint("qwen3_moe")
+    row = load_model(src).pool.gate_up[0].nbytes
+    if source != "hf":
+        from hearth.engine.gguf_writer import write_gguf
+
+        src = write_gguf(src, tmp_path / "m.gguf", source)
+    convert(src, tmp_path / "ftw", shard_bytes=3 * row)
+    ftw = tmp_path / "ftw"
+    config = EngineConfig(kv_cache_tokens=512)
+    whole = LLM(ftw, config=config)
+    cfg = whole.engine.model_config
+    later = LLMEngine(ftw, config, layers=(1, cfg.num_layers))
+    if source == "hf":
+        assert [p["rows"] for p in read_index(ftw)["banks"]["gate_up"]][:3] == [[0, 3], [3, 6], [6, 9]]
+        first_row = cfg.moe_layer_ids.index(1) * cfg.num_experts
+        assert torch.equal(later.pool.gate_up, whole.engine.pool.gate_up[first_row:])
+        assert torch.equal(later.pool.down, whole.engine.pool.down[first_row:])
+    else:
+        assert later.pool.blocks is not None
+    staged = LLM.__new__(LLM)
+    staged.engine = LLMEngine(ftw, config, layers=(0, 1), next_stage=later.stage_forward)
+    recorded = {"whole": record_logits(whole), "staged": record_logits(staged)}
+    outs = {name: llm.generate([PROMPTS[0]], greedy(8))[0] for name, llm in (("whole", whole), ("staged", staged))}
+    assert outs["staged"].token_ids == outs["whole"].token_ids
+    for a, b in zip(recorded["staged"][outs["staged"].request_id], recorded["whole"][outs["whole"].request_id],
+                    strict=True):
+        assert max_rel_error(a, b) <= 1e-5
