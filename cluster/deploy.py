@@ -101,14 +101,32 @@ def describe_nodes(nodes: list[dict[str, Any]]) -> list[NodeInfo]:
 
 
 def model_spec(path: str, name: str, replicas: int | None = None, require: str | None = None) -> ModelSpec:
-    """Pool and dense sizes of the checkpoint at ``path``, from its config alone."""
+    """Pool and dense sizes of the checkpoint at ``path``, from its config (and, for a quantized
+    one, its files' size)."""
     from hearth.engine.inspect import summarize
     from hearth.engine.loader import load_config
 
     _, cfg = load_config(path)
     s = summarize(cfg)
     item = s.expert_pool_bytes // max(s.expert_params, 1)
-    return ModelSpec(name, path, s.expert_pool_bytes, (s.total_params - s.expert_params) * item, replicas, require)
+    scale = stored_fraction(path, cfg, s.total_params * item)
+    return ModelSpec(name, path, int(s.expert_pool_bytes * scale),
+                     int((s.total_params - s.expert_params) * item * scale), replicas, require)
+
+
+def stored_fraction(path: str, cfg: Any, float_bytes: int) -> float:
+    """The weights' bytes on disk over ``float_bytes`` (their size as floats), at most 1, for a model
+    that runs in float32: its quantized weights (a GGUF file's, an FTW directory's, an FP8 or MXFP4
+    checkpoint's) stay in their blocks in memory too, so it needs about what it takes on disk. In
+    another dtype they are decoded: 1."""
+    import torch
+
+    if cfg.dtype != torch.float32:
+        return 1.0
+    p = Path(path)
+    files = [p] if p.is_file() else [*p.glob("*.safetensors"), *p.glob("*.ftw"), *p.glob("*.gguf")]
+    stored = sum(f.stat().st_size for f in files if f.is_file())
+    return min(1.0, stored / float_bytes) if stored and float_bytes else 1.0
 
 
 def replica_engine(replica: ReplicaPlan, overrides: dict[str, Any], pool_name: str) -> EngineConfig:
@@ -225,12 +243,13 @@ def layer_sizes(path: str) -> tuple[list[int], int, int]:
     _, cfg = load_config(path)
     s = summarize(cfg)
     item = s.expert_pool_bytes // max(s.expert_params, 1)
+    scale = stored_fraction(path, cfg, s.total_params * item)
     embed = cfg.vocab_size * cfg.hidden_size * item
     head = 0 if cfg.tie_word_embeddings else embed
     dense = (s.total_params - s.expert_params) * item - embed - head
     per_moe = cfg.num_experts * s.expert_bytes
-    return ([dense // cfg.num_layers + (per_moe if cfg.moe_layers[i] else 0) for i in range(cfg.num_layers)],
-            embed, head)
+    return ([int((dense // cfg.num_layers + (per_moe if cfg.moe_layers[i] else 0)) * scale)
+             for i in range(cfg.num_layers)], int(embed * scale), int(head * scale))
 
 
 def _deploy_stages(options: DeployOptions, nodes: list[NodeInfo], why: Exception, log) -> dict[str, Any]:

@@ -224,3 +224,19 @@ def test_a_hybrid_stage_starts_each_new_request_from_zero_states(checkpoint) -> 
         mine, theirs = getattr(reused.runner.states, pool), getattr(clean.runner.states, pool)
         assert mine.keys() == theirs.keys() == {1, 2}
         assert all(torch.equal(mine[i], theirs[i]) for i in mine), pool
+
+
+def test_a_quantized_checkpoint_is_planned_at_its_stored_size(checkpoint, tmp_path) -> None:
+    """A GGUF file runs with its weights in their blocks: the planner counts its layers at about the
+    file's size, not at float32's."""
+    from hearth.cluster.deploy import layer_sizes, model_spec
+    from hearth.engine.gguf_writer import write_gguf
+
+    src, _ = checkpoint("qwen3_moe")
+    gguf = write_gguf(src, tmp_path / "m.gguf", "q8_0")
+    floats, quantized = layer_sizes(str(src)), layer_sizes(str(gguf))
+    total = sum(quantized[0]) + quantized[1] + quantized[2]
+    assert 0.2 < total / (sum(floats[0]) + floats[1] + floats[2]) < 0.4  # q8_0: ~8.5 bits of 32
+    assert abs(total - gguf.stat().st_size) / gguf.stat().st_size < 0.1
+    spec = model_spec(str(gguf), "m")
+    assert abs(spec.pool_bytes + spec.dense_bytes - total) / total < 0.05
