@@ -27,6 +27,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _add_address(up)
     up.add_argument("--replicas", type=int, default=None, help="replicas (default: one per machine that fits)")
     up.add_argument("--require", default=None, metavar="LABEL", help="only machines with this Ray resource")
+    up.add_argument("--stages", action="store_true",
+                    help="split the model by layers over several machines (pipeline stages) even where one "
+                         "would hold it; a model that fits no one machine is split without it")
     add_serving_flags(up, skip=frozenset({"served_model_name", "log_format"}))
     add_engine_flags(up, overrides_only=True, skip=frozenset({"host_pool_name", "cpu_experts"}))
     st = sub.add_parser("status", help="per-machine table of the deployment")
@@ -95,11 +98,12 @@ def cmd_up(args: argparse.Namespace) -> int:
     options = DeployOptions(str(model.resolve()), name, serving.host, serving.port, serving.grpc_port,
                             serving.api_key, args.replicas, args.require, engine_options(args),
                             max_waiting=serving.max_waiting, tool_parser=serving.tool_parser,
-                            more_models=tuple((str(p.resolve()), n) for n, p in more))
+                            more_models=tuple((str(p.resolve()), n) for n, p in more), stages=args.stages)
     desc = deploy(options, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     base = desc["url"]
     print(f"hearth: {', '.join(repr(n) for n in names)} {'is' if len(names) == 1 else 'are'} up: "
-          f"{len(desc['replicas'])} replica(s)\n"
+          f"{len(desc['replicas'])} replica(s)"
+          + (f" in {len(desc['stages'])} pipeline stages" if desc.get("stages") else "") + "\n"
           f"  OpenAI API     {base}/v1\n  Anthropic API  {base}\n"
           f"  gRPC           {'port ' + str(args.grpc_port) if args.grpc_port else 'off'}\n"
           f"  Python         hearth.cluster.connect('{args.address}')\n"

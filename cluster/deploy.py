@@ -58,6 +58,8 @@ class DeployOptions:
         names = [name for _, name in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique (give --model NAME=DIR), got {names}")
+        if self.stages and len(names) > 1:
+            raise ValueError("pipeline stages (--stages) split one model; deploy the others separately")
 
     @property
     def serving(self) -> ServingConfig:

@@ -164,3 +164,19 @@ def test_model_arguments_take_an_optional_name() -> None:
     assert _model_arg("coder=/m/qwen") == ("coder", Path("/m/qwen"))
     assert _model_arg("/m/qwen3-moe") == ("qwen3-moe", Path("/m/qwen3-moe"))
     assert _model_arg("/m/a=b") == ("a=b", Path("/m/a=b"))  # a path with "=" in it stays a path
+
+
+def test_up_takes_stages_for_one_model_only() -> None:
+    import argparse
+
+    import pytest
+
+    from hearth.cli.cluster import add_commands
+    from hearth.cluster.deploy import DeployOptions
+
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["up", "--model", "/m/big", "--stages"]).stages
+    assert not parser.parse_args(["up", "--model", "/m/big"]).stages
+    with pytest.raises(ValueError, match="split one model"):
+        DeployOptions("/m/a", "a", stages=True, more_models=(("/m/b", "b"),))
