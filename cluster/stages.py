@@ -52,6 +52,9 @@ def plan_stages(nodes: Sequence[NodeInfo], model: str, layer_bytes: Sequence[int
         raise PlacementError(f"model '{model}' has no layers to place")
     speed = {n.node_id: (speeds or {}).get(n.node_id) or node_speed(n) for n in nodes}
     live = sorted((n for n in nodes if n.alive), key=lambda n: (-speed[n.node_id], -n.usable_ram_bytes, n.node_id))
+    if len(live) < min_stages:
+        raise PlacementError(f"{min_stages} pipeline stages need {min_stages} machines; the cluster has {len(live)} "
+                             "live")
     room = {n.node_id: max(0, n.usable_ram_bytes - policy.headroom(n)) for n in live}
     total = sum(layer_bytes) + embed_bytes + head_bytes
     chosen: list[NodeInfo] = []

@@ -51,6 +51,9 @@ def test_the_fewest_fastest_machines_are_used_and_dead_ones_skipped() -> None:
 def test_too_big_for_the_whole_cluster_says_how_short() -> None:
     with pytest.raises(PlacementError, match="60.0 GiB short"):
         plan_stages([machine("a", 22), machine("b", 22)], "huge", layers(50, 2.0), 0, 0, POLICY)
+    with pytest.raises(PlacementError, match="2 pipeline stages need 2 machines; the cluster has 1 live"):
+        plan_stages([machine("a", 220), machine("b", 220, alive=False)], "m", layers(50, 2.0), 0, 0, POLICY,
+                    min_stages=2)
 
 
 @pytest.mark.parametrize("family, cut, micro, hierarchy", [
