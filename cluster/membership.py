@@ -103,6 +103,9 @@ class Membership:
         except PlacementError as exc:
             log.warning("the stages of '%s' lost a machine; waiting for machines that hold it: %s", name, exc)
             return []
+        except Exception:
+            self._restage_tried = None  # a start that failed (not the plan) is tried again next round
+            raise
         client.replicas.clear()
         client.add_replica(info)
         await client.check_health()
