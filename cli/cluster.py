@@ -193,4 +193,11 @@ def format_status(status: dict[str, Any]) -> str:
     models = status.get("models") or [status["model"]]
     lines = [f"model{'s' if len(models) > 1 else ''} {', '.join(models)} at {status['url']}"]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    stages = [("STAGE", "NODE", "LAYERS", "EXEC", "STATE")] + [
+        (f"{t['model']}/{t['index']}", t["node_name"], f"{t['first_layer']}-{t['end_layer'] - 1}", t["executor"],
+         "serving" if t["healthy"] else (t.get("error") or "down")) for t in status.get("stage_rows") or []]
+    if len(stages) > 1:
+        widths = [max(len(row[i]) for row in stages) for i in range(len(stages[0]))]
+        lines += ["", "pipeline stages:"]
+        lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in stages]
     return "\n".join(lines)

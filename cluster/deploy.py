@@ -374,7 +374,8 @@ def cluster_status() -> dict[str, Any] | None:
                                             "prefix_blocks", "prompt_tokens", "cached_prompt_tokens")}}
         row.update(_replica_numbers(r))
         rows.append(row)
-    return {**desc, "rows": rows}
+    stage_rows = ray.get(router.stage_rows.remote(), timeout=30) if desc.get("stages") else []
+    return {**desc, "rows": rows, "stage_rows": stage_rows}
 
 
 def _replica_numbers(r: dict[str, Any]) -> dict[str, Any]:

@@ -28,3 +28,17 @@ def test_a_ready_replica_out_of_rotation_reads_out() -> None:
     row = {"replica": "m@a", "node": "a", "executor": "cpu", "gpu": None, "cache_bytes": 0, "healthy": False,
            "state": "ready"}
     assert format_status({"model": "m", "url": "u", "rows": [row]}).splitlines()[2].split()[2] == "out"
+
+
+def test_a_split_model_lists_its_stages() -> None:
+    row = {"replica": "big@desktop", "node": "desktop", "executor": "cpu", "gpu": None, "cache_bytes": 0,
+           "healthy": True, "state": "ready"}
+    stages = [{"model": "big", "index": 0, "node_name": "desktop", "first_layer": 0, "end_layer": 30,
+               "executor": "cuda", "healthy": True},
+              {"model": "big", "index": 1, "node_name": "laptop", "first_layer": 30, "end_layer": 48,
+               "executor": "cpu", "healthy": False, "error": "ActorUnavailableError"}]
+    lines = format_status({"model": "big", "url": "u", "rows": [row], "stage_rows": stages}).splitlines()
+    assert lines[4] == "pipeline stages:" and lines[5].split() == ["STAGE", "NODE", "LAYERS", "EXEC", "STATE"]
+    assert lines[6].split() == ["big/0", "desktop", "0-29", "cuda", "serving"]
+    assert lines[7].split() == ["big/1", "laptop", "30-47", "cpu", "ActorUnavailableError"]
+    assert "pipeline" not in format_status({"model": "m", "url": "u", "rows": [row]})
