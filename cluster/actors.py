@@ -259,7 +259,9 @@ class ExecutorActor:
         """Send a (micro-)batch through the later stages, chained by reference so that each starts
         as soon as the one before is done; its logits come from ``result()``."""
         ids = self._stage_instances()
-        ref = hidden
+        # Over Ray as host tensors (a GPU stage's batch and hidden states would not load on a CPU
+        # machine), without the masks the layers cached on the batch.
+        batch, ref = batch.moved("cpu"), hidden.cpu()
         try:
             for name in self.spec.next_stages:
                 ref = _handle(name).forward.remote(batch, ref, ids[name])
@@ -438,7 +440,7 @@ class StageActor:
             raise StageLost(f"stage {self.spec.replica_id} (layers {first}-{end - 1}) restarted and lost its KV cache")
         if torch.get_num_threads() != self.threads:  # OpenMP's thread count is per thread: Ray's may differ
             torch.set_num_threads(self.threads)
-        return self.engine.stage_forward(batch, hidden)
+        return self.engine.stage_forward(batch, hidden).cpu()  # host tensors for the next machine
 
     def ping(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "layers": self.spec.layers, "load_seconds": self.load_seconds,

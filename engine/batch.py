@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,6 +56,15 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
+
+    def moved(self, device: torch.device | str) -> ForwardBatch:
+        """This batch with its tensors on ``device``, as a pipeline stage on another machine (or
+        another device) needs it; the masks and snapshots that layers cache on it are left behind
+        (the next stage builds its own)."""
+        seqs = [replace(s, block_ids=s.block_ids.to(device)) for s in self.sequences]
+        return replace(self, token_ids=self.token_ids.to(device), positions=self.positions.to(device),
+                       slot_mapping=self.slot_mapping.to(device), sequences=seqs,
+                       logits_indices=self.logits_indices.to(device), masks={}, captured={})
 
 
 @dataclass

@@ -514,6 +514,8 @@ class LLMEngine:
         """A later pipeline stage's step: the first stage's ``batch`` (the same block tables: the KV
         caches of all stages have the same blocks) and the previous stage's hidden states [T, H]; its
         hidden states, or the logits on the last stage."""
+        if batch.token_ids.device != self.device:  # from a stage on another machine or device
+            batch = batch.moved(self.device)
         states = self.runner.states
         if states is not None:  # a hybrid model's requests new in this step start from zeros here too
             for slot in batch.fresh_slots:

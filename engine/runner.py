@@ -95,7 +95,7 @@ class ModelRunner:
         batch.experts, batch.fresh_slots = experts, tuple(sorted(fresh))
         logits = self.model(batch, self.kv, self.states)
         if self.next_stage is not None:
-            logits = _result(self.next_stage(batch, logits))
+            logits = _result(self.next_stage(batch, logits)).to(self.device)
         self.last_captures = [
             (items[index][0], batch.sequences[index].context_len - batch.sequences[index].query_len + offset,
              StateSnapshot(layers))
@@ -116,7 +116,7 @@ class ModelRunner:
                                              if req.state_slot in fresh))
             handles.append(self.next_stage(batch, self.model(batch, self.kv, self.states)))
             sampled += part
-        return torch.cat([_result(h) for h in handles]), sampled
+        return torch.cat([_result(h) for h in handles]).to(self.device), sampled
 
 
 def _result(handle: Any) -> torch.Tensor:

@@ -243,3 +243,25 @@ def test_a_quantized_checkpoint_is_planned_at_its_stored_size(checkpoint, tmp_pa
     assert abs(total - gguf.stat().st_size) / gguf.stat().st_size < 0.1
     spec = model_spec(str(gguf), "m")
     assert abs(spec.pool_bytes + spec.dense_bytes - total) / total < 0.05
+
+
+def test_a_batch_moves_to_another_stage_without_what_its_layers_cached() -> None:
+    """What a stage sends on: the batch's tensors on the target device (``meta`` here stands for a
+    GPU or another machine), its per-sequence block tables too, and none of the masks the first
+    stage's layers cached on it."""
+    import torch
+
+    from hearth.engine.request import Request
+    from hearth.engine.runner import build_batch
+    from hearth.proto.contracts import SamplingParams
+
+    req = Request("r", list(range(40)), SamplingParams())
+    req.block_table = [3, 4, 5]
+    batch, _ = build_batch([(req, 40)], 16)
+    batch.masks[(0, None, True)] = torch.ones(40, 40, dtype=torch.bool)
+    moved = batch.moved("meta")
+    assert all(t.device.type == "meta" for t in (moved.token_ids, moved.positions, moved.slot_mapping,
+                                                 moved.logits_indices, moved.sequences[0].block_ids))
+    assert moved.masks == {} and len(batch.masks) == 1 and batch.token_ids.device.type == "cpu"
+    back = batch.moved("cpu")
+    assert torch.equal(back.slot_mapping, batch.slot_mapping) and back.sequences[0].first_block == 3
