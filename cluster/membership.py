@@ -85,7 +85,7 @@ class Membership:
         returns the new replica's id once it serves."""
         from hearth.cluster.deploy import teardown
 
-        live = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+        live = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in self.drained}
         if all(s.node_id in live for s in self.stages) or self._restage_tried == frozenset(live):
             return []  # intact, or no machine came or went since the last plan that failed
         noticed = time.monotonic()
@@ -94,8 +94,9 @@ class Membership:
         client = self.clients[name]
         broken = [r for r in client.replicas.values() if r.note is None]
         for state in broken:  # its requests end with a clear error from now on
-            state.healthy, state.note = False, (f"a machine holding its pipeline stages left; the stages of '{name}' "
-                                                "are planned again as soon as the machines hold them")
+            state.healthy, state.note = False, (f"a machine holding its pipeline stages left or was drained; the "
+                                                f"stages of '{name}' are planned again as soon as the machines "
+                                                "hold them")
             state.lost.set()
         await asyncio.to_thread(lambda: [teardown(lambda *_: None, r.info.replica_id) for r in broken])
         try:
@@ -114,6 +115,35 @@ class Membership:
         log.info("'%s' planned again as %d stage(s): %s", name, len(stages), ", ".join(
             f"layers {s.first_layer}-{s.end_layer - 1} on {s.node_name}" for s in stages))
         return [info.replica_id]
+
+    async def _drain_stage(self, node: str, timeout_s: float) -> dict[str, Any]:
+        """Drain a machine that holds a pipeline stage: refused (nothing changes) when the other
+        machines cannot hold the model; else the split replica takes no new request, finishes what
+        it holds, and the stages are planned again without the machine."""
+        from hearth.cluster.deploy import describe_nodes, plan_model_stages
+
+        node_id = next(s.node_id for s in self.stages if node in (s.node_name, s.node_id))
+        others = [n for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in self.drained | {node_id}]
+        try:
+            await asyncio.to_thread(lambda: plan_model_stages(self.options, describe_nodes(others)))
+        except PlacementError as exc:
+            raise LookupError(f"cannot drain '{node}': it holds a pipeline stage of '{self.stages[0].model}', and "
+                              f"the other machines cannot hold the model without it ({exc})") from None
+        client = self.clients[self.stages[0].model]
+        async with self._busy:
+            old = list(client.replicas.values())
+            for r in old:
+                r.draining = True
+            deadline = time.monotonic() + timeout_s
+            while any(r.in_flight for r in old) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            left = sum(r.in_flight for r in old)
+            self.drained.add(node_id)
+            self._restage_tried = None
+            started = await self._restage()
+            log.info("drained %s: its stage moved; replica %s", node, started)
+            return {"node": node, "replicas": [r.info.replica_id for r in old], "unfinished": left,
+                    "stages": [s.__dict__ for s in self.stages]}
 
     def _start_stages(self, live: dict[str, dict]) -> tuple[tuple[Any, ...], Any]:
         from hearth.cluster.deploy import describe_nodes, plan_model_stages, start_stages
@@ -155,6 +185,8 @@ class Membership:
         """Drain the machine named (or with the id) ``node``; see ``RouterActor.drain``."""
         from hearth.cluster.deploy import teardown
 
+        if any(node in (s.node_name, s.node_id) for s in self.stages):
+            return await self._drain_stage(node, timeout_s)
         targets = [(c, r) for c in self.clients.values() for r in list(c.replicas.values())
                    if node in (r.info.node_name, r.info.node_id)]
         if not targets:

@@ -183,3 +183,28 @@ def _check_stage_table(url: str) -> None:
             assert table.count("serving") == 2 and "desktop" in table and "laptop" in table, table
         finally:
             browser.close()
+
+
+def test_draining_a_stage_machine_moves_its_stage_or_says_why_not(staged) -> None:
+    """``hearth drain`` of a machine that holds a stage: refused, with the reason, while the other
+    machine cannot hold the model alone; once a third machine joins, the split replica finishes its
+    requests and the stages are planned again over the others, and the replies stay one machine's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cluster, router = staged["cluster"], find_router()
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    before = requests.post(f"{staged['url']}/v1/completions", json=body, timeout=120).json()["choices"][0]["token_ids"]
+    with pytest.raises(ray.exceptions.RayTaskError, match="cannot drain 'laptop'.*cannot hold the model"):
+        ray.get(router.drain.remote("laptop", 60))
+    cluster.add_node(resources={"attic": 1}, num_cpus=2, node_ip_address="127.0.0.2")
+    with ThreadPoolExecutor(1) as pool:  # a request in flight while the drain starts finishes normally
+        running = pool.submit(requests.post, f"{staged['url']}/v1/completions", json=body | {"max_tokens": 64},
+                              timeout=120)
+        time.sleep(0.3)
+        done = ray.get(router.drain.remote("laptop", 60), timeout=180)
+        assert running.result().status_code == 200
+    assert done["unfinished"] == 0 and sorted(s["node_name"] for s in done["stages"]) == ["attic", "desktop"]
+    reply = requests.post(f"{staged['url']}/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["token_ids"] == before
