@@ -13,9 +13,10 @@ import argparse
 import dataclasses
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
-from hearth.config import EngineConfig, ServingConfig, is_loopback, leaves, option_name, type_parts
+from hearth.config import ConfigError, EngineConfig, ServingConfig, is_loopback, leaves, option_name, type_parts
 
 _GROUPS = {"": "engine", "scheduler": "scheduler", "kv_cache": "KV cache", "checkpoints": "state checkpoints",
            "experts": "expert hierarchy"}
@@ -106,3 +107,49 @@ def serving_config(args: argparse.Namespace, **extra: Any) -> ServingConfig:
         print(f"hearth: warning: --insecure-no-auth: anyone who can reach {serving.host} may use this server",
               file=sys.stderr)
     return serving
+
+
+SETTINGS_COMMANDS = ("serve", "up")  # the commands that take ``--config FILE.toml``
+_PLURALS = {"models": "model"}  # a list under a plural key is the repeated flag
+
+
+def expand_settings_file(argv: list[str]) -> list[str]:
+    """``hearth serve|up --config FILE.toml ...``: the file's settings as flags, put before the
+    command line's own (so that a flag given there wins; repeated flags such as ``--model`` add up).
+    Keys are the flags without ``--`` (``expert-cache`` or ``expert_cache``); ``true`` is a bare
+    flag, ``false`` leaves it out, a list repeats it."""
+    import tomllib
+
+    if not argv or argv[0] not in SETTINGS_COMMANDS:
+        return argv
+    rest, path = [], None
+    it = iter(argv[1:])
+    for arg in it:
+        if arg == "--config":
+            path = next(it, None)
+            if path is None:
+                raise ConfigError("--config needs a file")
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    if path is None:
+        return argv
+    try:
+        settings = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read the settings file {path}: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"the settings file {path} is not valid TOML: {exc}") from None
+    flags: list[str] = []
+    for key, value in settings.items():
+        flag = "--" + _PLURALS.get(key, key).replace("_", "-")
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, dict):
+                raise ConfigError(f"{path}: '{key}' holds a table; settings are flat (key = value)")
+            if v is True:
+                flags.append(flag)
+            elif v is not False:
+                flags += [flag, str(v)]
+    return [argv[0], *flags, *rest]

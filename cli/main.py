@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from hearth.cli.flags import add_engine_flags, add_serving_flags, engine_config
+from hearth.cli.flags import SETTINGS_COMMANDS, add_engine_flags, add_serving_flags, engine_config, expand_settings_file
 from hearth.config import ConfigError, parse_bytes
 
 
@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     add_commands(sub)
+    for name in SETTINGS_COMMANDS:
+        sub.choices[name].add_argument(
+            "--config", metavar="FILE.toml", default=None,
+            help="read this command's flags from a TOML file (keys are the flags without '--': port = 8000, "
+                 "expert-cache = \"8GiB\"; `models = [...]` for several --model); flags given here win")
     pool = sub.add_parser("pool", help="list or remove shared-memory expert pools")
     pool.add_argument("action", choices=["list", "clean"])
     pool.add_argument("name", nargs="?", help="pool to remove (clean); without it, clean removes pools whose "
@@ -271,6 +276,11 @@ def _cluster_handlers() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    try:
+        argv = expand_settings_file(sys.argv[1:] if argv is None else list(argv))
+    except ConfigError as exc:
+        print(f"hearth: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     handlers = {"generate": cmd_generate, "inspect": cmd_inspect, "convert": cmd_convert, "profile": cmd_profile,
                 "pool": cmd_pool, "serve": cmd_serve, "bench": cmd_bench, **_cluster_handlers()}

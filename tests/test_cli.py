@@ -180,3 +180,22 @@ def test_up_takes_stages_for_one_model_only() -> None:
     assert not parser.parse_args(["up", "--model", "/m/big"]).stages
     with pytest.raises(ValueError, match="split one model"):
         DeployOptions("/m/a", "a", stages=True, more_models=(("/m/b", "b"),))
+
+
+def test_serve_and_up_read_their_flags_from_a_settings_file(tmp_path) -> None:
+    """``--config FILE.toml``: keys are the flags, ``models`` a list of ``--model``, ``true`` a bare
+    flag; what the command line gives wins, and a broken file is a clear error."""
+    from hearth.cli.flags import expand_settings_file
+    from hearth.cli.main import build_parser, main
+
+    home = tmp_path / "home.toml"
+    home.write_text('models = ["coder=/m/qwen3-coder", "chat=/m/glm"]\nport = 8000\nexpert_cache = "8GiB"\n'
+                    'stages = false\nprefix-caching = true\n')
+    argv = expand_settings_file(["up", "--config", str(home), "--port", "9000"])
+    args = build_parser().parse_args(argv)
+    assert args.model == ["coder=/m/qwen3-coder", "chat=/m/glm"] and args.port == 9000
+    assert not args.stages and "--prefix-caching" in argv and "8GiB" in argv
+    assert expand_settings_file(["inspect", "--config", "x"]) == ["inspect", "--config", "x"]  # only serve and up
+    (tmp_path / "bad.toml").write_text("port = \n")
+    assert main(["serve", f"--config={tmp_path / 'bad.toml'}"]) == 2
+    assert main(["serve", "--config", str(tmp_path / "missing.toml")]) == 2
