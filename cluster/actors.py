@@ -11,6 +11,9 @@ One group per replica, all pinned to the replica's node:
 - :class:`MonitorActor` turns the executor's fill and CPU timings into live B_P/B_H estimates
   and pushes a new q table when they drift.
 
+A replica split by layers runs its first stage in the executor and each later stage in a
+:class:`~hearth.cluster.stage_actor.StageActor` on that stage's machine.
+
 Actors only carry decisions out; placement and routing are pure functions elsewhere.
 """
 
@@ -23,7 +26,6 @@ import os
 import shutil
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from typing import Any
 import ray
 
 from hearth.cluster.bandwidth import BandwidthTracker, MonitorPolicy
+from hearth.cluster.stage_actor import StageResult
 from hearth.config import EngineConfig
 from hearth.proto.contracts import GenerateRequest, GenerationChunk, StageLost
 from hearth.serving.client import InProcessEngineClient
@@ -255,7 +258,7 @@ class ExecutorActor:
         self.load_seconds = time.perf_counter() - self.started
         return engine
 
-    def _next_stages(self, batch, hidden) -> _StageResult:
+    def _next_stages(self, batch, hidden) -> StageResult:
         """Send a (micro-)batch through the later stages, chained by reference so that each starts
         as soon as the one before is done; its logits come from ``result()``."""
         ids = self._stage_instances()
@@ -267,7 +270,7 @@ class ExecutorActor:
                 ref = _handle(name).forward.remote(batch, ref, ids[name])
         except ValueError as exc:  # a stage that is gone for good (its machine left) has no handle
             raise self._lost(exc) from None
-        return _StageResult(ref, self)
+        return StageResult(ref, self)
 
     def _stage_instances(self) -> dict[str, str]:
         """Each later stage's instance id, asked for again after a loss: a stage that Ray restarted
@@ -392,63 +395,6 @@ class ExecutorActor:
 
     def ping(self) -> int:
         return os.getpid()
-
-
-class _StageResult:
-    """The later stages' logits for one (micro-)batch, once asked for; times the wait. A stage that
-    failed (died, restarted, raised) turns into :class:`StageLost`."""
-
-    def __init__(self, ref: Any, executor: ExecutorActor) -> None:
-        self.ref, self.executor, self.sent = ref, executor, time.perf_counter()
-
-    def result(self):
-        try:
-            logits = ray.get(self.ref)
-        except ray.exceptions.RayError as exc:
-            raise self.executor._lost(exc) from None
-        hops = self.executor.hops
-        hops[0] += 1
-        hops[1] += time.perf_counter() - self.sent
-        return logits
-
-
-class StageActor:
-    """A later pipeline stage of a replica: its layers, their experts and KV cache, on its machine;
-    the first stage (the replica's executor) calls :meth:`forward` once per step."""
-
-    def __init__(self, spec: ReplicaSpec) -> None:
-        import torch
-
-        from hearth.engine.experts.mechanism.cpu_workers import physical_cores
-        from hearth.engine.llm_engine import LLMEngine
-
-        self.threads = spec.engine.threads or len(physical_cores())
-        torch.set_num_threads(self.threads)
-        started = time.perf_counter()
-        self.spec = spec
-        self.engine = LLMEngine(spec.model_path, spec.engine, layers=spec.layers)
-        self.load_seconds = time.perf_counter() - started
-        self.instance = uuid.uuid4().hex  # a restart is a new instance: its KV cache starts empty
-
-    def forward(self, batch, hidden, instance: str):
-        """This stage's layers over the first stage's batch and the previous stage's hidden states;
-        refused when meant for an earlier instance of this stage (whose KV cache died with it)."""
-        import torch
-
-        if instance != self.instance:
-            first, end = self.spec.layers
-            raise StageLost(f"stage {self.spec.replica_id} (layers {first}-{end - 1}) restarted and lost its KV cache")
-        if torch.get_num_threads() != self.threads:  # OpenMP's thread count is per thread: Ray's may differ
-            torch.set_num_threads(self.threads)
-        return self.engine.stage_forward(batch, hidden).cpu()  # host tensors for the next machine
-
-    def ping(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "layers": self.spec.layers, "load_seconds": self.load_seconds,
-                "instance": self.instance}
-
-    def stats(self) -> dict[str, Any]:
-        """The stage engine's statistics (its KV occupancy, memory, expert hierarchy counters)."""
-        return self.engine.stats()
 
 
 class MonitorActor:

@@ -282,7 +282,7 @@ def plan_model_stages(options: DeployOptions, nodes: list[NodeInfo]) -> tuple[An
 def start_stages(options: DeployOptions, stages: tuple[Any, ...]) -> tuple[ReplicaInfo, dict[str, Any]]:
     """Start the actors of a staged replica for the plan ``stages`` and wait until it serves; its
     router entry and the executor's ``ready`` report. A failed start removes what it started."""
-    from hearth.cluster.actors import StageActor
+    from hearth.cluster.stage_actor import StageActor
 
     path, name = options.models[0]
 
