@@ -189,15 +189,17 @@ def format_status(status: dict[str, Any]) -> str:
                      f"{r['cache_bytes'] / 2**30:.1f} GiB" if r["cache_bytes"] else "-", _gbps(r.get("b_p")),
                      _gbps(r.get("b_h")), q, "-" if r.get("hit_rate") is None else f"{r['hit_rate']:.0%}",
                      f"{r.get('decode_tok_s') or 0:.1f}", str(r.get("in_flight", 0))))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     models = status.get("models") or [status["model"]]
-    lines = [f"model{'s' if len(models) > 1 else ''} {', '.join(models)} at {status['url']}"]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines = [f"model{'s' if len(models) > 1 else ''} {', '.join(models)} at {status['url']}", *_table(rows)]
     stages = [("STAGE", "NODE", "LAYERS", "EXEC", "STATE")] + [
         (f"{t['model']}/{t['index']}", t["node_name"], f"{t['first_layer']}-{t['end_layer'] - 1}", t["executor"],
          "serving" if t["healthy"] else (t.get("error") or "down")) for t in status.get("stage_rows") or []]
     if len(stages) > 1:
-        widths = [max(len(row[i]) for row in stages) for i in range(len(stages[0]))]
-        lines += ["", "pipeline stages:"]
-        lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in stages]
+        lines += ["", "pipeline stages:", *_table(stages)]
     return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    """``rows`` (the header first) as lines of left-aligned columns."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]

@@ -75,6 +75,11 @@ class ReplicaSpec:
         return self.engine.experts.cpu_workers == "external"
 
 
+def stage_actor_name(replica_id: str, index: int) -> str:
+    """The actor name of stage ``index`` (1, 2, ...) of the split replica ``replica_id``."""
+    return f"hearth:stage:{replica_id}/{index}"
+
+
 def _handle(name: str):
     return ray.get_actor(name, namespace=NAMESPACE)
 

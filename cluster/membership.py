@@ -134,10 +134,7 @@ class Membership:
             old = list(client.replicas.values())
             for r in old:
                 r.draining = True
-            deadline = time.monotonic() + timeout_s
-            while any(r.in_flight for r in old) and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-            left = sum(r.in_flight for r in old)
+            left = await _finish(old, timeout_s)
             self.drained.add(node_id)
             self._restage_tried = None
             started = await self._restage()
@@ -196,13 +193,18 @@ class Membership:
             self.drained.update(r.info.node_id for _, r in targets)
             for _, r in targets:
                 r.draining = True
-            deadline = time.monotonic() + timeout_s
-            while any(r.in_flight for _, r in targets) and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-            left = sum(r.in_flight for _, r in targets)
+            left = await _finish([r for _, r in targets], timeout_s)
             for client, r in targets:
                 await asyncio.to_thread(teardown, lambda *_: None, r.info.replica_id)
                 client.replicas.pop(r.info.replica_id, None)
                 r.lost.set()
             log.info("drained %s: %s", node, [r.info.replica_id for _, r in targets])
             return {"node": node, "replicas": [r.info.replica_id for _, r in targets], "unfinished": left}
+
+
+async def _finish(replicas: list[Any], timeout_s: float) -> int:
+    """Wait until draining ``replicas`` hold no request, for ``timeout_s`` at most; the requests left."""
+    deadline = time.monotonic() + timeout_s
+    while any(r.in_flight for r in replicas) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return sum(r.in_flight for r in replicas)

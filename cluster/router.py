@@ -394,21 +394,27 @@ class RouterActor:
         stages = self.membership.stages if self.membership is not None else ()
         if not stages:
             return []
+        from hearth.cluster.actors import stage_actor_name
+
         replica = next(iter(self.membership.clients[stages[0].model].replicas.values()), None)
-        rows = []
-        for s in stages:
-            row = {**s.__dict__, "healthy": bool(replica and replica.healthy), "error": None}
-            if replica is None:
-                row["error"] = "not started"
-            elif replica.note or not replica.healthy:
-                row["error"] = "out: " + (replica.note or replica.last_error or "not ready")
-            elif s.index > 0:
-                try:
-                    ray.get(ray.get_actor(f"hearth:stage:{replica.info.replica_id}/{s.index}",
-                                          namespace="hearth").ping.remote(), timeout=1.0)
-                except Exception as exc:  # noqa: BLE001 - down, restarting or gone: shown as such
-                    row["healthy"], row["error"] = False, type(exc).__name__
-            rows.append(row)
+        rows = [{**s.__dict__, "healthy": bool(replica and replica.healthy), "error": None} for s in stages]
+        if replica is None or replica.note or not replica.healthy:
+            why = "not started" if replica is None else "out: " + (replica.note or replica.last_error or "not ready")
+            return [row | {"error": why} for row in rows]
+        pings = {}  # the later stages, asked at once (the page polls every second)
+        for s in stages[1:]:
+            try:
+                pings[s.index] = ray.get_actor(stage_actor_name(replica.info.replica_id, s.index),
+                                               namespace="hearth").ping.remote()
+            except ValueError as exc:  # gone for good
+                rows[s.index] |= {"healthy": False, "error": type(exc).__name__}
+        if pings:
+            ray.wait(list(pings.values()), num_returns=len(pings), timeout=1.0)
+        for index, ref in pings.items():
+            try:
+                ray.get(ref, timeout=0)  # done, or GetTimeoutError
+            except Exception as exc:  # noqa: BLE001 - down, restarting, or not answering in time
+                rows[index] |= {"healthy": False, "error": type(exc).__name__}
         return rows
 
     async def _start(self) -> None:
