@@ -16,7 +16,7 @@ endif
 CPU_EXTRAS ?= triton==3.8.0
 endif
 
-.PHONY: venv test test-cluster test-clients lint fmt serve proto clean
+.PHONY: venv test test-cluster test-clients gpu-rehearsal gpu-wheels lint fmt serve proto clean
 
 # The native kernels build at install: edits to them reinstall (editable install, built in place).
 $(VENV)/.installed: pyproject.toml constraints.txt setup.py $(wildcard engine/kernels/*.cpp engine/kernels/*.h)
@@ -40,6 +40,15 @@ test-cluster: venv
 test-clients: venv
 	$(PY) -m pytest -q -m clients -s $(PYTEST_ARGS)
 
+# The GPU contact check rehearsed on the CPU in an environment like the GPU machine's (torch 2.11,
+# transformers 5.17, no hearth install, wheels from .whl/ only): bench/gpu_contact.sh cannot rot.
+gpu-rehearsal:
+	bash tools/gpu_rehearsal.sh
+
+# The wheels the GPU machine lacks, into .whl/ (carried with the tree to a machine with no index).
+gpu-wheels:
+	bash tools/gpu_wheels.sh
+
 # Serve the demo model (or MODEL=DIR) on http://127.0.0.1:8000 (OpenAI /v1, Anthropic) and gRPC :50051.
 serve: venv
 	$(VENV)/bin/hearth serve $(if $(MODEL),--model $(MODEL)) $(SERVE_ARGS)
@@ -55,4 +64,4 @@ fmt: venv
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .venv-gpu .whl .pytest_cache .ruff_cache

@@ -26,15 +26,14 @@ SOURCES = _sources.kernel_sources(KERNELS)
 SOURCE_HASH = _sources.source_hash(KERNELS)
 
 
-def kernel(name: str, source: str, isa_flags: list[str]) -> Extension:
+def kernel(name: str, source: str, isa_flags: tuple[str, ...]) -> Extension:
     return Extension(
         f"hearth.engine.kernels.{name}",
         sources=[str(KERNELS / source)],
         depends=[str(p) for p in SOURCES],
         include_dirs=[str(KERNELS)],
         language="c++",
-        extra_compile_args=["-std=c++17", "-O3", "-g0", "-fopenmp", "-fvisibility=hidden",
-                            f'-DHEARTH_SOURCE_HASH="{SOURCE_HASH}"', *isa_flags],
+        extra_compile_args=[*_sources.COMMON_FLAGS, f'-DHEARTH_SOURCE_HASH="{SOURCE_HASH}"', *isa_flags],
         extra_link_args=["-fopenmp"],
         optional=True,  # no compiler, or an unsupported one: install anyway, run the torch paths
     )
@@ -50,12 +49,6 @@ class BuildKernels(build_ext):
         print(f"hearth: native CPU kernels built: {', '.join(built) or 'none (the torch paths will run)'}")
 
 
-extensions = [kernel("_native_base", "base.cpp", [])]
-if platform.machine().lower() in ("x86_64", "amd64"):
-    avx2 = ["-mavx2", "-mfma", "-mf16c"]
-    extensions.append(kernel("_native_avx2", "decode_avx2.cpp", avx2))
-    avx512 = [*avx2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-Wno-maybe-uninitialized"]
-    extensions.append(kernel("_native_avx512", "decode_avx512.cpp", avx512))
-    extensions.append(kernel("_native_avx512vnni", "decode_avx512vnni.cpp", [*avx512, "-mavx512vnni"]))
+extensions = [kernel(*build) for build in _sources.kernel_builds(platform.machine())]
 
 setup(ext_modules=extensions, cmdclass={"build_ext": BuildKernels})

@@ -65,7 +65,10 @@ def guarded(name: str, fn, *args) -> dict:
     try:
         out = fn(*args)
         row = out if isinstance(out, dict) else {"result": out}
-    except Exception as exc:  # noqa: BLE001 - a failed check is reported, the run goes on
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a failed check is reported, the run goes on; BaseException
+        # too, since pytest's skip (raised by a helper's importorskip) is one and would end the whole run
         row = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
                "where": traceback.format_exc().splitlines()[-6:]}
     row["check"], row["seconds"] = name, round(time.time() - start, 1)
@@ -298,7 +301,7 @@ def check_prefill(rig: Rig, root: Path) -> list[dict]:
 def check_elastic(rig: Rig, root: Path) -> dict:
     """Resize the cache between decode steps on the device: tokens as without, memory given back."""
     from hearth.engine import LLM
-    from tests.test_elastic_cache import run_resizing
+    from tests.helpers import run_resizing
 
     path = root / "exec-qwen3_moe-float32"
     ref = run_resizing(LLM(path, device="cpu", expert_device="none"), PROMPTS, 24, {})

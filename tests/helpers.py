@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hearth.engine import SamplingParams
+from hearth.engine import LLM, SamplingParams
 from tests.checkpoints import record_logits  # noqa: F401 - re-exported for the tests
 
 PROMPTS = [
@@ -58,3 +58,38 @@ def reference(path, dtype: torch.dtype = torch.float32):
 
 def greedy(max_tokens: int = 32) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def run_resizing(llm: LLM, prompts: list[list[int]], tokens: int, resizes: dict[int, str]):
+    """Greedy generation stepping the engine by hand, resizing its expert cache before the steps
+    named in ``resizes`` (and checking the cache after each resize); (tokens, logits) per prompt."""
+    engine = llm.engine
+    recorded = record_logits(llm)
+    ids = [engine.add_request(p, greedy(tokens)) for p in prompts]
+    out: dict[str, list[int]] = {rid: [] for rid in ids}
+    step = 0
+    while engine.has_unfinished():
+        if step in resizes:
+            report = engine.resize_expert_cache(resizes[step])
+            check_cache(engine, report)
+        for output in engine.step():
+            out[output.request_id] += output.chunk.token_ids
+        step += 1
+    return [out[rid] for rid in ids], [torch.stack(recorded[rid]) for rid in ids]
+
+
+def check_cache(engine, report: dict[str, int]) -> None:
+    """The tables, the arena and the report agree: every resident expert's weights are in its slot."""
+    backend = engine.experts
+    tables, device, pool = backend.tables, backend.device, backend.pool
+    assert report["slots"] == tables.num_slots == device.num_slots == device.gate_up.shape[0]
+    assert report["bytes"] == report["slots"] * pool.expert_bytes
+    resident = tables.resident()
+    assert len(resident) == report["kept"] <= report["slots"]
+    for g, slot in resident.items():
+        assert int(tables.slot_of[g]) == slot
+        row = int(pool.row_table[g])
+        # On a GPU the slots are device memory: compared on the host.
+        assert torch.equal(device.gate_up[slot].cpu(), pool.gate_up[row]) \
+            and torch.equal(device.down[slot].cpu(), pool.down[row])
+    assert int((tables.slot_of[:-1] >= 0).sum()) == len(resident)

@@ -13,45 +13,12 @@ from hearth.engine.experts.mechanism.vram_watch import watch_engine
 from hearth.engine.experts.policy.cache import ExpertCacheTables, plan_resize
 from hearth.engine.experts.policy.vram import VramPolicy, default_cache_bytes, elastic_budget
 from hearth.engine.memory import tensor_bytes
-from tests.helpers import greedy, max_rel_error, record_logits
+from tests.helpers import greedy, max_rel_error, run_resizing
 from tests.test_gguf_hierarchy import q4_k_m  # noqa: F401 - the fixture
 from tests.test_hierarchy import BATCH4, OVERRIDES, SPLIT_BANDWIDTHS
 
 # Sizes applied before the given engine steps: shrink, shrink to nothing, grow, grow to all, shrink.
 RESIZES = {3: "0.1", 6: "1slot", 9: "0slots", 12: "1.0", 16: "0.37", 20: "2slots"}
-
-
-def run_resizing(llm: LLM, prompts: list[list[int]], tokens: int, resizes: dict[int, str]):
-    """Greedy generation stepping the engine by hand, resizing its expert cache before the steps
-    named in ``resizes`` (and checking the cache after each resize); (tokens, logits) per prompt."""
-    engine = llm.engine
-    recorded = record_logits(llm)
-    ids = [engine.add_request(p, greedy(tokens)) for p in prompts]
-    out: dict[str, list[int]] = {rid: [] for rid in ids}
-    step = 0
-    while engine.has_unfinished():
-        if step in resizes:
-            report = engine.resize_expert_cache(resizes[step])
-            check_cache(engine, report)
-        for output in engine.step():
-            out[output.request_id] += output.chunk.token_ids
-        step += 1
-    return [out[rid] for rid in ids], [torch.stack(recorded[rid]) for rid in ids]
-
-
-def check_cache(engine, report: dict[str, int]) -> None:
-    """The tables, the arena and the report agree: every resident expert's weights are in its slot."""
-    backend = engine.experts
-    tables, device, pool = backend.tables, backend.device, backend.pool
-    assert report["slots"] == tables.num_slots == device.num_slots == device.gate_up.shape[0]
-    assert report["bytes"] == report["slots"] * pool.expert_bytes
-    resident = tables.resident()
-    assert len(resident) == report["kept"] <= report["slots"]
-    for g, slot in resident.items():
-        assert int(tables.slot_of[g]) == slot
-        row = int(pool.row_table[g])
-        assert torch.equal(device.gate_up[slot], pool.gate_up[row]) and torch.equal(device.down[slot], pool.down[row])
-    assert int((tables.slot_of[:-1] >= 0).sum()) == len(resident)
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +139,8 @@ def test_vram_limit_sizes_the_engines_cache(checkpoint) -> None:
     llm = LLM(path, expert_device="virtual", q_mode="zero")
     engine = llm.engine
     model = engine.runner.model
-    in_use = tensor_bytes([*model.parameters(), *model.buffers(), *engine.runner.kv.keys, *engine.runner.kv.values])
+    in_use = tensor_bytes([*model.parameters(), *model.buffers(), *engine.runner.kv.keys, *engine.runner.kv.values],
+                          "cpu")
     expert = engine.pool.expert_bytes
     llm.close()
     llm = LLM(path, expert_device="virtual", q_mode="zero", vram_limit=in_use + 10 * expert)

@@ -22,3 +22,21 @@ def source_hash(folder: Path) -> str | None:
     for path in sources:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
+
+
+# Flags every kernel library is built with, and each library's source and instruction-set flags: one
+# description for ``setup.py`` (pip installs) and ``tools/build_kernels.py`` (a source tree used in
+# place, e.g. on a machine with no package index).
+COMMON_FLAGS = ("-std=c++17", "-O3", "-g0", "-fopenmp", "-fvisibility=hidden")
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-Wno-maybe-uninitialized")
+
+
+def kernel_builds(machine: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(module name, source file, instruction-set flags) of each library for a machine
+    (``platform.machine()``): the base library everywhere, the decode libraries on x86-64."""
+    builds = [("_native_base", "base.cpp", ())]
+    if machine.lower() in ("x86_64", "amd64"):
+        builds += [("_native_avx2", "decode_avx2.cpp", _AVX2), ("_native_avx512", "decode_avx512.cpp", _AVX512),
+                   ("_native_avx512vnni", "decode_avx512vnni.cpp", (*_AVX512, "-mavx512vnni"))]
+    return builds

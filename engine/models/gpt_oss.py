@@ -22,12 +22,16 @@ from hearth.engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields
 from hearth.engine.models.decoder import DecoderLayer, MoECausalLM
 from hearth.engine.ops import ClampedSwiGLU
 
+GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0  # the released models' clamped SwiGLU
+
 
 def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> ModelConfig:
     n = hf.num_hidden_layers
     kinds = getattr(hf, "layer_types", None) or ["full_attention"] * n
     fields = decoder_fields(hf, model_dir, dtype)
-    fields["hidden_act"] = ClampedSwiGLU(float(hf.swiglu_alpha), float(hf.swiglu_limit)).name
+    # Older transformers (5.17) fix these in the modeling code rather than the config: its values.
+    alpha, limit = getattr(hf, "swiglu_alpha", GPT_OSS_ALPHA), getattr(hf, "swiglu_limit", GPT_OSS_LIMIT)
+    fields["hidden_act"] = ClampedSwiGLU(float(alpha), float(limit)).name
     return ModelConfig(
         architecture="GptOssForCausalLM",
         **fields,

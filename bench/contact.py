@@ -1,0 +1,169 @@
+"""The GPU contact check's rows, each in its own process under its own time budget.
+
+    python3 bench/contact.py --out DIR [--budget-s 470] [--cpu-dry-run] [--rows a b ...]
+    python3 bench/contact.py --out DIR --row NAME [--cpu-dry-run]      # one row (what the first runs)
+
+``bench/gpu_contact.sh`` sets up a bare GPU machine and calls the first form. Rows run most
+important first (``ROWS``). Each runs in a child process, so that a row that hangs (a ring that
+is never answered), crashes, or leaves the GPU in a fault costs only itself: the child is killed at
+its budget and the next row starts on a fresh CUDA context. Every check a row makes is appended
+to ``DIR/contact.jsonl`` as soon as it is known, and the children's output to ``DIR/contact.log``,
+so a run stopped at any point still leaves what ran. At the end ``DIR/contact.json`` gathers the
+rows and the acceptance targets (``bench/contact_targets.py``).
+
+``--cpu-dry-run`` runs every row on the CPU (the virtual expert device, small models, fixed-shape
+steps eager): the rehearsal CI runs so that the script cannot rot. Its numbers say nothing of a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the check: ``name`` (its function in ``bench/contact_rows.py``), what it shows,
+    and its budget in seconds on a GPU and on the dry run."""
+
+    name: str
+    what: str
+    budget_s: float
+    dry_budget_s: float
+
+
+ROWS = (
+    Row("cuda", "a. CUDA facts; the fill, ring and expert kernels against torch", 60, 60),
+    Row("exact", "b. the executor in fp32 against the CPU engine, plain and graph; bf16 against GPU eager", 110, 150),
+    Row("shape", "c, d. decode and prefill on the Qwen3-30B-A3B shape next to the HBM, q* and PCIe bounds", 200, 120),
+    Row("elastic", "e. elastic VRAM: another process takes GPU memory and frees it; tokens exact", 45, 60),
+    Row("families", "f. the other families, plain steps, against the CPU engine", 55, 120),
+)
+MIN_ROW_S = 15  # a row with less time left than this is reported as skipped, not started
+
+
+def run_rows(out: Path, budget_s: float, dry: bool, names: list[str] | None) -> dict:
+    """Every row in its own process, in order, within ``budget_s`` in all; returns the report."""
+    start = time.time()
+    journal, log = out / "contact.jsonl", out / "contact.log"
+    for row in ROWS:
+        if names and row.name not in names:
+            continue
+        left = budget_s - (time.time() - start)
+        budget = min(row.dry_budget_s if dry else row.budget_s, left)
+        if budget < MIN_ROW_S:
+            append(journal, {"row": row.name, "check": f"{row.name}: not started", "ok": None,
+                             "skipped": f"{left:.0f} s of the budget left"})
+            continue
+        say(log, f"== row {row.name} ({row.what}); budget {budget:.0f} s")
+        outcome = run_child(row, out, budget, dry)
+        say(log, f"== row {row.name}: {outcome['how']} after {outcome['seconds']} s")
+        if outcome["how"] != "finished":
+            append(journal, {"row": row.name, "check": f"{row.name}: {outcome['how']}", "ok": False, **outcome})
+    rows = read_journal(journal)
+    from bench.contact_targets import targets
+
+    report = {"dry_run": dry, "seconds": round(time.time() - start, 1), "budget_s": budget_s,
+              "rows": rows, "targets": targets(rows, dry)}
+    (out / "contact.json").write_text(json.dumps(report, indent=1, default=str))
+    return report
+
+
+def run_child(row: Row, out: Path, budget: float, dry: bool) -> dict:
+    """``--row`` in a new process group, its output appended to the log; killed (the whole group:
+    its CPU workers too) at ``budget``."""
+    cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--out", str(out), "--row", row.name]
+    cmd += ["--cpu-dry-run"] if dry else []
+    started = time.time()
+    with open(out / "contact.log", "a") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        try:
+            code = proc.wait(timeout=budget)
+            how = "finished" if code == 0 else f"exited with {code}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            how, code = "killed at its budget", None
+    tail = (out / "contact.log").read_text(errors="replace").splitlines()[-8:] if how != "finished" else []
+    return {"how": how, "exit_code": code, "seconds": round(time.time() - started, 1),
+            **({"log_tail": tail} if tail else {})}
+
+
+def append(path: Path, record: dict) -> None:
+    """One JSON line, flushed at once (a run killed later keeps it)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record, default=str) + "\n")
+
+
+def say(path: Path, line: str) -> None:
+    print(line, flush=True)
+    with open(path, "a") as f:
+        f.write(line + "\n")
+
+
+def read_journal(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def child(name: str, out: Path, dry: bool) -> int:
+    """Run one row; each check it makes goes to the journal (and a line to stdout) as it ends."""
+    from bench import contact_rows
+
+    journal = out / "contact.jsonl"
+
+    def record(check: dict) -> None:
+        check = {"row": name, **check}
+        append(journal, check)
+        mark = {True: "ok  ", False: "FAIL", None: "info"}[check.get("ok")]
+        detail = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in check.items()
+                  if k not in ("row", "check", "ok", "where")}
+        print(f"{mark} {check['check']}: {detail}", flush=True)
+        if "where" in check:
+            print("     " + "\n     ".join(check["where"]), flush=True)
+
+    getattr(contact_rows, f"row_{name}")(contact_rows.Rig(dry=dry), record)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="folder for contact.jsonl, contact.log, contact.json")
+    ap.add_argument("--budget-s", type=float, default=470, help="all rows together, in seconds")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="every row on the CPU: tests the script, not a GPU")
+    ap.add_argument("--rows", nargs="*", help="only these rows (names: " + ", ".join(r.name for r in ROWS) + ")")
+    ap.add_argument("--row", help=argparse.SUPPRESS)  # the child's form
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.row:
+        return child(args.row, args.out, args.cpu_dry_run)
+    import torch
+
+    if not args.cpu_dry_run and not torch.cuda.is_available():
+        print("contact: no CUDA device on this machine (--cpu-dry-run rehearses the rows on the CPU)")
+        return 0
+    report = run_rows(args.out, args.budget_s, args.cpu_dry_run, args.rows)
+    failed = [r["check"] for r in report["rows"] if r.get("ok") is False]
+    print("targets:")
+    for t in report["targets"]:
+        mark = {True: "met ", False: "MISS", None: "n/a "}[t["met"]]
+        print(f"  {mark} {t['target']}: {t['value']} (goal {t['goal']})")
+    print(f"{len(report['rows'])} checks in {report['seconds']} s; failed: {failed or 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
