@@ -211,7 +211,7 @@ def decode_speed(rig: Rig, llm, tokens: int, bandwidth: float) -> dict:
     seconds = time.perf_counter() - start
     after = llm.engine.stats()["experts"]
     model = llm.engine.runner.model
-    dense = tensor_bytes([*model.parameters(), *model.buffers()])
+    dense = tensor_bytes([*model.parameters(), *model.buffers()], llm.engine.device)  # on the executor's device
     filled = (after["fill_bytes"] - before["fill_bytes"]) / tokens
     cpu = (after["cpu_bytes"] - before["cpu_bytes"]) / tokens
     hits = (after["hits"] - before["hits"]) * after["expert_bytes"] / tokens

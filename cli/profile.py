@@ -59,7 +59,8 @@ def memory_report(loaded, cfg, vram_limit: int | None = None) -> dict:
     cache, expert slots in the rest; within ``vram_limit`` bytes when given), or the sizes alone
     without a GPU."""
     model = loaded.model
-    weights = tensor_bytes([*model.parameters(), *model.buffers()])
+    # Every device's: the dense part is loaded on the host here and would move to the GPU.
+    weights = tensor_bytes([*model.parameters(), *model.buffers()], None)
     per_token = cfg.kv_bytes_per_token
     config = EngineConfig()
     tokens = kv_cache_tokens(config, cfg, config.context_length(cfg.max_position_embeddings))  # as the engine sizes it

@@ -61,6 +61,13 @@ def kv_cache_tokens(config: EngineConfig, cfg, max_model_len: int) -> int:
     wanted = config.scheduler.max_num_seqs * max_model_len
     return max(kv.block_size, min(wanted, kv.num_bytes // per_token))
 
+
+def executor_bytes(model: torch.nn.Module, kv: PagedKVCache, device: torch.device) -> int:
+    """Bytes the executor holds on ``device`` besides its expert cache, the dense weights and the KV
+    cache: what ``--vram-limit`` counts (GPU memory on a GPU, host memory for the virtual device)."""
+    return tensor_bytes([*model.parameters(), *model.buffers(), *kv.keys, *kv.values], device)
+
+
 # (prompt ids, output ids so far, fp32 logits [V]) -> logits: applied before penalties and sampling.
 LogitsProcessor = Callable[[list[int], list[int], torch.Tensor], torch.Tensor]
 
@@ -121,8 +128,9 @@ class LLMEngine:
         self.experts = build_hierarchy(cfg, self.pool, config.experts, step_tokens,
                                        pool_name=self.host_pool.name if self.host_pool is not None else None,
                                        executor_device=self.device,
-                                       in_use=tensor_bytes([*loaded.model.parameters(), *loaded.model.buffers(),
-                                                            *kv.keys, *kv.values]))
+                                       in_use=executor_bytes(loaded.model, kv, self.device),
+                                       # captured steps fill through the fill op (SM loads), not the DMA copy
+                                       link_path="fill_op" if config.static_decode == "graph" else "copy")
         if self.experts is not None:
             loaded.model.set_expert_backend(self.experts)
         self._routing_file = None
@@ -171,9 +179,10 @@ class LLMEngine:
         pool = [t for t in vars(self.pool).values() if isinstance(t, torch.Tensor)]
         store = self.scheduler.checkpoints
         plan = MemoryPlan(
-            weights=tensor_bytes([*model.parameters(), *model.buffers(), *pool]),
-            resident=tensor_bytes(pool) if pool_attached else 0,
-            kv_cache=tensor_bytes(kv.keys + kv.values), kv_tokens=self.scheduler.allocator.num_blocks * kv.block_size,
+            weights=tensor_bytes([*model.parameters(), *model.buffers(), *pool], "cpu"),
+            resident=tensor_bytes(pool, "cpu") if pool_attached else 0,
+            kv_cache=tensor_bytes(kv.keys + kv.values, "cpu"),
+            kv_tokens=self.scheduler.allocator.num_blocks * kv.block_size,
             recurrent_states=states.nbytes * states.num_slots if states is not None else 0,
             checkpoints=store.budget_bytes if store is not None else 0, available=available)
         log.info(plan.describe(), extra={"fields": plan.as_dict()})
@@ -487,6 +496,8 @@ class LLMEngine:
         if self.scheduler.checkpoints is not None:
             out.update(self.scheduler.checkpoints.stats())
         out["memory"] = self.memory_by_device()
+        if self.runner.static is not None:  # fixed-shape decode steps: steps, buckets, CUDA graphs skipped
+            out["static_decode"] = self.runner.static.stats()
         if self.experts is not None:
             out["experts"] = self.experts.stats()
             if self.experts.streamer is not None:

@@ -58,9 +58,19 @@ class MemoryPlan:
                 "checkpoints": self.checkpoints, "total": self.total, "available": self.available}
 
 
-def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of the host storages behind ``tensors``, each storage once (views share theirs)."""
-    return bytes_by_device(tensors).get("cpu", 0)
+def tensor_bytes(tensors: Iterable[torch.Tensor], device: torch.device | str | None) -> int:
+    """Bytes of the storages behind ``tensors`` on ``device``, each storage once (views share theirs):
+    ``"cpu"`` for host memory, the executor's device for what ``--vram-limit`` counts, None for every
+    device. A device without an index (``"cuda"``) stands for each of its type's (``"cuda:0"``, ...)."""
+    by_device = bytes_by_device(tensors)
+    if device is None:
+        return sum(by_device.values())
+    want = torch.device(device)
+    return sum(n for name, n in by_device.items() if _same_device(torch.device(name), want))
+
+
+def _same_device(have: torch.device, want: torch.device) -> bool:
+    return have.type == want.type and (want.index is None or have.index == want.index)
 
 
 @dataclass(frozen=True)
@@ -91,15 +101,19 @@ def plan_vram(free: int, weights: int, kv_bytes_per_token: int, kv_tokens: int, 
 
 def bytes_by_device(tensors: Iterable[torch.Tensor]) -> dict[str, int]:
     """Bytes of the storages behind ``tensors`` (each once) per device ("cpu", "cuda:0", ...)."""
-    seen: dict[tuple[str, int], int] = {}
+    seen: dict[tuple[str, str, int], torch.UntypedStorage] = {}
     for t in tensors:
         if t.numel() == 0:
             continue
         storage = t.untyped_storage()
-        seen[str(t.device), storage.data_ptr()] = storage.nbytes()
+        # One storage by its address (two storages over the same memory count once); storages with
+        # no address (data_ptr 0: every meta storage) by their identity, kept alive in ``seen`` so
+        # that no id is reused while counting.
+        ptr = storage.data_ptr()
+        seen[(str(t.device), "ptr", ptr) if ptr else (str(t.device), "id", id(storage))] = storage
     out: dict[str, int] = {}
-    for (device, _), nbytes in seen.items():
-        out[device] = out.get(device, 0) + nbytes
+    for (device, _, _), storage in seen.items():
+        out[device] = out.get(device, 0) + storage.nbytes()
     return out
 
 

@@ -18,20 +18,26 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def check(dtype_name: str) -> None:
-    """The comparison itself (run in a process with TRITON_INTERPRET=1)."""
+PAIR_SLOTS = [[0, 3, -1, 5], [2, -1, -1, -1], [-1, -1, -1, -1]]
+
+
+def check(dtype_name: str, tokens: int = 3, hidden: int = 48, min_programs: int | None = None) -> None:
+    """The comparison itself (run in a process with TRITON_INTERPRET=1): the first ``tokens`` rows
+    of the pairs above; ``min_programs`` as the launch sizes its row blocks (None: the default)."""
     from hearth.engine.experts.compute import routed_partial_sum
     from hearth.engine.kernels import device_experts
 
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(0)
-    hidden, inter, slots, t, k = 48, 40, 6, 3, 4
+    inter, slots, t, k = 40, 6, tokens, 4
     gate_up = (torch.randn(slots, 2 * inter, hidden, generator=g) / 6).to(dtype)
     down = (torch.randn(slots, hidden, inter, generator=g) / 6).to(dtype)
     x = torch.randn(t, hidden, generator=g).to(dtype)
-    pair_slot = torch.tensor([[0, 3, -1, 5], [2, -1, -1, -1], [-1, -1, -1, -1]])
+    pair_slot = torch.tensor(PAIR_SLOTS[:t])
     weights = torch.rand(t, k, generator=g).to(dtype)
-    ours = device_experts.slot_experts(x, gate_up, down, pair_slot, weights, device_experts.build_expert_kernels())
+    sizing = {} if min_programs is None else {"min_programs": min_programs}
+    ours = device_experts.slot_experts(x, gate_up, down, pair_slot, weights, device_experts.build_expert_kernels(),
+                                       **sizing)
     # The eager arithmetic, each step rounded to the dtype where the engine rounds. Triton's
     # interpreter turns fp32 into bf16 by truncation (a GPU rounds to nearest), so the reference
     # rounds as the interpreter does: the check is of the kernels' rounding points and sums.
@@ -56,7 +62,8 @@ def check(dtype_name: str) -> None:
     tolerance = 1e-5 if dtype == torch.float32 else 5e-3  # bf16: the same roundings, fp32 summation order
     error = float((ours - ref).abs().max()) / float(ref.abs().max())
     assert error <= tolerance, error
-    assert torch.equal(ours[2], torch.zeros(hidden))  # every pair elsewhere: nothing
+    if t > 2:
+        assert torch.equal(ours[2], torch.zeros(hidden))  # every pair elsewhere: nothing
     print("ok", error)
 
 
@@ -67,3 +74,44 @@ def test_slot_experts_equal_the_eager_sum(dtype) -> None:
     run = subprocess.run([sys.executable, "-c", f"from tests.test_device_experts import check; check('{dtype}')"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("tokens", "hidden", "min_programs"), [(1, 44, None), (1, 44, 1), (3, 80, 1), (2, 72, 30)])
+def test_row_blocks_of_every_size_equal_the_eager_sum(tokens, hidden, min_programs) -> None:
+    """Batch 1 in 8-row blocks (the default there), and 32- and 16-row blocks, over rows that no
+    block size divides."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    call = f"check('float32', {tokens}, {hidden}, {min_programs})"
+    run = subprocess.run([sys.executable, "-c", f"from tests.test_device_experts import check; {call}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]
+
+
+class GridRecorder:
+    """A stand-in for a jitted kernel: records the grids it is launched with."""
+
+    def __init__(self) -> None:
+        self.grids: list[tuple[int, ...]] = []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+def test_batch_1_launches_enough_programs_for_a_large_gpu(tokens) -> None:
+    """Qwen3-30B-A3B's shapes (hidden 2048, expert FFN 768, top 8): each launch has about two programs
+    per SM of a 132-SM GPU or more (the down projection at batch 1 had 64)."""
+    from hearth.engine.kernels import device_experts
+
+    hidden, inter, k = 2048, 768, 8
+    up, down = GridRecorder(), GridRecorder()
+    device_experts.slot_experts(torch.empty(tokens, hidden, dtype=torch.bfloat16, device="meta"),
+                                torch.empty(4, 2 * inter, hidden, dtype=torch.bfloat16, device="meta"),
+                                torch.empty(4, hidden, inter, dtype=torch.bfloat16, device="meta"),
+                                torch.empty(tokens, k, dtype=torch.long, device="meta"),
+                                torch.empty(tokens, k, dtype=torch.bfloat16, device="meta"), (up, down))
+    (up_grid,), (down_grid,) = up.grids, down.grids
+    assert up_grid[0] * up_grid[1] >= 256 and down_grid[0] * down_grid[1] >= 256, (up_grid, down_grid)
+    assert down_grid[1] * device_experts.block_rows(tokens, hidden) >= hidden  # every row covered

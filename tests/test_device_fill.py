@@ -41,3 +41,22 @@ def test_word_view_and_mismatched_rows(kernel) -> None:
     with pytest.raises(ValueError, match="different sizes"):
         device_fill.fill_rows(torch.zeros(2, 8), torch.zeros(2, 4), torch.arange(2), torch.zeros(1, dtype=torch.long),
                               torch.zeros(1, dtype=torch.long), torch.tensor(1), kernel=kernel)
+
+
+@pytest.mark.parametrize(("programs", "block"), [(3, 16), (1, 16), (256, 1024)])
+@pytest.mark.parametrize("row_words", [16, 37, 100])
+def test_a_bounded_grid_loops_over_every_fill_and_chunk(kernel, monkeypatch, programs, block, row_words) -> None:
+    """Fewer programs than (fills x chunks), rows not a multiple of the block: every program loops over
+    its share; counts of none, some, all the candidates (and past them: only the plan is read)."""
+    monkeypatch.setattr(device_fill, "BLOCK", block)
+    g = torch.Generator().manual_seed(1)
+    pool = torch.randint(-2**62, 2**62, (10, row_words), generator=g)
+    row_table = torch.tensor([7, -1, 3, 0, 9, 2, 5, 1])
+    src, dst = torch.tensor([2, 6, 0, 4, 7]), torch.tensor([3, 0, 5, 1, 6])
+    for count in (0, 2, 5, 7):
+        arena = torch.zeros(7, row_words, dtype=torch.long)
+        device_fill.fill_rows(arena, pool, row_table, src, dst, torch.tensor(count), kernel=kernel, programs=programs)
+        expected = torch.zeros_like(arena)
+        n = min(count, src.numel())
+        expected[dst[:n]] = pool[row_table[src[:n]]]
+        assert torch.equal(arena, expected), (count, programs, block)

@@ -12,7 +12,7 @@ from hearth.engine.memory import MemoryPlan, available_memory, tensor_bytes
 
 def test_views_share_their_storage_in_the_count() -> None:
     base = torch.zeros(100, dtype=torch.float32)
-    assert tensor_bytes([base, base[:10], base.view(10, 10), torch.zeros(5, dtype=torch.bfloat16)]) == 410
+    assert tensor_bytes([base, base[:10], base.view(10, 10), torch.zeros(5, dtype=torch.bfloat16)], "cpu") == 410
 
 
 def test_a_plan_past_the_free_memory_warns_and_names_the_knobs() -> None:

@@ -16,8 +16,12 @@ import functools
 
 import torch
 
-BLOCK_ROWS = 32  # output rows a program computes
+BLOCK_ROWS = (32, 16, 8)  # output rows a program computes: the largest that makes enough programs
 BLOCK_K = 128  # reduction chunk
+# Programs a launch should have: about two per SM of a 132-SM GPU. A batch-1 step's down projection
+# (hidden 2048) in 32-row blocks is 64 programs, which leaves half such a GPU idle while it streams
+# the experts' weights.
+MIN_PROGRAMS = 256
 
 
 def build_expert_kernels():
@@ -90,20 +94,30 @@ def expert_kernels():
 
 
 def slot_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, pair_slot: torch.Tensor,
-                 weights: torch.Tensor, kernels=None) -> torch.Tensor:
+                 weights: torch.Tensor, kernels=None, min_programs: int = MIN_PROGRAMS) -> torch.Tensor:
     """fp32 [T, H] sum of the pairs served from slots: ``x`` [T, H], float banks gate_up [S, 2I, H]
-    and down [S, H, I] (contiguous), ``pair_slot`` and ``weights`` [T, k] (-1: elsewhere)."""
-    import triton
-
+    and down [S, H, I] (contiguous), ``pair_slot`` and ``weights`` [T, k] (-1: elsewhere). Each
+    launch's rows are split into blocks small enough for ``min_programs`` programs where they can be."""
     up, dn = kernels or expert_kernels()
     t, k = pair_slot.shape
     hidden, inter = x.shape[1], down.shape[2]
     x = x.contiguous()
     slots = pair_slot.contiguous().reshape(-1)
     h = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
-    up[(t * k, triton.cdiv(inter, BLOCK_ROWS))](x, gate_up, slots, h, k, hidden, inter, BLOCK_ROWS=BLOCK_ROWS,
-                                                  BLOCK_K=BLOCK_K)
+    rows = block_rows(t * k, inter, min_programs)
+    up[(t * k, -(-inter // rows))](x, gate_up, slots, h, k, hidden, inter, BLOCK_ROWS=rows, BLOCK_K=BLOCK_K)
     out = torch.empty((t, hidden), dtype=torch.float32, device=x.device)
-    dn[(t, triton.cdiv(hidden, BLOCK_ROWS))](h, down, slots, weights.contiguous().reshape(-1), out, k, hidden, inter,
-                                             BLOCK_ROWS=BLOCK_ROWS, BLOCK_K=BLOCK_K)
+    rows = block_rows(t, hidden, min_programs)
+    dn[(t, -(-hidden // rows))](h, down, slots, weights.contiguous().reshape(-1), out, k, hidden, inter,
+                                BLOCK_ROWS=rows, BLOCK_K=BLOCK_K)
     return out
+
+
+def block_rows(units: int, rows: int, min_programs: int = MIN_PROGRAMS) -> int:
+    """Output rows per program for a launch of ``units`` (pairs, tokens) x blocks of ``rows``: the
+    largest block that still gives ``min_programs`` programs, else the smallest (small batches).
+    Each weight row is read by one program either way; only the small activations are read by more."""
+    for block in BLOCK_ROWS:
+        if units * -(-rows // block) >= min_programs:
+            return block
+    return BLOCK_ROWS[-1]

@@ -4,9 +4,13 @@ never waits for it and the launch has the same shape at every step (a CUDA graph
 
 The pool is read in place across PCIe: after ``cudaHostRegister`` (pinned, mapped) its pages have a
 device address, and :func:`mapped_view` wraps that address as a CUDA tensor without copying. The
-kernel is a Triton kernel (Triton ships with PyTorch's CUDA builds); its grid is (max fills, chunks of
-a row) and programs past ``count`` return at once. On a machine without a GPU the same kernel runs
-under Triton's interpreter (``TRITON_INTERPRET=1``), which is how CI checks it.
+kernel is a Triton kernel (Triton ships with PyTorch's CUDA builds). Its grid is a fixed, small number
+of programs (set by the shapes alone, so a CUDA graph replays the same launch): the work, ``count``
+rows of chunks of BLOCK words, is dealt out to them in turn, so that a step filling one expert keeps
+every program busy and a step filling none costs a few hundred programs that end at once (a grid of (max
+fills, chunks) launched ~150k programs per layer at Qwen3-30B-A3B's shapes, nearly all idle). On a machine
+without a GPU the same kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``), which is how CI
+checks it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ import functools
 
 import torch
 
-BLOCK = 1024  # words of a row one program copies
+BLOCK = 1024  # words of a row one program copies at a time
+# Programs of a fill launch: about two per SM of a 132-SM GPU, enough reads in flight to keep a PCIe
+# link busy; the work beyond them is looped over.
+PROGRAMS = 256
 
 
 def build_fill_kernel():
@@ -25,13 +32,16 @@ def build_fill_kernel():
     import triton.language as tl
 
     @triton.jit
-    def fill_rows_kernel(src_bank, dst_bank, row_table, src_ids, dst_slots, count, row_words,
+    def fill_rows_kernel(src_bank, dst_bank, row_table, src_ids, dst_slots, count, num_fills, row_words, chunks,
                          BLOCK: tl.constexpr):  # noqa: N803 - Triton's constexpr convention
-        j = tl.program_id(0)
-        if j < tl.load(count):  # the plan's count, read here on the device
+        # The plan's count, read here on the device (never past the planned entries); chunk i of the
+        # work is chunk i % chunks of fill i // chunks, and program p copies chunks p, p + programs, ...
+        work = tl.minimum(tl.load(count), num_fills) * chunks
+        for i in range(tl.program_id(0), work, tl.num_programs(0)):
+            j = i // chunks
             row = tl.load(row_table + tl.load(src_ids + j))
             slot = tl.load(dst_slots + j)
-            offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+            offs = (i % chunks) * BLOCK + tl.arange(0, BLOCK)
             inside = offs < row_words
             words = tl.load(src_bank + row * row_words + offs, mask=inside)
             tl.store(dst_bank + slot * row_words + offs, words, mask=inside)
@@ -65,20 +75,26 @@ def word_view(bank: torch.Tensor) -> torch.Tensor:
 
 
 def fill_rows(dst_bank: torch.Tensor, src_bank: torch.Tensor, row_table: torch.Tensor, src_ids: torch.Tensor,
-              dst_slots: torch.Tensor, count: torch.Tensor, kernel=None) -> None:
+              dst_slots: torch.Tensor, count: torch.Tensor, kernel=None, programs: int = PROGRAMS) -> None:
     """``dst_bank[dst_slots[j]] = src_bank[row_table[src_ids[j]]]`` for j < ``count`` (a one-element
-    tensor the kernel reads); entries past it are never read. All tensors on the kernel's device
-    (the pool as a :func:`mapped_view`)."""
-    import triton
-
+    tensor the kernel reads; at most ``src_ids.numel()``); entries past it are never read. All tensors
+    on the kernel's device (the pool as a :func:`mapped_view`). At most ``programs`` programs run."""
     dst, src = word_view(dst_bank), word_view(src_bank)
     if dst.shape[1] != src.shape[1] or dst.dtype != src.dtype:
         raise ValueError("fill_rows: slot and pool rows of different sizes")
     if src_ids.numel() == 0:
         return
-    grid = (src_ids.numel(), triton.cdiv(dst.shape[1], BLOCK))
-    (kernel or fill_kernel())[grid](src, dst, row_table, src_ids, dst_slots, count.reshape(1), dst.shape[1],
-                                    BLOCK=BLOCK)
+    row_words = dst.shape[1]
+    chunks = -(-row_words // BLOCK)
+    grid = (fill_grid(src_ids.numel(), chunks, programs),)
+    (kernel or fill_kernel())[grid](src, dst, row_table, src_ids, dst_slots, count.reshape(1), src_ids.numel(),
+                                    row_words, chunks, BLOCK=BLOCK)
+
+
+def fill_grid(num_fills: int, chunks: int, programs: int = PROGRAMS) -> int:
+    """Programs of a fill launch for up to ``num_fills`` rows of ``chunks`` chunks: no more than the
+    most work there can be, nor than ``programs``; fixed by the shapes, never by the count."""
+    return max(1, min(num_fills * chunks, programs))
 
 
 class _DevicePointer:
@@ -92,7 +108,9 @@ class _DevicePointer:
 
 def mapped_view(host: torch.Tensor, device: torch.device | str = "cuda") -> torch.Tensor:
     """A CUDA tensor over ``host``'s registered (pinned, mapped) pages, read across PCIe in place.
-    ``host`` must be contiguous and registered (``cudaHostRegister`` with the mapped flag)."""
+    ``host`` must be contiguous and lie inside a range registered with ``cudaHostRegister`` and the
+    mapped flag; it need not start the range (``pin_host_memory`` registers whole pages around the
+    tensors, merged), as the runtime maps any address inside a registered range."""
     if not host.is_contiguous():
         raise ValueError("mapped_view: a contiguous host tensor")
     cudart = _cudart()
@@ -103,6 +121,11 @@ def mapped_view(host: torch.Tensor, device: torch.device | str = "cuda") -> torc
     flat = host.view(torch.uint8).reshape(-1)
     view = torch.as_tensor(_DevicePointer(ptr.value, (flat.numel(),), "|u1", host), device=device)
     return view.view(host.dtype).view(host.shape)
+
+
+def cuda_runtime() -> ctypes.CDLL:
+    """The CUDA runtime library PyTorch loaded (calls torch's binding does not expose)."""
+    return _cudart()
 
 
 @functools.cache

@@ -9,8 +9,10 @@ optionally rate-limited copy path, so the whole hierarchy runs, and is tested, w
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -294,19 +296,69 @@ def resized_arena(arena: torch.Tensor, num_slots: int, old_slots: torch.Tensor,
     return out
 
 
+def page_ranges(spans: Iterable[tuple[int, int]], page: int = mmap.PAGESIZE) -> list[tuple[int, int]]:
+    """(start, bytes) of the fewest page-aligned address ranges that cover every (address, bytes) span:
+    each span rounded out to whole pages, then overlapping or adjacent ones merged, in address order.
+    Empty spans cover nothing (pure)."""
+    merged: list[list[int]] = []
+    for first, end in sorted((ptr // page * page, -(-(ptr + n) // page) * page) for ptr, n in spans if n > 0):
+        if merged and first <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([first, end])
+    return [(first, end - first) for first, end in merged]
+
+
 def pin_host_memory(tensors) -> list[int]:
-    """Register already-filled host tensors with CUDA (mapped, pinned) for asynchronous DMA.
+    """Register already-filled, contiguous host tensors with CUDA (mapped, pinned) for asynchronous
+    DMA and in-place reads by the GPU (a registered range maps every address inside it).
 
     Filling first and pinning afterwards avoids the OS zeroing pages about to be overwritten.
-    Returns the registered pointers (for unregistering); tensors already pinned are skipped.
+    Registration works on whole pages, and a page may be registered once: two banks of the heap
+    (which aligns them to 64 bytes, not to pages) can share one, so the tensors' pages are
+    registered as merged page-aligned ranges, each once. Returns the registered range starts (what
+    ``cudaHostUnregister`` takes); tensors already pinned are skipped.
     """
-    cudart = torch.cuda.cudart()
-    registered = []
+    spans = []
     for t in tensors:
-        if t.is_pinned() or t.nbytes == 0:
+        if t.nbytes == 0 or t.is_pinned():
             continue
-        err = cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 2)  # cudaHostRegisterMapped
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {t.nbytes} bytes of the expert pool failed ({err})")
-        registered.append(t.data_ptr())
+        if not t.is_contiguous():
+            raise ValueError("pin_host_memory: contiguous host tensors (their bytes are registered as one span)")
+        spans.append((t.data_ptr(), t.nbytes))
+    cudart = torch.cuda.cudart()
+    registered: list[int] = []
+    for first, nbytes in page_ranges(spans):
+        err = register_range(cudart, first, nbytes)
+        if err != 0:
+            for ptr in registered:  # all or nothing: the caller keeps no half-registered pool
+                cudart.cudaHostUnregister(ptr)
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes of the expert pool failed ({err})")
+        registered.append(first)
     return registered
+
+
+HOST_REGISTER_MAPPED, HOST_REGISTER_READ_ONLY = 0x02, 0x08  # cudaHostRegisterMapped, cudaHostRegisterReadOnly
+
+
+def register_range(cudart, first: int, nbytes: int) -> int:
+    """Register one page-aligned range, mapped; the CUDA error code (0 on success). A pool this
+    process attached to by name is mapped read-only, which CUDA registers only with its read-only
+    flag on hosts whose GPU cannot use the host's page tables (x86): tried second, since a writable
+    range registered read-only would refuse the fills' and the ring's device writes."""
+    err = int(cudart.cudaHostRegister(first, nbytes, HOST_REGISTER_MAPPED))
+    if err != 0:
+        _clear_cuda_error()  # else the next CUDA call that checks the last error reports this one
+        err = int(cudart.cudaHostRegister(first, nbytes, HOST_REGISTER_MAPPED | HOST_REGISTER_READ_ONLY))
+        if err != 0:
+            _clear_cuda_error()
+    return err
+
+
+def _clear_cuda_error() -> None:
+    from hearth.engine.kernels.device_fill import cuda_runtime
+
+    try:
+        cuda_runtime().cudaGetLastError()
+    except (OSError, RuntimeError, AttributeError):  # no runtime library: nothing recorded an error either
+        pass

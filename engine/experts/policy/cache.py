@@ -54,7 +54,9 @@ def cache_step(
     slot_index = torch.arange(num_slots, device=ids.device)
     key = torch.where(was_hit[:num_slots], _NEVER, last_used[:num_slots] * num_slots + slot_index)
     candidates = torch.topk(key, num_candidates, largest=False, sorted=True).indices  # [K]
-    q = torch.minimum(torch.minimum(q_want, num_slots - num_hits), torch.tensor(num_candidates, device=ids.device))
+    # Bounded by Python ints (scalar operands): a tensor made from a host value would be a host->device
+    # copy, which a CUDA graph capture of this step forbids.
+    q = torch.minimum(q_want, num_slots - num_hits).clamp(max=num_candidates)
     rank = torch.cumsum(miss.long(), 0) - 1
     fill = miss & (rank < q)
     dst_slot = torch.where(fill, candidates[rank.clamp(0, num_candidates - 1)], s_dummy)
@@ -63,13 +65,15 @@ def cache_step(
     evict = fill & (old >= 0)
     slot_of.scatter_(0, torch.where(evict, old, g_dummy), torch.full_like(old, -1))
     slot_of.scatter_(0, torch.where(fill, sorted_ids, g_dummy), dst_slot)
-    slot_of[g_dummy] = -1
+    # Masked writes land in the dummy entries: reset them with device fills (``t[i] = -1`` would make a
+    # tensor of the host value first).
+    slot_of[g_dummy:].fill_(-1)
     expert_of.scatter_(0, dst_slot, sorted_ids)
-    expert_of[s_dummy] = -1
+    expert_of[s_dummy:].fill_(-1)
     now = clock.expand(n)
     last_used.scatter_(0, hit_slot, now)
     last_used.scatter_(0, dst_slot, now)
-    last_used[s_dummy] = -1
+    last_used[s_dummy:].fill_(-1)
     clock.add_(1)
     # The fill plan, compacted to its first q entries.
     plan_pos = torch.where(fill, rank, num_candidates)
