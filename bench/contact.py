@@ -51,13 +51,17 @@ ROWS = (
     Row("families", "f. the other families, plain steps, against the CPU engine", 55, 120),
 )
 MIN_ROW_S = 15  # a row with less time left than this is reported as skipped, not started
+ROWS_MODULE = "bench.contact_rows"
 
 
-def run_rows(out: Path, budget_s: float, dry: bool, names: list[str] | None) -> dict:
-    """Every row in its own process, in order, within ``budget_s`` in all; returns the report."""
+def run_rows(out: Path, budget_s: float, dry: bool, names: list[str] | None, rows: tuple[Row, ...] = ROWS,
+             rows_module: str = ROWS_MODULE) -> dict:
+    """Every row in its own process, in order, within ``budget_s`` in all; returns the report.
+    ``rows`` and ``rows_module`` (where each ``row_<name>`` is) are the contact check's own but in
+    tests."""
     start = time.time()
     journal, log = out / "contact.jsonl", out / "contact.log"
-    chosen = [row for row in ROWS if not names or row.name in names]
+    chosen = [row for row in rows if not names or row.name in names]
     for i, row in enumerate(chosen):
         left = budget_s - (time.time() - start)
         later = sum(r.dry_budget_s if dry else r.budget_s for r in chosen[i + 1 :])
@@ -68,7 +72,7 @@ def run_rows(out: Path, budget_s: float, dry: bool, names: list[str] | None) -> 
                              "skipped": f"{left:.0f} s of the budget left"})
             continue
         say(log, f"== row {row.name} ({row.what}); budget {budget:.0f} s")
-        outcome = run_child(row, out, budget, dry)
+        outcome = run_child(row, out, budget, dry, rows_module)
         say(log, f"== row {row.name}: {outcome['how']} after {outcome['seconds']} s")
         if outcome["how"] != "finished":
             append(journal, {"row": row.name, "check": f"{row.name}: {outcome['how']}", "ok": False, **outcome})
@@ -81,10 +85,11 @@ def run_rows(out: Path, budget_s: float, dry: bool, names: list[str] | None) -> 
     return report
 
 
-def run_child(row: Row, out: Path, budget: float, dry: bool) -> dict:
+def run_child(row: Row, out: Path, budget: float, dry: bool, rows_module: str = ROWS_MODULE) -> dict:
     """``--row`` in a new process group, its output appended to the log; killed (the whole group:
     its CPU workers too) at ``budget``."""
-    cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--out", str(out), "--row", row.name]
+    cmd = [sys.executable, "-u", str(Path(__file__).resolve()), "--out", str(out), "--row", row.name,
+           "--rows-module", rows_module]
     cmd += ["--cpu-dry-run"] if dry else []
     started = time.time()
     with open(out / "contact.log", "a") as log:
@@ -120,10 +125,11 @@ def read_journal(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def child(name: str, out: Path, dry: bool) -> int:
+def child(name: str, out: Path, dry: bool, rows_module: str = ROWS_MODULE) -> int:
     """Run one row; each check it makes goes to the journal (and a line to stdout) as it ends."""
-    from bench import contact_rows
+    import importlib
 
+    rows = importlib.import_module(rows_module)
     journal = out / "contact.jsonl"
 
     def record(check: dict) -> None:
@@ -136,7 +142,7 @@ def child(name: str, out: Path, dry: bool) -> int:
         if "where" in check:
             print("     " + "\n     ".join(check["where"]), flush=True)
 
-    getattr(contact_rows, f"row_{name}")(contact_rows.Rig(dry=dry), record)
+    getattr(rows, f"row_{name}")(rows.Rig(dry=dry), record)
     return 0
 
 
@@ -147,10 +153,11 @@ def main() -> int:
     ap.add_argument("--cpu-dry-run", action="store_true", help="every row on the CPU: tests the script, not a GPU")
     ap.add_argument("--rows", nargs="*", help="only these rows (names: " + ", ".join(r.name for r in ROWS) + ")")
     ap.add_argument("--row", help=argparse.SUPPRESS)  # the child's form
+    ap.add_argument("--rows-module", default=ROWS_MODULE, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.row:
-        return child(args.row, args.out, args.cpu_dry_run)
+        return child(args.row, args.out, args.cpu_dry_run, args.rows_module)
     import torch
 
     if not args.cpu_dry_run and not torch.cuda.is_available():

@@ -180,7 +180,7 @@ def targets(rig: ex.Rig, rows: list[dict]) -> list[dict]:
         return a[key] / b[key] if key in a and key in b and b[key] else None
 
     kinds = ("exact ", "hierarchy ", "streamed prefill", "elastic", "family ")
-    exact = [r for r in rows if r["check"].startswith(kinds)]
+    exact = [r for r in rows if r["check"].startswith(kinds) and r.get("ok") is not None]  # None: reported only
     fast = rig.fast_mode
     graph_ratio = ratio(_row(rows, f"speed cache=1.0 static={fast}"), _row(rows, "speed cache=1.0 static=off"))
     best = {f: max((_row(rows, f"speed cache={f} static={m}").get("share", 0) for m in ("off", fast)), default=0)
