@@ -8,6 +8,7 @@ optionally rate-limited copy path, so the whole hierarchy runs, and is tested, w
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import threading
@@ -358,7 +359,6 @@ def register_range(cudart, first: int, nbytes: int) -> int:
 def _clear_cuda_error() -> None:
     from hearth.engine.kernels.device_fill import cuda_runtime
 
-    try:
+    # No runtime library: nothing recorded an error either.
+    with contextlib.suppress(OSError, RuntimeError, AttributeError):
         cuda_runtime().cudaGetLastError()
-    except (OSError, RuntimeError, AttributeError):  # no runtime library: nothing recorded an error either
-        pass
