@@ -1,6 +1,6 @@
 """The GPU contact check's rows, each in its own process under its own time budget.
 
-    python3 bench/contact.py --out DIR [--budget-s 470] [--cpu-dry-run] [--rows a b ...]
+    python3 bench/contact.py --out DIR [--budget-s 430] [--cpu-dry-run] [--rows a b ...]
     python3 bench/contact.py --out DIR --row NAME [--cpu-dry-run]      # one row (what the first runs)
 
 ``bench/gpu_contact.sh`` sets up a bare GPU machine and calls the first form. Rows run most
@@ -46,7 +46,7 @@ class Row:
 ROWS = (
     Row("cuda", "a. CUDA facts; the fill, ring and expert kernels against torch", 45, 60),
     Row("exact", "b. the executor in fp32 against the CPU engine, plain and graph; bf16 against GPU eager", 120, 150),
-    Row("shape", "c, d. decode and prefill on the Qwen3-30B-A3B shape next to the HBM, q* and PCIe bounds", 180, 120),
+    Row("shape", "c, d. decode and prefill on the Qwen3-30B-A3B shape next to the HBM, q* and PCIe bounds", 170, 120),
     Row("elastic", "e. elastic VRAM: another process takes GPU memory and frees it; tokens exact", 40, 60),
     Row("families", "f. the other families, plain steps, against the CPU engine", 55, 120),
 )
@@ -149,7 +149,7 @@ def child(name: str, out: Path, dry: bool, rows_module: str = ROWS_MODULE) -> in
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True, help="folder for contact.jsonl, contact.log, contact.json")
-    ap.add_argument("--budget-s", type=float, default=470, help="all rows together, in seconds")
+    ap.add_argument("--budget-s", type=float, default=430, help="all rows together, in seconds")
     ap.add_argument("--cpu-dry-run", action="store_true", help="every row on the CPU: tests the script, not a GPU")
     ap.add_argument("--rows", nargs="*", help="only these rows (names: " + ", ".join(r.name for r in ROWS) + ")")
     ap.add_argument("--row", help=argparse.SUPPRESS)  # the child's form

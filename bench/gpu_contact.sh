@@ -7,7 +7,7 @@
 #
 # OUT_DIR: where contact.jsonl (a JSON line per check), contact.log, contact.json (the rows and the
 # targets) and setup.json go; else $HEARTH_CONTACT_OUT, else $OUT, else bench/out/contact.
-# Environment: PYTHON (default python3), HEARTH_CONTACT_BUDGET_S (the rows' budget, default 440),
+# Environment: PYTHON (default python3), HEARTH_CONTACT_BUDGET_S (the rows' budget, default 430),
 # HEARTH_CONTACT_DRY_RUN=1 (every row on the CPU: the rehearsal CI runs), HEARTH_CONTACT_ROWS (a
 # space-separated subset of the rows).
 #
@@ -66,7 +66,7 @@ json.dump({"wheels": wheels, "kernels": json.loads(kernels), "setup_seconds": in
 EOF
 
 # 4. The rows.
-args=(--out "$OUT_DIR" --budget-s "${HEARTH_CONTACT_BUDGET_S:-440}")
+args=(--out "$OUT_DIR" --budget-s "${HEARTH_CONTACT_BUDGET_S:-430}")
 [ "${HEARTH_CONTACT_DRY_RUN:-0}" = 1 ] && args+=(--cpu-dry-run)
 # shellcheck disable=SC2206 - the subset is a space-separated list of names
 [ -n "${HEARTH_CONTACT_ROWS:-}" ] && args+=(--rows ${HEARTH_CONTACT_ROWS})
