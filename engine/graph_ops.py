@@ -158,14 +158,17 @@ def ring_post_op(ctrl: torch.Tensor, x_slot: torch.Tensor, rows_slot: torch.Tens
     """Hand a CPU share to the CPU expert workers through a descriptor of the shared task ring
     (``mechanism/ring.py``): the payload into the slot's buffers, then its state word SUBMITTED,
     last. The worker computes while the step goes on with the device share; :func:`ring_collect_op`
-    waits for the completion flag. Returns the ticket (the descriptor's sequence number)."""
+    waits for the completion flag. Returns the ticket: the descriptor's sequence number, or 0 when
+    no row is >= 0 (nothing for the CPU: nothing is posted, the slot stays free and the collect
+    returns zeros without waiting)."""
     if ctrl.is_cuda:  # the ring's device views: the GPU writes the descriptor (kernels/device_ring.py)
         from hearth.engine.kernels import device_ring
 
-        device_ring.post(ctrl, x_slot, rows_slot, weights_slot, x, rows, weights)
-        return ctrl.new_zeros(())
+        return device_ring.post(ctrl, x_slot, rows_slot, weights_slot, x, rows, weights)
     from hearth.engine.experts.mechanism.ring import FREE, write_task
 
+    if not bool((rows >= 0).any()):  # the same choice the device kernel makes
+        return torch.tensor(0)
     if int(ctrl[0]) != FREE:
         raise RuntimeError("the CPU expert ring's slot is still busy")
     seq = int(ctrl[1]) + 1
@@ -182,7 +185,9 @@ def _(ctrl, x_slot, rows_slot, weights_slot, x, rows, weights):
 def ring_collect_op(ticket: torch.Tensor, ctrl: torch.Tensor, out_slot: torch.Tensor, tokens: int, hidden: int,
                     timeout_s: float) -> torch.Tensor:
     """Wait for the ring slot's completion flag and return its fp32 [tokens, hidden] result; the
-    slot is free again afterwards. A worker that fails or stays silent past ``timeout_s`` raises."""
+    slot is free again afterwards. A worker that fails or stays silent past ``timeout_s`` raises.
+    A ticket of 0 (nothing was posted) gives zeros at once (on the GPU the kernel sees the slot
+    still FREE)."""
     from hearth.engine.experts.mechanism.ring import await_task
 
     if ctrl.is_cuda:  # the GPU waits for the completion word itself; errors reach the host after the step
@@ -190,6 +195,8 @@ def ring_collect_op(ticket: torch.Tensor, ctrl: torch.Tensor, out_slot: torch.Te
 
         out = out_slot.new_empty((tokens, hidden))
         return device_ring.collect(ctrl, out_slot, out, int(timeout_s * 1e6))
+    if int(ticket) == 0:
+        return out_slot.new_zeros((tokens, hidden))
     return await_task({"ctrl": ctrl, "out": out_slot}, tokens, hidden, timeout_s)[0]
 
 

@@ -11,9 +11,12 @@ shapes recur at every token. :class:`StaticDecoder` keeps one compiled step per 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,6 +32,72 @@ from hearth.engine.request import Request
 from hearth.engine.state_pool import RecurrentStatePool
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16)
+# Graph mode: a bucket's first calls are inductor's CUDA-graph warm-up (the step run without a graph)
+# and its recording, both of which synchronise by design; the calls after them replay the graph.
+CAPTURE_CALLS = 2
+
+
+class CudaGraphSkipped(RuntimeError):
+    """Graph mode, and inductor runs a step without a CUDA graph (mode="reduce-overhead" falls back
+    silently otherwise)."""
+
+
+@dataclass
+class GraphSkips:
+    """What :func:`watch_graph_skips` saw: inductor's CUDA-graph skips and the reasons it logged."""
+
+    count: int = 0
+    reasons: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return "; ".join(self.reasons) or f"{self.count} skip(s) counted, no reason logged"
+
+
+class _Collect(logging.Handler):
+    def __init__(self, into: list[str]) -> None:
+        super().__init__(logging.WARNING)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def watch_graph_skips() -> Iterator[GraphSkips]:
+    """Count the CUDA graphs inductor skips in the block (``torch._dynamo.utils.counters["inductor"]
+    ["cudagraph_skips"]``, bumped where a mode="reduce-overhead" compile decides against a graph) and
+    collect the reasons it logs ("skipping cudagraphs due to ..."; logged for graphs with CUDA work,
+    only counted for CPU-only ones). The count is filled in when the block ends."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_utils
+
+    found = GraphSkips()
+    logger = getattr(cudagraph_utils, "cudagraphs_log", None)
+    handler = _Collect(found.reasons)
+    before = counters["inductor"]["cudagraph_skips"]
+    if logger is not None:
+        logger.addHandler(handler)
+    try:
+        yield found
+    finally:
+        if logger is not None:
+            logger.removeHandler(handler)
+        found.count = counters["inductor"]["cudagraph_skips"] - before
+
+
+@contextlib.contextmanager
+def sync_errors(enabled: bool = True) -> Iterator[None]:
+    """When ``enabled``, torch.cuda's sync debug mode "error" in the block: a host synchronisation
+    in it raises. The mode in force before comes back after, also when the block raises."""
+    if not enabled:
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
 
 
 def bucket_of(n: int, buckets: tuple[int, ...]) -> int:
@@ -75,7 +144,10 @@ def build_static_batch(items: list[tuple[Request, int]], block_size: int, rows: 
 class StaticDecoder:
     """Runs decode steps through :func:`build_static_batch`: ``mode`` "eager" calls the model on
     the static batch, "compile" compiles it once per (rows, blocks) bucket with
-    ``torch.compile(fullgraph=True, dynamic=False)`` and ``backend`` (a graph break raises)."""
+    ``torch.compile(fullgraph=True, dynamic=False)`` and ``backend`` (a graph break raises), "graph"
+    with inductor's CUDA graphs (a skipped graph is counted in ``graph_skips`` and raises
+    :class:`CudaGraphSkipped` while ``require_graphs``; ``sync_check`` puts each replay under
+    torch.cuda's sync debug mode "error")."""
 
     def __init__(self, model: torch.nn.Module, kv: PagedKVCache, max_model_len: int, mode: str = "compile",
                  backend: str | Callable = "inductor", buckets: tuple[int, ...] = BATCH_BUCKETS,
@@ -108,6 +180,13 @@ class StaticDecoder:
         self.steps = 0  # static steps run
         self.just_compiled = False  # the last step compiled its bucket (its time is not the step's)
         self.recompiles = 0  # times the compiled steps were dropped (resizes)
+        # Graph mode: replays (a bucket's calls after its first CAPTURE_CALLS) run under torch.cuda's
+        # sync debug mode "error", so a host synchronisation inside the captured step raises; the
+        # work around it (the batch, the sampler's read) is not checked.
+        self.sync_check = False
+        self.graph_skips = 0  # graph mode: CUDA graphs inductor skipped (steps run without one)
+        self.require_graphs = True  # graph mode: a skipped graph raises CudaGraphSkipped
+        self._calls: dict[tuple[int, int], int] = {}  # graph mode: calls per bucket since it compiled
 
     def step_fn(self, rows: int, width: int):
         """The step for one bucket (compiled on first use in compile mode). Each bucket compiles its
@@ -139,8 +218,10 @@ class StaticDecoder:
         self.steps += 1
         self.just_compiled = False
         start = time.perf_counter()
+        key = (rows, batch.block_tables.shape[1])
+        step = self.step_fn(*key)
         with torch.no_grad():  # not inference mode: AOTAutograd cannot trace views of inference tensors
-            logits = self.step_fn(rows, batch.block_tables.shape[1])(batch)
+            logits = self._run_step(key, step, batch) if self.mode == "graph" else step(batch)
         if self.after_step is not None:
             self.after_step()
         if self.on_step is not None and not self.just_compiled:  # a step that compiled says nothing of the split
@@ -148,6 +229,25 @@ class StaticDecoder:
                 torch.cuda.synchronize(logits.device)  # the step's own time, not its launch
             self.on_step(time.perf_counter() - start, len(items))
         return logits[: len(items)], [req for req, _ in items]
+
+    def _run_step(self, key: tuple[int, int], step, batch: StaticBatch) -> torch.Tensor:
+        """A graph-mode step: inductor's CUDA-graph skips counted (raised, with ``require_graphs``),
+        and a replay checked for host synchronisations when ``sync_check`` is on."""
+        calls = self._calls[key] = self._calls.get(key, 0) + 1
+        with watch_graph_skips() as skips, sync_errors(self.sync_check and calls > CAPTURE_CALLS):
+            logits = step(batch)
+        if skips.count:
+            self.graph_skips += skips.count
+            if self.require_graphs:
+                raise CudaGraphSkipped(f"--static-decode graph: inductor runs the {key[0]}x{key[1]} decode step "
+                                       f"without a CUDA graph ({skips.describe()}); use --static-decode compile, "
+                                       "or find what keeps the step off the graph")
+        return logits
+
+    def stats(self) -> dict[str, Any]:
+        """Mode, steps, compiled buckets, recompiles (resizes) and CUDA graphs skipped."""
+        return {"mode": self.mode, "steps": self.steps, "buckets": len(self._compiled), "recompiles": self.recompiles,
+                "graph_skips": self.graph_skips}
 
     def _mark_static(self) -> None:
         """Tell the compiler which tensors keep their address from step to step (the KV cache, the
@@ -171,6 +271,7 @@ class StaticDecoder:
         """Drop the compiled steps (after the expert cache's arena and tables were replaced by a
         resize): each bucket compiles, or is captured, again at its next step."""
         self._compiled.clear()
+        self._calls.clear()
         self.recompiles += 1
 
     @property

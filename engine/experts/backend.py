@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from hearth.engine.experts.compute import routed_experts_node
-from hearth.engine.experts.contract import CpuWorkers, ExpertDevice, FillPlan, StepContext
-from hearth.engine.experts.measure import _fit, _median_time, measure_host_path
+from hearth.engine.experts.contract import CpuWorkers, ExpertDevice, StepContext
+from hearth.engine.experts.measure import _fit, _median_time, link_fill, measure_host_path
 from hearth.engine.experts.mechanism.ring import ExternalCpuWorkers, RingCpuWorkers, TaskRing
 from hearth.engine.experts.mechanism.streamer import LayerStreamer
 from hearth.engine.experts.policy.cache import ExpertCacheTables
@@ -79,6 +79,8 @@ class HierarchicalExpertBackend:
         self.prefill_stats = None  # the streamers' counters, kept while a small cache turns streaming off
         # Off when fixed-shape steps feed the tuner whole steps (observe_step): one kind of timing per epoch.
         self.tune_layer_calls = True
+        # How B_P is measured (experts/measure.py LINK_PATHS): the path the decode steps fill by.
+        self.link_path = "copy"
         # On a GPU with CPU workers behind the task ring: slot 0's fields as device views, so the GPU
         # posts and collects the CPU share itself (kernels/device_ring.py); None elsewhere.
         self.device_ring = None
@@ -152,47 +154,60 @@ class HierarchicalExpertBackend:
 
     def forward_static(self, x: torch.Tensor, expert_ids: torch.Tensor, topk_weights: torch.Tensor,
                        layer: int) -> torch.Tensor:
-        """One MoE layer of a fixed-shape decode step: the control step, the fills (their count read
-        inside the copy op) and both shares as custom ops, with no host reads between them on the
-        CPU, so the step compiles whole (``engine/static_step.py``). On a GPU the CPU share's inputs
-        still come to the host here (a synchronisation) until the ring ops run on the device. The
-        same arithmetic as :meth:`forward`; the path timers are not fed, and the credit tuner gets
-        whole steps (:meth:`observe_step`)."""
+        """One MoE layer of a fixed-shape decode step: the control step, the CPU share posted, the
+        fills (their count read inside the copy op), the device share and the collect, all custom
+        ops, with no host reads between them on the CPU, so the step compiles whole
+        (``engine/static_step.py``). The CPU share goes out right after the control step (it needs
+        only the pairs' slots), so the workers compute it while the device fills and computes: a
+        layer costs max(fill + device, CPU), the overlap the q table's split assumes. The same
+        arithmetic as :meth:`forward`; the path timers are not fed, and the credit tuner gets whole
+        steps (:meth:`observe_step`)."""
         t, k = expert_ids.shape
-        tables, device, pool = self.tables, self.device, self.pool
+        tables, device = self.tables, self.device
         flat = expert_ids.reshape(-1).to(tables.device)
+        fills = None
         if tables.num_slots == 0 or tables.num_candidates == 0:
             pair_slot = tables.step(flat).pair_slot  # counted with tensor operations: no host read
         else:
             pair_slot, src, dst, count = torch.ops.hearth.cache_step(
                 flat, tables.slot_of, tables.expert_of, tables.last_used, tables.clock, tables.qtable, tables.stats,
                 tables.num_candidates)
-            gate_up_src, down_src, rows_of = device.fill_sources()  # on a GPU: the mapped pool, read in place
-            torch.ops.hearth.fill_slots(device.gate_up, device.down, gate_up_src, down_src, rows_of, src, dst, count)
+            fills = (src, dst, count)
         pair_slot = pair_slot.view(t, k)
-        blocks = pool.layer_blocks(layer)
-        ring = self.cpu_workers.ring if isinstance(self.cpu_workers, RingCpuWorkers) else None
-        if ring is not None and self.device_ring is not None:  # the GPU writes the task and waits for it itself
-            slot, rows_of = self.device_ring, device.fill_sources()[2]
-            cpu_rows = torch.where(pair_slot < 0, rows_of[expert_ids.to(rows_of.device)], -1)
-            x_host, weights_host = x, topk_weights
-        else:
-            host = pool.row_table.device  # the CPU share reads host copies (no-ops when the model runs on the CPU)
-            cpu_rows = torch.where(pair_slot.to(host) < 0, pool.row_table[expert_ids.to(host)], -1)
-            x_host, weights_host = x.to(host), topk_weights.to(host)
-        if ring is not None:  # CPU workers elsewhere: post the share now, they compute while the device does
-            if self.device_ring is None:
-                slot = ring.slots[0]  # one share in flight at a time: collected before the next layer posts
+        slot, x_host, cpu_rows, weights_host = self._cpu_share(x, expert_ids, pair_slot, topk_weights)
+        if slot is not None:  # CPU workers elsewhere: they compute from now on
             ticket = torch.ops.hearth.ring_post(slot["ctrl"], slot["x"], slot["rows"], slot["weights"], x_host,
                                                 cpu_rows, weights_host)
+        if fills is not None:
+            gate_up_src, down_src, rows_of = device.fill_sources()  # on a GPU: the mapped pool, read in place
+            torch.ops.hearth.fill_slots(device.gate_up, device.down, gate_up_src, down_src, rows_of, *fills)
+        blocks = self.pool.layer_blocks(layer)
         on_device = routed_experts_node(x.to(device.device), device.gate_up, device.down, pair_slot,
                                         topk_weights.to(device.device), self.act, blocks)
-        if ring is not None:
+        if slot is not None:
             on_cpu = torch.ops.hearth.ring_collect(ticket, slot["ctrl"], slot["out"], t, x.shape[1],
                                                    self.cpu_workers.timeout_s)
         else:
-            on_cpu = routed_experts_node(x_host, pool.gate_up, pool.down, cpu_rows, weights_host, self.act, blocks)
+            on_cpu = routed_experts_node(x_host, self.pool.gate_up, self.pool.down, cpu_rows, weights_host, self.act,
+                                         blocks)
         return (on_device.to(x.device) + on_cpu.to(x.device)).to(x.dtype)
+
+    def _cpu_share(self, x: torch.Tensor, expert_ids: torch.Tensor, pair_slot: torch.Tensor,
+                   topk_weights: torch.Tensor) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor, torch.Tensor,
+                                                        torch.Tensor]:
+        """(ring slot, x, pool rows [T, k] (-1: served from a slot), weights) of a static step's CPU
+        share. With the ring mapped for the GPU, the GPU writes the task and waits for it itself,
+        from its own tensors; otherwise the share reads host copies (no-ops when the model runs on
+        the CPU) and goes through the ring's slot 0 (one share in flight at a time: collected before
+        the next layer posts), or stays here without a ring (slot None)."""
+        if self.device_ring is not None:
+            rows_of = self.device.fill_sources()[2]
+            cpu_rows = torch.where(pair_slot < 0, rows_of[expert_ids.to(rows_of.device)], -1)
+            return self.device_ring, x, cpu_rows, topk_weights
+        host = self.pool.row_table.device
+        cpu_rows = torch.where(pair_slot.to(host) < 0, self.pool.row_table[expert_ids.to(host)], -1)
+        slot = self.cpu_workers.ring.slots[0] if isinstance(self.cpu_workers, RingCpuWorkers) else None
+        return slot, x.to(host), cpu_rows, topk_weights.to(host)
 
     def check_static_step(self) -> None:
         """After a fixed-shape step on a GPU: raise what its ring collects left behind (a worker
@@ -274,12 +289,10 @@ class HierarchicalExpertBackend:
             return None, b_h
         ids = list(resident)[: max(k, 2)]
 
-        def median_fill(n: int) -> float:
+        def median_fill(n: int) -> float:  # through the path the start-up measurement took
             src = torch.tensor(ids[:n], dtype=torch.long)
             dst = torch.tensor([resident[g] for g in ids[:n]], dtype=torch.long)
-            plan = FillPlan(torch.empty(0, dtype=torch.long), src.to(self.tables.device),
-                            dst.to(self.tables.device), torch.tensor(n))
-            return _median_time(lambda: (self.device.fill(plan), self.device.synchronize()), repeats)
+            return _median_time(link_fill(self.device, src, dst, self.link_path), repeats)
 
         if len(ids) == 1:
             return self.pool.expert_bytes / median_fill(1), b_h

@@ -75,12 +75,14 @@ def build_cpu_workers(cfg: ModelConfig, pool: ExpertPool, hc: ExpertConfig, max_
 
 def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: ExpertConfig, max_tokens: int,
                     pool_name: str | None = None, executor_device: torch.device | None = None,
-                    in_use: int = 0) -> HierarchicalExpertBackend | None:
+                    in_use: int = 0, link_path: str = "copy") -> HierarchicalExpertBackend | None:
     """The hierarchical backend, or None when there is no device (every expert runs from the pool).
     ``max_tokens`` is the most tokens one step computes; ``pool_name`` names the shared-memory pool
     when there is one (for worker processes); a CUDA cache goes on ``executor_device`` when that is
     a GPU (``--device cuda:N``), else on the current one; ``in_use``: the bytes the executor
-    already holds there (dense weights, KV cache), which ``--vram-limit`` counts."""
+    already holds there (dense weights, KV cache), which ``--vram-limit`` counts; ``link_path``: how
+    the decode steps fill slots, which B_P is measured through (``measure.LINK_PATHS``: "fill_op"
+    for captured steps)."""
     kind = resolve_device(hc.device)
     if kind == "none":
         return None
@@ -97,7 +99,7 @@ def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: ExpertConfig, max_to
     m_max = cfg.num_experts
     costs, tuner = None, None
     if hc.q_mode in ("table", "step"):
-        costs = measure_costs(pool, act, device, cfg.top_k, hc.bandwidths)
+        costs = measure_costs(pool, act, device, cfg.top_k, hc.bandwidths, link_path)
         qtable = build_qtable(costs, m_max)
         log.info("expert cache: %d slots; B_P %.1f GB/s, B_H %.1f GB/s; qtable %s", slots,
                  costs.link.bytes_per_s / 1e9, costs.host_bytes_per_s / 1e9, qtable.tolist())
@@ -107,6 +109,7 @@ def build_hierarchy(cfg: ModelConfig, pool: ExpertPool, hc: ExpertConfig, max_to
         qtable = forced_qtable(hc.q_mode, m_max)
     tables = ExpertCacheTables(pool.num_global_ids, slots, qtable, max_fills=m_max, device=device.device)
     backend = HierarchicalExpertBackend(pool, act, device, tables, workers, costs, tuner)
+    backend.link_path = link_path  # the idle probes (probe) measure the same path
     backend.stream_setup = partial(_attach_streamer, cfg=cfg, pool=pool, hc=hc, max_tokens=max_tokens)
     backend.stream_setup(backend, slots)
     return backend
@@ -137,8 +140,10 @@ def _attach_streamer(backend: HierarchicalExpertBackend, slots: int, *, cfg: Mod
     log.info("prefill streaming: %d buffer(s), steps of >= %d tokens", buffers, min_tokens)
 
 
-def measure_costs(pool: ExpertPool, act, device, k: int, bandwidths: tuple[float, float] | None) -> SplitCosts:
-    """Costs of both paths: given bandwidths, or a quick measurement of the real paths."""
+def measure_costs(pool: ExpertPool, act, device, k: int, bandwidths: tuple[float, float] | None,
+                  link_path: str = "copy") -> SplitCosts:
+    """Costs of both paths: given bandwidths, or a quick measurement of the real paths (the link
+    through ``link_path``: see :func:`build_hierarchy`)."""
     cpu_pair, device_pair = 0.0, 0.0  # only prefill streaming's threshold reads them
     if LayerStreamer.fits(pool, device.num_slots, buffers=1):
         cpu_pair, device_pair = measure_pair_costs(pool, act, device)  # scribbles on slot 0 (tables still empty)
@@ -149,7 +154,8 @@ def measure_costs(pool: ExpertPool, act, device, k: int, bandwidths: tuple[float
     if device.num_slots == 0:
         link = PathCost(max(device.link_bytes_per_s or host.bytes_per_s, 1.0))
     else:
-        link = measure_link_path(device, pool, k, repeats=15)  # scribbles on slots the (still empty) tables do not use
+        # Scribbles on slots the (still empty) tables do not use.
+        link = measure_link_path(device, pool, k, repeats=15, path=link_path)
     return SplitCosts(pool.expert_bytes, link, host.bytes_per_s, cpu_fixed_s=host.fixed_s, cpu_pair_s=cpu_pair,
                       device_pair_s=device_pair)
 

@@ -2,13 +2,16 @@
 
 B_H: the CPU expert kernel itself on the model's experts, cycling through the pool so the weights
 come from DRAM rather than the last-level cache (a plain memory-read loop over-reports it).
-B_P: batched fills of real slot sizes through the device's own copy path. Each path is fitted as
+B_P: batched fills of real slot sizes through the path the steps will fill by: the device's own
+copy path (DMA on its copy stream) for eager steps, the count-aware fill op (SM loads of the mapped
+pool, ``kernels/device_fill.py``) for captured ones, whose rate can differ. Each path is fitted as
 affine (fixed dispatch cost + bytes/bandwidth) from runs with 1 and with k experts.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -58,21 +61,39 @@ def measure_host_path(pool: ExpertPool, act, k: int, repeats: int = 5) -> PathCo
     return _fit(1, t1, k, tk, pool.expert_bytes)
 
 
-def measure_link_path(device, pool: ExpertPool, k: int, repeats: int = 5) -> PathCost:
-    """Affine cost of the device's batched fill path (rate limit included on the virtual device)."""
+# The paths a fill can take: the device's batched copy (device.fill, eager steps), or the fill op
+# that captured steps run (torch.ops.hearth.fill_slots on the device's fill_sources()).
+LINK_PATHS = ("copy", "fill_op")
+
+
+def link_fill(device, src: torch.Tensor, dst: torch.Tensor, path: str = "copy") -> Callable[[], None]:
+    """A function that copies global ids ``src`` into slots ``dst`` through ``path``
+    (:data:`LINK_PATHS`) and waits for it; the ids go to the device once, here, so that timing the
+    function times the fill. The fill op has no rate limit on the virtual device (captured steps
+    never run there)."""
+    if path not in LINK_PATHS:
+        raise ValueError(f"link path '{path}': one of {', '.join(LINK_PATHS)}")
+    src, dst = src.to(device.device), dst.to(device.device)
+    if path == "copy":
+        plan = FillPlan(torch.empty(0, dtype=torch.long), src, dst, torch.tensor(src.numel()))
+        return lambda: (device.fill(plan), device.synchronize())
+    import hearth.engine.graph_ops  # noqa: F401 - registers torch.ops.hearth.*
+
+    count = torch.tensor(src.numel(), device=device.device)  # read by the op where it copies, as in a step
+    gate_up_src, down_src, rows_of = device.fill_sources()
+    return lambda: (torch.ops.hearth.fill_slots(device.gate_up, device.down, gate_up_src, down_src, rows_of, src,
+                                                dst, count), device.synchronize())
+
+
+def measure_link_path(device, pool: ExpertPool, k: int, repeats: int = 5, path: str = "copy") -> PathCost:
+    """Affine cost of filling slots through ``path`` (:func:`link_fill`; the rate limit included
+    on the virtual device's copy path)."""
     k = max(min(k, device.num_slots, pool.gate_up.shape[0]), 1)
-    n_ids = pool.num_global_ids
     first_moe = pool.moe_layer_ids[0] * pool.num_experts
-
-    def run(n: int) -> None:
-        src = torch.arange(first_moe, first_moe + n) % n_ids
-        plan = FillPlan(torch.empty(0, dtype=torch.long), src.to(device.device), torch.arange(n).to(device.device),
-                        torch.tensor(n))
-        device.fill(plan)
-        device.synchronize()
-
-    run(k)
-    t1, tk = _median_time(lambda: run(1), repeats), _median_time(lambda: run(k), repeats)
+    fill = {n: link_fill(device, torch.arange(first_moe, first_moe + n) % pool.num_global_ids, torch.arange(n), path)
+            for n in {1, k}}
+    fill[k]()  # warm-up
+    t1, tk = _median_time(fill[1], repeats), _median_time(fill[k], repeats)
     if k == 1:
         return PathCost(pool.expert_bytes / max(t1, 1e-9))
     return _fit(1, t1, k, tk, pool.expert_bytes)
