@@ -232,12 +232,19 @@ def check_ring_kernels(rig: Rig) -> dict:
             exact &= torch.equal(out.cpu(), x.float().cpu() * 2)
         device_ring.raise_if_failed(ring.slots[0]["ctrl"])
         free = int(ring.slots[0]["ctrl"][0]) == FREE
+        # A share with no rows (every pair on the device): nothing posted, zeros back, no round trip.
+        start = time.perf_counter()
+        device_ring.post(slot["ctrl"], slot["x"], slot["rows"], slot["weights"], x, torch.full_like(rows, -1), weights)
+        device_ring.collect(slot["ctrl"], slot["out"], out, 10**8)
+        rig.synchronize()
+        empty_us = (time.perf_counter() - start) * 1e6
+        empty_ok = bool((out == 0).all()) and int(ring.slots[0]["ctrl"][0]) == FREE
     finally:
         release()
         worker.join(30)
         ring.close()
-    return {"ok": exact and free, "exact": exact, "slot_free_after": free,
-            "round_trip_us_median": sorted(times)[len(times) // 2] * 1e6}
+    return {"ok": exact and free and empty_ok, "exact": exact, "slot_free_after": free, "empty_share_ok": empty_ok,
+            "round_trip_us_median": sorted(times)[len(times) // 2] * 1e6, "empty_share_us": empty_us}
 
 
 def _device_slot(ring) -> dict[str, torch.Tensor]:
@@ -285,25 +292,29 @@ def exact_one(rig: Rig, path: Path, fraction: str, mode: str, ref, fp32: bool) -
             row["static_steps"] = static.steps
             row["graph_skips"] = getattr(static, "graph_skips", None)
             if mode == "graph":
-                row["sync_in_replay"] = replay_syncs(llm)
-                row["ok"] = row["ok"] and row["graph_skips"] == 0 and row["sync_in_replay"] is None
+                row["sync_in_replay"], row["replays_checked"] = replay_syncs(llm)
+                row["ok"] = row["ok"] and row["graph_skips"] == 0 and row["sync_in_replay"] is None \
+                    and row["replays_checked"] > 0
         return row
     finally:
         llm.close()
 
 
-def replay_syncs(llm) -> str | None:
-    """Decode a few tokens with the fixed-shape step's replay guarded against host syncs (the
-    decoder's ``sync_check``); the first sync's message, or None."""
+def replay_syncs(llm) -> tuple[str | None, int]:
+    """Decode one prompt with the fixed-shape step's replays guarded against host syncs (the
+    decoder's ``sync_check``: a bucket's calls after its warm-up and recording); the first sync's
+    message or None, and how many replays were checked."""
     static = llm.engine.runner.static
+    before = static.replays_checked
     static.sync_check = True
     try:
-        ex.run(llm, ex.PROMPTS[:1], 4)
-        return None
+        ex.run(llm, ex.PROMPTS[:1], 12)  # buckets of 1 row: each gets more calls than its capture takes
+        found = None
     except RuntimeError as exc:
-        return str(exc).splitlines()[0]
+        found = str(exc).splitlines()[0]
     finally:
         static.sync_check = False
+    return found, static.replays_checked - before
 
 
 # -- e. elastic VRAM -----------------------------------------------------------------------------

@@ -185,6 +185,7 @@ class StaticDecoder:
         # work around it (the batch, the sampler's read) is not checked.
         self.sync_check = False
         self.graph_skips = 0  # graph mode: CUDA graphs inductor skipped (steps run without one)
+        self.replays_checked = 0  # graph mode: replays that ran under the sync check and made no sync
         self.require_graphs = True  # graph mode: a skipped graph raises CudaGraphSkipped
         self._calls: dict[tuple[int, int], int] = {}  # graph mode: calls per bucket since it compiled
 
@@ -234,8 +235,10 @@ class StaticDecoder:
         """A graph-mode step: inductor's CUDA-graph skips counted (raised, with ``require_graphs``),
         and a replay checked for host synchronisations when ``sync_check`` is on."""
         calls = self._calls[key] = self._calls.get(key, 0) + 1
-        with watch_graph_skips() as skips, sync_errors(self.sync_check and calls > CAPTURE_CALLS):
+        checked = self.sync_check and calls > CAPTURE_CALLS
+        with watch_graph_skips() as skips, sync_errors(checked):
             logits = step(batch)
+        self.replays_checked += checked
         if skips.count:
             self.graph_skips += skips.count
             if self.require_graphs:

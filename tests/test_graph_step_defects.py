@@ -179,6 +179,7 @@ def test_sync_check_covers_only_the_replays(checkpoint, monkeypatch) -> None:
     llm.generate([[5, 6, 7]], greedy(8))  # one prefill step, then 7 static steps in one bucket
     checked = ["batch", "sync error", "step", "sync 1", "sample"]
     assert events == ["sample"] + ["batch", "step", "sample"] * CAPTURE_CALLS + checked * (7 - CAPTURE_CALLS)
+    assert static.replays_checked == 7 - CAPTURE_CALLS
     events.clear()
 
     def failing(batch):
