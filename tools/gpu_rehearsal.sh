@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:-$(mktemp -d /tmp/hearth-rehearsal.XXXXXX)}"
-VENV=.venv-gpu
+VENV="$PWD/.venv-gpu"
 LIMIT_MIB=64
 BUDGET_S="${HEARTH_REHEARSAL_BUDGET_S:-600}"
 
@@ -27,7 +27,7 @@ if [ ! -f "$VENV/.image" ] || ! cmp -s tools/gpu_image.txt "$VENV/.image"; then
 fi
 "$VENV/bin/python" -c "import torch, transformers, triton; print('rehearsal env: torch', torch.__version__,
   'transformers', transformers.__version__, 'triton', triton.__version__)"
-if "$VENV/bin/python" -c "import hearth" 2>/dev/null; then
+if (cd / && "$VENV/bin/python" -c "import hearth" 2>/dev/null); then  # from /: not the checkout's own folder
   echo "rehearsal: hearth must not be installed in $VENV (the GPU machine has no install)" >&2
   exit 1
 fi
