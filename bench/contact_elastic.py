@@ -16,7 +16,6 @@ import torch
 
 from bench import gpu_executor as ex
 
-RESERVE = 256 << 20  # bytes the policy leaves free for others
 TAKE_AT, FREE_AT, TOKENS = 4, 10, 24
 
 
@@ -96,17 +95,21 @@ def check_elastic(rig: ex.Rig, root: Path) -> dict:
     size = {} if rig.dry else {"hidden_size": 1024, "moe_intermediate_size": 1024, "num_hidden_layers": 4}
     make_checkpoint(path, "qwen3_moe", "per_expert", "float32", num_experts=16, num_experts_per_tok=4, **size)
     ref = ex.run(LLM(path, device="cpu", expert_device="none", max_model_len=128), ex.PROMPTS, TOKENS)
-    llm = rig.llm(path, "off", expert_cache="1.0", max_model_len=128, vram_reserve=RESERVE)
-    neighbour = Neighbour(rig.dry, start_free=RESERVE + (1 << 30))
+    llm = rig.llm(path, "off", expert_cache="1.0", max_model_len=128)
+    engine, experts = llm.engine, llm.engine.experts
+    slot = experts.pool.expert_bytes
+    ceiling = experts.tables.num_slots * slot
+    # The policy leaves the cache's own size free for others: taking all but half of that leaves the
+    # cache half of its size, and the neighbour never asks for more than is free.
+    reserve = ceiling
+    neighbour = None
     try:
-        engine, experts = llm.engine, llm.engine.experts
-        slot = experts.pool.expert_bytes
-        ceiling = experts.tables.num_slots * slot
+        neighbour = Neighbour(rig.dry, start_free=reserve + (1 << 30))
         read = neighbour.reader()
         watcher = VramWatcher(read, lambda: experts.tables.num_slots * slot,
                               lambda n: engine.resize_expert_cache(f"{n}b"),
-                              VramPolicy(RESERVE, ceiling, slot, grow_step=max(ceiling // 16, 1)), interval_s=3600)
-        taken = max(read() - RESERVE + ceiling // 2, 0)
+                              VramPolicy(reserve, ceiling, slot, grow_step=max(ceiling // 16, 1)), interval_s=3600)
+        taken = max(read() - reserve + ceiling // 2, 0)
         sizes: list[int] = [experts.tables.num_slots]
 
         def take() -> None:
@@ -121,7 +124,8 @@ def check_elastic(rig: ex.Rig, root: Path) -> dict:
 
         tokens, logits = decode_with_events(llm, {TAKE_AT: take, FREE_AT: give_back})
     finally:
-        neighbour.close()
+        if neighbour is not None:
+            neighbour.close()
         llm.close()
     row = ex.compare(tokens, logits, ref, True)
     shrank, grew = sizes[1] < sizes[0], sizes[2] == sizes[0]
