@@ -109,16 +109,18 @@ def check_elastic(rig: ex.Rig, root: Path) -> dict:
         watcher = VramWatcher(read, lambda: experts.tables.num_slots * slot,
                               lambda n: engine.resize_expert_cache(f"{n}b"),
                               VramPolicy(reserve, ceiling, slot, grow_step=max(ceiling // 16, 1)), interval_s=3600)
-        taken = max(read() - reserve + ceiling // 2, 0)
+        taken = [0]
         sizes: list[int] = [experts.tables.num_slots]
 
         def take() -> None:
-            neighbour.take(taken)
+            # Read now, between steps: what the engine's first steps allocated (workspaces, kernels) counts.
+            taken[0] = max(read() - reserve + ceiling // 2, 0)
+            neighbour.take(taken[0])
             watcher.check()
             sizes.append(experts.tables.num_slots)
 
         def give_back() -> None:
-            neighbour.give_back(taken)
+            neighbour.give_back(taken[0])
             watcher.check()
             sizes.append(experts.tables.num_slots)
 
@@ -129,7 +131,7 @@ def check_elastic(rig: ex.Rig, root: Path) -> dict:
         llm.close()
     row = ex.compare(tokens, logits, ref, True)
     shrank, grew = sizes[1] < sizes[0], sizes[2] == sizes[0]
-    return row | {"slots": sizes, "taken_bytes": taken, "shrank": shrank, "grew_back": grew,
+    return row | {"slots": sizes, "taken_bytes": taken[0], "shrank": shrank, "grew_back": grew,
                   "ok": row["ok"] and shrank and grew}
 
 

@@ -7,7 +7,8 @@
 #
 # OUT_DIR: where contact.jsonl (a JSON line per check), contact.log, contact.json (the rows and the
 # targets) and setup.json go; else $HEARTH_CONTACT_OUT, else $OUT, else bench/out/contact.
-# Environment: PYTHON (default python3), HEARTH_CONTACT_BUDGET_S (the rows' budget, default 430),
+# Environment: PYTHON (default python3), HEARTH_CONTACT_DEADLINE_S (set-up and rows together, default 560 s; the rows get what
+# set-up left), HEARTH_CONTACT_BUDGET_S (the rows' budget, instead),
 # HEARTH_CONTACT_DRY_RUN=1 (every row on the CPU: the rehearsal CI runs), HEARTH_CONTACT_ROWS (a
 # space-separated subset of the rows).
 #
@@ -49,6 +50,9 @@ mkdir -p "$WORK/src/hearth"
 for f in hearth/*.py; do ln -s "$REPO/$f" "$WORK/src/hearth/"; done
 for room in engine serving cli cluster proto; do ln -s "$REPO/$room" "$WORK/src/hearth/$room"; done
 export PYTHONPATH="$WORK/src:$WORK/site:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# Nothing before PYTHONPATH on the path: a script's folder or the working directory (`python -m`,
+# the CPU worker processes) would put the checkout's own hearth/ folder first.
+export PYTHONSAFEPATH=1
 # (From the scratch folder: `python -c` puts the working directory first on the path, and the
 # repository's own hearth/ folder holds only the package's top.)
 if ! (cd "$WORK" && "$PY" -c "import hearth.engine") >>"$OUT_DIR/contact.log" 2>&1; then
@@ -66,7 +70,9 @@ json.dump({"wheels": wheels, "kernels": json.loads(kernels), "setup_seconds": in
 EOF
 
 # 4. The rows.
-args=(--out "$OUT_DIR" --budget-s "${HEARTH_CONTACT_BUDGET_S:-430}")
+# The rows get what is left of the deadline (default 560 s, inside a 10-minute call) after set-up.
+budget="${HEARTH_CONTACT_BUDGET_S:-$(( ${HEARTH_CONTACT_DEADLINE_S:-560} - ($(date +%s) - START) ))}"
+args=(--out "$OUT_DIR" --budget-s "$budget")
 [ "${HEARTH_CONTACT_DRY_RUN:-0}" = 1 ] && args+=(--cpu-dry-run)
 # shellcheck disable=SC2206 - the subset is a space-separated list of names
 [ -n "${HEARTH_CONTACT_ROWS:-}" ] && args+=(--rows ${HEARTH_CONTACT_ROWS})

@@ -153,7 +153,12 @@ class CudaDevice:
         self.gate_up = torch.empty((num_slots, *pool.gate_up.shape[1:]), dtype=pool.gate_up.dtype, device=self.device)
         self.down = torch.empty((num_slots, *pool.down.shape[1:]), dtype=pool.down.dtype, device=self.device)
         self.copy_stream = torch.cuda.Stream(self.device)
-        self._registered = pin_host_memory((pool.gate_up, pool.down))
+        try:
+            self._registered = pin_host_memory((pool.gate_up, pool.down))
+        except RuntimeError as exc:  # e.g. a sandbox that refuses pinning: slower, but the cache still works
+            log.warning("the expert pool cannot be pinned for the GPU (%s): fills copy from pageable memory and "
+                        "read their count on the host (no --static-decode graph)", exc)
+            self._registered = []
         # Built here, never inside a compiled step (the mapping goes through the CUDA runtime).
         self._sources = self._mapped_sources()
 

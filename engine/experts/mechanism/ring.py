@@ -235,7 +235,9 @@ class ProcessCpuWorkers(RingCpuWorkers):
                "--parent-pid", str(os.getpid())]
         if cores:
             cmd += ["--cores", ",".join(map(str, cores))]
-        self.process = subprocess.Popen(cmd)
+        # PYTHONSAFEPATH: `-m` would put the working directory first on the path, where a source
+        # checkout's own hearth/ folder (the package's top alone) can hide the real one.
+        self.process = subprocess.Popen(cmd, env=dict(os.environ, PYTHONSAFEPATH="1"))
         deadline = time.monotonic() + start_timeout_s
         while int(ring.words[1]) == 0:  # the worker writes its pid once it is ready
             if self.process.poll() is not None or time.monotonic() > deadline:
