@@ -83,12 +83,11 @@ def shape_engine(rig: ex.Rig, model, longest_prompt: int):
     computes its prompt)."""
     from hearth.engine import LLM
 
-    options = {"cpu_experts": "process"} if rig.fast_mode == "graph" else {}
     return LLM(model.path, device=rig.device, expert_device=rig.expert_device, static_decode=rig.fast_mode,
                expert_cache="1.0", max_model_len=longest_prompt + 64, max_num_seqs=max(BATCHES),
                prefill_chunk=128 if rig.dry else 4096, prefix_caching=False,
                # Prefill chunks stream whole layers (what the PCIe bound models); decode steps never do.
-               stream_min_tokens=64 if rig.dry else 512, **model.engine_options(), **options)
+               stream_min_tokens=64 if rig.dry else 512, cpu_experts="process", **model.engine_options())
 
 
 def resize(llm, cache: str) -> dict:

@@ -46,11 +46,11 @@ class Rig:
         return "eager" if self.dry else "graph"
 
     def llm(self, path: Path, mode: str = "off", **options):
-        """An engine on this rig; ``mode`` graph puts the CPU experts behind the task ring (a worker
-        process on a shared pool), which the GPU feeds itself."""
+        """An engine on this rig; the fixed-shape mode (graph, or eager on the dry run) puts the CPU
+        experts behind the task ring (a worker process on a shared pool), which the GPU feeds itself."""
         from hearth.engine import LLM
 
-        if mode == "graph":
+        if mode == self.fast_mode:  # the dry run's eager steps too: the worker process starts as on a GPU
             options |= {"cpu_experts": "process", "host_pool_name": f"gpucheck-{uuid.uuid4().hex[:8]}"}
         return LLM(path, device=self.device, expert_device=self.expert_device, static_decode=mode, **options)
 
