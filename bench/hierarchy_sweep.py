@@ -7,8 +7,8 @@ import statistics
 
 from bench.common import emit, synthetic_prompt
 from hearth.engine import LLM, SamplingParams
+from hearth.engine.checkpoint.loader import load_config
 from hearth.engine.experts.measure import measure_host_path
-from hearth.engine.loader import load_config
 from hearth.engine.ops import activation
 
 _COUNTERS = ("hits", "misses", "fills", "cpu", "cpu_bytes", "cpu_seconds", "fill_seconds", "fill_bytes")

@@ -70,7 +70,7 @@ def attention_table(contexts: list[int], runs: int, chunk: int = 512) -> list[di
 
 def demo_with_context(out: Path, context: int) -> Path:
     """A copy of the bundled demo checkpoint whose config allows ``context`` positions."""
-    from hearth.engine.demo import demo_model_dir
+    from hearth.engine.checkpoint.demo import demo_model_dir
 
     shutil.copytree(demo_model_dir(), out, dirs_exist_ok=True)
     config = json.loads((out / "config.json").read_text())

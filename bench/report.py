@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--random-1b", type=Path, default=Path("/tmp/qwen3-1b"),
                    help="where the ~1B random model is (built there if absent)")
     args = p.parse_args(argv)
-    from hearth.engine.demo import demo_model_dir
+    from hearth.engine.checkpoint.demo import demo_model_dir
 
     demo = args.model or demo_model_dir()
     started = time.time()

@@ -5,7 +5,7 @@ code (``load_checkpoint`` -> ``load_ftw``, the shared-memory host pool), at Qwen
 default (48 layers, hidden 2048, 128 experts top-8, bf16: ~3.1 GB dense, ~54 GiB experts). Building
 it with transformers (fp32 init, ``save_pretrained``) and converting would take far longer; here:
 
-* **An FTW directory** (engine/ftw.py) at ``root``: ``config.json`` (the checkpoint's, as
+* **An FTW directory** (engine/checkpoint/ftw.py) at ``root``: ``config.json`` (the checkpoint's, as
   ``hearth convert`` copies it), ``ftw.json`` and two shards. FTW, not safetensors, because only an
   FTW checkpoint can take its experts from an already filled shared pool (``load_checkpoint``
   refuses ``filled_pool`` for anything else). No tokenizer: the engine loads without one
@@ -77,11 +77,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from hearth.engine.checkpoint.ftw import ALIGN, EXTENT, FORMAT, INDEX, VERSION
+from hearth.engine.checkpoint.loader import load_config
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.mechanism.host_pool import HostExpertPool, cleanup, list_pools
 from hearth.engine.experts.pool import ExpertPool
-from hearth.engine.ftw import ALIGN, EXTENT, FORMAT, INDEX, VERSION
-from hearth.engine.loader import load_config
 from hearth.engine.models import build_model
 
 # Qwen3-30B-A3B's config.json (Hugging Face), immutable; ``shape`` arguments override its keys.

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import emit  # noqa: E402
 from hearth.engine import LLM, SamplingParams  # noqa: E402
-from hearth.engine.demo import demo_model_dir  # noqa: E402
+from hearth.engine.checkpoint.demo import demo_model_dir  # noqa: E402
 from hearth.serving.constraints import GrammarBuilder  # noqa: E402
 
 SCHEMA = {"type": "object", "required": ["name", "tags", "size"], "additionalProperties": False, "properties": {

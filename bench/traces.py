@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "record":
         if args.model is None:
-            from hearth.engine.demo import demo_model_dir
+            from hearth.engine.checkpoint.demo import demo_model_dir
 
             args.model = demo_model_dir()
         for path in record_standard(args.model, args.out):

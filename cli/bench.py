@@ -141,7 +141,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rows += run_backend("server", name, runner, args)
     else:
         if args.model is None:
-            from hearth.engine.demo import demo_model_dir
+            from hearth.engine.checkpoint.demo import demo_model_dir
 
             args.model = str(demo_model_dir())
         model = Path(args.model).name
@@ -167,8 +167,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def kv_note(model: str, dtype: str) -> str:
     """The model's KV cache bytes per token (and, for latent attention, what expanded K/V would take)."""
-    from hearth.engine.inspect import human_bytes, summarize
-    from hearth.engine.loader import load_config
+    from hearth.engine.checkpoint.inspect import human_bytes, summarize
+    from hearth.engine.checkpoint.loader import load_config
 
     s = summarize(load_config(model, None if dtype == "auto" else dtype)[1])
     note = f"KV cache per token: {human_bytes(s.kv_bytes_per_token)}"

@@ -98,7 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         frequency_penalty=args.frequency_penalty, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
     )
     if args.model is None:
-        from hearth.engine.demo import demo_model_dir
+        from hearth.engine.checkpoint.demo import demo_model_dir
 
         args.model = str(demo_model_dir())
     llm = LLM(args.model, show_progress=True, config=config)
@@ -148,8 +148,8 @@ def _print_speed(out, start: float) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from hearth.engine.inspect import human_bytes, human_count, stored_summary, summarize
-    from hearth.engine.loader import load_config
+    from hearth.engine.checkpoint.inspect import human_bytes, human_count, stored_summary, summarize
+    from hearth.engine.checkpoint.loader import load_config
 
     _, cfg = load_config(args.model)
     s = summarize(cfg)
@@ -197,7 +197,7 @@ def _blocks_note(in_blocks: list[str], dtype: str) -> str:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from hearth.engine.ftw import convert, read_index
+    from hearth.engine.checkpoint.ftw import convert, read_index
 
     start = time.perf_counter()
     if args.quant is not None:
@@ -215,7 +215,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _convert_gguf(args: argparse.Namespace, start: float) -> int:
-    from hearth.engine.gguf_writer import ConvertError, write_gguf
+    from hearth.engine.checkpoint.gguf_writer import ConvertError, write_gguf
 
     dst = Path(args.dst)
     if dst.suffix != ".gguf":

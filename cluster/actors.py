@@ -101,7 +101,7 @@ def _wait_for_pool(spec: ReplicaSpec, timeout_s: float = 1800.0) -> dict[str, An
 def ftw_path(model_path: str, cache: Path) -> Path:
     """The FTW directory for ``model_path``: itself when it is FTW, else a converted copy in the
     cache (made once per node; re-attaching an executor to a filled pool needs FTW)."""
-    from hearth.engine.ftw import is_ftw
+    from hearth.engine.checkpoint.ftw import is_ftw
 
     if is_ftw(model_path):
         return Path(model_path)
@@ -117,7 +117,7 @@ class HostPoolActor:
 
     def __init__(self, spec: ReplicaSpec) -> None:
         from hearth.config import cache_dir
-        from hearth.engine.ftw import convert, is_ftw
+        from hearth.engine.checkpoint.ftw import convert, is_ftw
 
         self.spec = spec
         self.loads = 0
@@ -137,8 +137,8 @@ class HostPoolActor:
         self._load()
 
     def _load(self) -> None:
+        from hearth.engine.checkpoint.ftw import load_checkpoint
         from hearth.engine.experts.mechanism.host_pool import HostExpertPool, cleanup, list_pools
-        from hearth.engine.ftw import load_checkpoint
 
         if cleanup(self.spec.pool_name):  # left by this actor's previous life (killed): read it again
             log.warning("removed the stale expert pool '%s'; reading it again from %s", self.spec.pool_name, self.path)

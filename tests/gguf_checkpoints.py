@@ -1,5 +1,5 @@
 """GGUF test files: tiny Hugging Face checkpoints written by hearth's own GGUF writer (the layout of
-llama.cpp's converter; see :mod:`hearth.engine.gguf_writer`), and the check against transformers
+llama.cpp's converter; see :mod:`hearth.engine.checkpoint.gguf_writer`), and the check against transformers
 loading the same file (which decodes it with the ``gguf`` package, independently of hearth)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hearth.engine import LLM, SamplingParams
-from hearth.engine.gguf_writer import write_gguf
+from hearth.engine.checkpoint.gguf_writer import write_gguf
 
 __all__ = ["assert_matches_transformers", "reference", "write_gguf"]
 PROMPTS = [[5, 17, 42, 99, 3], [200, 7, 7, 31], list(range(40, 61))]
@@ -20,8 +20,8 @@ def reference(path: Path):
     """transformers on the GGUF file itself, with the widths its GGUF mapping leaves out."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hearth.engine.gguf_file import GGUFFile
-    from hearth.engine.gguf_loader import gguf_hf_config
+    from hearth.engine.checkpoint.gguf_file import GGUFFile
+    from hearth.engine.checkpoint.gguf_loader import gguf_hf_config
 
     f = GGUFFile(path)
     config = gguf_hf_config(f)

@@ -43,7 +43,7 @@ def agents(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """hearth serving the demo's weights with a 32k context, as the model ``tiny``."""
-    from hearth.engine.demo import demo_model_dir
+    from hearth.engine.checkpoint.demo import demo_model_dir
 
     model = tmp_path_factory.mktemp("demo-32k") / "m"
     shutil.copytree(demo_model_dir(), model)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hearth.engine import LLM, SamplingParams
-from hearth.engine.demo import DEMO_NAME, demo_model_dir
+from hearth.engine.checkpoint.demo import DEMO_NAME, demo_model_dir
 from tests.checkpoints import record_logits
 from tests.helpers import hf_greedy, max_rel_error, reference
 

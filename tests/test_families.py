@@ -82,7 +82,7 @@ def test_prefix_reuse_matches_transformers(solo, family) -> None:
 def test_latent_attention_caches_the_latent_and_rotary_key(checkpoint) -> None:
     """DeepSeek-V3's paged cache holds per token the compressed latent and the rotary key, not
     expanded keys and values, and `hearth inspect` reports those bytes."""
-    from hearth.engine.inspect import summarize
+    from hearth.engine.checkpoint.inspect import summarize
 
     path, _ = checkpoint("deepseek_v3", **OVERRIDES)
     llm = LLM(path)
@@ -142,7 +142,7 @@ def test_deepseek_v4_prefix_reuse_restores_a_half_filled_window(solo) -> None:
 def test_deepseek_v4_cache_holds_window_and_compressor_columns(checkpoint) -> None:
     """Each layer's pages hold the shared K=V per token, and on compressed layers the compressor's
     (and indexer's) projections and entries; `hearth inspect` reports those bytes."""
-    from hearth.engine.inspect import summarize
+    from hearth.engine.checkpoint.inspect import summarize
 
     path, _ = checkpoint("deepseek_v4", **OVERRIDES)
     llm = LLM(path)

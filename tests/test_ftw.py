@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hearth.engine import LLM
-from hearth.engine.ftw import convert, load_checkpoint, load_ftw, read_index
-from hearth.engine.loader import CheckpointError, load_model
+from hearth.engine.checkpoint.ftw import convert, load_checkpoint, load_ftw, read_index
+from hearth.engine.checkpoint.loader import CheckpointError, load_model
 from tests.helpers import PROMPTS, greedy, record_logits
 
 
@@ -117,7 +117,7 @@ def test_pipeline_stages_read_their_rows_of_an_ftw_directory(checkpoint, tmp_pat
     src, _ = checkpoint("qwen3_moe")
     row = load_model(src).pool.gate_up[0].nbytes
     if source != "hf":
-        from hearth.engine.gguf_writer import write_gguf
+        from hearth.engine.checkpoint.gguf_writer import write_gguf
 
         src = write_gguf(src, tmp_path / "m.gguf", source)
     convert(src, tmp_path / "ftw", shard_bytes=3 * row)

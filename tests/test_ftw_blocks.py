@@ -17,10 +17,10 @@ pytest.importorskip("gguf")
 
 from hearth.cli.main import main  # noqa: E402
 from hearth.engine import LLM  # noqa: E402
-from hearth.engine.ftw import VERSION, convert, load_checkpoint, load_ftw, read_index  # noqa: E402
-from hearth.engine.gguf_writer import write_gguf  # noqa: E402
+from hearth.engine.checkpoint.ftw import VERSION, convert, load_checkpoint, load_ftw, read_index  # noqa: E402
+from hearth.engine.checkpoint.gguf_writer import write_gguf  # noqa: E402
+from hearth.engine.checkpoint.loader import CheckpointError  # noqa: E402
 from hearth.engine.kernels import cpu_decode_ops  # noqa: E402
-from hearth.engine.loader import CheckpointError  # noqa: E402
 from tests.helpers import PROMPTS, greedy, record_logits  # noqa: E402
 
 SHAPE = dict(hidden_size=256, moe_intermediate_size=512, intermediate_size=256, num_attention_heads=4,
@@ -261,7 +261,7 @@ def test_a_restarted_executor_reattaches_to_a_filled_float_pool(gguf_ftw) -> Non
 
 def test_scattered_reads_span_many_segments(tmp_path) -> None:
     """More segments than one preadv call takes (IOV_MAX), and extents cut across them."""
-    from hearth.engine.ftw import _bytes_of, _cut, _pread_into
+    from hearth.engine.checkpoint.ftw import _bytes_of, _cut, _pread_into
 
     data = torch.randint(0, 256, (3000 * 7,), dtype=torch.uint8)
     (tmp_path / "f").write_bytes(data.numpy().tobytes())

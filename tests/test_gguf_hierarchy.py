@@ -20,7 +20,7 @@ SHAPE = dict(hidden_size=256, moe_intermediate_size=512, intermediate_size=256, 
 
 @pytest.fixture(scope="module")
 def q4_k_m(tmp_path_factory):
-    from hearth.engine.gguf_writer import write_gguf
+    from hearth.engine.checkpoint.gguf_writer import write_gguf
     from tests.checkpoints import make_checkpoint
 
     root = tmp_path_factory.mktemp("gguf-hier")

@@ -58,7 +58,7 @@ def test_experts_follow_the_mode(tmp_path):
 
 
 def test_q4_k_m_model_within_the_stated_tolerance(tmp_path, checkpoint):
-    from hearth.engine.gguf_writer import write_gguf
+    from hearth.engine.checkpoint.gguf_writer import write_gguf
 
     path, _ = checkpoint("qwen3_moe", hidden_size=256, moe_intermediate_size=256, intermediate_size=512,
                          head_dim=64, num_attention_heads=4, num_key_value_heads=2)

@@ -104,7 +104,7 @@ def test_hierarchy_keeps_its_feed_forward(checkpoint, monkeypatch):
 def test_block_weights(tmp_path, checkpoint, monkeypatch):
     """A Q4_K_M GGUF file (experts in Q4_K / Q6_K, q/k/v unfused where v is Q6_K) through the
     block-format kernels of the native layer."""
-    from hearth.engine.gguf_writer import write_gguf
+    from hearth.engine.checkpoint.gguf_writer import write_gguf
 
     path, _ = checkpoint("qwen3_moe", hidden_size=256, moe_intermediate_size=256, intermediate_size=512,
                          head_dim=64, num_attention_heads=4, num_key_value_heads=2)

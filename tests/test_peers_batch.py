@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("gguf")
 
 from bench.peers_batch import batch  # noqa: E402
-from hearth.engine.gguf_writer import write_gguf  # noqa: E402
+from hearth.engine.checkpoint.gguf_writer import write_gguf  # noqa: E402
 
 SHAPE = dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64)

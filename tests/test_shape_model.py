@@ -20,8 +20,8 @@ from bench.shape_model import (
     remove_stale_pools,
 )
 from hearth.engine import LLM, SamplingParams
+from hearth.engine.checkpoint.ftw import read_index
 from hearth.engine.experts.mechanism.host_pool import HostExpertPool
-from hearth.engine.ftw import read_index
 
 TINY = {"num_hidden_layers": 3, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 32, "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 64,

@@ -233,7 +233,7 @@ def test_a_quantized_checkpoint_is_planned_at_its_stored_size(checkpoint, tmp_pa
     """A GGUF file runs with its weights in their blocks: the planner counts its layers at about the
     file's size, not at float32's."""
     from hearth.cluster.deploy import layer_sizes, model_spec
-    from hearth.engine.gguf_writer import write_gguf
+    from hearth.engine.checkpoint.gguf_writer import write_gguf
 
     src, _ = checkpoint("qwen3_moe")
     gguf = write_gguf(src, tmp_path / "m.gguf", "q8_0")

@@ -7,7 +7,7 @@ import json
 import jsonschema
 import pytest
 
-from hearth.engine.demo import demo_model_dir
+from hearth.engine.checkpoint.demo import demo_model_dir
 from hearth.engine.llm import LLM
 from hearth.engine.structured import GrammarError, json_schema_grammar
 from hearth.proto.contracts import SamplingParams

@@ -31,10 +31,11 @@ import torch
 from tqdm import tqdm
 
 from hearth.engine import hugepages
+from hearth.engine.checkpoint.errors import CheckpointError
+from hearth.engine.checkpoint.loader import LoadedModel, load_config, load_model, stage_config, stage_owns
 from hearth.engine.config import ConfigError, parse_dtype
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
-from hearth.engine.loader import CheckpointError, LoadedModel, load_config, load_model, stage_config, stage_owns
 from hearth.engine.models import MoECausalLM, build_model
 from hearth.engine.quant.formats import BlockFormat, block_format, dequantize
 
@@ -204,8 +205,8 @@ def _side_files(src: Path, dst: Path) -> dict:
     a GGUF file's come from its metadata: config.json from transformers' reading of it (completed as
     the GGUF loader completes it), the tokenizer and chat template saved by transformers."""
     if src.is_file():
-        from hearth.engine.gguf_file import GGUFFile
-        from hearth.engine.gguf_loader import gguf_hf_config
+        from hearth.engine.checkpoint.gguf_file import GGUFFile
+        from hearth.engine.checkpoint.gguf_loader import gguf_hf_config
         from hearth.engine.tokenizer import load_tokenizer
 
         config = json.loads(gguf_hf_config(GGUFFile(src)).to_json_string(use_diff=False))
@@ -225,7 +226,7 @@ def convert(src: str | Path, dst: str | Path, dtype: str | None = None, shard_by
     """Convert a Hugging Face checkpoint directory or a GGUF file into an FTW directory. Quantized
     weights (a GGUF file's, an FP8 or MXFP4 checkpoint's) are stored in their blocks, as they run in
     float32 (the default for them); with another ``dtype`` they are decoded to it."""
-    from hearth.engine.gguf_loader import is_gguf, load_gguf
+    from hearth.engine.checkpoint.gguf_loader import is_gguf, load_gguf
 
     if Path(dst).resolve() == Path(src).resolve():
         raise ConfigError("the FTW output directory must differ from the source checkpoint")
@@ -339,7 +340,7 @@ def _adopt_block_tensors(index: dict, model: MoECausalLM, wanted: dict[str, torc
     """Check every tensor stored in blocks against its float parameter; with ``keep`` put a uint8
     block weight in its place (and let fused layers fuse them), to be read into. Returns the
     formats by tensor name."""
-    from hearth.engine.gguf_loader import adopt_blocks, replace_parameter
+    from hearth.engine.checkpoint.gguf_loader import adopt_blocks, replace_parameter
     from hearth.engine.ops import block_weight
 
     formats = {}
@@ -530,7 +531,7 @@ def load_ftw(path: str | Path, dtype: str | torch.dtype | None = None, pool_fact
     Weights stored in blocks stay in them (as a GGUF file's or a quantized checkpoint's would) where
     the native kernels run and ``keep_blocks``; the experts only in a pool of the loader's own (a
     ``pool_factory``'s or a filled pool holds floats). Elsewhere they are decoded as they land."""
-    from hearth.engine.gguf_loader import blocks_can_stay
+    from hearth.engine.checkpoint.gguf_loader import blocks_can_stay
 
     path = Path(path)
     index = read_index(path)
@@ -605,7 +606,7 @@ def load_checkpoint(path: str | Path, dtype: str | torch.dtype | None = None, po
     same layout). ``keep_blocks``: quantized weights (a GGUF file's, an FP8 / MXFP4 checkpoint's, or
     an FTW directory's stored in blocks) may stay in their blocks (not when CPU worker processes,
     which compute float experts, share the pool)."""
-    from hearth.engine.gguf_loader import is_gguf, load_gguf
+    from hearth.engine.checkpoint.gguf_loader import is_gguf, load_gguf
 
     if is_gguf(path):
         if filled_pool is not None:

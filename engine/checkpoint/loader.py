@@ -6,7 +6,7 @@ Accepts sharded or single-file safetensors, the per-expert expert layout
 mis-shaped tensor is an error naming it, never a silent partial load.
 
 Checkpoints quantized as shipped (FP8 block-scaled, MXFP4 experts) are read by
-:mod:`hearth.engine.hf_quant`, their quantized tensors kept in blocks.
+:mod:`hearth.engine.checkpoint.hf_quant`, their quantized tensors kept in blocks.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from hearth.engine.checkpoint.errors import CheckpointError
+from hearth.engine.checkpoint.hf_quant import QuantLoader, expert_blocks, quant_spec
+from hearth.engine.checkpoint.names import FUSED, PER_EXPERT
 from hearth.engine.config import ConfigError, ModelConfig, parse_dtype, read_config_json
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertPool
@@ -30,18 +33,12 @@ from hearth.engine.ops import deinterleave
 
 log = logging.getLogger(__name__)
 
-_PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 # Tensors no family computes with: rotary caches, multi-token-prediction heads, vision and audio towers.
 _UNUSED = re.compile(r"rotary_emb\.inv_freq$|^(model\.)?(mtp|visual|vision_tower|vision_model|multi_modal_projector"
                      r"|audio_tower)\.")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _BIASED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$")
 _BIASED_PARTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
-
-
-class CheckpointError(ValueError):
-    """The checkpoint's tensors do not match what its config describes."""
 
 
 @dataclass
@@ -108,8 +105,8 @@ def _load_expert(name: str, canonical: str, f, cfg: ModelConfig, pool: ExpertPoo
     if cfg.expert_bias:
         return _load_biased_experts(name, canonical, f, cfg, pool, progress)
     i, h, n_exp = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
-    per = _PER_EXPERT.match(canonical)
-    fused = _FUSED.match(canonical) if per is None else None
+    per = PER_EXPERT.match(canonical)
+    fused = FUSED.match(canonical) if per is None else None
     if per is None and fused is None:
         return False
     layer = int((per or fused).group(1))
@@ -190,7 +187,7 @@ def _load_biased_experts(name: str, canonical: str, f, cfg: ModelConfig, pool: E
 
 def _load_tensors(model_dir: Path, cfg, model: MoECausalLM, pool: ExpertPool, family, show_progress: bool,
                   quant=None, keep_dense: bool = False):
-    """Every tensor into the model and the pool; ``quant`` (a :class:`~hearth.engine.hf_quant.QuantSpec`):
+    """Every tensor into the model and the pool; ``quant`` (a :class:`~hearth.engine.checkpoint.hf_quant.QuantSpec`):
     the checkpoint's quantized tensors, kept in blocks (dense ones where ``keep_dense``)."""
     files = checkpoint_files(model_dir)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -213,8 +210,6 @@ def _load_tensors(model_dir: Path, cfg, model: MoECausalLM, pool: ExpertPool, fa
 
         reader = None
         if quant is not None:
-            from hearth.engine.hf_quant import QuantLoader
-
             reader = QuantLoader(quant, files, handle, cfg, model, pool, keep_dense, progress)
         for path, names in by_file.items():
             f = handle(path)
@@ -324,13 +319,12 @@ def load_config(model_dir: str | Path, dtype: str | torch.dtype | None = None):
     """Parse a checkpoint directory's (or a GGUF file's) config into (family, ModelConfig)."""
     from transformers import AutoConfig
 
-    from hearth.engine.gguf_loader import is_gguf, load_gguf_config
-    from hearth.engine.hf_quant import quant_spec
+    from hearth.engine.checkpoint.gguf_loader import is_gguf, load_gguf_config
 
     if is_gguf(model_dir):
         return load_gguf_config(model_dir, dtype)
     model_dir = Path(model_dir)
-    from hearth.engine.ftw import is_ftw, read_index
+    from hearth.engine.checkpoint.ftw import is_ftw, read_index
 
     if dtype in (None, "auto") and is_ftw(model_dir):
         dtype = read_index(model_dir)["dtype"]  # an FTW directory computes in the dtype it stores
@@ -364,8 +358,7 @@ def load_model(
     MXFP4 checkpoint's quantized weights may stay in their blocks (they do where the native kernels
     run with float32 activations, the default for them; experts not in a ``pool_factory``'s storage;
     ``for_storage``: whether or not the kernels run here, as ``hearth convert`` writes them to FTW)."""
-    from hearth.engine.gguf_loader import adopt_blocks, blocks_can_stay
-    from hearth.engine.hf_quant import expert_blocks, quant_spec
+    from hearth.engine.checkpoint.gguf_loader import adopt_blocks, blocks_can_stay
 
     model_dir = Path(model_dir)
     if not model_dir.is_dir():

@@ -33,9 +33,10 @@ from typing import Any
 import torch
 
 from hearth.engine import hugepages
+from hearth.engine.checkpoint.errors import CheckpointError
+from hearth.engine.checkpoint.names import FUSED, PER_EXPERT
 from hearth.engine.config import ConfigError
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
-from hearth.engine.loader import _FUSED, _PER_EXPERT, CheckpointError
 from hearth.engine.ops import deinterleave
 from hearth.engine.quant.formats import FORMATS, HEARTH_FORMATS, BlockFormat, dequantize
 
@@ -133,7 +134,7 @@ def mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class QuantLoader:
-    """Reads a quantized checkpoint's quantized tensors for :func:`hearth.engine.loader.load_model`:
+    """Reads a quantized checkpoint's quantized tensors for :func:`hearth.engine.checkpoint.loader.load_model`:
     ``load`` takes a tensor (True when it was one of them), ``finish`` reports scales nothing used.
     Mismatches the plain loader reports too (shapes, unexpected names) go to ``progress.errors``;
     what only quantized tensors can get wrong raises at once, one line naming the file and tensor."""
@@ -171,7 +172,7 @@ class QuantLoader:
         errors = self.progress.errors
         shape = tuple(f.get_slice(name).get_shape())
         i, h, e = self.cfg.moe_intermediate_size, self.cfg.hidden_size, self.cfg.num_experts
-        per, fused = _PER_EXPERT.match(canonical), _FUSED.match(canonical)
+        per, fused = PER_EXPERT.match(canonical), FUSED.match(canonical)
         if per is not None or fused is not None:
             layer = int((per or fused).group(1))
             if layer >= self.cfg.num_layers or not self.cfg.moe_layers[layer]:
@@ -205,7 +206,7 @@ class QuantLoader:
         rows = self._fp8_tensor(name, shape, f)
         owner = self.model.get_submodule(canonical.rsplit(".", 1)[0])
         if self.keep_dense and len(shape) == 2 and _takes_blocks(owner):
-            from hearth.engine.gguf_loader import replace_parameter
+            from hearth.engine.checkpoint.gguf_loader import replace_parameter
             from hearth.engine.ops import block_weight
 
             replace_parameter(self.model, param, block_weight(rows, FP8_BLOCK))
@@ -242,7 +243,7 @@ class QuantLoader:
 
     def _mxfp4(self, name: str, canonical: str, f) -> bool:
         where = self.files[name]
-        fused = _FUSED.match(canonical)
+        fused = FUSED.match(canonical)
         if fused is None:
             raise CheckpointError(f"{where}: MXFP4 tensor '{name}' is not a fused expert tensor (mlp.experts."
                                   "gate_up_proj_blocks or down_proj_blocks): only experts are read in MXFP4")

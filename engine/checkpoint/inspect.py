@@ -177,24 +177,24 @@ def stored_summary(path, cfg: ModelConfig) -> dict | None:
     are all in the dtype its config names."""
     from pathlib import Path
 
-    from hearth.engine.ftw import is_ftw
-    from hearth.engine.gguf_file import GGUFFile
-    from hearth.engine.gguf_loader import is_gguf
+    from hearth.engine.checkpoint.ftw import is_ftw
+    from hearth.engine.checkpoint.gguf_file import GGUFFile
+    from hearth.engine.checkpoint.gguf_loader import is_gguf
 
     if is_gguf(path):
         return _gguf_summary(GGUFFile(path), cfg)
     path = Path(path)
     if is_ftw(path):
         return _ftw_summary(path, cfg)
+    from hearth.engine.checkpoint.hf_quant import quant_spec
     from hearth.engine.config import read_config_json
-    from hearth.engine.hf_quant import quant_spec
 
     spec = quant_spec(read_config_json(path), path)
     return _hf_quant_summary(path, cfg, spec) if spec is not None else None
 
 
 def _gguf_summary(f, cfg: ModelConfig) -> dict:
-    from hearth.engine.gguf_loader import _expert_blocks, _kernel_format
+    from hearth.engine.checkpoint.gguf_loader import _expert_blocks, _kernel_format
 
     experts_in_blocks = _expert_blocks(f, cfg) is not None
     items = []
@@ -209,7 +209,7 @@ def _gguf_summary(f, cfg: ModelConfig) -> dict:
 
 
 def _ftw_summary(path, cfg: ModelConfig) -> dict:
-    from hearth.engine.ftw import _BANKS, read_index
+    from hearth.engine.checkpoint.ftw import _BANKS, read_index
 
     index = read_index(path)
     items = []
@@ -244,8 +244,8 @@ def _hf_quant_summary(path, cfg: ModelConfig, spec) -> dict:
     """An FP8 or MXFP4 checkpoint as shipped: an FP8 weight and its tile scales count as ``fp8_e4m3``,
     MXFP4 blocks and their scales as ``mxfp4``; the rest under its dtype. Tensors the family does
     not use are left out."""
+    from hearth.engine.checkpoint.loader import _open, checkpoint_files, is_unused_tensor
     from hearth.engine.config import read_config_json
-    from hearth.engine.loader import _open, checkpoint_files, is_unused_tensor
     from hearth.engine.models import family_for
 
     family = family_for(read_config_json(path).get("architectures"))

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from hearth.engine.checkpoint.names import FUSED
 from hearth.engine.quant.formats import FORMATS
 
 # Hugging Face architecture -> GGUF architecture (the gguf package's MODEL_ARCH member).
@@ -29,7 +30,6 @@ FLOAT_TYPES = ("f32", "f16", "bf16")
 MIXES = {"q4_k_m": ("q4_k", "q6_k"), "q5_k_m": ("q5_k", "q6_k")}
 QUANTS = (*FLOAT_TYPES, *sorted(FORMATS), *sorted(MIXES))
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -94,7 +94,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
     dense = []
     for name in tensors:
         canonical = family.map_name(name)
-        m, f = _EXPERT.match(canonical), _FUSED.match(canonical)
+        m, f = _EXPERT.match(canonical), FUSED.match(canonical)
         if m:
             experts.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = name
             continue

@@ -24,11 +24,13 @@ import torch
 from tqdm import tqdm
 
 from hearth.engine import hugepages
+from hearth.engine.checkpoint.errors import CheckpointError
+from hearth.engine.checkpoint.gguf_file import ARCHITECTURES, GGUFError, GGUFFile
+from hearth.engine.checkpoint.gguf_writer import unpermute_rope_rows
+from hearth.engine.checkpoint.loader import LoadedModel, stage_config, stage_owns
 from hearth.engine.config import parse_dtype
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
-from hearth.engine.gguf_file import ARCHITECTURES, GGUFError, GGUFFile
-from hearth.engine.gguf_writer import unpermute_rope_rows
 from hearth.engine.models import build_model, family_for
 from hearth.engine.ops import block_weight
 from hearth.engine.quant.formats import HEARTH_FORMATS, BlockFormat
@@ -90,8 +92,6 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
     run here, as ``hearth convert`` writes them to FTW; ``layers``: only the tensors of the pipeline
     stage holding layers [first, end))."""
     import gguf
-
-    from hearth.engine.loader import CheckpointError, LoadedModel, stage_config, stage_owns
 
     f = GGUFFile(path)
     family, cfg = _config(f, dtype)
