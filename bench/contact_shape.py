@@ -148,7 +148,7 @@ def bounds(engine, before: dict, after: dict, steps: int, batch: int, bandwidth:
     """The HBM and q* bounds (tok/s) of the bytes a run of ``steps`` decode steps moved, from the
     cache's own counters (kept on the device, so fixed-shape steps count too): each distinct expert
     of a step read once from the slots; fills over ``b_p``, CPU experts over B_H."""
-    from hearth.engine.memory import bytes_by_device
+    from hearth.engine.executor.memory_plan import bytes_by_device
 
     model = engine.runner.model
     device = next(iter(k for k in bytes_by_device(model.parameters()) if k != "cpu"), "cpu")

@@ -209,7 +209,7 @@ def decode_speed(rig: Rig, llm, tokens: int, bandwidth: float) -> dict:
     / device bandwidth, filled bytes / B_P and CPU-expert bytes / B_R (B_R = B_H - B_P: the host's
     reads left while the link copies; B_H where nothing is filled)."""
     from hearth.engine import SamplingParams
-    from hearth.engine.memory import tensor_bytes
+    from hearth.engine.executor.memory_plan import tensor_bytes
 
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     llm.generate([PROMPTS[2]], params)  # warm (compiled, captured)

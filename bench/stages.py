@@ -31,8 +31,8 @@ def hop_cost(hidden_size: int, repeats: int) -> float:
     import torch
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from hearth.engine.executor.runner import build_batch
     from hearth.engine.request import Request
-    from hearth.engine.runner import build_batch
     from hearth.engine.sampling import SamplingParams
 
     @ray.remote(num_cpus=0)

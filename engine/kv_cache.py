@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from hearth.engine import hugepages
+from hearth.engine.executor import hugepages
 
 
 class OutOfBlocks(RuntimeError):

@@ -93,7 +93,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     A weight kept in its quantized blocks (uint8 [N, row bytes] tagged ``block_format``, see
     :func:`block_weight`) is read in them for a few tokens, and decoded once per call otherwise.
 
-    Under ``torch.compile`` the same work is one custom op (``engine/graph_ops.py``).
+    Under ``torch.compile`` the same work is one custom op (``engine/executor/graph_ops.py``).
     """
     if torch.compiler.is_compiling() and weight.is_cpu:
         if weight.dtype == torch.uint8:
@@ -125,7 +125,7 @@ def decode_blocks(data: torch.Tensor, fmt, cols: int) -> torch.Tensor:
     """uint8 rows of blocks [rows, row bytes] -> float32 [rows, cols]: natively (in parallel) where
     the kernels run, else by the torch decoder. Prefill decodes each weight once per step this way."""
     if torch.compiler.is_compiling() and data.is_cpu:
-        return torch.ops.hearth.decode_blocks(data, fmt.name, cols)  # one node (engine/graph_ops.py)
+        return torch.ops.hearth.decode_blocks(data, fmt.name, cols)  # one node (engine/executor/graph_ops.py)
     ops = cpu_decode_ops()
     if ops is not None and data.is_cpu and fmt.name in BLOCK_KERNELS and data.stride(-1) == 1:
         return ops.dequantize_blocks(data, fmt.name, cols)

@@ -303,9 +303,9 @@ class EngineConfig(Section):
     device: str = option("auto", "where the dense weights, the KV cache and sampling run: cpu, cuda or cuda:N (the GPU "
                                  "executor); auto: CUDA where it is present", metavar="DEVICE")
     static_decode: Literal["off", "eager", "compile", "graph"] = option(
-        "off", "decode steps in fixed-shape buckets (engine/static_step.py): off, eager, compile (the whole step "
-               "as one torch.compile graph per bucket), or graph (compiled and captured as a CUDA graph per bucket; "
-               "a GPU only)")
+        "off", "decode steps in fixed-shape buckets (engine/executor/fixed_shape.py): off, eager, compile (the "
+               "whole step as one torch.compile graph per bucket), or graph (compiled and captured as a CUDA graph per "
+               "bucket; a GPU only)")
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     checkpoints: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -8,8 +8,8 @@ import torch
 
 from hearth.config import ConfigError
 from hearth.engine import LLM
-from hearth.engine.device_placement import move_module, resolve_device
-from hearth.engine.memory import plan_vram
+from hearth.engine.executor.device_placement import move_module, resolve_device
+from hearth.engine.executor.memory_plan import plan_vram
 from tests.test_hierarchy import OVERRIDES
 
 

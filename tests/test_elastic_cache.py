@@ -9,10 +9,10 @@ import torch
 
 from hearth.config import ConfigError
 from hearth.engine import LLM
+from hearth.engine.executor.memory_plan import tensor_bytes
 from hearth.engine.experts.mechanism.vram_watch import watch_engine
 from hearth.engine.experts.policy.cache import ExpertCacheTables, plan_resize
 from hearth.engine.experts.policy.vram import VramPolicy, default_cache_bytes, elastic_budget
-from hearth.engine.memory import tensor_bytes
 from tests.helpers import greedy, max_rel_error, run_resizing
 from tests.test_gguf_hierarchy import q4_k_m  # noqa: F401 - the fixture
 from tests.test_hierarchy import BATCH4, OVERRIDES, SPLIT_BANDWIDTHS
@@ -174,7 +174,7 @@ def test_vram_watcher_resizes_the_engine(checkpoint) -> None:
 
 
 def test_resizing_under_compiled_static_steps(checkpoint, unresized) -> None:
-    """Fixed-shape decode steps compiled whole (engine/static_step.py): a resize drops the compiled
+    """Fixed-shape decode steps compiled whole (engine/executor/fixed_shape.py): a resize drops the compiled
     steps, which compile again over the new arena and tables; tokens and logits as unresized."""
     path, _ = checkpoint("qwen3_moe", **OVERRIDES)
     llm = LLM(path, expert_device="virtual", expert_cache="0.37", q_mode="table", expert_bandwidths=SPLIT_BANDWIDTHS,

@@ -124,8 +124,8 @@ def test_config_variants_match_transformers(checkpoint, family, overrides):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fp32_prefill_logits_at_every_position(checkpoint, family):
     """Not just the last position: every prompt position's logits match transformers."""
+    from hearth.engine.executor.runner import build_batch
     from hearth.engine.request import Request
-    from hearth.engine.runner import build_batch
     from hearth.engine.sampling import SamplingParams
 
     path, _ = checkpoint(family, "fused")

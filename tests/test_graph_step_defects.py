@@ -1,4 +1,4 @@
-"""Captured decode steps (engine/static_step.py graph mode), checked without a GPU: a layer with
+"""Captured decode steps (engine/executor/fixed_shape.py graph mode), checked without a GPU: a layer with
 nothing for the CPU makes no round trip through the task ring (the ring kernels under Triton's
 interpreter, and the host ring ops); the CPU share goes out before the fills; B_P is measured
 through the fill op the captured steps fill by; the sync check covers only a captured step's
@@ -12,14 +12,15 @@ import uuid
 import pytest
 import torch
 
-import hearth.engine.graph_ops  # noqa: F401 - registers torch.ops.hearth.*
+import hearth.engine.executor.graph_ops  # noqa: F401 - registers torch.ops.hearth.*
 from hearth.config import ConfigError
-from hearth.engine import LLM, llm_engine, static_step
+from hearth.engine import LLM, llm_engine
+from hearth.engine.executor import fixed_shape
+from hearth.engine.executor.fixed_shape import CAPTURE_CALLS, CudaGraphSkipped, watch_graph_skips
 from hearth.engine.experts import build
 from hearth.engine.experts.measure import measure_link_path
 from hearth.engine.experts.mechanism.ring import FREE
 from hearth.engine.kernels import device_ring
-from hearth.engine.static_step import CAPTURE_CALLS, CudaGraphSkipped, watch_graph_skips
 from tests.helpers import PROMPTS, greedy, max_rel_error
 from tests.test_device_ring import kernels, ring, serve_once  # noqa: F401 - the fixtures
 from tests.test_hierarchy import OVERRIDES, SPLIT_BANDWIDTHS, run
@@ -172,7 +173,7 @@ def test_sync_check_covers_only_the_replays(checkpoint, monkeypatch) -> None:
         return lambda *a, **kw: (events.append(name), fn(*a, **kw))[1]
 
     monkeypatch.setattr(static, "step_fn", lambda rows, width: traced("step", static._forward))
-    monkeypatch.setattr(static_step, "build_static_batch", traced("batch", static_step.build_static_batch))
+    monkeypatch.setattr(fixed_shape, "build_static_batch", traced("batch", fixed_shape.build_static_batch))
     monkeypatch.setattr(llm_engine, "sample_token", traced("sample", llm_engine.sample_token))
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 1)  # "warn", say, before
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: events.append(f"sync {mode}"))

@@ -7,7 +7,7 @@ import logging
 import torch
 
 from hearth.engine import LLM
-from hearth.engine.memory import MemoryPlan, available_memory, tensor_bytes
+from hearth.engine.executor.memory_plan import MemoryPlan, available_memory, tensor_bytes
 
 
 def test_views_share_their_storage_in_the_count() -> None:

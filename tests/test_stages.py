@@ -251,8 +251,8 @@ def test_a_batch_moves_to_another_stage_without_what_its_layers_cached() -> None
     stage's layers cached on it."""
     import torch
 
+    from hearth.engine.executor.runner import build_batch
     from hearth.engine.request import Request
-    from hearth.engine.runner import build_batch
     from hearth.proto.contracts import SamplingParams
 
     req = Request("r", list(range(40)), SamplingParams())

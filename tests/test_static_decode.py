@@ -1,4 +1,4 @@
-"""Fixed-shape decode steps (engine/static_step.py), the CPU proof of graph safety: the whole decode
+"""Fixed-shape decode steps (engine/executor/fixed_shape.py), the CPU proof of graph safety: the whole decode
 step, dense part and expert hierarchy on the virtual device, compiles with
 ``torch.compile(fullgraph=True)`` (a graph break, a host read or data-dependent Python would raise),
 and gives the tokens and logits of the eager step and of the plain engine."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hearth.engine import LLM
-from hearth.engine.static_step import block_bucket, bucket_of
+from hearth.engine.executor.fixed_shape import block_bucket, bucket_of
 from tests.helpers import PROMPTS, greedy, max_rel_error
 from tests.test_gguf_hierarchy import q4_k_m  # noqa: F401 - the fixture
 from tests.test_hierarchy import BATCH4, OVERRIDES, SPLIT_BANDWIDTHS, run

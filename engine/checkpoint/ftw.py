@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hearth.engine import hugepages
 from hearth.engine.checkpoint.errors import CheckpointError
 from hearth.engine.checkpoint.loader import LoadedModel, load_config, load_model, stage_config, stage_owns
 from hearth.engine.config import ConfigError, parse_dtype
+from hearth.engine.executor import hugepages
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.models import MoECausalLM, build_model

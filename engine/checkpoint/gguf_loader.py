@@ -23,12 +23,12 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from hearth.engine import hugepages
 from hearth.engine.checkpoint.errors import CheckpointError
 from hearth.engine.checkpoint.gguf_file import ARCHITECTURES, GGUFError, GGUFFile
 from hearth.engine.checkpoint.gguf_writer import unpermute_rope_rows
 from hearth.engine.checkpoint.loader import LoadedModel, stage_config, stage_owns
 from hearth.engine.config import parse_dtype
+from hearth.engine.executor import hugepages
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.models import build_model, family_for

@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from hearth.engine import hugepages
 from hearth.engine.checkpoint.errors import CheckpointError
 from hearth.engine.checkpoint.names import FUSED, PER_EXPERT
 from hearth.engine.config import ConfigError
+from hearth.engine.executor import hugepages
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.ops import deinterleave
 from hearth.engine.quant.formats import FORMATS, HEARTH_FORMATS, BlockFormat, dequantize

@@ -157,7 +157,7 @@ class HierarchicalExpertBackend:
         """One MoE layer of a fixed-shape decode step: the control step, the CPU share posted, the
         fills (their count read inside the copy op), the device share and the collect, all custom
         ops, with no host reads between them on the CPU, so the step compiles whole
-        (``engine/static_step.py``). The CPU share goes out right after the control step (it needs
+        (``engine/executor/fixed_shape.py``). The CPU share goes out right after the control step (it needs
         only the pairs' slots), so the workers compute it while the device fills and computes: a
         layer costs max(fill + device, CPU), the overlap the q table's split assumes. The same
         arithmetic as :meth:`forward`; the path timers are not fed, and the credit tuner gets whole

@@ -71,7 +71,7 @@ def routed_partial_sum(
 def routed_experts_node(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: torch.Tensor,
                         weights: torch.Tensor, act, blocks: ExpertBlocks | None = None) -> torch.Tensor:
     """:func:`routed_partial_sum` as one custom-op node (``torch.ops.hearth.routed_experts``, registered
-    by ``engine/graph_ops.py``), for fixed-shape steps that compile whole."""
+    by ``engine/executor/graph_ops.py``), for fixed-shape steps that compile whole."""
     gate_up_fmt, down_fmt, inter, int8 = ("", "", 0, False) if blocks is None else \
         (blocks.gate_up.name, blocks.down.name, blocks.inter, blocks.int8_activations)
     return torch.ops.hearth.routed_experts(x, gate_up, down, rows, weights, activation_name(act), gate_up_fmt,

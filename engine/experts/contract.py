@@ -68,8 +68,8 @@ class ExpertBackend(Protocol):
 
     def forward_static(self, x: torch.Tensor, expert_ids: torch.Tensor, topk_weights: torch.Tensor,
                        layer: int) -> torch.Tensor:  # [T, H]
-        """The same sum in a fixed-shape decode step (``engine/static_step.py``): no host reads and no
-        data-dependent Python; every data-dependent part is a custom op (``engine/graph_ops.py``),
+        """The same sum in a fixed-shape decode step (``engine/executor/fixed_shape.py``): no host reads and no
+        data-dependent Python; every data-dependent part is a custom op (``engine/executor/graph_ops.py``),
         so the whole step compiles as one graph. ``layer`` is the MoE layer the ids belong to."""
         ...
 

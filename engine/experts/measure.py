@@ -77,7 +77,7 @@ def link_fill(device, src: torch.Tensor, dst: torch.Tensor, path: str = "copy") 
     if path == "copy":
         plan = FillPlan(torch.empty(0, dtype=torch.long), src, dst, torch.tensor(src.numel()))
         return lambda: (device.fill(plan), device.synchronize())
-    import hearth.engine.graph_ops  # noqa: F401 - registers torch.ops.hearth.*
+    import hearth.engine.executor.graph_ops  # noqa: F401 - registers torch.ops.hearth.*
 
     count = torch.tensor(src.numel(), device=device.device)  # read by the op where it copies, as in a step
     gate_up_src, down_src, rows_of = device.fill_sources()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hearth.engine.batch import LayerContext, StaticBatch
+from hearth.engine.executor.batch import LayerContext, StaticBatch
 from hearth.engine.experts.contract import ExpertBackend
 from hearth.engine.layers.linear import Projection
 from hearth.engine.ops import linear
@@ -174,7 +174,7 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: LayerContext | None = None) -> torch.Tensor:
         ids, weights = self.gate(x, ctx.batch.token_ids) if getattr(self.gate, "reads_tokens", False) else self.gate(x)
-        if ctx is not None and isinstance(ctx.batch, StaticBatch):  # a fixed-shape decode step (static_step.py)
+        if ctx is not None and isinstance(ctx.batch, StaticBatch):  # a fixed-shape decode step (executor/fixed_shape)
             out = self.backend.forward_static(x, ids + self.first_expert_id, weights, self.layer_idx)
         else:
             out = self.backend.forward(x, ids + self.first_expert_id, weights, ctx.batch.experts if ctx else None)

@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x * rsqrt(mean(x^2) + eps) in fp32, cast back, then scaled: the reference's order.
         if torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == self.weight.dtype:
-            return torch.ops.hearth.rms_norm(x, self.weight, self.eps)  # one node (engine/graph_ops.py)
+            return torch.ops.hearth.rms_norm(x, self.weight, self.eps)  # one node (engine/executor/graph_ops.py)
         ops = cpu_decode_ops()
         # fp16 keeps torch's path: the native fp32 sum and 1/sqrt differ from torch's in the last
         # bits, which fp16's 10-bit rounding shows (bf16's 7 bits almost never do).

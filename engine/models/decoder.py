@@ -10,14 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hearth.engine.batch import ForwardBatch, LayerContext, StaticBatch
 from hearth.engine.config import ModelConfig
+from hearth.engine.executor.batch import ForwardBatch, LayerContext, StaticBatch
+from hearth.engine.executor.native_layers import NativeLayers
 from hearth.engine.experts.contract import ExpertBackend
 from hearth.engine.kv_cache import PagedKVCache
 from hearth.engine.layers.linear import Projection, TokenEmbedding
 from hearth.engine.layers.moe import MoEBlock
 from hearth.engine.layers.rope import RotaryEmbedding
-from hearth.engine.native_layers import NativeLayers
 from hearth.engine.ops import linear
 from hearth.engine.state_pool import RecurrentStatePool
 
@@ -83,7 +83,7 @@ class MoECausalLM(nn.Module):
                 states: RecurrentStatePool | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in fp32. Hybrid models also need ``states``
         (each sequence's slot named in the batch). A :class:`StaticBatch` (a fixed-shape decode step,
-        ``engine/static_step.py``) goes through the modules, never the native layer calls.
+        ``engine/executor/fixed_shape.py``) goes through the modules, never the native layer calls.
 
         A pipeline stage (``config.layer_range``) runs only its layers: from ``hidden`` [T, H] (the
         previous stage's output) unless it is the first, and it returns its hidden states [T, H]

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hearth.engine.batch import ForwardBatch
+from hearth.engine.executor.batch import ForwardBatch
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.kernels import BLOCK_CODES, NativeKernels, cpu_decode_ops
 from hearth.engine.layers.attention import Attention, gather_context

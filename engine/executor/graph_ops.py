@@ -6,7 +6,7 @@ Each op's body is what the eager engine runs (the same functions, the same numer
 fake (meta) implementation giving its output's shape, so the compiler can trace around it. Ops that
 write into their arguments declare it (``mutates_args``). On a CUDA device these ops are where
 count-aware kernels go; on the CPU they are the proof that the decode step has no host
-synchronisation and no data-dependent Python between them (``engine/static_step.py``).
+synchronisation and no data-dependent Python between them (``engine/executor/fixed_shape.py``).
 
 Importing this module registers the ops.
 """

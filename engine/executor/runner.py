@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from hearth.engine.batch import ForwardBatch, SequenceSlice
+from hearth.engine.executor.batch import ForwardBatch, SequenceSlice
 from hearth.engine.experts.contract import StepContext
 from hearth.engine.kv_cache import PagedKVCache
 from hearth.engine.models import MoECausalLM
@@ -65,7 +65,7 @@ class ModelRunner:
         self.states = states
         # The last step's state snapshots: (request, position, snapshot).
         self.last_captures: list[tuple[Request, int, StateSnapshot]] = []
-        self.static = None  # a StaticDecoder (engine/static_step.py) that takes the pure decode steps
+        self.static = None  # a StaticDecoder (engine/executor/fixed_shape.py) that takes the pure decode steps
         self.device = kv.device  # where the model runs: the batches are made there
         # Pipeline stages: the later stages' forward, (batch, this stage's hidden states) -> logits,
         # or, to overlap the stages across requests, a handle whose ``result()`` gives them.

@@ -71,7 +71,7 @@ class ForwardBatch:
 class StaticBatch:
     """One decode step in fixed-size buffers (a batch bucket of B rows, block tables of MB blocks),
     so that the step's shapes are the same at every token: it compiles once and can be captured as a
-    graph (``engine/static_step.py``). Every row is one sequence's one new token; rows past the real
+    graph (``engine/executor/fixed_shape.py``). Every row is one sequence's one new token; rows past the real
     sequences repeat row 0 exactly (same token, position, slot and blocks), so they write the same
     K/V to the same slot and route to the same experts: no masks, no valid counts inside the step."""
 
