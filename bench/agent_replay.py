@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import emit  # noqa: E402
 from hearth.engine import SamplingParams  # noqa: E402
+from hearth.engine.cache.state_slots import RecurrentStatePool  # noqa: E402
 from hearth.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from hearth.engine.state_pool import RecurrentStatePool  # noqa: E402
 from hearth.engine.tokenizer import render_chat  # noqa: E402
 
 STYLES = ("openclaw", "opencode", "append")
@@ -141,12 +141,12 @@ def simulate(prompts: list[list[int]], strategy: str, budget: int, interval: int
     a quick sweep of budgets and intervals. ``replay`` gives the same counts with the model."""
     import torch
 
-    from hearth.engine.kv_cache import BlockAllocator
-    from hearth.engine.prefix_cache import RadixCache
+    from hearth.engine.cache.kv_pages import BlockAllocator
+    from hearth.engine.cache.prefix_tree import RadixCache
+    from hearth.engine.cache.state_checkpoints import CheckpointStore, checkpoint_positions
+    from hearth.engine.cache.state_slots import StateSnapshot
     from hearth.engine.request import Request
     from hearth.engine.scheduler import RecurrentConfig, Scheduler, SchedulerConfig
-    from hearth.engine.state_checkpoints import CheckpointStore, checkpoint_positions
-    from hearth.engine.state_pool import StateSnapshot
 
     config = strategy_config(strategy, budget * 4, interval)
     unit = StateSnapshot({0: (torch.zeros(0), torch.zeros(1))})  # 4 bytes

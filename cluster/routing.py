@@ -7,7 +7,7 @@
   conversation's opening, a raw prompt's leading tokens) sticks only while that replica is not
   ``SLACK`` requests busier than the least busy one: a burst of identical prompts still spreads.
 - Prefix-aware: without a client key, the replica holding the longest cached prefix of the prompt
-  (its published block hashes, :func:`hearth.engine.prefix_cache.block_hashes`) gets it, unless it
+  (its published block hashes, :func:`hearth.engine.cache.prefix_tree.block_hashes`) gets it, unless it
   has ``PREFIX_SLACK`` or more requests in flight beyond the least busy one; among equal prefixes the
   less busy, then the warmer expert cache.
 - Otherwise the replica with the least expected wait: (requests in flight + 1) / decode speed,

@@ -16,7 +16,11 @@ import torch
 
 from hearth.config import ConfigError, EngineConfig
 from hearth.engine import int8_mode
-from hearth.engine.anchors import anchor_token_ids
+from hearth.engine.cache.anchors import anchor_token_ids
+from hearth.engine.cache.kv_pages import BlockAllocator, PagedKVCache
+from hearth.engine.cache.prefix_tree import RadixCache
+from hearth.engine.cache.state_checkpoints import CheckpointStore, checkpoint_positions
+from hearth.engine.cache.state_slots import RecurrentStatePool
 from hearth.engine.checkpoint.ftw import load_checkpoint
 from hearth.engine.detokenizer import IncrementalDetokenizer
 from hearth.engine.executor.batch import ForwardBatch
@@ -28,13 +32,9 @@ from hearth.engine.experts.build import build_hierarchy, cache_slots
 from hearth.engine.experts.contract import ExpertControl
 from hearth.engine.experts.mechanism.host_pool import HostExpertPool
 from hearth.engine.kernels import cpu_decode_ops
-from hearth.engine.kv_cache import BlockAllocator, PagedKVCache
-from hearth.engine.prefix_cache import RadixCache
 from hearth.engine.request import Request
 from hearth.engine.sampling import sample_token, token_logprob
 from hearth.engine.scheduler import RecurrentConfig, ScheduledStep, Scheduler
-from hearth.engine.state_checkpoints import CheckpointStore, checkpoint_positions
-from hearth.engine.state_pool import RecurrentStatePool
 from hearth.engine.structured import Grammars
 from hearth.engine.tokenizer import load_tokenizer
 from hearth.proto.contracts import (

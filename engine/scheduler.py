@@ -6,7 +6,7 @@ last, so new prompts are prefilled in the same steps in which others decode. Whe
 out, the most recently admitted request is preempted: its blocks are freed and it is recomputed
 later from its tokens (prompt + output so far), which yields the same tokens.
 
-With a prefix cache (:class:`~engine.prefix_cache.RadixCache`), a request admitted with nothing
+With a prefix cache (:class:`~hearth.engine.cache.prefix_tree.RadixCache`), a request admitted with nothing
 computed starts from the longest cached whole-block prefix of its tokens (at least one token is
 always left to compute, for the logits); after each step its newly computed full blocks join the
 tree (:meth:`Scheduler.cache_computed`). Tree blocks no request pins are evicted, least recently
@@ -24,11 +24,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hearth.config import SchedulerConfig
-from hearth.engine.kv_cache import BlockAllocator
-from hearth.engine.prefix_cache import RadixCache
+from hearth.engine.cache.kv_pages import BlockAllocator
+from hearth.engine.cache.prefix_tree import RadixCache
+from hearth.engine.cache.state_checkpoints import CheckpointStore
+from hearth.engine.cache.state_slots import StateSnapshot
 from hearth.engine.request import Request, Status
-from hearth.engine.state_checkpoints import CheckpointStore
-from hearth.engine.state_pool import StateSnapshot
 
 
 @dataclass

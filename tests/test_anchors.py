@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hearth.engine.anchors import anchor_positions, anchor_token_ids
+from hearth.engine.cache.anchors import anchor_positions, anchor_token_ids
 from hearth.engine.tokenizer import load_tokenizer, render_chat
 
 

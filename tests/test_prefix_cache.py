@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from hearth.engine.prefix_cache import RadixCache
+from hearth.engine.cache.prefix_tree import RadixCache
 
 B = 4
 

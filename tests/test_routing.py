@@ -89,7 +89,7 @@ def test_conversation_key_ignores_later_turns_and_prefix_key_leading_tokens() ->
 
 
 def test_block_hashes_name_shared_prefixes_and_the_tree_publishes_them() -> None:
-    from hearth.engine.prefix_cache import RadixCache
+    from hearth.engine.cache.prefix_tree import RadixCache
     from hearth.proto.prefix import block_hashes
 
     a, b = list(range(40)), list(range(32)) + [99] * 8

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hearth.engine.kv_cache import BlockAllocator, OutOfBlocks
+from hearth.engine.cache.kv_pages import BlockAllocator, OutOfBlocks
 from hearth.engine.request import Request, Status
 from hearth.engine.sampling import SamplingParams
 from hearth.engine.scheduler import Scheduler, SchedulerConfig
@@ -88,7 +88,7 @@ def test_prompt_larger_than_cache_is_rejected():
 
 
 def test_prefix_cache_reuses_pins_and_evicts_blocks():
-    from hearth.engine.prefix_cache import RadixCache
+    from hearth.engine.cache.prefix_tree import RadixCache
 
     alloc = BlockAllocator(8, 4)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, prefill_chunk=64), alloc, RadixCache(4))

@@ -12,10 +12,10 @@ import torch
 
 from bench.agent_replay import build_session, turn_prompts
 from hearth.engine import SamplingParams
+from hearth.engine.cache.prefix_tree import RadixCache
+from hearth.engine.cache.state_checkpoints import CheckpointStore, checkpoint_positions
+from hearth.engine.cache.state_slots import RecurrentStatePool, StateSnapshot
 from hearth.engine.llm_engine import EngineConfig, LLMEngine
-from hearth.engine.prefix_cache import RadixCache
-from hearth.engine.state_checkpoints import CheckpointStore, checkpoint_positions
-from hearth.engine.state_pool import RecurrentStatePool, StateSnapshot
 from tests.checkpoints import HYBRID_FAMILIES
 from tests.helpers import max_rel_error, record_logits
 from tests.test_prefix_reuse import _workload

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from hearth.engine.cache.kv_pages import PagedKVCache
+    from hearth.engine.cache.state_slots import RecurrentStatePool
     from hearth.engine.experts.contract import StepContext
-    from hearth.engine.kv_cache import PagedKVCache
-    from hearth.engine.state_pool import RecurrentStatePool
 
 
 @dataclass

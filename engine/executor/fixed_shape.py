@@ -23,13 +23,13 @@ import torch
 
 import hearth.engine.executor.graph_ops  # noqa: F401 - registers torch.ops.hearth.*
 from hearth.config import ConfigError
+from hearth.engine.cache.kv_pages import PagedKVCache
+from hearth.engine.cache.state_slots import RecurrentStatePool
 from hearth.engine.executor.batch import StaticBatch
-from hearth.engine.kv_cache import PagedKVCache
 from hearth.engine.layers.attention import SinkAttention
 from hearth.engine.layers.compressed_attention import CompressedAttention
 from hearth.engine.layers.mla import LatentAttention
 from hearth.engine.request import Request
-from hearth.engine.state_pool import RecurrentStatePool
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16)
 # Graph mode: a bucket's first calls are inductor's CUDA-graph warm-up (the step run without a graph)

@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
+from hearth.engine.cache.kv_pages import PagedKVCache
+from hearth.engine.cache.state_slots import RecurrentStatePool, StateSnapshot
 from hearth.engine.executor.batch import ForwardBatch, SequenceSlice
 from hearth.engine.experts.contract import StepContext
-from hearth.engine.kv_cache import PagedKVCache
 from hearth.engine.models import MoECausalLM
 from hearth.engine.request import Request
-from hearth.engine.state_pool import RecurrentStatePool, StateSnapshot
 
 
 def build_batch(

@@ -10,16 +10,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hearth.engine.cache.kv_pages import PagedKVCache
+from hearth.engine.cache.state_slots import RecurrentStatePool
 from hearth.engine.config import ModelConfig
 from hearth.engine.executor.batch import ForwardBatch, LayerContext, StaticBatch
 from hearth.engine.executor.native_layers import NativeLayers
 from hearth.engine.experts.contract import ExpertBackend
-from hearth.engine.kv_cache import PagedKVCache
 from hearth.engine.layers.linear import Projection, TokenEmbedding
 from hearth.engine.layers.moe import MoEBlock
 from hearth.engine.layers.rope import RotaryEmbedding
 from hearth.engine.ops import linear
-from hearth.engine.state_pool import RecurrentStatePool
 
 
 class DecoderLayer(nn.Module):

@@ -8,7 +8,7 @@ never written again — no copy-on-write and no stale page. Requests pin the pat
 allocator runs dry. Pure bookkeeping, no tensors (unit-testable), like the block allocator.
 
 Nodes are also where recurrent-state checkpoints of hybrid models hang
-(:mod:`engine.state_checkpoints`): a checkpoint at a block boundary inside an edge splits the edge
+(:mod:`hearth.engine.cache.state_checkpoints`): a checkpoint at a block boundary inside an edge splits the edge
 there, so each checkpoint sits at the end of its node; ``on_evict`` hears of every evicted node.
 """
 

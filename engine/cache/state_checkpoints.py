@@ -7,7 +7,7 @@ by a policy:
 
 - ``prompt-end``: where each prompt ends (rounded down to a block), what a plain prefix cache keeps;
 - ``periodic``: every ``interval`` tokens;
-- ``anchors``: around semantic anchors (:mod:`engine.anchors`: message, thinking and tool
+- ``anchors``: around semantic anchors (:mod:`hearth.engine.cache.anchors`: message, thinking and tool
   boundaries, which agent edits keep) plus the periodic ones as a fallback.
 
 A checkpoint lives on the tree node whose edge ends at its position, and dies with that node when
@@ -25,8 +25,8 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from hearth.engine.prefix_cache import RadixNode
-from hearth.engine.state_pool import StateSnapshot
+from hearth.engine.cache.prefix_tree import RadixNode
+from hearth.engine.cache.state_slots import StateSnapshot
 
 POLICIES = ("none", "prompt-end", "periodic", "anchors")
 
