@@ -39,7 +39,7 @@ from bench.common import emit  # noqa: E402
 from hearth.engine import SamplingParams  # noqa: E402
 from hearth.engine.cache.state_slots import RecurrentStatePool  # noqa: E402
 from hearth.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
-from hearth.engine.tokenizer import render_chat  # noqa: E402
+from hearth.engine.text.tokenizer import render_chat  # noqa: E402
 
 STYLES = ("openclaw", "opencode", "append")
 STRATEGIES = ("none", "kv", "periodic", "anchors")

@@ -191,7 +191,7 @@ def main() -> int:
     import ray
 
     from hearth.cluster.deploy import DeployOptions, deploy, teardown
-    from hearth.engine.tokenizer import load_tokenizer
+    from hearth.engine.text.tokenizer import load_tokenizer
 
     engine_options = {} if args.no_virtual_device else {"expert_device": "virtual", "expert_cache": "0.25",
                                                          "cpu_experts": "external"}

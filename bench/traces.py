@@ -211,7 +211,7 @@ def record_held_out(model: str | Path, name: str, segments: int = 16, length: in
                     prompt: int = 64) -> Trace:
     """Held-out source files run through the model: each segment's first ``prompt`` tokens are
     the prefill and the rest is teacher-forced decode (routing equals decoding that text)."""
-    from hearth.engine.tokenizer import load_tokenizer
+    from hearth.engine.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model)
     texts = [t for t in _held_out_texts() if len(t) > 6 * length][:segments]
@@ -226,7 +226,7 @@ def record_chat(model: str | Path, name: str, sessions: int = 3, turns: int = 4,
     """Multi-turn chat sessions: each user turn asks for a held-out documented function; the
     model's sampled reply joins the history; every turn re-sends the whole conversation."""
     from hearth.engine import LLM, SamplingParams
-    from hearth.engine.tokenizer import render_chat
+    from hearth.engine.text.tokenizer import render_chat
 
     asks = [request for request, _ in _training_recipe().chat_pairs(_held_out_texts(), limit=sessions * turns)]
     turns_ids: list[tuple[list[int], int]] = []  # (prompt + reply ids, prompt length) per turn

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from hearth.engine import LLM, SamplingParams
-    from hearth.engine.tokenizer import render_chat
+    from hearth.engine.text.tokenizer import render_chat
 
     config = engine_config(args)
     params = SamplingParams(

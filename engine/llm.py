@@ -8,7 +8,7 @@ from typing import Any
 
 from hearth.config import EngineConfig
 from hearth.engine.llm_engine import LLMEngine
-from hearth.engine.tokenizer import render_chat
+from hearth.engine.text.tokenizer import render_chat
 from hearth.proto.contracts import RequestOutput, SamplingParams
 
 Prompt = str | list[int]

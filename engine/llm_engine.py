@@ -22,7 +22,6 @@ from hearth.engine.cache.prefix_tree import RadixCache
 from hearth.engine.cache.state_checkpoints import CheckpointStore, checkpoint_positions
 from hearth.engine.cache.state_slots import RecurrentStatePool
 from hearth.engine.checkpoint.ftw import load_checkpoint
-from hearth.engine.detokenizer import IncrementalDetokenizer
 from hearth.engine.executor.batch import ForwardBatch
 from hearth.engine.executor.device_placement import move_module, resolve_device
 from hearth.engine.executor.fixed_shape import StaticDecoder
@@ -35,8 +34,9 @@ from hearth.engine.kernels import cpu_decode_ops
 from hearth.engine.request import Request
 from hearth.engine.sampling import sample_token, token_logprob
 from hearth.engine.scheduler import RecurrentConfig, ScheduledStep, Scheduler
-from hearth.engine.structured import Grammars
-from hearth.engine.tokenizer import load_tokenizer
+from hearth.engine.text.detokenizer import IncrementalDetokenizer
+from hearth.engine.text.grammar import Grammars
+from hearth.engine.text.tokenizer import load_tokenizer
 from hearth.proto.contracts import (
     GenerationChunk,
     RequestMetrics,

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from hearth.engine.structured import JSON_STYLE
+from hearth.engine.text.grammar import JSON_STYLE
 from hearth.serving.errors import APIError
 
 

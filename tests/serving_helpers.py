@@ -86,7 +86,7 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
 def running_server(model_dir, engine_options: dict | None = None, scripted: bool = True,
                    **options: Any) -> Iterator[BackgroundServer]:
     """A BackgroundServer on loopback (free ports), stopped on exit."""
-    from hearth.engine.tokenizer import load_tokenizer
+    from hearth.engine.text.tokenizer import load_tokenizer
 
     opts = ServingConfig(host="127.0.0.1", port=free_port(), grpc_port=free_port(), model_names=("tiny",),
                         **options)

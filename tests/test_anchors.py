@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hearth.engine.cache.anchors import anchor_positions, anchor_token_ids
-from hearth.engine.tokenizer import load_tokenizer, render_chat
+from hearth.engine.text.tokenizer import load_tokenizer, render_chat
 
 
 def test_anchors_are_the_template_markers(agent_checkpoint):

@@ -139,7 +139,7 @@ def long_prompt_homed_on(replica: str, desc, checkpoint) -> str:
     """A prompt over 256 tokens (so that its derived session key, from the leading 256, is the same
     whatever is appended) whose derived key the router maps to ``replica``: prefix routing must
     beat it to send the prompt elsewhere."""
-    from hearth.engine.tokenizer import load_tokenizer
+    from hearth.engine.text.tokenizer import load_tokenizer
     from hearth.serving.session import prefix_key
 
     tok = load_tokenizer(checkpoint)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hearth.engine import LLM, SamplingParams
-from hearth.engine.detokenizer import IncrementalDetokenizer
+from hearth.engine.text.detokenizer import IncrementalDetokenizer
 from tests.checkpoints import build_tokenizer
 
 

@@ -190,7 +190,7 @@ def test_version_1_directories_still_load(checkpoint, tmp_path) -> None:
 def test_ftw_of_a_gguf_serves_with_its_chat_template(gguf_ftw) -> None:
     import requests
 
-    from hearth.engine.tokenizer import load_tokenizer, render_chat
+    from hearth.engine.text.tokenizer import load_tokenizer, render_chat
     from tests.serving_helpers import running_server
 
     src, ftw = gguf_ftw("q8_0")

@@ -35,7 +35,7 @@ def client(checkpoint_dir):
 
 
 def test_the_builtin_template_writes_deepseek_v4s_format(checkpoint_dir) -> None:
-    from hearth.engine.tokenizer import load_tokenizer
+    from hearth.engine.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(checkpoint_dir)
     assert "｜DSML｜tool_calls" in tok.chat_template

@@ -9,7 +9,7 @@ import pytest
 
 from hearth.engine.checkpoint.demo import demo_model_dir
 from hearth.engine.llm import LLM
-from hearth.engine.structured import GrammarError, json_schema_grammar
+from hearth.engine.text.grammar import GrammarError, json_schema_grammar
 from hearth.proto.contracts import SamplingParams
 from hearth.serving.constraints import GrammarBuilder
 from hearth.serving.parsers import parse_xml_call

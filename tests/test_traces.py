@@ -72,7 +72,7 @@ def test_recorded_trace_matches_transformers_router(checkpoint):
     assert len(trace) == 240 and int(trace.decode.sum()) == 160
     hf = reference(path)
     from bench.traces import _held_out_texts
-    from hearth.engine.tokenizer import load_tokenizer
+    from hearth.engine.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(path)
     texts = [t for t in _held_out_texts() if len(t) > 6 * 120][:2]

@@ -207,7 +207,7 @@ def _side_files(src: Path, dst: Path) -> dict:
     if src.is_file():
         from hearth.engine.checkpoint.gguf_file import GGUFFile
         from hearth.engine.checkpoint.gguf_loader import gguf_hf_config
-        from hearth.engine.tokenizer import load_tokenizer
+        from hearth.engine.text.tokenizer import load_tokenizer
 
         config = json.loads(gguf_hf_config(GGUFFile(src)).to_json_string(use_diff=False))
         (dst / "config.json").write_text(json.dumps(config, indent=2))

@@ -20,12 +20,12 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
     from its metadata, with its chat template)."""
     model_dir = Path(model_dir)
     if model_dir.suffix == ".gguf" and model_dir.is_file():
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # deferred: transformers takes seconds to import
 
         return AutoTokenizer.from_pretrained(str(model_dir.parent), gguf_file=model_dir.name)
     if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: transformers takes seconds to import
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     if not getattr(tokenizer, "chat_template", None):

@@ -38,7 +38,7 @@ class Grammars:
 
     def _ll_tokenizer(self):
         if self._tokenizer is None:
-            import llguidance.hf
+            import llguidance.hf  # deferred: imports transformers (seconds); first constrained request only
 
             self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
                                                            eos_token=self.eos_token_id)
@@ -47,7 +47,7 @@ class Grammars:
     def matcher(self, grammar: str, stop_token_ids: list[int] = ()) -> Matcher:
         """A fresh matcher for one request (``stop_token_ids``: its own stop tokens besides the
         engine's); a grammar that does not compile is a GrammarError."""
-        import llguidance
+        import llguidance  # deferred: loaded for the first constrained request (~0.25 s)
 
         tokenizer = self._ll_tokenizer()
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
@@ -61,7 +61,7 @@ class Matcher:
     """Where one request stands in its grammar."""
 
     def __init__(self, matcher: Any, vocab_size: int, stop_token_ids: frozenset[int]) -> None:
-        import llguidance.torch
+        import llguidance.torch  # deferred: as llguidance itself, on the first constrained request
 
         self._ll = matcher
         self._stop_token_ids = stop_token_ids
@@ -111,6 +111,6 @@ class Matcher:
 def json_schema_grammar(schema: dict[str, Any]) -> str:
     """The grammar of JSON matching ``schema`` (``{"type": "object"}`` for any object), laid out
     as :data:`JSON_STYLE` says."""
-    import llguidance
+    import llguidance  # deferred: serving builds grammars with this; only requests with a schema load it
 
     return llguidance.grammar_from("json_schema", json.dumps({**schema, "x-guidance": dict(JSON_STYLE)}))
