@@ -68,8 +68,8 @@ def watch_graph_skips() -> Iterator[GraphSkips]:
     ["cudagraph_skips"]``, bumped where a mode="reduce-overhead" compile decides against a graph) and
     collect the reasons it logs ("skipping cudagraphs due to ..."; logged for graphs with CUDA work,
     only counted for CPU-only ones). The count is filled in when the block ends."""
-    from torch._dynamo.utils import counters
-    from torch._inductor import cudagraph_utils
+    from torch._dynamo.utils import counters  # deferred: torch._dynamo takes seconds to import; graph mode only
+    from torch._inductor import cudagraph_utils  # deferred: as torch._dynamo
 
     found = GraphSkips()
     logger = getattr(cudagraph_utils, "cudagraphs_log", None)

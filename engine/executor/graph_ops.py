@@ -16,8 +16,11 @@ from __future__ import annotations
 import torch
 
 from hearth.engine.experts.compute import routed_partial_sum
+from hearth.engine.experts.mechanism.device import copy_experts
+from hearth.engine.experts.mechanism.ring import FREE, await_task, write_task
+from hearth.engine.experts.policy.cache import cache_step
 from hearth.engine.experts.pool import ExpertBlocks
-from hearth.engine.kernels import cpu_decode_ops
+from hearth.engine.kernels import cpu_decode_ops, device_experts, device_fill, device_ring
 from hearth.engine.ops import activation, decode_blocks, linear
 from hearth.engine.quant.formats import FORMATS, HEARTH_FORMATS
 
@@ -86,8 +89,6 @@ def routed_experts_op(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     empty for float banks, else the layer's block formats. On a GPU, float banks go through two
     fixed-grid kernels (``kernels/device_experts.py``): no host read, so a captured graph replays it."""
     if x.is_cuda and gate_up.is_cuda and not gate_up_fmt and act in ("silu", "swish"):
-        from hearth.engine.kernels import device_experts
-
         return device_experts.slot_experts(x, gate_up, down, rows, weights)
     blocks = None
     if gate_up_fmt:
@@ -107,8 +108,6 @@ def cache_step_op(ids: torch.Tensor, slot_of: torch.Tensor, expert_of: torch.Ten
                   num_candidates: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The expert cache's control step on its tables, in place (``policy/cache.py``): the native
     one on host tables, the tensor one elsewhere; (pair_slot, src, dst, count)."""
-    from hearth.engine.experts.policy.cache import cache_step
-
     ops = cpu_decode_ops() if ids.is_cpu else None
     fn = ops.cache_step_host if ops is not None else cache_step
     pair_slot, src, dst, count = fn(ids, slot_of, expert_of, last_used, clock, qtable, stats, num_candidates)
@@ -130,13 +129,9 @@ def fill_slots_op(slots_gate_up: torch.Tensor, slots_down: torch.Tensor, pool_ga
     count-aware gather a captured step needs. On a GPU with the pool mapped (device views of its
     pages), a kernel reads the count on the device and no host read happens at all."""
     if slots_gate_up.is_cuda and pool_gate_up.is_cuda:
-        from hearth.engine.kernels import device_fill
-
         for slots, pool in ((slots_gate_up, pool_gate_up), (slots_down, pool_down)):
             device_fill.fill_rows(slots, pool, row_table, src, dst, count)
         return
-    from hearth.engine.experts.mechanism.device import copy_experts
-
     n = int(count)
     if n:
         copy_experts((slots_gate_up, slots_down), dst[:n].cpu(), (pool_gate_up, pool_down),
@@ -162,11 +157,7 @@ def ring_post_op(ctrl: torch.Tensor, x_slot: torch.Tensor, rows_slot: torch.Tens
     no row is >= 0 (nothing for the CPU: nothing is posted, the slot stays free and the collect
     returns zeros without waiting)."""
     if ctrl.is_cuda:  # the ring's device views: the GPU writes the descriptor (kernels/device_ring.py)
-        from hearth.engine.kernels import device_ring
-
         return device_ring.post(ctrl, x_slot, rows_slot, weights_slot, x, rows, weights)
-    from hearth.engine.experts.mechanism.ring import FREE, write_task
-
     if not bool((rows >= 0).any()):  # the same choice the device kernel makes
         return torch.tensor(0)
     if int(ctrl[0]) != FREE:
@@ -188,11 +179,7 @@ def ring_collect_op(ticket: torch.Tensor, ctrl: torch.Tensor, out_slot: torch.Te
     slot is free again afterwards. A worker that fails or stays silent past ``timeout_s`` raises.
     A ticket of 0 (nothing was posted) gives zeros at once (on the GPU the kernel sees the slot
     still FREE)."""
-    from hearth.engine.experts.mechanism.ring import await_task
-
     if ctrl.is_cuda:  # the GPU waits for the completion word itself; errors reach the host after the step
-        from hearth.engine.kernels import device_ring
-
         out = out_slot.new_empty((tokens, hidden))
         return device_ring.collect(ctrl, out_slot, out, int(timeout_s * 1e6))
     if int(ticket) == 0:
