@@ -10,12 +10,12 @@ import sys
 import torch
 
 from hearth.config import EngineConfig
+from hearth.engine.cache.kv_pages import kv_cache_tokens
 from hearth.engine.checkpoint.ftw import load_checkpoint
 from hearth.engine.executor.memory_plan import plan_vram, tensor_bytes
 from hearth.engine.experts.build import build_device
 from hearth.engine.experts.measure import measure_host_path, measure_link_path, measure_stream_read
 from hearth.engine.experts.policy.qstar import SplitCosts, build_qtable, step_seconds
-from hearth.engine.llm_engine import kv_cache_tokens
 from hearth.engine.ops import activation
 
 

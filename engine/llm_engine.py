@@ -10,27 +10,36 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 from hearth.config import ConfigError, EngineConfig
 from hearth.engine import int8_mode
 from hearth.engine.cache.anchors import anchor_token_ids
-from hearth.engine.cache.kv_pages import BlockAllocator, PagedKVCache
+from hearth.engine.cache.kv_pages import BlockAllocator, PagedKVCache, kv_cache_tokens
 from hearth.engine.cache.prefix_tree import RadixCache
 from hearth.engine.cache.state_checkpoints import CheckpointStore, checkpoint_positions
 from hearth.engine.cache.state_slots import RecurrentStatePool
 from hearth.engine.checkpoint.ftw import load_checkpoint
+from hearth.engine.checkpoint.loader import LoadedModel
 from hearth.engine.executor.batch import ForwardBatch
 from hearth.engine.executor.device_placement import move_module, resolve_device
 from hearth.engine.executor.fixed_shape import StaticDecoder
-from hearth.engine.executor.memory_plan import MemoryPlan, available_memory, bytes_by_device, tensor_bytes
+from hearth.engine.executor.memory_plan import (
+    MemoryPlan,
+    available_memory,
+    bytes_by_device,
+    executor_bytes,
+    tensor_bytes,
+)
 from hearth.engine.executor.runner import ModelRunner
+from hearth.engine.experts.backend import HierarchicalExpertBackend
 from hearth.engine.experts.build import build_hierarchy, cache_slots
 from hearth.engine.experts.contract import ExpertControl
 from hearth.engine.experts.mechanism.host_pool import HostExpertPool
 from hearth.engine.kernels import cpu_decode_ops
+from hearth.engine.models import MoECausalLM
 from hearth.engine.request import Request
 from hearth.engine.sampling import sample_token, token_logprob
 from hearth.engine.scheduler import RecurrentConfig, ScheduledStep, Scheduler
@@ -47,25 +56,6 @@ from hearth.proto.contracts import (
 )
 
 log = logging.getLogger("hearth.engine")
-
-
-def kv_cache_tokens(config: EngineConfig, cfg, max_model_len: int) -> int:
-    """Tokens the engine's KV cache holds: as set, else every sequence's whole context within the
-    cache's byte budget."""
-    kv = config.kv_cache
-    if kv.num_tokens:
-        return kv.num_tokens
-    # Pipeline stages size their caches alike (their block tables are the first stage's): by the
-    # whole model's bytes per token.
-    per_token = (replace(cfg, layer_range=None) if cfg.layer_range is not None else cfg).kv_bytes_per_token
-    wanted = config.scheduler.max_num_seqs * max_model_len
-    return max(kv.block_size, min(wanted, kv.num_bytes // per_token))
-
-
-def executor_bytes(model: torch.nn.Module, kv: PagedKVCache, device: torch.device) -> int:
-    """Bytes the executor holds on ``device`` besides its expert cache, the dense weights and the KV
-    cache: what ``--vram-limit`` counts (GPU memory on a GPU, host memory for the virtual device)."""
-    return tensor_bytes([*model.parameters(), *model.buffers(), *kv.keys, *kv.values], device)
 
 
 # (prompt ids, output ids so far, fp32 logits [V]) -> logits: applied before penalties and sampling.
@@ -99,6 +89,35 @@ class LLMEngine:
         available = available_memory()
         self.host_pool: HostExpertPool | None = self._attach_filled_pool()
         attached = self.host_pool is not None  # a pool another process filled: already in memory
+        loaded = self._load_model(model_path, show_progress, layers)
+        self.model_config = loaded.config
+        self.pool = loaded.pool
+        self.tokenizer = load_tokenizer(model_path)
+        cfg = self.model_config
+        self.max_model_len = config.context_length(cfg.max_position_embeddings)
+        bs = config.kv_cache.block_size
+        num_blocks = -(-self._kv_tokens() // bs)
+        kv = PagedKVCache.for_model(cfg, num_blocks, bs, self.device)
+        self.experts = self._build_experts(loaded.model, kv)
+        self._routing_file = self._open_routing_record()
+        self._steps = 0
+        self._weight_bytes: dict[str, int] | None = None
+        self.runner = self._build_runner(loaded.model, kv, layers, next_stage)
+        prefix = RadixCache(bs) if config.kv_cache.prefix_caching else None
+        self.scheduler = Scheduler(config.scheduler, BlockAllocator(num_blocks, bs), prefix,
+                                   self._recurrent_config(cfg, staged=layers is not None))
+        self._set_up_requests()
+        self.memory = self._memory_plan(loaded.model, kv, self.runner.states, available, attached)
+        # The model, tokenizer and grammar tables are long-lived: move them out of the collector's
+        # sight, so that the collections the per-step allocations trigger do not walk them again
+        # (a full collection over them cost ~5 % of decode time on the ~1B model).
+        gc.collect()
+        gc.freeze()
+
+    def _load_model(self, model_path: str | Path, show_progress: bool, layers: tuple[int, int] | None) -> LoadedModel:
+        """The checkpoint's model and expert pool, in int8-activation mode if asked, the dense part on
+        the executor device (the experts stay in the host pool)."""
+        config = self.config
         dtype = None if config.dtype == "auto" else config.dtype
         loaded = load_checkpoint(
             model_path, dtype, self._pool_factory(), config.verify_checksums, show_progress,
@@ -116,46 +135,57 @@ class LLMEngine:
             int8_mode.enable(loaded.model, loaded.pool)
         if self.device.type != "cpu":
             move_module(loaded.model, self.device)  # the dense part; the experts stay in the host pool
-        self.model_config = loaded.config
-        self.pool = loaded.pool
-        self.tokenizer = load_tokenizer(model_path)
-        cfg = self.model_config
-        self.max_model_len = config.context_length(cfg.max_position_embeddings)
-        bs = config.kv_cache.block_size
-        num_blocks = -(-self._kv_tokens() // bs)
-        kv = PagedKVCache.for_model(cfg, num_blocks, bs, self.device)
+        return loaded
+
+    def _build_experts(self, model: MoECausalLM, kv: PagedKVCache) -> HierarchicalExpertBackend | None:
+        """The expert hierarchy (None where every expert runs on the CPU), installed as the model's
+        expert backend."""
+        config = self.config
         step_tokens = max(config.scheduler.step_tokens, config.scheduler.prefill_chunk)
-        self.experts = build_hierarchy(cfg, self.pool, config.experts, step_tokens,
-                                       pool_name=self.host_pool.name if self.host_pool is not None else None,
-                                       executor_device=self.device,
-                                       in_use=executor_bytes(loaded.model, kv, self.device),
-                                       # captured steps fill through the fill op (SM loads), not the DMA copy
-                                       link_path="fill_op" if config.static_decode == "graph" else "copy")
-        if self.experts is not None:
-            loaded.model.set_expert_backend(self.experts)
-        self._routing_file = None
-        if config.experts.record_routing:
-            if self.experts is None:
-                raise ValueError("recording routing needs the expert hierarchy (--virtual-device or a GPU)")
-            self._routing_file = open(config.experts.record_routing, "w")  # noqa: SIM115 - closed by close()
-            self.experts.routing_log = []
-        self._steps = 0
-        self._weight_bytes: dict[str, int] | None = None
+        experts = build_hierarchy(self.model_config, self.pool, config.experts, step_tokens,
+                                  pool_name=self.host_pool.name if self.host_pool is not None else None,
+                                  executor_device=self.device,
+                                  in_use=executor_bytes(model, kv, self.device),
+                                  # captured steps fill through the fill op (SM loads), not the DMA copy
+                                  link_path="fill_op" if config.static_decode == "graph" else "copy")
+        if experts is not None:
+            model.set_expert_backend(experts)
+        return experts
+
+    def _open_routing_record(self) -> IO[str] | None:
+        """The file ``record_routing`` names, opened for the routing log (None when not asked)."""
+        path = self.config.experts.record_routing
+        if not path:
+            return None
+        if self.experts is None:
+            raise ValueError("recording routing needs the expert hierarchy (--virtual-device or a GPU)")
+        routing_file = open(path, "w")  # noqa: SIM115 - closed by close()
+        self.experts.routing_log = []
+        return routing_file
+
+    def _build_runner(self, model: MoECausalLM, kv: PagedKVCache, layers: tuple[int, int] | None,
+                      next_stage: Callable[[ForwardBatch, torch.Tensor], torch.Tensor] | None) -> ModelRunner:
+        """The model runner with its recurrent-state pool (hybrid models), the later pipeline stages
+        and the fixed-shape decoder as configured."""
+        config, cfg = self.config, self.model_config
         states = RecurrentStatePool(cfg, config.scheduler.max_num_seqs, self.device) if cfg.linear_layer_ids else None
-        self.runner = ModelRunner(loaded.model, kv, states)
+        runner = ModelRunner(model, kv, states)
         if layers is not None:
             self._check_stage(cfg, next_stage)
-        self.runner.next_stage = next_stage
+        runner.next_stage = next_stage
         if config.static_decode != "off":
-            self.runner.static = StaticDecoder(loaded.model, kv, self.max_model_len, config.static_decode,
-                                               states=states, experts=self.experts)
+            runner.static = StaticDecoder(model, kv, self.max_model_len, config.static_decode,
+                                          states=states, experts=self.experts)
             if self.experts is not None:
-                self.runner.static.on_step = self.experts.observe_step  # the tuner times whole steps here
+                runner.static.on_step = self.experts.observe_step  # the tuner times whole steps here
                 self.experts.tune_layer_calls = False
-                self.runner.static.after_step = self.experts.check_static_step
-        prefix = RadixCache(bs) if config.kv_cache.prefix_caching else None
-        self.scheduler = Scheduler(config.scheduler, BlockAllocator(num_blocks, bs), prefix,
-                                   self._recurrent_config(cfg, staged=layers is not None))
+                runner.static.after_step = self.experts.check_static_step
+        return runner
+
+    def _set_up_requests(self) -> None:
+        """Request bookkeeping and what the tokenizer decides for every request: the anchor tokens,
+        the end-of-sequence ids and the grammar tables."""
+        cfg = self.model_config
         self.anchor_ids = anchor_token_ids(self.tokenizer) if self.tokenizer is not None else frozenset()
         self._requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
@@ -166,12 +196,6 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         tokenizer_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.grammars = Grammars(self.tokenizer, cfg.vocab_size, tokenizer_eos, self.eos_token_ids)
-        self.memory = self._memory_plan(loaded.model, kv, states, available, attached)
-        # The model, tokenizer and grammar tables are long-lived: move them out of the collector's
-        # sight, so that the collections the per-step allocations trigger do not walk them again
-        # (a full collection over them cost ~5 % of decode time on the ~1B model).
-        gc.collect()
-        gc.freeze()
 
     def _memory_plan(self, model: torch.nn.Module, kv: PagedKVCache, states: RecurrentStatePool | None,
                      available: int | None, pool_attached: bool) -> MemoryPlan:

@@ -13,11 +13,10 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from hearth.engine.executor.memory_plan import bytes_by_device, tensor_bytes
+from hearth.engine.executor.memory_plan import bytes_by_device, executor_bytes, tensor_bytes
 from hearth.engine.experts.mechanism.device import page_ranges, pin_host_memory
 from hearth.engine.experts.policy.cache import ExpertCacheTables, cache_step
 from hearth.engine.kernels import device_fill
-from hearth.engine.llm_engine import executor_bytes
 
 PAGE = 4096  # of the pure range arithmetic's cases
 HOST_PAGE = mmap.PAGESIZE  # of the fake CUDA runtime, as pin_host_memory registers them

@@ -1,4 +1,5 @@
-"""Paged KV cache: a pure-Python block allocator plus the per-layer cache tensors.
+"""Paged KV cache: a pure-Python block allocator plus the per-layer cache tensors, and how many
+tokens an engine's cache holds (:func:`kv_cache_tokens`).
 
 A sequence owns a list of fixed-size blocks (its block table); token ``i`` of the sequence lives
 in slot ``block_table[i // block_size] * block_size + i % block_size`` of every layer's cache.
@@ -6,9 +7,26 @@ in slot ``block_table[i // block_size] * block_size + i % block_size`` of every 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from hearth.config import EngineConfig
+from hearth.engine.config import ModelConfig
 from hearth.engine.executor import hugepages
+
+
+def kv_cache_tokens(config: EngineConfig, cfg: ModelConfig, max_model_len: int) -> int:
+    """Tokens the engine's KV cache holds: as set, else every sequence's whole context within the
+    cache's byte budget."""
+    kv = config.kv_cache
+    if kv.num_tokens:
+        return kv.num_tokens
+    # Pipeline stages size their caches alike (their block tables are the first stage's): by the
+    # whole model's bytes per token.
+    per_token = (replace(cfg, layer_range=None) if cfg.layer_range is not None else cfg).kv_bytes_per_token
+    wanted = config.scheduler.max_num_seqs * max_model_len
+    return max(kv.block_size, min(wanted, kv.num_bytes // per_token))
 
 
 class OutOfBlocks(RuntimeError):

@@ -11,8 +11,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from hearth.engine.cache.kv_pages import PagedKVCache
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,12 @@ def tensor_bytes(tensors: Iterable[torch.Tensor], device: torch.device | str | N
         return sum(by_device.values())
     want = torch.device(device)
     return sum(n for name, n in by_device.items() if _same_device(torch.device(name), want))
+
+
+def executor_bytes(model: torch.nn.Module, kv: PagedKVCache, device: torch.device) -> int:
+    """Bytes the executor holds on ``device`` besides its expert cache, the dense weights and the KV
+    cache: what ``--vram-limit`` counts (GPU memory on a GPU, host memory for the virtual device)."""
+    return tensor_bytes([*model.parameters(), *model.buffers(), *kv.keys, *kv.values], device)
 
 
 def _same_device(have: torch.device, want: torch.device) -> bool:
