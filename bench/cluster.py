@@ -214,6 +214,14 @@ def main() -> int:
         local.stop()
         teardown(log=lambda m: None)
         ray.shutdown()
+    report(result)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    emit(result, args.json)
+    return 0
+
+
+def report(result: dict) -> None:
+    """Print the router overhead, the restart times and the idle CPU use."""
     o, r, i = result["overhead"], result["restart"], result["idle"]
     med = o["median_ms"]
     print(f"\nrequest of {o['gen_tokens']} tokens, median of {o['requests']} (ms): engine {med['engine']:.1f}  "
@@ -229,9 +237,6 @@ def main() -> int:
           + ", ".join(f"{k} {v:.2f}%" for k, v in i["percent_of_one_core"].items())
           + f"); an idle Ray actor costs {i['ray_baseline_percent_per_process']:.2f}%: beyond Ray's own "
           f"{i['beyond_ray_percent']:.2f}%")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    emit(result, args.json)
-    return 0
 
 
 if __name__ == "__main__":

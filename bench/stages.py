@@ -138,6 +138,13 @@ def main() -> int:
     finally:
         ray.shutdown()
         cluster.shutdown()
+    report(args, cfg, result)
+    emit(result, args.json)
+    return 0
+
+
+def report(args: argparse.Namespace, cfg, result: dict) -> None:
+    """Print the two deployments' speeds as a table; adds their ratio to ``result``."""
     one, two = result["one machine"]["decode_tok_s"], result["two stages"]["decode_tok_s"]
     result["ratio"] = two / one
     print(f"\n{args.model} ({cfg.architecture}), {args.gen} tokens, median of {args.runs}; two Ray nodes on one "
@@ -148,8 +155,6 @@ def main() -> int:
     print(f"| one machine | {one:.2f} | {c1:.2f} |")
     print(f"| two stages {result['two stages']['stages']} | {two:.2f} | {c2:.2f} |")
     print(f"| ratio | {result['ratio']:.2f}x | {c2 / c1 if c1 else 0:.2f}x |")
-    emit(result, args.json)
-    return 0
 
 
 if __name__ == "__main__":
