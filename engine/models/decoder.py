@@ -73,7 +73,7 @@ class MoECausalLM(nn.Module):
         self._native = None
 
     def native_layers(self, kv: PagedKVCache) -> NativeLayers | None:
-        """The layers' native decode descriptions for ``kv`` (built on first use; see native_layers.py)."""
+        """The layers' native decode descriptions for ``kv`` (built on first use; see executor/native_layers.py)."""
         if self._native is None or self._native[0] is not kv:
             self._native = (kv, NativeLayers.for_model(self, kv))
         return self._native[1]
