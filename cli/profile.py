@@ -10,7 +10,7 @@ import sys
 import torch
 
 from hearth.config import EngineConfig
-from hearth.engine.checkpoint.ftw import load_checkpoint
+from hearth.engine.checkpoint.dispatch import load_checkpoint
 from hearth.engine.experts.build import build_device
 from hearth.engine.experts.measure import measure_host_path, measure_link_path, measure_stream_read
 from hearth.engine.experts.policy.qstar import SplitCosts, build_qtable, step_seconds

@@ -18,7 +18,7 @@ from hearth.config import ConfigError, EngineConfig
 from hearth.engine import int8_mode
 from hearth.engine.anchors import anchor_token_ids
 from hearth.engine.batch import ForwardBatch
-from hearth.engine.checkpoint.ftw import load_checkpoint
+from hearth.engine.checkpoint.dispatch import load_checkpoint
 from hearth.engine.detokenizer import IncrementalDetokenizer
 from hearth.engine.device_placement import move_module, resolve_device
 from hearth.engine.experts.build import build_hierarchy, cache_slots
