@@ -26,8 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import emit  # noqa: E402
+from hearth.engine.checkpoint.dispatch import load_config  # noqa: E402
 from hearth.engine.checkpoint.inspect import human_bytes, summarize  # noqa: E402
-from hearth.engine.checkpoint.loader import load_config  # noqa: E402
 
 RANDOM_1B = {
     "qwen3_moe": dict(

@@ -129,7 +129,7 @@ def real_shapes(rig: ex.Rig, root: Path, layers: int) -> Path:
 def measure_bandwidths(rig: ex.Rig, path: Path) -> dict:
     """B_P from batched fills into the device's slots, B_H from the CPU expert kernel, and the q
     table they give."""
-    from hearth.engine.checkpoint.ftw import load_checkpoint
+    from hearth.engine.checkpoint.dispatch import load_checkpoint
     from hearth.engine.experts.build import build_device
     from hearth.engine.experts.measure import measure_host_path, measure_link_path
     from hearth.engine.experts.policy.qstar import SplitCosts, build_qtable

@@ -7,7 +7,7 @@ import statistics
 
 from bench.common import emit, synthetic_prompt
 from hearth.engine import LLM, SamplingParams
-from hearth.engine.checkpoint.loader import load_config
+from hearth.engine.checkpoint.dispatch import load_config
 from hearth.engine.experts.measure import measure_host_path
 from hearth.engine.ops import activation
 

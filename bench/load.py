@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.common import emit  # noqa: E402
-from hearth.engine.checkpoint.ftw import convert, is_ftw, load_ftw, read_index  # noqa: E402
-from hearth.engine.checkpoint.loader import load_model  # noqa: E402
+from hearth.engine.checkpoint.dispatch import convert  # noqa: E402
+from hearth.engine.checkpoint.ftw import is_ftw, load_ftw, read_index  # noqa: E402
+from hearth.engine.checkpoint.hf import load_model  # noqa: E402
 
 CHUNK = 64 << 20
 

@@ -160,7 +160,7 @@ def has_int8_kernels(path: Path) -> bool:
     """Whether any of the file's tensors is in a format the int8-activation mode computes (a bf16 file's
     weights are not: the mode would change nothing)."""
     from hearth.engine import int8_mode
-    from hearth.engine.checkpoint.gguf_file import GGUFFile
+    from hearth.engine.checkpoint.gguf_reader import GGUFFile
 
     return any(t.quantized and t.format.name in int8_mode.FORMATS for t in GGUFFile(path).tensors.values())
 
@@ -168,7 +168,7 @@ def has_int8_kernels(path: Path) -> bool:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from hearth.engine.checkpoint.gguf_loader import load_gguf_config
+    from hearth.engine.checkpoint.gguf_reader import load_gguf_config
     from hearth.engine.checkpoint.inspect import stored_summary
 
     torch.set_num_threads(args.threads)

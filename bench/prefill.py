@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.common import emit, synthetic_prompt  # noqa: E402
 from hearth.engine import LLM, SamplingParams  # noqa: E402
-from hearth.engine.checkpoint.loader import load_config  # noqa: E402
+from hearth.engine.checkpoint.dispatch import load_config  # noqa: E402
 
 
 def prefill_seconds(llm: LLM, prompt: list[int]) -> float:

@@ -77,8 +77,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hearth.engine.checkpoint.dispatch import load_config
 from hearth.engine.checkpoint.ftw import ALIGN, EXTENT, FORMAT, INDEX, VERSION
-from hearth.engine.checkpoint.loader import load_config
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.mechanism.host_pool import HostExpertPool, cleanup, list_pools
 from hearth.engine.experts.pool import ExpertPool

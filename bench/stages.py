@@ -108,7 +108,7 @@ def main() -> int:
     from ray.cluster_utils import Cluster
 
     from hearth.cluster.deploy import DeployOptions, deploy, teardown
-    from hearth.engine.checkpoint.loader import load_config
+    from hearth.engine.checkpoint.dispatch import load_config
     from hearth.serving.server import free_port
 
     _, cfg = load_config(args.model)

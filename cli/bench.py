@@ -167,8 +167,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def kv_note(model: str, dtype: str) -> str:
     """The model's KV cache bytes per token (and, for latent attention, what expanded K/V would take)."""
+    from hearth.engine.checkpoint.dispatch import load_config
     from hearth.engine.checkpoint.inspect import human_bytes, summarize
-    from hearth.engine.checkpoint.loader import load_config
 
     s = summarize(load_config(model, None if dtype == "auto" else dtype)[1])
     note = f"KV cache per token: {human_bytes(s.kv_bytes_per_token)}"

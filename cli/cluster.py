@@ -80,7 +80,7 @@ def _connect(address: str, start_if_missing: bool = False) -> None:
 def cmd_up(args: argparse.Namespace) -> int:
     from hearth.cluster.deploy import DeployOptions, deploy
     from hearth.engine.checkpoint.demo import DEMO_NAME, demo_model_dir
-    from hearth.engine.checkpoint.loader import load_config
+    from hearth.engine.checkpoint.dispatch import load_config
 
     models = [_model_arg(a) for a in args.model] if args.model else [(DEMO_NAME, demo_model_dir())]
     if args.name and len(models) > 1:

@@ -148,8 +148,8 @@ def _print_speed(out, start: float) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    from hearth.engine.checkpoint.dispatch import load_config
     from hearth.engine.checkpoint.inspect import human_bytes, human_count, stored_summary, summarize
-    from hearth.engine.checkpoint.loader import load_config
 
     _, cfg = load_config(args.model)
     s = summarize(cfg)
@@ -197,7 +197,8 @@ def _blocks_note(in_blocks: list[str], dtype: str) -> str:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from hearth.engine.checkpoint.ftw import convert, read_index
+    from hearth.engine.checkpoint.dispatch import convert
+    from hearth.engine.checkpoint.ftw import read_index
 
     start = time.perf_counter()
     if args.quant is not None:

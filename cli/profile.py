@@ -11,7 +11,7 @@ import torch
 
 from hearth.config import EngineConfig
 from hearth.engine.cache.kv_pages import kv_cache_tokens
-from hearth.engine.checkpoint.ftw import load_checkpoint
+from hearth.engine.checkpoint.dispatch import load_checkpoint
 from hearth.engine.executor.memory_plan import plan_vram, tensor_bytes
 from hearth.engine.experts.build import build_device
 from hearth.engine.experts.measure import measure_host_path, measure_link_path, measure_stream_read

@@ -14,7 +14,7 @@ from pathlib import Path
 from hearth.cli.flags import engine_config, serving_config
 from hearth.config import ServingConfig
 from hearth.engine.checkpoint.demo import DEMO_NAME, demo_model_dir
-from hearth.engine.checkpoint.loader import load_config
+from hearth.engine.checkpoint.dispatch import load_config
 from hearth.serving.server import build_state, configure_logging, serve_async
 
 STILL_LOADING_S = 30.0  # how often a start that is not ready yet reports where it is

@@ -117,7 +117,8 @@ class HostPoolActor:
 
     def __init__(self, spec: ReplicaSpec) -> None:
         from hearth.config import cache_dir
-        from hearth.engine.checkpoint.ftw import convert, is_ftw
+        from hearth.engine.checkpoint.dispatch import convert
+        from hearth.engine.checkpoint.ftw import is_ftw
 
         self.spec = spec
         self.loads = 0
@@ -137,7 +138,7 @@ class HostPoolActor:
         self._load()
 
     def _load(self) -> None:
-        from hearth.engine.checkpoint.ftw import load_checkpoint
+        from hearth.engine.checkpoint.dispatch import load_checkpoint
         from hearth.engine.experts.mechanism.host_pool import HostExpertPool, cleanup, list_pools
 
         if cleanup(self.spec.pool_name):  # left by this actor's previous life (killed): read it again

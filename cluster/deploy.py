@@ -105,8 +105,8 @@ def describe_nodes(nodes: list[dict[str, Any]]) -> list[NodeInfo]:
 def model_spec(path: str, name: str, replicas: int | None = None, require: str | None = None) -> ModelSpec:
     """Pool and dense sizes of the checkpoint at ``path``, from its config (and, for a quantized
     one, its files' size)."""
+    from hearth.engine.checkpoint.dispatch import load_config
     from hearth.engine.checkpoint.inspect import summarize
-    from hearth.engine.checkpoint.loader import load_config
 
     _, cfg = load_config(path)
     s = summarize(cfg)
@@ -239,8 +239,8 @@ def _start_router(config: RouterConfig) -> dict[str, Any]:
 
 def layer_sizes(path: str) -> tuple[list[int], int, int]:
     """(bytes of each decoder layer, experts included; embeddings; head) from the config alone."""
+    from hearth.engine.checkpoint.dispatch import load_config
     from hearth.engine.checkpoint.inspect import summarize
-    from hearth.engine.checkpoint.loader import load_config
 
     _, cfg = load_config(path)
     s = summarize(cfg)

@@ -21,8 +21,8 @@ from hearth.engine.cache.kv_pages import BlockAllocator, PagedKVCache, kv_cache_
 from hearth.engine.cache.prefix_tree import RadixCache
 from hearth.engine.cache.state_checkpoints import CheckpointStore, checkpoint_positions
 from hearth.engine.cache.state_slots import RecurrentStatePool
-from hearth.engine.checkpoint.ftw import load_checkpoint
-from hearth.engine.checkpoint.loader import LoadedModel
+from hearth.engine.checkpoint.common import LoadedModel
+from hearth.engine.checkpoint.dispatch import load_checkpoint
 from hearth.engine.executor.batch import ForwardBatch
 from hearth.engine.executor.device_placement import move_module, resolve_device
 from hearth.engine.executor.fixed_shape import StaticDecoder

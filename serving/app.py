@@ -57,7 +57,7 @@ class ServedModel:
 
     def _build_frontend(self) -> ModelFrontend:
         self.check_ready()
-        from hearth.engine.checkpoint.loader import load_config
+        from hearth.engine.checkpoint.dispatch import load_config
         from hearth.engine.text.tokenizer import load_tokenizer
 
         path = Path(self.client.model.path)

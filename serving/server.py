@@ -43,7 +43,7 @@ def build_state(model: str | Path, engine: EngineConfig, serving: ServingConfig,
 
 def describe_model(model: str | Path, engine: EngineConfig) -> tuple[int, int]:
     """(context length, vocabulary size) from the checkpoint's config alone, before the weights load."""
-    from hearth.engine.checkpoint.loader import load_config
+    from hearth.engine.checkpoint.dispatch import load_config
 
     _, cfg = load_config(model)
     return engine.context_length(cfg.max_position_embeddings), cfg.vocab_size

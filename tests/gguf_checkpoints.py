@@ -20,8 +20,7 @@ def reference(path: Path):
     """transformers on the GGUF file itself, with the widths its GGUF mapping leaves out."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hearth.engine.checkpoint.gguf_file import GGUFFile
-    from hearth.engine.checkpoint.gguf_loader import gguf_hf_config
+    from hearth.engine.checkpoint.gguf_reader import GGUFFile, gguf_hf_config
 
     f = GGUFFile(path)
     config = gguf_hf_config(f)

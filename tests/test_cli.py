@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from hearth.engine.checkpoint.dispatch import load_config
 from hearth.engine.checkpoint.inspect import summarize
-from hearth.engine.checkpoint.loader import load_config
 from hearth.engine.models import supported_architectures
 from tests.helpers import reference
 

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from hearth.engine import LLM
-from hearth.engine.checkpoint.ftw import convert, load_checkpoint, load_ftw, read_index
-from hearth.engine.checkpoint.loader import CheckpointError, load_model
+from hearth.engine.checkpoint.common import CheckpointError
+from hearth.engine.checkpoint.dispatch import convert, load_checkpoint
+from hearth.engine.checkpoint.ftw import load_ftw, read_index
+from hearth.engine.checkpoint.hf import load_model
 from tests.helpers import PROMPTS, greedy, record_logits
 
 

@@ -17,9 +17,10 @@ pytest.importorskip("gguf")
 
 from hearth.cli.main import main  # noqa: E402
 from hearth.engine import LLM  # noqa: E402
-from hearth.engine.checkpoint.ftw import VERSION, convert, load_checkpoint, load_ftw, read_index  # noqa: E402
+from hearth.engine.checkpoint.common import CheckpointError  # noqa: E402
+from hearth.engine.checkpoint.dispatch import convert, load_checkpoint  # noqa: E402
+from hearth.engine.checkpoint.ftw import VERSION, load_ftw, read_index  # noqa: E402
 from hearth.engine.checkpoint.gguf_writer import write_gguf  # noqa: E402
-from hearth.engine.checkpoint.loader import CheckpointError  # noqa: E402
 from hearth.engine.kernels import cpu_decode_ops  # noqa: E402
 from tests.helpers import PROMPTS, greedy, record_logits  # noqa: E402
 
@@ -261,14 +262,14 @@ def test_a_restarted_executor_reattaches_to_a_filled_float_pool(gguf_ftw) -> Non
 
 def test_scattered_reads_span_many_segments(tmp_path) -> None:
     """More segments than one preadv call takes (IOV_MAX), and extents cut across them."""
-    from hearth.engine.checkpoint.ftw import _bytes_of, _cut, _pread_into
+    from hearth.engine.checkpoint.ftw import _pread_into, bytes_of, cut
 
     data = torch.randint(0, 256, (3000 * 7,), dtype=torch.uint8)
     (tmp_path / "f").write_bytes(data.numpy().tobytes())
     bank = torch.zeros(3000, 10, dtype=torch.uint8)  # rows of 10 bytes, the first 7 used
-    flat = _bytes_of(bank)
+    flat = bytes_of(bank)
     segments = [flat[r * 10 : r * 10 + 7] for r in range(3000)]
-    pieces = _cut(segments, [5000, 10000, 6000])
+    pieces = cut(segments, [5000, 10000, 6000])
     fd = os.open(tmp_path / "f", os.O_RDONLY)
     try:
         for start, piece in zip((0, 5000, 15000), pieces, strict=True):

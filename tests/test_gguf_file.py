@@ -9,7 +9,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from hearth.engine.checkpoint.gguf_file import GGUFError, GGUFFile  # noqa: E402
+from hearth.engine.checkpoint.gguf_reader import GGUFError, GGUFFile  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 

@@ -10,7 +10,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from hearth.engine import LLM  # noqa: E402
-from hearth.engine.checkpoint.gguf_file import GGUFError  # noqa: E402
+from hearth.engine.checkpoint.gguf_reader import GGUFError  # noqa: E402
 from tests.gguf_checkpoints import assert_matches_transformers, write_gguf  # noqa: E402
 
 PROMPTS = [[5, 17, 42, 99, 3], [200, 7, 7, 31], list(range(40, 61))]
@@ -30,7 +30,7 @@ def hf_checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("fmt", ["f32", "bf16", "q8_0", "q4_k", "q5_k", "q6_k", "q4_0", "mxfp4"])
 def test_gguf_model_matches_transformers_on_the_same_file(hf_checkpoint, tmp_path, fmt) -> None:
     path = write_gguf(hf_checkpoint, tmp_path / f"m-{fmt}.gguf", fmt)
-    from hearth.engine.checkpoint.gguf_file import GGUFFile
+    from hearth.engine.checkpoint.gguf_reader import GGUFFile
 
     stored = GGUFFile(path).tensors
     matrices = [t for n, t in stored.items() if len(t.shape) >= 2 and "ffn_gate_inp" not in n]  # routers stay f32
@@ -73,7 +73,7 @@ def test_a_gguf_that_does_not_match_its_metadata_is_refused(hf_checkpoint, tmp_p
     with pytest.raises(ValueError, match="missing tensor 'blk.1.ffn_up_exps.weight'"):
         LLM(tmp_path / "less.gguf")
     with pytest.raises(GGUFError, match="no such GGUF file"):
-        from hearth.engine.checkpoint.gguf_file import GGUFFile
+        from hearth.engine.checkpoint.gguf_reader import GGUFFile
 
         GGUFFile(tmp_path / "nope.gguf")
 
@@ -90,7 +90,7 @@ def test_inspect_shows_the_stored_formats_and_bytes_per_token(hf_checkpoint, tmp
     stored = json.loads(out.stdout)["stored"]
     experts = stored["formats"]["experts"]
     assert list(experts) == ["q8_0"] and list(stored["formats"]["norms"]) == ["float32"]
-    from hearth.engine.checkpoint.gguf_file import GGUFFile
+    from hearth.engine.checkpoint.gguf_reader import GGUFFile
 
     f = GGUFFile(path)
     cfg = json.loads((hf_checkpoint / "config.json").read_text())

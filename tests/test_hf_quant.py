@@ -20,8 +20,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from hearth.engine import LLM
+from hearth.engine.checkpoint.common import CheckpointError
+from hearth.engine.checkpoint.hf import load_model
 from hearth.engine.checkpoint.hf_quant import fp8_rows, mxfp4_rows
-from hearth.engine.checkpoint.loader import CheckpointError, load_model
 from hearth.engine.config import ConfigError
 from hearth.engine.kernels import cpu_decode_ops
 from hearth.engine.quant.formats import block_format, dequantize
@@ -315,7 +316,7 @@ def test_gpt_oss_mxfp4_as_shipped_matches_transformers(tmp_path) -> None:
     assert decoded.engine.pool.blocks is None and decoded.engine.pool.gate_up.shape[-1] == 64 + 1
     decoded.close()
     if KERNELS:  # to FTW and back: the blocks and the biases after them, as they were
-        from hearth.engine.checkpoint.ftw import convert
+        from hearth.engine.checkpoint.dispatch import convert
 
         ftw = tmp_path / "gpt-oss-ftw"
         convert(path, ftw)

@@ -131,7 +131,8 @@ def test_owner_that_exits_without_close_removes_its_segment():
 
 def test_restarted_engine_reattaches_without_reading_experts(checkpoint, tmp_path):
     from hearth.engine import LLM
-    from hearth.engine.checkpoint.ftw import convert, read_index
+    from hearth.engine.checkpoint.dispatch import convert
+    from hearth.engine.checkpoint.ftw import read_index
     from tests.helpers import PROMPTS, greedy
 
     src, _ = checkpoint("qwen3_moe")

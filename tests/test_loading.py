@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hearth.engine.checkpoint.loader import CheckpointError, load_model
+from hearth.engine.checkpoint.common import CheckpointError
+from hearth.engine.checkpoint.hf import load_model
 from hearth.engine.config import ConfigError
 
 
@@ -125,7 +126,7 @@ def test_unused_tensors_are_skipped_with_one_log_line(ckpt, caplog):
              "mtp.fc.weight": torch.zeros(2), "model.visual.blocks.0.attn.qkv.weight": torch.zeros(2),
              "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(2)}
     rewrite(ckpt, "model.norm.weight", lambda t: t.update(extra))
-    with caplog.at_level(logging.INFO, logger="hearth.engine.checkpoint.loader"):
+    with caplog.at_level(logging.INFO, logger="hearth.engine.checkpoint.hf"):
         loaded = load_model(ckpt)
     lines = [r.getMessage() for r in caplog.records if "does not use" in r.getMessage()]
     assert len(lines) == 1

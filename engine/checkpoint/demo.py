@@ -8,6 +8,7 @@ its routing has real locality, which makes it the source of the benchmark traces
 
 from __future__ import annotations
 
+from importlib.resources import files
 from pathlib import Path
 
 DEMO_NAME = "hearth-demo"
@@ -15,8 +16,6 @@ DEMO_NAME = "hearth-demo"
 
 def demo_model_dir() -> Path:
     """The bundled demo checkpoint (inside the installed ``hearth.engine`` package)."""
-    from importlib.resources import files
-
     path = Path(str(files("hearth.engine") / "assets" / DEMO_NAME))
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         raise FileNotFoundError(f"{path}: the bundled demo model is missing (a partial checkout or install?); "

@@ -1,4 +1,5 @@
-"""FTW: hearth's own weight format, laid out for a fast, verified start.
+"""FTW: hearth's own weight format, laid out for a fast, verified start (read here, written by
+:mod:`.ftw_writer`).
 
 A directory holds ``ftw.json`` (format version, model config, tensor table, bank layout and
 per-shard checksums), the checkpoint's config and tokenizer files, and binary shards. In a shard
@@ -20,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,13 +30,23 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from hearth.engine.checkpoint.errors import CheckpointError
-from hearth.engine.checkpoint.loader import LoadedModel, load_config, load_model, stage_config, stage_owns
+from hearth.engine.checkpoint.common import (
+    CheckpointError,
+    LoadedModel,
+    PoolFactory,
+    adopt_blocks,
+    blocks_can_stay,
+    replace_parameter,
+    stage_config,
+    stage_owns,
+)
+from hearth.engine.checkpoint.hf import load_hf_config
 from hearth.engine.config import ConfigError, parse_dtype
 from hearth.engine.executor import hugepages
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.models import MoECausalLM, build_model
+from hearth.engine.ops import block_weight
 from hearth.engine.quant.formats import BlockFormat, block_format, dequantize
 
 FORMAT = "hearth-ftw"
@@ -46,195 +56,35 @@ INDEX = "ftw.json"
 ALIGN = 4096
 EXTENT = 64 << 20
 DEFAULT_SHARD_BYTES = 4 << 30
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ftw", ".gguf")
-_BANKS = ("gate_up", "down")
-
-PoolFactory = Callable[[tuple, tuple, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+BANKS = ("gate_up", "down")  # the expert banks, in the order they are stored
 
 
 def is_ftw(path: str | Path) -> bool:
+    """Whether ``path`` is an FTW directory (it holds an index)."""
     return (Path(path) / INDEX).is_file()
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
+def bytes_of(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor's storage (no copy)."""
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``: how the index names a dtype."""
     return str(dtype).removeprefix("torch.")
 
 
-@dataclass
-class _Item:
-    """One region to store: a tensor, or a row range of an expert bank."""
-
-    bank: str | None  # None for a tensor, else "gate_up" / "down"
-    name: str  # the tensor's name (banks: for progress and messages)
-    entry: dict  # its index fields besides shard and offset
-    nbytes: int
-    segments: list[memoryview]  # its bytes, in order (views: nothing is copied)
-
-
-def _row_segments(bank: torch.Tensor, r0: int, r1: int, used: int) -> list[memoryview]:
+def row_segments(bank: torch.Tensor, r0: int, r1: int, used: int) -> list[memoryview]:
     """The first ``used`` bytes of rows r0..r1 of a uint8 bank: one view where they fill the rows."""
-    flat, width = _bytes_of(bank), bank.shape[1]
+    flat, width = bytes_of(bank), bank.shape[1]
     if used == width:
         return [flat[r0 * width : r1 * width]]
     return [flat[r * width : r * width + used] for r in range(r0, r1)]
 
 
-def _items(loaded: LoadedModel, shard_bytes: int) -> list[_Item]:
-    cfg, pool = loaded.config, loaded.pool
-    items = []
-    for name, p in loaded.model.named_parameters():  # duplicates (tied lm_head) come once
-        if cfg.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        t = p.data.contiguous()
-        entry = {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
-        fmt = getattr(p, "block_format", None)
-        if fmt is not None:
-            entry["format"] = fmt.name
-        items.append(_Item(None, name, entry, t.nbytes, [_bytes_of(t)]))
-    for bank in _BANKS:
-        t = getattr(pool, bank)
-        if pool.blocks is None:  # float banks: [rows, 2I, H] / [rows, H, I], pieces across layers
-            rows_per_piece = max(1, shard_bytes // max(t[0].nbytes, 1))
-            for r0 in range(0, t.shape[0], rows_per_piece):
-                r1 = min(r0 + rows_per_piece, t.shape[0])
-                items.append(_Item(bank, f"expert bank {bank} rows {r0}..{r1}",
-                                   {"shape": list(t[r0:r1].shape), "rows": [r0, r1]}, t[r0:r1].nbytes,
-                                   [_bytes_of(t[r0:r1])]))
-            continue
-        for layer in pool.moe_layer_ids:  # blocks: each layer's rows as wide as its formats make them
-            blocks = pool.layer_blocks(layer)
-            used = blocks.gate_up_row_bytes if bank == "gate_up" else blocks.down_row_bytes  # (with any biases)
-            base = pool.layer_rows(layer)
-            rows_per_piece = max(1, shard_bytes // max(used, 1))
-            for r0 in range(base, base + pool.num_experts, rows_per_piece):
-                r1 = min(r0 + rows_per_piece, base + pool.num_experts)
-                items.append(_Item(bank, f"expert bank {bank} rows {r0}..{r1}",
-                                   {"shape": [r1 - r0, used], "rows": [r0, r1]}, (r1 - r0) * used,
-                                   _row_segments(t, r0, r1, used)))
-    return items
-
-
-def _extents(offset: int, nbytes: int) -> list[tuple[int, int]]:
+def extents_of(offset: int, nbytes: int) -> list[tuple[int, int]]:
+    """(offset, length) of each checksummed extent of ``nbytes`` stored at ``offset``."""
     return [(offset + s, min(EXTENT, nbytes - s)) for s in range(0, nbytes, EXTENT)]
-
-
-def _plan(items: list[_Item], shard_bytes: int) -> list[list[tuple[_Item, int]]]:
-    """Assign every item a shard and an aligned offset: [[(item, offset), ...] per shard]."""
-    shards: list[list[tuple[_Item, int]]] = [[]]
-    offset = 0
-    for item in items:
-        aligned = -(-offset // ALIGN) * ALIGN
-        if shards[-1] and aligned + item.nbytes > shard_bytes:
-            shards.append([])
-            aligned = 0
-        shards[-1].append((item, aligned))
-        offset = aligned + item.nbytes
-    return shards
-
-
-def _write_item(f, item: _Item, offset: int, bar) -> list[list[int]]:
-    """Write ``item`` at ``offset``; its extents [[offset, length, crc32], …] (cut every EXTENT bytes
-    from ``offset``, as the reader reads them)."""
-    if sum(len(seg) for seg in item.segments) != item.nbytes:
-        raise RuntimeError(f"FTW writer: '{item.name}' does not hold the {item.nbytes} bytes its entry says")
-    f.seek(offset)
-    extents: list[list[int]] = []
-    spans = _extents(offset, item.nbytes)
-    for (start, length), pieces in zip(spans, _cut(item.segments, [n for _, n in spans]), strict=True):
-        crc = 0
-        for piece in pieces:
-            f.write(piece)
-            crc = zlib.crc32(piece, crc)
-            bar.update(len(piece))
-        extents.append([start, length, crc])
-    return extents
-
-
-def write_ftw(loaded: LoadedModel, dst: str | Path, shard_bytes: int = DEFAULT_SHARD_BYTES,
-              show_progress: bool = False) -> Path:
-    """Write ``loaded`` (model + expert pool, floats or blocks as they run) as an FTW directory;
-    returns its index path."""
-    dst = Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    items = _items(loaded, shard_bytes)
-    bar = tqdm(total=sum(i.nbytes for i in items), unit="B", unit_scale=True, desc="writing FTW",
-               disable=not show_progress)
-    shards: list[dict] = []
-    tensors: dict[str, dict] = {}
-    banks: dict[str, list[dict]] = {bank: [] for bank in _BANKS}
-    for shard_no, placed in enumerate(_plan(items, shard_bytes)):
-        name = f"weights-{shard_no:05d}.ftw"
-        extents = []
-        with open(dst / name, "wb") as f:
-            for item, offset in placed:
-                extents += _write_item(f, item, offset, bar)
-                entry = {"shard": shard_no, "offset": offset, **item.entry}
-                if item.bank is not None:
-                    banks[item.bank].append(entry)
-                else:
-                    tensors[item.name] = entry
-            size = f.tell()
-        shards.append({"file": name, "bytes": size, "checksum": "crc32-per-extent", "extents": extents})
-    bar.close()
-    cfg, pool = loaded.config, loaded.pool
-    bank_index = {"order": "global id (layer * num_experts + expert), MoE layers only",
-                  "moe_layers": list(cfg.moe_layer_ids), "num_experts": cfg.num_experts}
-    if pool.blocks is not None:
-        bank_index["blocks"] = {str(layer): {"gate_up": b.gate_up.name, "down": b.down.name}
-                                for layer, b in sorted(pool.blocks.items())}
-    index = {
-        "format": FORMAT, "version": VERSION, "alignment": ALIGN, "extent_bytes": EXTENT,
-        "dtype": _dtype_name(cfg.dtype),
-        "config": _side_files(loaded.model_dir, dst),
-        "banks": {**bank_index, **banks},
-        "tensors": tensors, "shards": shards,
-    }
-    path = dst / INDEX
-    path.write_text(json.dumps(index, indent=1))
-    return path
-
-
-def _side_files(src: Path, dst: Path) -> dict:
-    """Write the config and tokenizer files beside the shards; returns the config. A checkpoint
-    directory's are copied (config.json, tokenizer and template files: everything except weights);
-    a GGUF file's come from its metadata: config.json from transformers' reading of it (completed as
-    the GGUF loader completes it), the tokenizer and chat template saved by transformers."""
-    if src.is_file():
-        from hearth.engine.checkpoint.gguf_file import GGUFFile
-        from hearth.engine.checkpoint.gguf_loader import gguf_hf_config
-        from hearth.engine.text.tokenizer import load_tokenizer
-
-        config = json.loads(gguf_hf_config(GGUFFile(src)).to_json_string(use_diff=False))
-        (dst / "config.json").write_text(json.dumps(config, indent=2))
-        tokenizer = load_tokenizer(src)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(dst))
-        return config
-    for p in src.iterdir():
-        if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES) and p.name != "model.safetensors.index.json":
-            shutil.copy2(p, dst / p.name)
-    return json.loads((src / "config.json").read_text())
-
-
-def convert(src: str | Path, dst: str | Path, dtype: str | None = None, shard_bytes: int = DEFAULT_SHARD_BYTES,
-            show_progress: bool = False) -> Path:
-    """Convert a Hugging Face checkpoint directory or a GGUF file into an FTW directory. Quantized
-    weights (a GGUF file's, an FP8 or MXFP4 checkpoint's) are stored in their blocks, as they run in
-    float32 (the default for them); with another ``dtype`` they are decoded to it."""
-    from hearth.engine.checkpoint.gguf_loader import is_gguf, load_gguf
-
-    if Path(dst).resolve() == Path(src).resolve():
-        raise ConfigError("the FTW output directory must differ from the source checkpoint")
-    if is_gguf(src):
-        loaded = load_gguf(src, dtype, show_progress=show_progress, for_storage=True)
-    else:
-        loaded = load_model(src, dtype, show_progress=show_progress, for_storage=True)
-    return write_ftw(loaded, dst, shard_bytes, show_progress)
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -340,9 +190,6 @@ def _adopt_block_tensors(index: dict, model: MoECausalLM, wanted: dict[str, torc
     """Check every tensor stored in blocks against its float parameter; with ``keep`` put a uint8
     block weight in its place (and let fused layers fuse them), to be read into. Returns the
     formats by tensor name."""
-    from hearth.engine.checkpoint.gguf_loader import adopt_blocks, replace_parameter
-    from hearth.engine.ops import block_weight
-
     formats = {}
     for name, param in wanted.items():
         entry = index["tensors"][name]
@@ -363,7 +210,7 @@ def _adopt_block_tensors(index: dict, model: MoECausalLM, wanted: dict[str, torc
 
 def _region(entry: dict, nbytes: int, what: str, crcs: dict) -> _Region:
     extents = []
-    for start, length in _extents(entry["offset"], nbytes):
+    for start, length in extents_of(entry["offset"], nbytes):
         known = crcs.get((entry["shard"], start))
         if known is None or known[0] != length:
             raise CheckpointError(f"FTW index has no checksum extent for '{what}' at byte {start}")
@@ -378,7 +225,20 @@ def _decoder(dst: torch.Tensor, fmt: BlockFormat, rows: int, cols: int) -> Calla
 
 def _plan_regions(index: dict, model: MoECausalLM, pool: ExpertPool, cfg, keep_dense: bool,
                   bank_blocks: dict[int, ExpertBlocks] | None, read_banks: bool = True) -> list[_Region]:
+    """Every region to read and where its bytes go: the model's tensors, then the expert banks
+    (checked, but not read, without ``read_banks``). Any mismatch with the model is an error."""
     crcs = {(s, e[0]): (e[1], e[2]) for s, shard in enumerate(index["shards"]) for e in shard["extents"]}
+    regions = _tensor_regions(index, model, cfg, keep_dense, crcs)
+    every = _all_moe_layers(cfg)
+    held = _stage_rows(cfg) if cfg.layer_range is not None else (0, len(every) * cfg.num_experts)
+    for bank in BANKS:
+        regions += _bank_regions(index, bank, getattr(pool, bank), cfg, bank_blocks, held, crcs, read_banks)
+    return regions
+
+
+def _tensor_regions(index: dict, model: MoECausalLM, cfg, keep_dense: bool, crcs: dict) -> list[_Region]:
+    """The model's tensors (a pipeline stage's own): floats straight into their parameters, blocks
+    into their block weights where kept, else decoded."""
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     wanted = {n: p for n, p in model.named_parameters() if n not in tied}
     missing = sorted(set(wanted) - set(index["tensors"]))
@@ -398,70 +258,93 @@ def _plan_regions(index: dict, model: MoECausalLM, pool: ExpertPool, cfg, keep_d
             if list(entry["shape"]) != list(param.shape):
                 raise CheckpointError(f"FTW tensor '{name}' has shape {entry['shape']}, expected {list(param.shape)}")
             stored = entry.get("dtype", index["dtype"])
-            if stored != _dtype_name(param.dtype):
-                raise CheckpointError(f"FTW tensor '{name}' is stored as {stored}, expected {_dtype_name(param.dtype)}")
+            if stored != dtype_name(param.dtype):
+                raise CheckpointError(f"FTW tensor '{name}' is stored as {stored}, expected {dtype_name(param.dtype)}")
             region = _region(entry, param.nbytes, name, crcs)
-            region.segments = [_bytes_of(param.data)]
+            region.segments = [bytes_of(param.data)]
         else:
-            nbytes = math.prod(entry["shape"])
-            region = _region(entry, nbytes, name, crcs)
+            region = _region(entry, math.prod(entry["shape"]), name, crcs)
             if param.dtype == torch.uint8:  # kept: straight into the block weight
-                region.segments = [_bytes_of(param.data)]
+                region.segments = [bytes_of(param.data)]
             else:
                 rows, cols = float_shapes[name]
                 region.decode = _decoder(param.data, fmt, rows, cols)
         regions.append(region)
+    return regions
+
+
+def _bank_regions(index: dict, bank: str, t: torch.Tensor, cfg, bank_blocks: dict[int, ExpertBlocks] | None,
+                  held: tuple[int, int], crcs: dict, read: bool) -> list[_Region]:
+    """One expert bank's pieces that overlap the rows [lo, hi) of the whole model's bank this pool
+    holds (``held``); the pool's rows must be covered exactly once."""
+    lo, hi = held
+    regions: list[_Region] = []
+    covered = 0
+    for piece in index["banks"][bank]:
+        f0, f1 = piece["rows"]  # rows of the whole model's bank
+        what = f"expert bank {bank} rows {f0}..{f1}"
+        a, b = max(f0, lo), min(f1, hi)  # the part this pool holds
+        if a >= b:
+            continue
+        covered += b - a
+        if bank_blocks is None:
+            region = _float_piece(piece, what, t, lo, (a, b), crcs, read)
+        else:
+            region = _block_piece(piece, what, bank, t, lo, cfg, bank_blocks, crcs, read)
+        if region is not None:
+            regions.append(region)
+    if covered != t.shape[0]:
+        raise CheckpointError(f"FTW bank {bank} covers {covered} expert rows, the model has {t.shape[0]}")
+    return regions
+
+
+def _float_piece(piece: dict, what: str, t: torch.Tensor, lo: int, part: tuple[int, int], crcs: dict,
+                 read: bool) -> _Region | None:
+    """A piece of a float bank, of which the pool holds rows ``part`` of the whole model's bank (all
+    of it, or, across a pipeline stage's boundary, a part); None when not ``read``."""
+    f0, f1 = piece["rows"]
+    row_shape = list(t.shape[1:])
+    if list(piece["shape"]) != [f1 - f0, *row_shape]:
+        raise CheckpointError(f"FTW tensor '{what}' has shape {piece['shape']}, expected {[f1 - f0, *row_shape]}")
+    if not read:
+        return None
+    region = _region(piece, (f1 - f0) * t[0].nbytes, what, crcs)
+    a, b = part
+    if (a, b) == (f0, f1):
+        region.segments = [bytes_of(t[f0 - lo : f1 - lo])]
+    else:  # a piece across a stage boundary: read whole, keep this stage's rows
+        region.decode = _rows_copier(t, a - lo, b - lo, a - f0, f1 - f0)
+    return region
+
+
+def _block_piece(piece: dict, what: str, bank: str, t: torch.Tensor, lo: int, cfg,
+                 bank_blocks: dict[int, ExpertBlocks], crcs: dict, read: bool) -> _Region | None:
+    """A piece of a bank in blocks (within one MoE layer's rows): its rows' blocks kept at the start
+    of their bank rows, or decoded into a float pool; None when not ``read``."""
     i, h, e = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
     every = _all_moe_layers(cfg)
-    lo, hi = _stage_rows(cfg) if cfg.layer_range is not None else (0, len(every) * e)
-    for bank in _BANKS:
-        t = getattr(pool, bank)
-        covered = 0
-        for piece in index["banks"][bank]:
-            f0, f1 = piece["rows"]  # rows of the whole model's bank
-            what = f"expert bank {bank} rows {f0}..{f1}"
-            a, b = max(f0, lo), min(f1, hi)  # the part this pool holds
-            if a >= b:
-                continue
-            covered += b - a
-            r0, r1 = f0 - lo, f1 - lo  # the piece's rows in this pool (outside it where only a part is ours)
-            if bank_blocks is None:  # float banks
-                row_shape = list(t.shape[1:])
-                if list(piece["shape"]) != [f1 - f0, *row_shape]:
-                    raise CheckpointError(f"FTW tensor '{what}' has shape {piece['shape']}, expected "
-                                          f"{[f1 - f0, *row_shape]}")
-                if not read_banks:
-                    continue
-                region = _region(piece, (f1 - f0) * t[0].nbytes, what, crcs)
-                if (a, b) == (f0, f1):
-                    region.segments = [_bytes_of(t[r0:r1])]
-                else:  # a piece across a stage boundary: read whole, keep this stage's rows
-                    region.decode = _rows_copier(t, a - lo, b - lo, a - f0, f1 - f0)
-                regions.append(region)
-                continue
-            rank = f0 // e
-            if not (0 <= rank < len(every) and f0 < f1 <= (rank + 1) * e):
-                raise CheckpointError(f"FTW '{what}' does not lie within one MoE layer's rows")
-            blocks = bank_blocks[every[rank]]
-            used = blocks.gate_up_row_bytes if bank == "gate_up" else blocks.down_row_bytes
-            if list(piece["shape"]) != [r1 - r0, used]:
-                raise CheckpointError(f"FTW tensor '{what}' has shape {piece['shape']}, expected {[r1 - r0, used]}")
-            if not read_banks:
-                continue
-            region = _region(piece, (r1 - r0) * used, what, crcs)
-            if t.dtype == torch.uint8:  # kept: each row's blocks at the start of its bank row
-                region.segments = _row_segments(t, r0, r1, used)
-            elif blocks.bias:
-                raise CheckpointError(f"FTW '{what}': experts with biases in blocks are read as stored only (float32 "
-                                      "compute, in-process CPU experts); convert the original checkpoint instead")
-            elif bank == "gate_up":
-                region.decode = _decoder(t[r0:r1], blocks.gate_up, (r1 - r0) * 2 * i, h)
-            else:
-                region.decode = _decoder(t[r0:r1], blocks.down, (r1 - r0) * h, i)
-            regions.append(region)
-        if covered != t.shape[0]:
-            raise CheckpointError(f"FTW bank {bank} covers {covered} expert rows, the model has {t.shape[0]}")
-    return regions
+    f0, f1 = piece["rows"]
+    r0, r1 = f0 - lo, f1 - lo  # the piece's rows in this pool
+    rank = f0 // e
+    if not (0 <= rank < len(every) and f0 < f1 <= (rank + 1) * e):
+        raise CheckpointError(f"FTW '{what}' does not lie within one MoE layer's rows")
+    blocks = bank_blocks[every[rank]]
+    used = blocks.gate_up_row_bytes if bank == "gate_up" else blocks.down_row_bytes
+    if list(piece["shape"]) != [r1 - r0, used]:
+        raise CheckpointError(f"FTW tensor '{what}' has shape {piece['shape']}, expected {[r1 - r0, used]}")
+    if not read:
+        return None
+    region = _region(piece, (r1 - r0) * used, what, crcs)
+    if t.dtype == torch.uint8:  # kept: each row's blocks at the start of its bank row
+        region.segments = row_segments(t, r0, r1, used)
+    elif blocks.bias:
+        raise CheckpointError(f"FTW '{what}': experts with biases in blocks are read as stored only (float32 "
+                              "compute, in-process CPU experts); convert the original checkpoint instead")
+    elif bank == "gate_up":
+        region.decode = _decoder(t[r0:r1], blocks.gate_up, (r1 - r0) * 2 * i, h)
+    else:
+        region.decode = _decoder(t[r0:r1], blocks.down, (r1 - r0) * h, i)
+    return region
 
 
 def _rows_copier(dst: torch.Tensor, d0: int, d1: int, s0: int, rows: int) -> Callable[[torch.Tensor], None]:
@@ -470,7 +353,7 @@ def _rows_copier(dst: torch.Tensor, d0: int, d1: int, s0: int, rows: int) -> Cal
     return lambda raw: dst[d0:d1].copy_(raw.view(dst.dtype).view(rows, *dst.shape[1:])[s0 : s0 + d1 - d0])
 
 
-def _cut(segments: list[memoryview], lengths: list[int]) -> list[list[memoryview]]:
+def cut(segments: list[memoryview], lengths: list[int]) -> list[list[memoryview]]:
     """Split the bytes of ``segments`` (in order) into consecutive pieces of ``lengths``."""
     out, i, skip = [], 0, 0
     for length in lengths:
@@ -489,7 +372,7 @@ def _cut(segments: list[memoryview], lengths: list[int]) -> list[list[memoryview
 
 
 def _reads(region: _Region, segments: list[memoryview]) -> list[_Read]:
-    pieces = _cut(segments, [length for _, length, _ in region.extents])
+    pieces = cut(segments, [length for _, length, _ in region.extents])
     return [_Read(region.entry["shard"], start, dst, crc, region.what)
             for (start, _, crc), dst in zip(region.extents, pieces, strict=True)]
 
@@ -531,14 +414,12 @@ def load_ftw(path: str | Path, dtype: str | torch.dtype | None = None, pool_fact
     Weights stored in blocks stay in them (as a GGUF file's or a quantized checkpoint's would) where
     the native kernels run and ``keep_blocks``; the experts only in a pool of the loader's own (a
     ``pool_factory``'s or a filled pool holds floats). Elsewhere they are decoded as they land."""
-    from hearth.engine.checkpoint.gguf_loader import blocks_can_stay
-
     path = Path(path)
     index = read_index(path)
     stored = getattr(torch, index["dtype"])
     if dtype not in (None, "auto") and parse_dtype({}, dtype) != stored:
         raise ConfigError(f"{path} stores {index['dtype']} weights; convert it again with --dtype to use {dtype}")
-    _, cfg = load_config(path, stored)
+    _, cfg = load_hf_config(path, stored)  # the source's config.json, kept beside the shards
     if layers is not None:
         if filled_pool is not None:
             raise ConfigError("a pipeline stage reads its own layers; it does not attach to a shared pool")
@@ -557,6 +438,15 @@ def load_ftw(path: str | Path, dtype: str | torch.dtype | None = None, pool_fact
     pool = ExpertPool(cfg, storage, bank_blocks if keep_experts else None)
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
     regions = _plan_regions(index, model, pool, cfg, keep, bank_blocks, read_banks=filled_pool is None)
+    _read_regions(index, files, regions, verify, threads, show_progress)
+    model.eval()
+    return LoadedModel(config=cfg, model=model, pool=pool, model_dir=path)
+
+
+def _read_regions(index: dict, files: list[Path], regions: list[_Region], verify: bool, threads: int | None,
+                  show_progress: bool) -> None:
+    """Read every region from the shards ``files`` with parallel positional reads, each extent's
+    CRC-32 checked where ``verify``."""
     fds = [os.open(f, os.O_RDONLY) for f in files]
     bar = tqdm(total=sum(r.nbytes for r in regions), unit="B", unit_scale=True, desc="loading FTW",
                disable=not show_progress)
@@ -588,36 +478,9 @@ def load_ftw(path: str | Path, dtype: str | torch.dtype | None = None, pool_fact
             for r in regions:
                 if r.decode is not None:
                     raw = torch.empty(r.nbytes, dtype=torch.uint8)
-                    read_all(ex, _reads(r, [_bytes_of(raw)]))
+                    read_all(ex, _reads(r, [bytes_of(raw)]))
                     r.decode(raw)
     finally:
         bar.close()
         for fd in fds:
             os.close(fd)
-    model.eval()
-    return LoadedModel(config=cfg, model=model, pool=pool, model_dir=path)
-
-
-def load_checkpoint(path: str | Path, dtype: str | torch.dtype | None = None, pool_factory: PoolFactory | None = None,
-                    verify: bool = True, show_progress: bool = False,
-                    filled_pool: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    keep_blocks: bool = True, layers: tuple[int, int] | None = None) -> LoadedModel:
-    """Load an FTW directory, a GGUF file, or a Hugging Face directory (converted in memory to the
-    same layout). ``keep_blocks``: quantized weights (a GGUF file's, an FP8 / MXFP4 checkpoint's, or
-    an FTW directory's stored in blocks) may stay in their blocks (not when CPU worker processes,
-    which compute float experts, share the pool)."""
-    from hearth.engine.checkpoint.gguf_loader import is_gguf, load_gguf
-
-    if is_gguf(path):
-        if filled_pool is not None:
-            raise ConfigError("re-attaching to a filled shared expert pool needs an FTW checkpoint")
-        return load_gguf(path, dtype, show_progress=show_progress, pool_factory=pool_factory, keep_blocks=keep_blocks,
-                         layers=layers)
-    if is_ftw(path):
-        return load_ftw(path, dtype, pool_factory, verify, show_progress, filled_pool=filled_pool,
-                        keep_blocks=keep_blocks, layers=layers)
-    if filled_pool is not None:
-        raise ConfigError("re-attaching to a filled shared expert pool needs an FTW checkpoint "
-                          "(convert it with `hearth convert`)")
-    return load_model(path, dtype, show_progress=show_progress, pool_factory=pool_factory, keep_blocks=keep_blocks,
-                      layers=layers)

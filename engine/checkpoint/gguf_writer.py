@@ -19,8 +19,11 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from hearth.engine.checkpoint.names import FUSED
+from hearth.engine.checkpoint.common import FUSED
+from hearth.engine.checkpoint.gguf_reader import permute_rope_rows
+from hearth.engine.models import family_for
 from hearth.engine.quant.formats import FORMATS
+from hearth.engine.quant.quantize import quantize
 
 # Hugging Face architecture -> GGUF architecture (the gguf package's MODEL_ARCH member).
 ARCHITECTURES = {"Qwen3MoeForCausalLM": "QWEN3MOE", "Qwen2MoeForCausalLM": "QWEN2MOE",
@@ -56,21 +59,11 @@ def tensor_format(name: str, quant: str, num_layers: int) -> str:
     return more if layer and sensitive and more_bits(int(layer.group(1)), num_layers) else base
 
 
-def permute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """q/k rows from the Hugging Face rotary layout (halves) to GGUF ``llama``'s (interleaved
-    pairs), as llama.cpp's converter writes them; :func:`unpermute_rope_rows` undoes it."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_progress: bool = False) -> Path:
     """``hf_dir``'s checkpoint as one GGUF file at ``out``, its matrices in ``quant`` (see
     :data:`QUANTS`) where their rows are whole blocks (f32 otherwise); norms, biases and the router
     stay f32."""
-    import gguf
+    import gguf  # deferred: the gguf package is needed for GGUF files only
 
     hf_dir, out = Path(hf_dir), Path(out)
     if quant not in QUANTS:
@@ -79,33 +72,14 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
     archs = cfg.get("architectures") or []
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise ConvertError(f"{hf_dir}: GGUF writing supports {', '.join(ARCHITECTURES)}, not {archs}")
-    from hearth.engine.models import family_for
-
     arch = getattr(gguf.MODEL_ARCH, ARCHITECTURES[archs[0]])
     family = family_for(archs)
     layers = cfg["num_hidden_layers"]
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
     _metadata(writer, cfg, quant)
     _tokenizer(writer, hf_dir)
-    names = gguf.TensorNameMap(arch, layers)
     tensors = _read_tensors(hf_dir)
-    experts: dict[tuple[int, str], dict[int, str]] = {}
-    fused: dict[tuple[int, str], str] = {}
-    dense = []
-    for name in tensors:
-        canonical = family.map_name(name)
-        m, f = _EXPERT.match(canonical), FUSED.match(canonical)
-        if m:
-            experts.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = name
-            continue
-        if f:
-            fused[(int(f.group(1)), f.group(2))] = name
-            continue
-        base, suffix = canonical.rsplit(".", 1)
-        target = names.get_name(base)
-        if target is None:
-            raise ConvertError(f"{hf_dir}: no GGUF name for tensor '{name}'")
-        dense.append((f"{target}.{suffix}", name))
+    dense, experts, fused = _sort_tensors(tensors, family, gguf.TensorNameMap(arch, layers), hf_dir)
     stacked = _stacked_experts(tensors, experts, fused, cfg["moe_intermediate_size"] if "moe_intermediate_size" in cfg
                                else cfg["intermediate_size"])
     bar = tqdm(total=len(dense) + len(stacked), desc=f"writing {quant}", unit="t", disable=not show_progress)
@@ -131,6 +105,29 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _sort_tensors(tensors: dict, family, names, hf_dir: Path) -> tuple[list, dict, dict]:
+    """The checkpoint's tensors by kind: dense ones as (GGUF name, name), per-expert ones as
+    {(layer, gate|up|down): {expert: name}}, fused ones as {(layer, gate_up_proj|down_proj): name}."""
+    experts: dict[tuple[int, str], dict[int, str]] = {}
+    fused: dict[tuple[int, str], str] = {}
+    dense = []
+    for name in tensors:
+        canonical = family.map_name(name)
+        m, f = _EXPERT.match(canonical), FUSED.match(canonical)
+        if m:
+            experts.setdefault((int(m.group(1)), m.group(3)), {})[int(m.group(2))] = name
+            continue
+        if f:
+            fused[(int(f.group(1)), f.group(2))] = name
+            continue
+        base, suffix = canonical.rsplit(".", 1)
+        target = names.get_name(base)
+        if target is None:
+            raise ConvertError(f"{hf_dir}: no GGUF name for tensor '{name}'")
+        dense.append((f"{target}.{suffix}", name))
+    return dense, experts, fused
 
 
 def _stacked_experts(tensors: dict, experts: dict, fused: dict, inter: int) -> dict:
@@ -223,9 +220,7 @@ def _tokenizer(writer, hf_dir: Path) -> None:
 
 
 def _add(writer, name: str, t: torch.Tensor, fmt: str) -> None:
-    import gguf
-
-    from hearth.engine.quant.quantize import quantize
+    import gguf  # deferred: the gguf package is needed for GGUF files only
 
     x = t.float()
     if fmt in FORMATS and x.shape[-1] % FORMATS[fmt].block_elems == 0:

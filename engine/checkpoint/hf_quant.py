@@ -32,12 +32,12 @@ from typing import Any
 
 import torch
 
-from hearth.engine.checkpoint.errors import CheckpointError
-from hearth.engine.checkpoint.names import FUSED, PER_EXPERT
+from hearth.engine.checkpoint.common import FUSED, PER_EXPERT, CheckpointError, replace_parameter
 from hearth.engine.config import ConfigError
 from hearth.engine.executor import hugepages
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
-from hearth.engine.ops import deinterleave
+from hearth.engine.layers.linear import Projection, TokenEmbedding
+from hearth.engine.ops import block_weight, deinterleave
 from hearth.engine.quant.formats import FORMATS, HEARTH_FORMATS, BlockFormat, dequantize
 
 FP8_BLOCK = HEARTH_FORMATS["fp8_e4m3"]
@@ -134,7 +134,7 @@ def mxfp4_rows(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class QuantLoader:
-    """Reads a quantized checkpoint's quantized tensors for :func:`hearth.engine.checkpoint.loader.load_model`:
+    """Reads a quantized checkpoint's quantized tensors for :func:`hearth.engine.checkpoint.hf.load_model`:
     ``load`` takes a tensor (True when it was one of them), ``finish`` reports scales nothing used.
     Mismatches the plain loader reports too (shapes, unexpected names) go to ``progress.errors``;
     what only quantized tensors can get wrong raises at once, one line naming the file and tensor."""
@@ -146,7 +146,7 @@ class QuantLoader:
     model: torch.nn.Module
     pool: ExpertPool
     keep_dense: bool  # dense projections may stay in blocks
-    progress: Any  # the loader's _Progress
+    progress: Any  # hf's _Progress (which tensors are still missing)
     scales_seen: set[str] = field(default_factory=set)
     scales_used: set[str] = field(default_factory=set)
 
@@ -206,9 +206,6 @@ class QuantLoader:
         rows = self._fp8_tensor(name, shape, f)
         owner = self.model.get_submodule(canonical.rsplit(".", 1)[0])
         if self.keep_dense and len(shape) == 2 and _takes_blocks(owner):
-            from hearth.engine.checkpoint.gguf_loader import replace_parameter
-            from hearth.engine.ops import block_weight
-
             replace_parameter(self.model, param, block_weight(rows, FP8_BLOCK))
         else:
             param.data.copy_(dequantize(rows.reshape(-1, rows.shape[-1]), FP8_BLOCK, shape[-1]).reshape(shape))
@@ -302,6 +299,4 @@ class QuantLoader:
 def _takes_blocks(module: torch.nn.Module) -> bool:
     """Whether a module computes from its weight through :func:`~hearth.engine.ops.linear` (or
     gathers rows of it), which read block weights."""
-    from hearth.engine.layers.linear import Projection, TokenEmbedding
-
     return isinstance(module, Projection | TokenEmbedding)

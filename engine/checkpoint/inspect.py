@@ -1,13 +1,23 @@
-"""Static facts about a model: parameter counts, expert sizes, bytes read per decode token."""
+"""Static facts about a model: parameter counts, expert sizes and bytes read per decode token from
+its config alone (:func:`summarize`), and what a checkpoint stores in which formats
+(:func:`stored_summary`)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
-from hearth.engine.config import ModelConfig
+from hearth.engine.checkpoint.dispatch import checkpoint_format
+from hearth.engine.checkpoint.ftw import BANKS, read_index
+from hearth.engine.checkpoint.gguf_reader import GGUFFile, expert_blocks, kernel_format
+from hearth.engine.checkpoint.hf import checkpoint_files, is_unused_tensor, open_safetensors
+from hearth.engine.checkpoint.hf_quant import QuantSpec, quant_spec
+from hearth.engine.config import ModelConfig, read_config_json
+from hearth.engine.kernels import cpu_decode_ops
+from hearth.engine.models import build_model, family_for
 
 
 @dataclass(frozen=True)
@@ -37,8 +47,6 @@ class ModelSummary:
 def _non_expert_params(cfg: ModelConfig) -> int:
     """Parameters of the family's network without its experts, counted on a model built on the meta
     device (no memory, no weights read): whatever layers the family composes are counted."""
-    from hearth.engine.models import build_model
-
     with torch.device("meta"):
         model = build_model(cfg, experts=None)  # type: ignore[arg-type] - never called here
     return sum(p.numel() for p in model.parameters() if p.is_floating_point())  # (not routing tables)
@@ -164,8 +172,6 @@ def _summary(items: list[_Stored], cfg: ModelConfig, file_bytes: int) -> dict:
             per_token += t.nbytes * cfg.top_k / cfg.num_experts
         else:
             per_token += t.nbytes
-    from hearth.engine.kernels import cpu_decode_ops
-
     kernels = cpu_decode_ops() is not None  # without them every block is decoded at load
     return {"formats": groups, "bytes_per_decode_token": int(per_token), "file_bytes": file_bytes,
             "in_blocks": sorted({t.group for t in items if t.in_blocks and kernels})}
@@ -175,42 +181,30 @@ def stored_summary(path, cfg: ModelConfig) -> dict | None:
     """A checkpoint as stored (see :func:`_summary`): a GGUF file, an FTW directory, or a Hugging Face
     directory quantized as shipped (FP8, MXFP4); None for a plain Hugging Face directory, whose weights
     are all in the dtype its config names."""
-    from pathlib import Path
-
-    from hearth.engine.checkpoint.ftw import is_ftw
-    from hearth.engine.checkpoint.gguf_file import GGUFFile
-    from hearth.engine.checkpoint.gguf_loader import is_gguf
-
-    if is_gguf(path):
+    kind = checkpoint_format(path)
+    if kind == "gguf":
         return _gguf_summary(GGUFFile(path), cfg)
     path = Path(path)
-    if is_ftw(path):
+    if kind == "ftw":
         return _ftw_summary(path, cfg)
-    from hearth.engine.checkpoint.hf_quant import quant_spec
-    from hearth.engine.config import read_config_json
-
     spec = quant_spec(read_config_json(path), path)
     return _hf_quant_summary(path, cfg, spec) if spec is not None else None
 
 
-def _gguf_summary(f, cfg: ModelConfig) -> dict:
-    from hearth.engine.checkpoint.gguf_loader import _expert_blocks, _kernel_format
-
-    experts_in_blocks = _expert_blocks(f, cfg) is not None
+def _gguf_summary(f: GGUFFile, cfg: ModelConfig) -> dict:
+    experts_in_blocks = expert_blocks(f, cfg) is not None
     items = []
     for name, t in f.tensors.items():
         group = _group(name)
         fmt = t.format.name if t.quantized else str(t.format).removeprefix("torch.")
         # The experts as their layers' banks; another tensor when it is a matrix (not the vector of a
         # [1, H] gate) in a format the kernels read.
-        blocks = experts_in_blocks if group == "experts" else _kernel_format(t) is not None and len(t.shape) == 2
+        blocks = experts_in_blocks if group == "experts" else kernel_format(t) is not None and len(t.shape) == 2
         items.append(_Stored(group, fmt, t.nbytes, t.shape[0], blocks))
     return _summary(items, cfg, f.path.stat().st_size)
 
 
-def _ftw_summary(path, cfg: ModelConfig) -> dict:
-    from hearth.engine.checkpoint.ftw import _BANKS, read_index
-
+def _ftw_summary(path: Path, cfg: ModelConfig) -> dict:
     index = read_index(path)
     items = []
     for name, entry in index["tensors"].items():
@@ -222,7 +216,7 @@ def _ftw_summary(path, cfg: ModelConfig) -> dict:
     banks = index["banks"]
     blocks = banks.get("blocks")
     elem = getattr(torch, index["dtype"]).itemsize
-    for bank in _BANKS:
+    for bank in BANKS:
         for piece in banks[bank]:
             r0, _ = piece["rows"]
             if blocks is None:
@@ -240,19 +234,15 @@ _ST_DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "BF16": ("bfloat16",
               "I64": ("int64", 8), "BOOL": ("bool", 1)}
 
 
-def _hf_quant_summary(path, cfg: ModelConfig, spec) -> dict:
+def _hf_quant_summary(path: Path, cfg: ModelConfig, spec: QuantSpec) -> dict:
     """An FP8 or MXFP4 checkpoint as shipped: an FP8 weight and its tile scales count as ``fp8_e4m3``,
     MXFP4 blocks and their scales as ``mxfp4``; the rest under its dtype. Tensors the family does
     not use are left out."""
-    from hearth.engine.checkpoint.loader import _open, checkpoint_files, is_unused_tensor
-    from hearth.engine.config import read_config_json
-    from hearth.engine.models import family_for
-
     family = family_for(read_config_json(path).get("architectures"))
     files = checkpoint_files(path)
     headers: dict[str, tuple[str, list[int]]] = {}
     for shard in sorted(set(files.values())):
-        with _open(shard) as f:
+        with open_safetensors(shard) as f:
             names = f.keys()  # a safetensors handle: no iteration of its own
             for name in names:
                 sl = f.get_slice(name)

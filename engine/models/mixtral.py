@@ -8,7 +8,6 @@ Checkpoints name the MoE block ``block_sparse_moe`` with experts ``w1`` (gate), 
 from __future__ import annotations
 
 import re
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,8 @@ import torch
 from hearth.engine.config import ModelConfig
 from hearth.engine.experts.contract import ExpertBackend
 from hearth.engine.layers.attention import Attention
-from hearth.engine.layers.norm import RMSNorm
-from hearth.engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields, qwen_moe_block
-from hearth.engine.models.decoder import DecoderLayer, MoECausalLM
+from hearth.engine.models.base import COMMON_FIELDS, ModelFamily, NormFactory, decoder_fields, softmax_moe_decoder
+from hearth.engine.models.decoder import MoECausalLM
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 _W_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -40,15 +38,11 @@ def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> ModelConfig:
 
 
 def build(cfg: ModelConfig, experts: ExpertBackend) -> MoECausalLM:
-    norm = partial(RMSNorm, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
-
-    def layer(i: int) -> DecoderLayer:
-        attn = Attention(i, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
+    def attention(i: int, norm: NormFactory) -> Attention:
+        return Attention(i, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
                          window=cfg.window(i))
-        mlp = qwen_moe_block(cfg, i, experts, normalize=True, weights_in_fp32=True)
-        return DecoderLayer(attn, mlp, norm(cfg.hidden_size), norm(cfg.hidden_size))
 
-    return MoECausalLM(cfg, [layer(i) for i in range(cfg.num_layers)], norm(cfg.hidden_size))
+    return softmax_moe_decoder(cfg, experts, attention, normalize=True, weights_in_fp32=True)
 
 
 def map_name(name: str) -> str:

@@ -5,7 +5,6 @@ its experts are ``intermediate_size`` wide and every layer is MoE."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +13,8 @@ import torch
 from hearth.engine.config import ModelConfig
 from hearth.engine.experts.contract import ExpertBackend
 from hearth.engine.layers.attention import ProjectionNormAttention
-from hearth.engine.layers.norm import RMSNorm
-from hearth.engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields, qwen_moe_block
-from hearth.engine.models.decoder import DecoderLayer, MoECausalLM
+from hearth.engine.models.base import COMMON_FIELDS, ModelFamily, NormFactory, decoder_fields, softmax_moe_decoder
+from hearth.engine.models.decoder import MoECausalLM
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +25,6 @@ class OlmoeConfig(ModelConfig):
 
 
 def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> OlmoeConfig:
-    n = hf.num_hidden_layers
     return OlmoeConfig(
         architecture="OlmoeForCausalLM",
         **decoder_fields(hf, model_dir, dtype),
@@ -38,24 +35,16 @@ def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> OlmoeConfig:
         top_k=hf.num_experts_per_tok,
         moe_intermediate_size=hf.intermediate_size,  # the experts' own width
         norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
-        moe_layers=(True,) * n,
+        moe_layers=(True,) * hf.num_hidden_layers,
     )
 
 
 def build(cfg: OlmoeConfig, experts: ExpertBackend) -> MoECausalLM:
-    norm = partial(RMSNorm, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
-
-    def layer(i: int) -> DecoderLayer:
-        attn = ProjectionNormAttention(i, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
+    def attention(i: int, norm: NormFactory) -> ProjectionNormAttention:
+        return ProjectionNormAttention(i, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
                                        norm=norm, clip=cfg.clip_qkv, bias=cfg.attention_bias)
-        mlp = qwen_moe_block(cfg, i, experts, normalize=cfg.norm_topk_prob)
-        return DecoderLayer(attn, mlp, norm(cfg.hidden_size), norm(cfg.hidden_size))
 
-    return MoECausalLM(cfg, [layer(i) for i in range(cfg.num_layers)], norm(cfg.hidden_size))
-
-
-def map_name(name: str) -> str:
-    return name
+    return softmax_moe_decoder(cfg, experts, attention, normalize=cfg.norm_topk_prob)
 
 
 FAMILY = ModelFamily(
@@ -63,6 +52,5 @@ FAMILY = ModelFamily(
     ("OlmoeForCausalLM",),
     parse_config,
     build,
-    map_name,
-    COMMON_FIELDS + (("num_experts", "num_local_experts"),),
+    required_fields=COMMON_FIELDS + (("num_experts", "num_local_experts"),),
 )

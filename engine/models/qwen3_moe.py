@@ -4,7 +4,6 @@ expert; dense layers where ``mlp_only_layers`` / ``decoder_sparse_step`` say."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +12,15 @@ import torch
 from hearth.engine.config import ModelConfig
 from hearth.engine.experts.contract import ExpertBackend
 from hearth.engine.layers.attention import Attention
-from hearth.engine.layers.norm import RMSNorm
-from hearth.engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields, moe_layer_flags, qwen_moe_block
-from hearth.engine.models.decoder import DecoderLayer, MoECausalLM
+from hearth.engine.models.base import (
+    COMMON_FIELDS,
+    ModelFamily,
+    NormFactory,
+    decoder_fields,
+    qwen_moe_fields,
+    softmax_moe_decoder,
+)
+from hearth.engine.models.decoder import MoECausalLM
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,35 +30,21 @@ class Qwen3MoeConfig(ModelConfig):
 
 
 def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> Qwen3MoeConfig:
-    n = hf.num_hidden_layers
     return Qwen3MoeConfig(
         architecture="Qwen3MoeForCausalLM",
         **decoder_fields(hf, model_dir, dtype),
+        **qwen_moe_fields(hf),
         qkv_bias=bool(getattr(hf, "attention_bias", False)),
-        intermediate_size=hf.intermediate_size,
-        num_experts=hf.num_experts,
-        top_k=hf.num_experts_per_tok,
-        moe_intermediate_size=hf.moe_intermediate_size,
-        norm_topk_prob=bool(hf.norm_topk_prob),
-        moe_layers=moe_layer_flags(n, hf.num_experts, hf.mlp_only_layers, hf.decoder_sparse_step),
-        sliding_windows=(getattr(hf, "sliding_window", None) or None,) * n,
+        sliding_windows=(getattr(hf, "sliding_window", None) or None,) * hf.num_hidden_layers,
     )
 
 
 def build(cfg: Qwen3MoeConfig, experts: ExpertBackend) -> MoECausalLM:
-    norm = partial(RMSNorm, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
-
-    def layer(i: int) -> DecoderLayer:
-        attn = Attention(i, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
+    def attention(i: int, norm: NormFactory) -> Attention:
+        return Attention(i, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
                          bias=cfg.qkv_bias, qk_norm=norm, window=cfg.window(i), out_bias=cfg.qkv_bias)
-        mlp = qwen_moe_block(cfg, i, experts, normalize=cfg.norm_topk_prob)
-        return DecoderLayer(attn, mlp, norm(cfg.hidden_size), norm(cfg.hidden_size))
 
-    return MoECausalLM(cfg, [layer(i) for i in range(cfg.num_layers)], norm(cfg.hidden_size))
-
-
-def map_name(name: str) -> str:
-    return name
+    return softmax_moe_decoder(cfg, experts, attention, normalize=cfg.norm_topk_prob)
 
 
 FAMILY = ModelFamily(
@@ -61,6 +52,5 @@ FAMILY = ModelFamily(
     ("Qwen3MoeForCausalLM",),
     parse_config,
     build,
-    map_name,
-    COMMON_FIELDS + (("num_experts", "num_local_experts"), ("moe_intermediate_size",)),
+    required_fields=COMMON_FIELDS + (("num_experts", "num_local_experts"), ("moe_intermediate_size",)),
 )

@@ -1,9 +1,18 @@
-"""Load a GGUF file (one file, as llama.cpp and Ollama keep it) into the engine's model and pool.
+"""GGUF files (one file, as llama.cpp and Ollama keep them): read with the ``gguf`` package, checked
+up front, and loaded into the engine's model and pool.
 
-The config comes from the file's metadata through transformers' GGUF support, with what that
-mapping leaves out read here (the experts' width, tied embeddings). Tensor names follow the
-``gguf`` package's name map, which llama.cpp's converter writes with; experts are stacked per
-layer (``blk.N.ffn_{gate,up,down}_exps``). Every tensor is accounted for, as for safetensors.
+:class:`GGUFFile` opens one file, refuses what hearth cannot run with a one-line error naming
+the file and the problem (an architecture it does not serve, a tensor type it has no kernel for,
+a row that is not whole blocks, a file cut short), and gives each tensor as its raw bytes in
+torch layout: a block-quantized ``[rows…, cols]`` weight is ``uint8 [rows…, row_bytes]`` (see
+:mod:`hearth.engine.quant.formats`), a float one its values. Nothing is read until asked for:
+the tensors are views of a memory map.
+
+:func:`load_gguf` builds the model. The config comes from the file's metadata through
+transformers' GGUF support, with what that mapping leaves out read here (the experts' width, tied
+embeddings). Tensor names follow the ``gguf`` package's name map, which llama.cpp's converter
+writes with; experts are stacked per layer (``blk.N.ffn_{gate,up,down}_exps``). Every tensor is
+accounted for, as for safetensors.
 
 Quantized weights stay in their blocks, from file to kernel, when the native kernels compute their
 formats (:data:`~hearth.engine.kernels.BLOCK_KERNELS`) with float32 activations (the default for
@@ -17,23 +26,160 @@ tensors) is decoded to the compute dtype at load; see docs/quantization.md.
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
-from hearth.engine.checkpoint.errors import CheckpointError
-from hearth.engine.checkpoint.gguf_file import ARCHITECTURES, GGUFError, GGUFFile
-from hearth.engine.checkpoint.gguf_writer import unpermute_rope_rows
-from hearth.engine.checkpoint.loader import LoadedModel, stage_config, stage_owns
+from hearth.engine.checkpoint.common import (
+    CheckpointError,
+    LoadedModel,
+    PoolFactory,
+    adopt_blocks,
+    blocks_can_stay,
+    replace_parameter,
+    stage_config,
+    stage_owns,
+)
 from hearth.engine.config import parse_dtype
 from hearth.engine.executor import hugepages
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
+from hearth.engine.kernels import BLOCK_KERNELS
 from hearth.engine.models import build_model, family_for
 from hearth.engine.ops import block_weight
-from hearth.engine.quant.formats import HEARTH_FORMATS, BlockFormat
+from hearth.engine.quant.formats import FORMATS, HEARTH_FORMATS, BlockFormat, dequantize
+
+# GGUF architecture -> the transformers class hearth serves it as ("llama" with experts is Mixtral).
+ARCHITECTURES = MappingProxyType({"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                                  "llama": "MixtralForCausalLM"})
+_FLOAT_TYPES = MappingProxyType({0: torch.float32, 1: torch.float16, 30: torch.bfloat16})  # GGML type ids
+_BLOCK_TYPES = MappingProxyType({f.ggml_type: f for f in FORMATS.values()})
+
+
+class GGUFError(ValueError):
+    """A GGUF file hearth cannot load; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor: its torch shape (``[rows…, cols]``), format and stored data (a memory-map view)."""
+
+    name: str
+    shape: tuple[int, ...]
+    format: BlockFormat | torch.dtype
+    data: np.ndarray
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.format, BlockFormat)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def raw(self) -> torch.Tensor:
+        """The stored data as a tensor (uint8 blocks ``[rows…, row_bytes]``, or the float values):
+        a read-only view of the file's memory map, to copy from."""
+        values = np.ascontiguousarray(self.data)
+        if self.quantized:
+            return _readonly(values.view(np.uint8)).reshape(*self.shape[:-1], self.format.row_bytes(self.shape[-1]))
+        if self.format == torch.bfloat16:  # numpy has no bfloat16: the bytes are read as int16
+            return _readonly(values.view(np.int16)).view(torch.bfloat16).reshape(self.shape)
+        return _readonly(values).reshape(self.shape)
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 values ``[rows…, cols]`` (block formats decoded, see ``formats.dequantize``)."""
+        if not self.quantized:
+            return self.raw().float()
+        rows = self.raw().reshape(-1, self.format.row_bytes(self.shape[-1]))
+        return dequantize(rows, self.format, self.shape[-1]).reshape(self.shape)
+
+
+def _readonly(values: np.ndarray) -> torch.Tensor:
+    """A tensor over a read-only memory map (torch warns that it cannot write it; nothing does)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(values)
+
+
+class GGUFFile:
+    """An opened, checked GGUF file."""
+
+    def __init__(self, path: str | Path) -> None:
+        import gguf  # deferred: the gguf package is needed for GGUF files only
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise GGUFError(f"{self.path}: no such GGUF file")
+        try:
+            reader = gguf.GGUFReader(self.path)
+        except (ValueError, IndexError, OSError) as exc:  # the reader maps past the end of a cut file
+            raise GGUFError(f"{self.path}: not a complete GGUF file (truncated or corrupt: {exc})") from None
+        self._fields = reader.fields
+        self.architecture = str(self.metadata("general.architecture", ""))
+        if self.architecture not in ARCHITECTURES:
+            known = ", ".join(sorted(ARCHITECTURES))
+            raise GGUFError(f"{self.path}: GGUF architecture '{self.architecture}' is not supported "
+                            f"(supported: {known})")
+        if self.architecture == "llama" and not self.metadata("llama.expert_count"):
+            raise GGUFError(f"{self.path}: a dense llama model (no llama.expert_count); hearth serves "
+                            "mixture-of-experts models (llama with experts: Mixtral)")
+        size = self.path.stat().st_size
+        self.tensors: dict[str, GGUFTensor] = {}
+        for t in reader.tensors:
+            shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists the innermost dimension first
+            fmt = self._format(t.name, int(t.tensor_type), t.tensor_type.name, shape[-1])
+            if int(t.data_offset) + int(t.n_bytes) > size:
+                raise GGUFError(f"{self.path}: truncated: tensor '{t.name}' ends past the end of the file")
+            self.tensors[t.name] = GGUFTensor(t.name, shape, fmt, t.data)
+
+    def _format(self, name: str, type_id: int, type_name: str, cols: int) -> BlockFormat | torch.dtype:
+        if type_id in _FLOAT_TYPES:
+            return _FLOAT_TYPES[type_id]
+        fmt = _BLOCK_TYPES.get(type_id)
+        if fmt is None:
+            supported = ", ".join(["F32", "F16", "BF16", *(f.name.upper() for f in FORMATS.values())])
+            raise GGUFError(f"{self.path}: tensor '{name}' has type {type_name}, which hearth has no kernel for "
+                            f"(supported: {supported})")
+        if cols % fmt.block_elems:
+            raise GGUFError(f"{self.path}: tensor '{name}': rows of {cols} elements are not whole "
+                            f"{fmt.block_elems}-element {type_name} blocks")
+        return fmt
+
+    def metadata(self, key: str, default: Any = None) -> Any:
+        """A metadata value (strings decoded, arrays as lists), or ``default``."""
+        field = self._fields.get(key)
+        if field is None:
+            return default
+        return field.contents()
+
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def formats(self) -> dict[str, int]:
+        """Bytes stored per format name (``q4_k``, ``float32``, …)."""
+        out: dict[str, int] = {}
+        for t in self.tensors.values():
+            key = t.format.name if t.quantized else str(t.format).removeprefix("torch.")
+            out[key] = out.get(key, 0) + t.nbytes
+        return out
+
+
+def permute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """q/k rows from the Hugging Face rotary layout (halves) to GGUF ``llama``'s (interleaved
+    pairs), as llama.cpp's converter writes them; :func:`unpermute_rope_rows` undoes it."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
 
 BF16_BLOCKS = HEARTH_FORMATS["bf16"]  # a bf16 tensor kept as stored when computed in fp32
 
@@ -46,7 +192,7 @@ def is_gguf(path: str | Path) -> bool:
 
 def gguf_hf_config(f: GGUFFile) -> Any:
     """The transformers config of a GGUF file, completed from its metadata."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # deferred: transformers is heavy to import; only configs need it
 
     try:
         hf = AutoConfig.from_pretrained(str(f.path.parent), gguf_file=f.path.name)
@@ -62,7 +208,7 @@ def gguf_hf_config(f: GGUFFile) -> Any:
     hf.tie_word_embeddings = "output.weight" not in f.tensors
     hf.architectures = [ARCHITECTURES[f.architecture]]
     if f.architecture == "llama":  # transformers reads a llama; with experts it is a Mixtral
-        from transformers import MixtralConfig
+        from transformers import MixtralConfig  # deferred: as above
 
         fields = {k: v for k, v in hf.to_dict().items() if k not in ("model_type", "transformers_version")}
         hf = MixtralConfig(**fields, num_local_experts=int(f.metadata("llama.expert_count")),
@@ -85,20 +231,20 @@ def _config(f: GGUFFile, dtype: str | torch.dtype | None):
 
 
 def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_progress: bool = False,
-              pool_factory=None, keep_blocks: bool = True, for_storage: bool = False,
-              layers: tuple[int, int] | None = None):
+              pool_factory: PoolFactory | None = None, keep_blocks: bool = True, for_storage: bool = False,
+              layers: tuple[int, int] | None = None) -> LoadedModel:
     """Build the model of a GGUF file and fill every weight from it (``keep_blocks``: quantized
     weights may stay in their blocks; ``for_storage``: they do even where the native kernels do not
     run here, as ``hearth convert`` writes them to FTW; ``layers``: only the tensors of the pipeline
     stage holding layers [first, end))."""
-    import gguf
+    import gguf  # deferred: the gguf package is needed for GGUF files only
 
     f = GGUFFile(path)
     family, cfg = _config(f, dtype)
     if layers is not None:
         cfg = stage_config(cfg, layers)
     keep_blocks = keep_blocks and blocks_can_stay(cfg, kernels=not for_storage)
-    blocks = _expert_blocks(f, cfg) if pool_factory is None and keep_blocks else None
+    blocks = expert_blocks(f, cfg) if pool_factory is None and keep_blocks else None
     pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None, blocks)
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
     names = gguf.TensorNameMap(gguf.MODEL_ARCH[f.architecture.upper()], cfg.num_layers)
@@ -136,19 +282,9 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
     return LoadedModel(config=cfg, model=model, pool=pool, model_dir=f.path)
 
 
-def blocks_can_stay(cfg, kernels: bool = True) -> bool:
-    """Whether weights may stay in blocks: float32 activations, and (``kernels``) the native kernels
-    run here."""
-    from hearth.engine.kernels import cpu_decode_ops
-
-    return cfg.dtype == torch.float32 and (not kernels or cpu_decode_ops() is not None)
-
-
-def _kernel_format(t) -> BlockFormat | None:
+def kernel_format(t) -> BlockFormat | None:
     """The blocks a tensor stays in, where a kernel computes them: its own format, or hearth's bf16
     blocks for a bf16 tensor (its bytes as stored; rows of whole 32-element blocks)."""
-    from hearth.engine.kernels import BLOCK_KERNELS
-
     fmt = t.format
     if fmt == torch.bfloat16 and t.shape[-1] % BF16_BLOCKS.block_elems == 0:
         fmt = BF16_BLOCKS
@@ -161,12 +297,12 @@ def _stored_rows(t, reorder=lambda x: x) -> torch.Tensor:
     return raw.contiguous().view(torch.uint8) if raw.dtype == torch.bfloat16 else raw
 
 
-def _expert_blocks(f: GGUFFile, cfg) -> dict[int, ExpertBlocks] | None:
+def expert_blocks(f: GGUFFile, cfg) -> dict[int, ExpertBlocks] | None:
     """Each MoE layer's expert formats, when every layer's can stay in blocks (gate and up in one
     format, each with a kernel); otherwise None (the experts are decoded)."""
     blocks = {}
     for layer in cfg.moe_layer_ids:
-        gate, up, down = (_kernel_format(f.tensors[f"blk.{layer}.ffn_{p}_exps.weight"]) for p in _EXPERT_PARTS)
+        gate, up, down = (kernel_format(f.tensors[f"blk.{layer}.ffn_{p}_exps.weight"]) for p in _EXPERT_PARTS)
         if gate is None or down is None or gate != up:
             return None
         blocks[layer] = ExpertBlocks(gate, down, cfg.hidden_size, cfg.moe_intermediate_size)
@@ -185,29 +321,13 @@ def _load_dense(f: GGUFFile, name: str, param: torch.nn.Parameter, model, keep_b
     vector_of_row = param.dim() == 2 and param.shape[0] == 1 and tuple(t.shape) == (param.shape[1],)
     if tuple(t.shape) != tuple(param.shape) and not vector_of_row:  # a [1, H] gate is stored as [H]
         raise GGUFError(f"{f.path}: tensor '{name}' has shape {list(t.shape)}, expected {list(param.shape)}")
-    fmt = _kernel_format(t) if keep_blocks and param.dim() == 2 and not vector_of_row else None
+    fmt = kernel_format(t) if keep_blocks and param.dim() == 2 and not vector_of_row else None
     if fmt is None:
         param.data.copy_(reorder(t.dequantized().reshape(param.shape)))
         return
     raw = _stored_rows(t, reorder)
     blocks = hugepages.empty(*raw.shape, dtype=raw.dtype).copy_(raw)  # a copy: the file's map can close
     replace_parameter(model, param, block_weight(blocks, fmt))
-
-
-def replace_parameter(model, param: torch.nn.Parameter, new: torch.nn.Parameter) -> None:
-    """Put ``new`` in place of ``param`` in every module that holds it (tied embeddings: two)."""
-    for module in model.modules():
-        for attr, value in list(module._parameters.items()):
-            if value is param:
-                module._parameters[attr] = new
-
-
-def adopt_blocks(model) -> None:
-    """Layers that fuse several projections (attention's q/k/v) re-fuse them from their blocks."""
-    for module in model.modules():
-        adopt = getattr(module, "adopt_block_weights", None)
-        if adopt is not None:
-            adopt()
 
 
 def _fill_experts(f: GGUFFile, name: str, pool: ExpertPool, cfg, layer: int, part: str) -> None:

@@ -1,4 +1,5 @@
-"""Load a Hugging Face checkpoint directory into the engine's model and expert pool.
+"""Hugging Face checkpoint directories: their config (:func:`load_hf_config`) and their safetensors
+into the engine's model and expert pool (:func:`load_model`).
 
 Accepts sharded or single-file safetensors, the per-expert expert layout
 (``mlp.experts.{e}.gate_proj.weight`` …) and the fused one (``mlp.experts.gate_up_proj`` [E, 2I, H],
@@ -15,16 +16,26 @@ import json
 import logging
 import re
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from hearth.engine.checkpoint.errors import CheckpointError
+from hearth.engine.checkpoint.common import (
+    FUSED,
+    LAYER,
+    PER_EXPERT,
+    CheckpointError,
+    LoadedModel,
+    PoolFactory,
+    adopt_blocks,
+    blocks_can_stay,
+    stage_config,
+    stage_owns,
+)
 from hearth.engine.checkpoint.hf_quant import QuantLoader, expert_blocks, quant_spec
-from hearth.engine.checkpoint.names import FUSED, PER_EXPERT
 from hearth.engine.config import ConfigError, ModelConfig, parse_dtype, read_config_json
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertPool
@@ -36,19 +47,8 @@ log = logging.getLogger(__name__)
 # Tensors no family computes with: rotary caches, multi-token-prediction heads, vision and audio towers.
 _UNUSED = re.compile(r"rotary_emb\.inv_freq$|^(model\.)?(mtp|visual|vision_tower|vision_model|multi_modal_projector"
                      r"|audio_tower)\.")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _BIASED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$")
 _BIASED_PARTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
-
-
-@dataclass
-class LoadedModel:
-    """A model ready to run: its config, the non-expert module and the expert pool."""
-
-    config: ModelConfig
-    model: MoECausalLM
-    pool: ExpertPool
-    model_dir: Path
 
 
 @dataclass
@@ -78,12 +78,13 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
         raise CheckpointError(f"{model_dir}: no *.safetensors files")
     names: dict[str, Path] = {}
     for shard in shards:
-        with _open(shard) as f:
+        with open_safetensors(shard) as f:
             names.update(dict.fromkeys(f.keys(), shard))
     return names
 
 
-def _open(path: Path):
+def open_safetensors(path: Path):
+    """A shard's safetensors handle (a context manager); a corrupt header is a CheckpointError."""
     try:
         return safe_open(str(path), framework="pt")
     except Exception as exc:  # safetensors raises its own error types for corrupt headers
@@ -205,7 +206,7 @@ def _load_tensors(model_dir: Path, cfg, model: MoECausalLM, pool: ExpertPool, fa
 
         def handle(path: Path):  # a quantized weight's scale may sit in another shard
             if path not in handles:
-                handles[path] = stack.enter_context(_open(path))
+                handles[path] = stack.enter_context(open_safetensors(path))
             return handles[path]
 
         reader = None
@@ -229,30 +230,15 @@ def _load_tensors(model_dir: Path, cfg, model: MoECausalLM, pool: ExpertPool, fa
 def is_unused_tensor(canonical: str, cfg) -> bool:
     """A tensor no layer of the model reads: see ``_UNUSED``, and layers past the last (DeepSeek's
     and GLM's multi-token-prediction layers are numbered on from the decoder's)."""
-    layer = _LAYER.match(canonical)
+    layer = LAYER.match(canonical)
     return bool(_UNUSED.search(canonical)) or (layer is not None and int(layer.group(1)) >= cfg.num_layers)
-
-
-def stage_owns(canonical: str, cfg) -> bool:
-    """Whether a pipeline stage (``cfg.layer_range``) holds this tensor: its own layers' tensors, the
-    embeddings on the first stage, the final norm and the head on the last."""
-    if cfg.layer_range is None:
-        return True
-    first, end = cfg.layer_range
-    layer = _LAYER.match(canonical)
-    if layer is not None:
-        return first <= int(layer.group(1)) < end
-    if canonical.startswith("model.embed_tokens."):
-        return first == 0 or (canonical == "model.embed_tokens.weight" and cfg.tie_word_embeddings
-                              and end == cfg.num_layers)
-    return end == cfg.num_layers  # the final norm and the head
 
 
 def skipped_summary(names: list[str]) -> str:
     """Skipped tensor names grouped by where they sit: ``mtp.* (12), model.layers.3.* (9)``."""
     groups: dict[str, int] = {}
     for name in names:
-        layer, parts = _LAYER.match(name), name.split(".")
+        layer, parts = LAYER.match(name), name.split(".")
         key = layer.group(0) if layer else ".".join(parts[: 2 if parts[0] == "model" else 1]) + "."
         groups[key] = groups.get(key, 0) + 1
     return ", ".join(f"{key}* ({n})" for key, n in groups.items())
@@ -307,27 +293,12 @@ def _report(progress: _Progress) -> None:
         raise CheckpointError(f"checkpoint does not match its config:\n  {shown}{more}")
 
 
-def stage_config(cfg, layers: tuple[int, int]):
-    """``cfg`` for the pipeline stage holding layers [first, end)."""
-    first, end = layers
-    if not 0 <= first < end <= cfg.num_layers:
-        raise ConfigError(f"stage layers [{first}, {end}) are not within the model's {cfg.num_layers} layers")
-    return replace(cfg, layer_range=(first, end))
+def load_hf_config(model_dir: str | Path, dtype: str | torch.dtype | None = None):
+    """Parse a checkpoint directory's config.json into (family, ModelConfig) (an FTW directory's
+    too: it keeps its source's config.json)."""
+    from transformers import AutoConfig  # deferred: transformers takes seconds to import
 
-
-def load_config(model_dir: str | Path, dtype: str | torch.dtype | None = None):
-    """Parse a checkpoint directory's (or a GGUF file's) config into (family, ModelConfig)."""
-    from transformers import AutoConfig
-
-    from hearth.engine.checkpoint.gguf_loader import is_gguf, load_gguf_config
-
-    if is_gguf(model_dir):
-        return load_gguf_config(model_dir, dtype)
     model_dir = Path(model_dir)
-    from hearth.engine.checkpoint.ftw import is_ftw, read_index
-
-    if dtype in (None, "auto") and is_ftw(model_dir):
-        dtype = read_index(model_dir)["dtype"]  # an FTW directory computes in the dtype it stores
     raw = read_config_json(model_dir)
     if quant_spec(raw, model_dir) is not None and dtype in (None, "auto"):
         dtype = "float32"  # quantized weights compute in float32 by default, as GGUF files do
@@ -348,7 +319,8 @@ def load_config(model_dir: str | Path, dtype: str | torch.dtype | None = None):
 
 
 def load_model(
-    model_dir: str | Path, dtype: str | torch.dtype | None = None, show_progress: bool = False, pool_factory=None,
+    model_dir: str | Path, dtype: str | torch.dtype | None = None, show_progress: bool = False,
+    pool_factory: PoolFactory | None = None,
     keep_blocks: bool = True, for_storage: bool = False, layers: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """Build the model described by ``model_dir`` and fill every weight from its safetensors.
@@ -358,12 +330,10 @@ def load_model(
     MXFP4 checkpoint's quantized weights may stay in their blocks (they do where the native kernels
     run with float32 activations, the default for them; experts not in a ``pool_factory``'s storage;
     ``for_storage``: whether or not the kernels run here, as ``hearth convert`` writes them to FTW)."""
-    from hearth.engine.checkpoint.gguf_loader import adopt_blocks, blocks_can_stay
-
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ConfigError(f"model directory '{model_dir}' does not exist")
-    family, cfg = load_config(model_dir, dtype)
+    family, cfg = load_hf_config(model_dir, dtype)
     if layers is not None:
         cfg = stage_config(cfg, layers)
     quant = quant_spec(read_config_json(model_dir), model_dir)
