@@ -296,7 +296,7 @@ def _report(progress: _Progress) -> None:
 def load_hf_config(model_dir: str | Path, dtype: str | torch.dtype | None = None):
     """Parse a checkpoint directory's config.json into (family, ModelConfig) (an FTW directory's
     too: it keeps its source's config.json)."""
-    from transformers import AutoConfig  # deferred: transformers takes seconds to import
+    from transformers import AutoConfig  # deferred: transformers is heavy to import; only configs need it
 
     model_dir = Path(model_dir)
     raw = read_config_json(model_dir)
