@@ -17,7 +17,7 @@ import torch
 
 from hearth.engine.experts.compute import routed_partial_sum
 from hearth.engine.experts.pool import ExpertBlocks
-from hearth.engine.kernels import cpu_decode_ops
+from hearth.engine.kernels.cpu import cpu_decode_ops
 from hearth.engine.ops import activation, decode_blocks, linear
 from hearth.engine.quant.formats import FORMATS, HEARTH_FORMATS
 
@@ -84,9 +84,9 @@ def routed_experts_op(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     """fp32 [T, H] partial sum of the routed pairs whose bank row is >= 0 (``rows`` [T, k], -1 =
     served elsewhere): :func:`~hearth.engine.experts.compute.routed_partial_sum`. ``gate_up_fmt``
     empty for float banks, else the layer's block formats. On a GPU, float banks go through two
-    fixed-grid kernels (``kernels/device_experts.py``): no host read, so a captured graph replays it."""
+    fixed-grid kernels (``kernels/gpu/device_experts.py``): no host read, so a captured graph replays it."""
     if x.is_cuda and gate_up.is_cuda and not gate_up_fmt and act in ("silu", "swish"):
-        from hearth.engine.kernels import device_experts
+        from hearth.engine.kernels.gpu import device_experts
 
         return device_experts.slot_experts(x, gate_up, down, rows, weights)
     blocks = None
@@ -130,7 +130,7 @@ def fill_slots_op(slots_gate_up: torch.Tensor, slots_down: torch.Tensor, pool_ga
     count-aware gather a captured step needs. On a GPU with the pool mapped (device views of its
     pages), a kernel reads the count on the device and no host read happens at all."""
     if slots_gate_up.is_cuda and pool_gate_up.is_cuda:
-        from hearth.engine.kernels import device_fill
+        from hearth.engine.kernels.gpu import device_fill
 
         for slots, pool in ((slots_gate_up, pool_gate_up), (slots_down, pool_down)):
             device_fill.fill_rows(slots, pool, row_table, src, dst, count)
@@ -161,8 +161,8 @@ def ring_post_op(ctrl: torch.Tensor, x_slot: torch.Tensor, rows_slot: torch.Tens
     waits for the completion flag. Returns the ticket: the descriptor's sequence number, or 0 when
     no row is >= 0 (nothing for the CPU: nothing is posted, the slot stays free and the collect
     returns zeros without waiting)."""
-    if ctrl.is_cuda:  # the ring's device views: the GPU writes the descriptor (kernels/device_ring.py)
-        from hearth.engine.kernels import device_ring
+    if ctrl.is_cuda:  # the ring's device views: the GPU writes the descriptor (kernels/gpu/device_ring.py)
+        from hearth.engine.kernels.gpu import device_ring
 
         return device_ring.post(ctrl, x_slot, rows_slot, weights_slot, x, rows, weights)
     from hearth.engine.experts.mechanism.ring import FREE, write_task
@@ -191,7 +191,7 @@ def ring_collect_op(ticket: torch.Tensor, ctrl: torch.Tensor, out_slot: torch.Te
     from hearth.engine.experts.mechanism.ring import await_task
 
     if ctrl.is_cuda:  # the GPU waits for the completion word itself; errors reach the host after the step
-        from hearth.engine.kernels import device_ring
+        from hearth.engine.kernels.gpu import device_ring
 
         out = out_slot.new_empty((tokens, hidden))
         return device_ring.collect(ctrl, out_slot, out, int(timeout_s * 1e6))

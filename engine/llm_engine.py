@@ -24,7 +24,7 @@ from hearth.engine.device_placement import move_module, resolve_device
 from hearth.engine.experts.build import build_hierarchy, cache_slots
 from hearth.engine.experts.contract import ExpertControl
 from hearth.engine.experts.mechanism.host_pool import HostExpertPool
-from hearth.engine.kernels import cpu_decode_ops
+from hearth.engine.kernels.cpu import cpu_decode_ops
 from hearth.engine.kv_cache import BlockAllocator, PagedKVCache
 from hearth.engine.memory import MemoryPlan, available_memory, bytes_by_device, tensor_bytes
 from hearth.engine.prefix_cache import RadixCache

@@ -2,7 +2,7 @@
 experts: projections and activations.
 
 They sit below both ``layers/`` and ``experts/`` (which import them, never each other's modules),
-and dispatch to the native kernels (:mod:`hearth.engine.kernels`) where those run.
+and dispatch to the native kernels (:mod:`hearth.engine.kernels.cpu`) where those run.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hearth.engine.kernels import BLOCK_KERNELS, cpu_decode_ops, cpu_has_native_half_gemm
+from hearth.engine.kernels.cpu import BLOCK_KERNELS, cpu_decode_ops, cpu_has_native_half_gemm
 from hearth.engine.quant.formats import dequantize
 
 _HALF = (torch.bfloat16, torch.float16)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from hearth.engine import kernels
+from hearth.engine.kernels import cpu as kernels
 from hearth.engine.quant.formats import FORMATS, dequantize
 from tests.block_data import expert_banks, random_blocks, reference_experts, routed_tokens
 
@@ -29,7 +29,7 @@ def _builds() -> list[kernels.NativeKernels]:
     out = []
     for name in names:
         try:
-            module = importlib.import_module(f"hearth.engine.kernels.{name}")
+            module = importlib.import_module(f"hearth.engine.kernels.cpu.{name}")
         except ImportError:
             continue
         out.append(kernels.NativeKernels(_base._base, module, _base.features))

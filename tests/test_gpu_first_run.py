@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from hearth.engine.experts.mechanism.device import page_ranges, pin_host_memory
 from hearth.engine.experts.policy.cache import ExpertCacheTables, cache_step
-from hearth.engine.kernels import device_fill
+from hearth.engine.kernels.gpu import device_fill
 from hearth.engine.llm_engine import executor_bytes
 from hearth.engine.memory import bytes_by_device, tensor_bytes
 
@@ -169,7 +169,7 @@ class ReadOnlyCudart(FakeCudart):
 
 
 def test_a_read_only_pool_is_registered_read_only(monkeypatch) -> None:
-    from hearth.engine.kernels import device_fill
+    from hearth.engine.kernels.gpu import device_fill
 
     cudart = ReadOnlyCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)

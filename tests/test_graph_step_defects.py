@@ -17,8 +17,8 @@ from hearth.config import ConfigError
 from hearth.engine import LLM, llm_engine, static_step
 from hearth.engine.experts import build
 from hearth.engine.experts.measure import measure_link_path
-from hearth.engine.experts.mechanism.ring import FREE
-from hearth.engine.kernels import device_ring
+from hearth.engine.kernels.gpu import device_ring
+from hearth.engine.kernels.ring_words import FREE
 from hearth.engine.static_step import CAPTURE_CALLS, CudaGraphSkipped, watch_graph_skips
 from tests.helpers import PROMPTS, greedy, max_rel_error
 from tests.test_device_ring import kernels, ring, serve_once  # noqa: F401 - the fixtures

@@ -6,7 +6,7 @@ mapping leaves out read here (the experts' width, tied embeddings). Tensor names
 layer (``blk.N.ffn_{gate,up,down}_exps``). Every tensor is accounted for, as for safetensors.
 
 Quantized weights stay in their blocks, from file to kernel, when the native kernels compute their
-formats (:data:`~hearth.engine.kernels.BLOCK_KERNELS`) with float32 activations (the default for
+formats (:data:`~hearth.engine.kernels.cpu.BLOCK_KERNELS`) with float32 activations (the default for
 GGUF, as llama.cpp computes quantized models): experts in the pool (one expert a bank row, each
 layer in its own formats) unless a shared-memory pool or the expert hierarchy needs float experts,
 and the dense projections, the output projection and the embedding table. bf16 tensors stay as
@@ -139,7 +139,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
 def blocks_can_stay(cfg, kernels: bool = True) -> bool:
     """Whether weights may stay in blocks: float32 activations, and (``kernels``) the native kernels
     run here."""
-    from hearth.engine.kernels import cpu_decode_ops
+    from hearth.engine.kernels.cpu import cpu_decode_ops
 
     return cfg.dtype == torch.float32 and (not kernels or cpu_decode_ops() is not None)
 
@@ -147,7 +147,7 @@ def blocks_can_stay(cfg, kernels: bool = True) -> bool:
 def _kernel_format(t) -> BlockFormat | None:
     """The blocks a tensor stays in, where a kernel computes them: its own format, or hearth's bf16
     blocks for a bf16 tensor (its bytes as stored; rows of whole 32-element blocks)."""
-    from hearth.engine.kernels import BLOCK_KERNELS
+    from hearth.engine.kernels.cpu import BLOCK_KERNELS
 
     fmt = t.format
     if fmt == torch.bfloat16 and t.shape[-1] % BF16_BLOCKS.block_elems == 0:

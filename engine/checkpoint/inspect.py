@@ -164,7 +164,7 @@ def _summary(items: list[_Stored], cfg: ModelConfig, file_bytes: int) -> dict:
             per_token += t.nbytes * cfg.top_k / cfg.num_experts
         else:
             per_token += t.nbytes
-    from hearth.engine.kernels import cpu_decode_ops
+    from hearth.engine.kernels.cpu import cpu_decode_ops
 
     kernels = cpu_decode_ops() is not None  # without them every block is decoded at load
     return {"formats": groups, "bytes_per_decode_token": int(per_token), "file_bytes": file_bytes,

@@ -22,7 +22,7 @@ from types import MappingProxyType, ModuleType
 
 import torch
 
-from hearth.engine.kernels.sources import source_hash
+from hearth.engine.kernels.cpu.sources import source_hash
 
 log = logging.getLogger(__name__)
 FEATURE_AVX2 = 1 << 0
