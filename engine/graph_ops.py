@@ -19,7 +19,7 @@ from hearth.engine.experts.compute import routed_partial_sum
 from hearth.engine.experts.pool import ExpertBlocks
 from hearth.engine.kernels.cpu import cpu_decode_ops
 from hearth.engine.ops import activation, decode_blocks, linear
-from hearth.engine.quant.formats import FORMATS, HEARTH_FORMATS
+from hearth.engine.quant.registry import FORMATS, HEARTH_FORMATS
 
 
 def _format(name: str):

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from hearth.config import ConfigError, EngineConfig
-from hearth.engine import int8_mode
 from hearth.engine.anchors import anchor_token_ids
 from hearth.engine.batch import ForwardBatch
 from hearth.engine.checkpoint.ftw import load_checkpoint
@@ -24,7 +23,7 @@ from hearth.engine.device_placement import move_module, resolve_device
 from hearth.engine.experts.build import build_hierarchy, cache_slots
 from hearth.engine.experts.contract import ExpertControl
 from hearth.engine.experts.mechanism.host_pool import HostExpertPool
-from hearth.engine.kernels.cpu import cpu_decode_ops
+from hearth.engine.kernels.cpu import cpu_decode_ops, int8_mode
 from hearth.engine.kv_cache import BlockAllocator, PagedKVCache
 from hearth.engine.memory import MemoryPlan, available_memory, bytes_by_device, tensor_bytes
 from hearth.engine.prefix_cache import RadixCache

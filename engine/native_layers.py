@@ -308,7 +308,7 @@ class NativeLayers:
 
 
 def _int8_activations(layer) -> bool:
-    """Whether the layer's weights run in the int8-activation mode (engine/int8_mode.py)."""
+    """Whether the layer's weights run in the int8-activation mode (engine/kernels/cpu/int8_mode.py)."""
     mlp = layer.mlp
     if isinstance(mlp, MoEBlock) and type(mlp.backend) is LocalExpertBackend:
         blocks = mlp.backend.pool.layer_blocks(mlp.layer_idx)

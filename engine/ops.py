@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hearth.engine.kernels.cpu import BLOCK_KERNELS, cpu_decode_ops, cpu_has_native_half_gemm
-from hearth.engine.quant.formats import dequantize
+from hearth.engine.quant.registry import dequantize
 
 _HALF = (torch.bfloat16, torch.float16)
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
@@ -114,7 +114,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def block_weight(data: torch.Tensor, fmt) -> torch.nn.Parameter:
     """A frozen parameter holding a weight in its quantized blocks (uint8 [N, row bytes] of the
-    :class:`~hearth.engine.quant.formats.BlockFormat` ``fmt``), which :func:`linear` and
+    :class:`~hearth.engine.quant.block.BlockFormat` ``fmt``), which :func:`linear` and
     :func:`embedding_rows` recognise."""
     param = torch.nn.Parameter(data, requires_grad=False)
     param.block_format = fmt

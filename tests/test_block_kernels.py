@@ -1,5 +1,5 @@
 """The native block-quantized kernels (AVX2 and AVX-512 builds) against the torch decoders: fp32
-products on weights decoded by :func:`~hearth.engine.quant.formats.dequantize`, itself equal to
+products on weights decoded by :func:`~hearth.engine.quant.registry.dequantize`, itself equal to
 the ``gguf`` reference. Projections for 1 to 11 tokens, and routed experts for several tokens with
 shared experts, mixed formats, padded bank rows and rows computed elsewhere."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hearth.engine.kernels import cpu as kernels
-from hearth.engine.quant.formats import FORMATS, dequantize
+from hearth.engine.quant.registry import FORMATS, dequantize
 from tests.block_data import expert_banks, random_blocks, reference_experts, routed_tokens
 
 _base = kernels.cpu_decode_ops()

@@ -24,7 +24,7 @@ from hearth.engine.checkpoint.hf_quant import fp8_rows, mxfp4_rows
 from hearth.engine.checkpoint.loader import CheckpointError, load_model
 from hearth.engine.config import ConfigError
 from hearth.engine.kernels.cpu import cpu_decode_ops
-from hearth.engine.quant.formats import block_format, dequantize
+from hearth.engine.quant.registry import block_format, dequantize
 from tests.checkpoints import make_checkpoint
 from tests.helpers import greedy, max_rel_error
 from tests.hf_quant_checkpoints import (

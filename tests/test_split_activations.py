@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from hearth.engine import int8_mode
-from hearth.engine.kernels.cpu import cpu_decode_ops
+from hearth.engine.kernels.cpu import cpu_decode_ops, int8_mode
 from tests.block_data import random_blocks
 
 pytestmark = pytest.mark.skipif(not int8_mode.available(), reason="no AVX-512 VNNI kernels on this machine")

@@ -37,7 +37,8 @@ from hearth.engine.config import ConfigError, parse_dtype
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.models import MoECausalLM, build_model
-from hearth.engine.quant.formats import BlockFormat, block_format, dequantize
+from hearth.engine.quant.block import BlockFormat
+from hearth.engine.quant.registry import block_format, dequantize
 
 FORMAT = "hearth-ftw"
 VERSION = 2

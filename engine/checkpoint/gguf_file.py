@@ -19,14 +19,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from hearth.engine.quant.formats import FORMATS, BlockFormat, dequantize
+from hearth.engine.quant.block import BlockFormat
+from hearth.engine.quant.registry import FORMATS, REGISTRY, dequantize
 
 # GGUF architecture -> the Hugging Face architecture hearth builds for it.
 # GGUF architecture -> the transformers class hearth serves it as ("llama" with experts is Mixtral).
 ARCHITECTURES = MappingProxyType({"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                                   "llama": "MixtralForCausalLM"})
 _FLOAT_TYPES = MappingProxyType({0: torch.float32, 1: torch.float16, 30: torch.bfloat16})  # GGML type ids
-_BLOCK_TYPES = MappingProxyType({f.ggml_type: f for f in FORMATS.values()})
+_BLOCK_TYPES = REGISTRY.by_ggml_type()
 
 
 class GGUFError(ValueError):
@@ -61,7 +62,7 @@ class GGUFTensor:
         return _readonly(values).reshape(self.shape)
 
     def dequantized(self) -> torch.Tensor:
-        """float32 values ``[rows…, cols]`` (block formats decoded, see ``formats.dequantize``)."""
+        """float32 values ``[rows…, cols]`` (block formats decoded, see ``registry.dequantize``)."""
         if not self.quantized:
             return self.raw().float()
         rows = self.raw().reshape(-1, self.format.row_bytes(self.shape[-1]))

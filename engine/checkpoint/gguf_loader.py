@@ -31,9 +31,11 @@ from hearth.engine.checkpoint.loader import LoadedModel, stage_config, stage_own
 from hearth.engine.config import parse_dtype
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
+from hearth.engine.kernels.cpu import BLOCK_KERNELS, cpu_decode_ops
 from hearth.engine.models import build_model, family_for
 from hearth.engine.ops import block_weight
-from hearth.engine.quant.formats import HEARTH_FORMATS, BlockFormat
+from hearth.engine.quant.block import BlockFormat
+from hearth.engine.quant.registry import HEARTH_FORMATS
 
 BF16_BLOCKS = HEARTH_FORMATS["bf16"]  # a bf16 tensor kept as stored when computed in fp32
 
@@ -139,16 +141,12 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
 def blocks_can_stay(cfg, kernels: bool = True) -> bool:
     """Whether weights may stay in blocks: float32 activations, and (``kernels``) the native kernels
     run here."""
-    from hearth.engine.kernels.cpu import cpu_decode_ops
-
     return cfg.dtype == torch.float32 and (not kernels or cpu_decode_ops() is not None)
 
 
 def _kernel_format(t) -> BlockFormat | None:
     """The blocks a tensor stays in, where a kernel computes them: its own format, or hearth's bf16
     blocks for a bf16 tensor (its bytes as stored; rows of whole 32-element blocks)."""
-    from hearth.engine.kernels.cpu import BLOCK_KERNELS
-
     fmt = t.format
     if fmt == torch.bfloat16 and t.shape[-1] % BF16_BLOCKS.block_elems == 0:
         fmt = BF16_BLOCKS

@@ -18,11 +18,12 @@ import importlib
 import logging
 import os
 from pathlib import Path
-from types import MappingProxyType, ModuleType
+from types import ModuleType
 
 import torch
 
 from hearth.engine.kernels.cpu.sources import source_hash
+from hearth.engine.quant.registry import REGISTRY, block_format
 
 log = logging.getLogger(__name__)
 FEATURE_AVX2 = 1 << 0
@@ -31,9 +32,9 @@ FEATURE_AVX512_BF16 = 1 << 2
 FEATURE_AVX512_VNNI = 1 << 3
 FEATURE_AMX = 1 << 4
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Block formats the native kernels compute in their blocks, with their codes in blocks.h.
-BLOCK_CODES = MappingProxyType({"q8_0": 0, "q4_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "mxfp4": 5, "fp8_e4m3": 6,
-                               "bf16": 7})
+# Block formats the native kernels compute in their blocks, with their codes in blocks.h (each
+# format's module declares its entry).
+BLOCK_CODES = REGISTRY.kernel_codes()
 BLOCK_KERNELS = frozenset(BLOCK_CODES)
 _HERE = Path(__file__).resolve().parent
 
@@ -187,8 +188,6 @@ class NativeKernels:
 
 
 def _row_bytes(fmt: str, cols: int) -> int:
-    from hearth.engine.quant.formats import block_format
-
     return block_format(fmt).row_bytes(cols)
 
 

@@ -20,9 +20,10 @@ import dataclasses
 import logging
 
 from hearth.engine.kernels.cpu import cpu_decode_ops
+from hearth.engine.quant.registry import REGISTRY
 
 log = logging.getLogger(__name__)
-FORMATS = frozenset({"q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "mxfp4"})  # the formats with an int8-activation kernel
+FORMATS = REGISTRY.int8_formats()  # the formats with an int8-activation kernel (each format's module says)
 
 
 def available() -> bool:
