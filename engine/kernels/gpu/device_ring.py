@@ -34,7 +34,7 @@ BLOCK = 1024
 
 def build_ring_kernels():
     """(post, collect) jitted now, so that the interpreter setting in force applies."""
-    import triton.language as tl
+    import triton.language as tl  # deferred: triton is optional
 
     @triton_jit
     def post_kernel(ctrl, ticket, x_slot, rows_slot, weights_slot, x, rows, weights, n_x, n_pairs, tokens, top_k,
@@ -108,7 +108,7 @@ def build_ring_kernels():
 
 
 def triton_jit(fn):
-    import triton
+    import triton  # deferred: triton is optional
 
     return triton.jit(fn)
 
