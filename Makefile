@@ -19,7 +19,7 @@ endif
 .PHONY: venv test test-cluster test-clients gpu-rehearsal gpu-wheels lint fmt serve proto clean
 
 # The native kernels build at install: edits to them reinstall (editable install, built in place).
-$(VENV)/.installed: pyproject.toml constraints.txt setup.py $(wildcard engine/kernels/*.cpp engine/kernels/*.h)
+$(VENV)/.installed: pyproject.toml constraints.txt setup.py $(wildcard engine/kernels/cpu/*.cpp engine/kernels/cpu/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt $(TORCH_INDEX) "$(TORCH_SPEC)"

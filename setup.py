@@ -3,7 +3,7 @@
 The project's metadata is in pyproject.toml; this file only adds the kernel libraries. They are
 plain C++ behind a C ABI (loaded with ctypes), so they need no torch headers to build and no
 particular torch version to run. Each library targets one instruction set; the runtime loads the
-best one the CPU has (``hearth.engine.kernels``). Both are optional: without a compiler the
+best one the CPU has (``hearth.engine.kernels.cpu``). Both are optional: without a compiler the
 install still succeeds and the engine runs its torch paths (with one warning).
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
-KERNELS = Path("engine") / "kernels"
+KERNELS = Path("engine") / "kernels" / "cpu"
 # The fingerprint the runtime compares against the sources beside it (a stale editable build): one
 # definition, loaded by path because nothing of the package is importable yet.
 _spec = importlib.util.spec_from_file_location("hearth_kernel_sources", KERNELS / "sources.py")
@@ -28,7 +28,7 @@ SOURCE_HASH = _sources.source_hash(KERNELS)
 
 def kernel(name: str, source: str, isa_flags: tuple[str, ...]) -> Extension:
     return Extension(
-        f"hearth.engine.kernels.{name}",
+        f"hearth.engine.kernels.cpu.{name}",
         sources=[str(KERNELS / source)],
         depends=[str(p) for p in SOURCES],
         include_dirs=[str(KERNELS)],

@@ -53,7 +53,7 @@ def facts(rig: Rig) -> dict:
     """What the machine is: GPU, driver, library versions, host memory, /dev/shm, the CPU kernels."""
     import transformers
 
-    from hearth.engine.kernels import cpu_decode_ops
+    from hearth.engine.kernels.cpu import cpu_decode_ops
 
     out: dict = {"ok": None, "python": platform.python_version(), "torch": torch.__version__,
                  "transformers": transformers.__version__, "cpus": os.cpu_count(),
@@ -110,7 +110,7 @@ def _mapped(host: torch.Tensor, rig: Rig) -> tuple[torch.Tensor, Callable[[], No
     if rig.dry:
         return host, lambda: None
     from hearth.engine.experts.mechanism.device import pin_host_memory
-    from hearth.engine.kernels.device_fill import mapped_view
+    from hearth.engine.kernels.gpu.device_fill import mapped_view
 
     pointers = pin_host_memory([host])
 
@@ -125,7 +125,7 @@ def check_fill_kernel(rig: Rig) -> dict:
     """The count-aware fill from mapped host memory: exactly ``count`` rows land in their slots, the
     rest stay as they were; then its rate on experts of Qwen3-30B-A3B's size (the SM-load path
     that graph mode fills through)."""
-    from hearth.engine.kernels import device_fill
+    from hearth.engine.kernels.gpu import device_fill
 
     g = torch.Generator().manual_seed(0)
     rows, row_shape = (24, (3, 40)) if rig.dry else (64, (3 * 768, 2048))
@@ -149,7 +149,7 @@ def check_fill_kernel(rig: Rig) -> dict:
 
 
 def _fill_rate(src_bank: torch.Tensor, table: torch.Tensor, row_bytes: int, fills: int = 32) -> float:
-    from hearth.engine.kernels import device_fill
+    from hearth.engine.kernels.gpu import device_fill
 
     slots = torch.empty((fills, *src_bank.shape[1:]), dtype=src_bank.dtype, device="cuda")
     ids = torch.arange(fills, device="cuda") % src_bank.shape[0]
@@ -167,7 +167,7 @@ def check_expert_kernels(rig: Rig) -> dict:
     """The slot-expert kernels (up and down) against the eager partial sum, fp32 and bf16, batch 1
     and 4, with pairs served elsewhere (-1) among them."""
     from hearth.engine.experts.compute import routed_partial_sum
-    from hearth.engine.kernels import device_experts
+    from hearth.engine.kernels.gpu import device_experts
 
     g = torch.Generator().manual_seed(1)
     hidden, inter, slots, k = (64, 32, 6, 4) if rig.dry else (2048, 768, 32, 8)
@@ -189,7 +189,8 @@ def check_expert_kernels(rig: Rig) -> dict:
 
 def serve_ring(name: str, tasks: int, deadline_s: float) -> None:
     """A CPU worker process on ``name``'s slot 0: answers ``tasks`` tasks with 2 * x."""
-    from hearth.engine.experts.mechanism.ring import DONE, SUBMITTED, TaskRing
+    from hearth.engine.experts.mechanism.ring import TaskRing
+    from hearth.engine.kernels.ring_words import DONE, SUBMITTED
 
     ring = TaskRing.attach(name)
     slot, hidden, end = ring.slots[0], ring.layout.hidden, time.monotonic() + deadline_s
@@ -205,8 +206,9 @@ def serve_ring(name: str, tasks: int, deadline_s: float) -> None:
 def check_ring_kernels(rig: Rig) -> dict:
     """Post and collect through the shared task ring from the device, a worker process answering:
     the partial sum comes back exact and the slot is free again; then the round trip's time."""
-    from hearth.engine.experts.mechanism.ring import FREE, RingLayout, TaskRing
-    from hearth.engine.kernels import device_ring
+    from hearth.engine.experts.mechanism.ring import RingLayout, TaskRing
+    from hearth.engine.kernels.gpu import device_ring
+    from hearth.engine.kernels.ring_words import FREE
 
     layout = RingLayout(slots=1, max_tokens=4, hidden=256, top_k=8)
     ring = TaskRing.create(f"contact-{uuid.uuid4().hex[:8]}", layout)
@@ -247,7 +249,7 @@ def check_ring_kernels(rig: Rig) -> dict:
 
 
 def _device_slot(ring) -> dict[str, torch.Tensor]:
-    from hearth.engine.kernels.device_fill import mapped_view
+    from hearth.engine.kernels.gpu.device_fill import mapped_view
 
     return {name: mapped_view(t, "cuda") for name, t in ring.slots[0].items()}
 

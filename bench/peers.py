@@ -159,8 +159,8 @@ def hearth_runner(path: Path, dtype: str, n_ctx: int, pp_chunk: int, int8_activa
 def has_int8_kernels(path: Path) -> bool:
     """Whether any of the file's tensors is in a format the int8-activation mode computes (a bf16 file's
     weights are not: the mode would change nothing)."""
-    from hearth.engine import int8_mode
     from hearth.engine.checkpoint.gguf_reader import GGUFFile
+    from hearth.engine.kernels.cpu import int8_mode
 
     return any(t.quantized and t.format.name in int8_mode.FORMATS for t in GGUFFile(path).tensors.values())
 

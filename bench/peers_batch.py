@@ -98,7 +98,7 @@ def _expert_kernel_rate(engine, tokens: int, passes: int, flush) -> float:
     layers, each call timed (distinct experts' bytes over the summed call times)."""
     import torch
 
-    from hearth.engine.kernels import cpu_decode_ops
+    from hearth.engine.kernels.cpu import cpu_decode_ops
 
     ops, pool, cfg = cpu_decode_ops(), engine.pool, engine.model_config
     if ops is None or not pool.blocks:

@@ -186,7 +186,7 @@ def _blocks_note(in_blocks: list[str], dtype: str) -> str:
     """What stays in its quantized blocks at run time, for the dtype line of ``hearth inspect``
     (``in_blocks`` is empty where no native kernels run: see ``stored_summary``)."""
     if not in_blocks:
-        from hearth.engine.kernels import cpu_decode_ops
+        from hearth.engine.kernels.cpu import cpu_decode_ops
 
         if cpu_decode_ops() is None:
             return "compute; no weight stays in its blocks here (no native kernels: blocks are decoded at load)"

@@ -15,7 +15,6 @@ from typing import IO, Any
 import torch
 
 from hearth.config import ConfigError, EngineConfig
-from hearth.engine import int8_mode
 from hearth.engine.cache.anchors import anchor_token_ids
 from hearth.engine.cache.kv_pages import BlockAllocator, PagedKVCache, kv_cache_tokens
 from hearth.engine.cache.prefix_tree import RadixCache
@@ -38,7 +37,7 @@ from hearth.engine.experts.backend import HierarchicalExpertBackend
 from hearth.engine.experts.build import build_hierarchy, cache_slots
 from hearth.engine.experts.contract import ExpertControl
 from hearth.engine.experts.mechanism.host_pool import HostExpertPool
-from hearth.engine.kernels import cpu_decode_ops
+from hearth.engine.kernels.cpu import cpu_decode_ops, int8_mode
 from hearth.engine.models import MoECausalLM
 from hearth.engine.request import Request
 from hearth.engine.sampling import sample_token, token_logprob

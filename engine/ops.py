@@ -2,7 +2,7 @@
 experts: projections and activations.
 
 They sit below both ``layers/`` and ``experts/`` (which import them, never each other's modules),
-and dispatch to the native kernels (:mod:`hearth.engine.kernels`) where those run.
+and dispatch to the native kernels (:mod:`hearth.engine.kernels.cpu`) where those run.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hearth.engine.kernels import BLOCK_KERNELS, cpu_decode_ops, cpu_has_native_half_gemm
-from hearth.engine.quant.formats import dequantize
+from hearth.engine.kernels.cpu import BLOCK_KERNELS, cpu_decode_ops, cpu_has_native_half_gemm
+from hearth.engine.quant.registry import dequantize
 
 _HALF = (torch.bfloat16, torch.float16)
 ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu}
@@ -114,7 +114,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def block_weight(data: torch.Tensor, fmt) -> torch.nn.Parameter:
     """A frozen parameter holding a weight in its quantized blocks (uint8 [N, row bytes] of the
-    :class:`~hearth.engine.quant.formats.BlockFormat` ``fmt``), which :func:`linear` and
+    :class:`~hearth.engine.quant.block.BlockFormat` ``fmt``), which :func:`linear` and
     :func:`embedding_rows` recognise."""
     param = torch.nn.Parameter(data, requires_grad=False)
     param.block_format = fmt

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hearth.engine.quant.formats import FORMATS, block_format, dequantize
+from hearth.engine.quant.registry import FORMATS, block_format, dequantize
 
 
 def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator, extremes: bool = True) -> np.ndarray:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hearth.engine import LLM, SamplingParams
-from hearth.engine.quant.formats import HEARTH_FORMATS, dequantize
+from hearth.engine.quant.registry import HEARTH_FORMATS, dequantize
 from tests.block_data import expert_banks, reference_experts, routed_tokens
 from tests.gguf_checkpoints import write_gguf
 from tests.test_block_kernels import BUILDS, IDS

@@ -1,5 +1,5 @@
 """The native block-quantized kernels (AVX2 and AVX-512 builds) against the torch decoders: fp32
-products on weights decoded by :func:`~hearth.engine.quant.formats.dequantize`, itself equal to
+products on weights decoded by :func:`~hearth.engine.quant.registry.dequantize`, itself equal to
 the ``gguf`` reference. Projections for 1 to 11 tokens, and routed experts for several tokens with
 shared experts, mixed formats, padded bank rows and rows computed elsewhere."""
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from hearth.engine import kernels
-from hearth.engine.quant.formats import FORMATS, dequantize
+from hearth.engine.kernels import cpu as kernels
+from hearth.engine.quant.registry import FORMATS, dequantize
 from tests.block_data import expert_banks, random_blocks, reference_experts, routed_tokens
 
 _base = kernels.cpu_decode_ops()
@@ -29,7 +29,7 @@ def _builds() -> list[kernels.NativeKernels]:
     out = []
     for name in names:
         try:
-            module = importlib.import_module(f"hearth.engine.kernels.{name}")
+            module = importlib.import_module(f"hearth.engine.kernels.cpu.{name}")
         except ImportError:
             continue
         out.append(kernels.NativeKernels(_base._base, module, _base.features))

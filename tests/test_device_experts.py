@@ -1,4 +1,4 @@
-"""The device share's kernels of captured decode steps (engine/kernels/device_experts.py), run by
+"""The device share's kernels of captured decode steps (engine/kernels/gpu/device_experts.py), run by
 Triton's interpreter on the CPU, against the eager routed_partial_sum on the same slots: fp32
 within 1e-5, bf16 within its rounding; pairs marked -1 contribute nothing. (These kernels call
 Triton's own jitted helpers, so the interpreter must be on before Triton is imported: each check
@@ -25,7 +25,7 @@ def check(dtype_name: str, tokens: int = 3, hidden: int = 48, min_programs: int 
     """The comparison itself (run in a process with TRITON_INTERPRET=1): the first ``tokens`` rows
     of the pairs above; ``min_programs`` as the launch sizes its row blocks (None: the default)."""
     from hearth.engine.experts.compute import routed_partial_sum
-    from hearth.engine.kernels import device_experts
+    from hearth.engine.kernels.gpu import device_experts
 
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(0)
@@ -103,7 +103,7 @@ class GridRecorder:
 def test_batch_1_launches_enough_programs_for_a_large_gpu(tokens) -> None:
     """Qwen3-30B-A3B's shapes (hidden 2048, expert FFN 768, top 8): each launch has about two programs
     per SM of a 132-SM GPU or more (the down projection at batch 1 had 64)."""
-    from hearth.engine.kernels import device_experts
+    from hearth.engine.kernels.gpu import device_experts
 
     hidden, inter, k = 2048, 768, 8
     up, down = GridRecorder(), GridRecorder()

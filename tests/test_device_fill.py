@@ -1,4 +1,4 @@
-"""The count-aware fill kernel of captured decode steps (engine/kernels/device_fill.py), run by
+"""The count-aware fill kernel of captured decode steps (engine/kernels/gpu/device_fill.py), run by
 Triton's interpreter on the CPU: it copies exactly the first ``count`` planned experts, read from a
 tensor, whatever the bank's dtype and row size, and touches nothing else."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hearth.engine.kernels import device_fill
+from hearth.engine.kernels.gpu import device_fill
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The ring kernels of captured decode steps (engine/kernels/device_ring.py), run by Triton's
+"""The ring kernels of captured decode steps (engine/kernels/gpu/device_ring.py), run by Triton's
 interpreter on the CPU against a worker thread standing in for the CPU expert worker: the posted
 descriptor is what the eager ring client writes, the collect waits for the completion word and
 frees the slot, and a dead worker (timeout) or a failed task leaves zeros and an error for the host."""
@@ -12,8 +12,9 @@ import uuid
 import pytest
 import torch
 
-from hearth.engine.experts.mechanism.ring import DONE, FAILED, FREE, SUBMITTED, RingLayout, TaskRing
-from hearth.engine.kernels import device_ring
+from hearth.engine.experts.mechanism.ring import RingLayout, TaskRing
+from hearth.engine.kernels.gpu import device_ring
+from hearth.engine.kernels.ring_words import DONE, FAILED, FREE, SUBMITTED
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hearth.engine.experts.policy.cache import ExpertCacheTables, cache_step
-from hearth.engine.kernels import cpu_decode_ops
+from hearth.engine.kernels.cpu import cpu_decode_ops
 
 
 class ReferenceLRU:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hearth.engine.checkpoint.hf_quant import fp8_rows, mxfp4_rows
-from hearth.engine.quant.formats import FORMATS, HEARTH_FORMATS, block_format, dequantize
+from hearth.engine.quant.registry import FORMATS, HEARTH_FORMATS, block_format, dequantize
 from tests.block_data import expert_banks, random_blocks, reference_experts, routed_tokens
 from tests.test_block_kernels import BUILDS, IDS
 

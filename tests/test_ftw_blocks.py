@@ -21,7 +21,7 @@ from hearth.engine.checkpoint.common import CheckpointError  # noqa: E402
 from hearth.engine.checkpoint.dispatch import convert, load_checkpoint  # noqa: E402
 from hearth.engine.checkpoint.ftw import VERSION, load_ftw, read_index  # noqa: E402
 from hearth.engine.checkpoint.gguf_writer import write_gguf  # noqa: E402
-from hearth.engine.kernels import cpu_decode_ops  # noqa: E402
+from hearth.engine.kernels.cpu import cpu_decode_ops  # noqa: E402
 from tests.helpers import PROMPTS, greedy, record_logits  # noqa: E402
 
 SHAPE = dict(hidden_size=256, moe_intermediate_size=512, intermediate_size=256, num_attention_heads=4,

@@ -12,7 +12,7 @@ pytest.importorskip("gguf")
 from hearth.cli.main import main  # noqa: E402
 from hearth.engine.checkpoint.gguf_reader import GGUFFile  # noqa: E402
 from hearth.engine.checkpoint.gguf_writer import ConvertError, tensor_format, write_gguf  # noqa: E402
-from hearth.engine.kernels import cpu_decode_ops  # noqa: E402
+from hearth.engine.kernels.cpu import cpu_decode_ops  # noqa: E402
 from tests.gguf_checkpoints import assert_matches_transformers  # noqa: E402
 
 SHAPE = dict(hidden_size=256, moe_intermediate_size=512, intermediate_size=256, num_attention_heads=4,

@@ -32,7 +32,7 @@ def _quantized(rows: int, cols: int, qtype, seed: int = 0) -> np.ndarray:
     x = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     if qtype in (Q.Q8_0, Q.Q4_0, Q.MXFP4):
         return gguf.quants.quantize(x, qtype)
-    from hearth.engine.quant.quantize import quantize  # the K-quants: the reference has no quantizer
+    from hearth.engine.quant.registry import quantize  # the K-quants: the reference has no quantizer
 
     return quantize(torch.from_numpy(x), qtype.name.lower()).numpy()
 

@@ -9,7 +9,7 @@ import pytest
 
 from hearth.config import ConfigError
 from hearth.engine import LLM
-from hearth.engine.kernels import cpu_decode_ops
+from hearth.engine.kernels.cpu import cpu_decode_ops
 from tests.helpers import PROMPTS, max_rel_error
 from tests.test_hierarchy import BATCH4, SPLIT_BANDWIDTHS, run
 

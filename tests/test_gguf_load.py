@@ -106,7 +106,7 @@ def test_inspect_shows_the_stored_formats_and_bytes_per_token(hf_checkpoint, tmp
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
 def test_quantized_weights_stay_in_their_blocks_and_both_paths_agree(hf_checkpoint, tmp_path, fmt) -> None:
     from hearth.engine.experts.compute import routed_partial_sum
-    from hearth.engine.kernels import cpu_decode_ops
+    from hearth.engine.kernels.cpu import cpu_decode_ops
 
     path = write_gguf(hf_checkpoint, tmp_path / "m.gguf", fmt)
     llm = LLM(path)

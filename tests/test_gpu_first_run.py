@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from hearth.engine.executor.memory_plan import bytes_by_device, executor_bytes, tensor_bytes
 from hearth.engine.experts.mechanism.device import page_ranges, pin_host_memory
 from hearth.engine.experts.policy.cache import ExpertCacheTables, cache_step
-from hearth.engine.kernels import device_fill
+from hearth.engine.kernels.gpu import device_fill
 
 PAGE = 4096  # of the pure range arithmetic's cases
 HOST_PAGE = mmap.PAGESIZE  # of the fake CUDA runtime, as pin_host_memory registers them
@@ -168,7 +168,7 @@ class ReadOnlyCudart(FakeCudart):
 
 
 def test_a_read_only_pool_is_registered_read_only(monkeypatch) -> None:
-    from hearth.engine.kernels import device_fill
+    from hearth.engine.kernels.gpu import device_fill
 
     cudart = ReadOnlyCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)

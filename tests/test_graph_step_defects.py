@@ -19,8 +19,8 @@ from hearth.engine.executor import fixed_shape
 from hearth.engine.executor.fixed_shape import CAPTURE_CALLS, CudaGraphSkipped, watch_graph_skips
 from hearth.engine.experts import build
 from hearth.engine.experts.measure import measure_link_path
-from hearth.engine.experts.mechanism.ring import FREE
-from hearth.engine.kernels import device_ring
+from hearth.engine.kernels.gpu import device_ring
+from hearth.engine.kernels.ring_words import FREE
 from tests.helpers import PROMPTS, greedy, max_rel_error
 from tests.test_device_ring import kernels, ring, serve_once  # noqa: F401 - the fixtures
 from tests.test_hierarchy import OVERRIDES, SPLIT_BANDWIDTHS, run

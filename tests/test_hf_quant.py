@@ -24,8 +24,8 @@ from hearth.engine.checkpoint.common import CheckpointError
 from hearth.engine.checkpoint.hf import load_model
 from hearth.engine.checkpoint.hf_quant import fp8_rows, mxfp4_rows
 from hearth.engine.config import ConfigError
-from hearth.engine.kernels import cpu_decode_ops
-from hearth.engine.quant.formats import block_format, dequantize
+from hearth.engine.kernels.cpu import cpu_decode_ops
+from hearth.engine.quant.registry import block_format, dequantize
 from tests.checkpoints import make_checkpoint
 from tests.helpers import greedy, max_rel_error
 from tests.hf_quant_checkpoints import (

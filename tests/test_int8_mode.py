@@ -1,4 +1,4 @@
-"""The opt-in int8-activation mode (engine/int8_mode.py, kernels/q8.h).
+"""The opt-in int8-activation mode (engine/kernels/cpu/int8_mode.py, kernels/cpu/q8.h).
 
 - Kernels: on activations that int8 represents exactly (integers up to 127 times a power of two, one
   of them 127 in every 256), the VNNI products equal the fp32 kernels' up to fp32 summation order.
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from hearth.engine import LLM, int8_mode
-from hearth.engine.kernels import cpu_decode_ops
+from hearth.engine import LLM
+from hearth.engine.kernels.cpu import cpu_decode_ops, int8_mode
 from tests.block_data import random_blocks
 from tests.helpers import greedy, max_rel_error, record_logits
 

@@ -10,7 +10,7 @@ import hearth.engine.experts.compute
 import hearth.engine.layers.norm
 import hearth.engine.ops
 from hearth.engine import LLM
-from hearth.engine.kernels import cpu_decode_ops
+from hearth.engine.kernels.cpu import cpu_decode_ops
 from tests.helpers import PROMPTS, greedy, hf_greedy, max_rel_error, record_logits, reference
 
 ops = cpu_decode_ops()

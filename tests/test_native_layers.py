@@ -1,4 +1,4 @@
-"""Native decode layers (engine/executor/native_layers.py, kernels/layer.h) against the module path they
+"""Native decode layers (engine/executor/native_layers.py, kernels/cpu/layer.h) against the module path they
 replace: the same checkpoint run with HEARTH_NATIVE_LAYERS=0 and =1, logits compared step by step.
 
 fp32: within 1e-5 relative (only fp32 summation order differs); bf16: bit for bit (the attention core
@@ -18,7 +18,7 @@ from hearth.engine.executor.native_layers import NativeLayers
 from tests.helpers import greedy, max_rel_error, record_logits
 
 pytestmark = pytest.mark.skipif(
-    __import__("hearth.engine.kernels", fromlist=["cpu_decode_ops"]).cpu_decode_ops() is None,
+    __import__("hearth.engine.kernels.cpu", fromlist=["cpu_decode_ops"]).cpu_decode_ops() is None,
     reason="native kernels not available on this machine")
 
 _RUN, _RUN_ALL = NativeLayers.run, NativeLayers.run_all
@@ -115,7 +115,7 @@ def test_block_weights(tmp_path, checkpoint, monkeypatch):
 
 def test_descriptions_match_the_kernels():
     from hearth.engine.executor.native_layers import LAYER_FIELDS, STEP_FIELDS
-    from hearth.engine.kernels import cpu_decode_ops
+    from hearth.engine.kernels.cpu import cpu_decode_ops
 
     assert cpu_decode_ops()._decode.layer_desc_size() == (len(LAYER_FIELDS), len(STEP_FIELDS))
     assert torch.get_num_threads() >= 1

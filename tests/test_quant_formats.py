@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hearth.engine.quant.formats import FORMATS, dequantize
+from hearth.engine.quant.registry import FORMATS, dequantize
 from tests.block_data import random_blocks as _random_blocks
 
 gguf = pytest.importorskip("gguf")
@@ -45,7 +45,7 @@ def test_sizes_match_ggml_and_bad_shapes_are_refused() -> None:
 
 @pytest.mark.parametrize("name", ["q8_0", "q4_0", "mxfp4"])
 def test_quantizer_writes_the_reference_quantizers_bytes(name) -> None:
-    from hearth.engine.quant.quantize import quantize
+    from hearth.engine.quant.registry import quantize
 
     x = np.random.default_rng(7).standard_normal((4, 512)).astype(np.float32)
     x[0, :32] = 0.0  # an all-zero block
@@ -55,7 +55,7 @@ def test_quantizer_writes_the_reference_quantizers_bytes(name) -> None:
 
 @pytest.mark.parametrize("name, bound", [("q4_k", 0.12), ("q5_k", 0.06), ("q6_k", 0.03), ("q8_0", 0.01)])
 def test_k_quants_are_read_alike_by_the_reference_and_stay_close(name, bound) -> None:
-    from hearth.engine.quant.quantize import quantize
+    from hearth.engine.quant.registry import quantize
 
     x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.01, 2, 1024)
     x[1, :256] = 0.0  # an all-zero super-block

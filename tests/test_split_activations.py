@@ -1,4 +1,4 @@
-"""fp32 activations on the VNNI kernels in three int8 pieces (kernels/q8.h; the default where the
+"""fp32 activations on the VNNI kernels in three int8 pieces (kernels/cpu/q8.h; the default where the
 kernel library has AVX-512 VNNI, for the GGML formats' weights).
 
 - Against the fp64 product of the dequantized weights, on heavy-tailed activations: within 5e-6 of the
@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from hearth.engine import int8_mode
-from hearth.engine.kernels import cpu_decode_ops
+from hearth.engine.kernels.cpu import cpu_decode_ops, int8_mode
 from tests.block_data import random_blocks
 
 pytestmark = pytest.mark.skipif(not int8_mode.available(), reason="no AVX-512 VNNI kernels on this machine")

@@ -3,8 +3,8 @@ contact check on a machine with no package index, where ``pip install -e .`` can
 
     python3 tools/build_kernels.py [--jobs N] [--force]
 
-Each library (``engine/kernels/sources.py: kernel_builds``) is compiled straight to
-``engine/kernels/<name><EXT_SUFFIX>`` with the same flags ``setup.py`` gives setuptools, and the
+Each library (``engine/kernels/cpu/sources.py: kernel_builds``) is compiled straight to
+``engine/kernels/cpu/<name><EXT_SUFFIX>`` with the same flags ``setup.py`` gives setuptools, and the
 same source fingerprint, so the runtime loads it as it loads an installed build. A library that
 does not build (no compiler, no ``Python.h``, an old compiler) is reported and left out: the
 engine then runs its torch paths for what it lacks. Exits 0 either way; prints one JSON line with
@@ -26,11 +26,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-KERNELS = Path(__file__).resolve().parents[1] / "engine" / "kernels"
+KERNELS = Path(__file__).resolve().parents[1] / "engine" / "kernels" / "cpu"
 
 
 def _sources_module():
-    """engine/kernels/sources.py, loaded by path (nothing of the package needs to be importable)."""
+    """engine/kernels/cpu/sources.py, loaded by path (nothing of the package needs to be importable)."""
     spec = importlib.util.spec_from_file_location("hearth_kernel_sources", KERNELS / "sources.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -13,7 +13,7 @@ import torch
 
 from hearth.engine.config import ConfigError, ModelConfig
 from hearth.engine.experts.pool import ExpertPool
-from hearth.engine.kernels import cpu_decode_ops
+from hearth.engine.kernels.cpu import cpu_decode_ops
 from hearth.engine.models import MoECausalLM
 
 # ``pool_factory(gate_up_shape, down_shape, dtype)``: the expert banks' storage (e.g. shared memory).

@@ -47,7 +47,8 @@ from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.models import MoECausalLM, build_model
 from hearth.engine.ops import block_weight
-from hearth.engine.quant.formats import BlockFormat, block_format, dequantize
+from hearth.engine.quant.block import BlockFormat
+from hearth.engine.quant.registry import block_format, dequantize
 
 FORMAT = "hearth-ftw"
 VERSION = 2

@@ -15,7 +15,7 @@ writes with; experts are stacked per layer (``blk.N.ffn_{gate,up,down}_exps``). 
 accounted for, as for safetensors.
 
 Quantized weights stay in their blocks, from file to kernel, when the native kernels compute their
-formats (:data:`~hearth.engine.kernels.BLOCK_KERNELS`) with float32 activations (the default for
+formats (:data:`~hearth.engine.kernels.cpu.BLOCK_KERNELS`) with float32 activations (the default for
 GGUF, as llama.cpp computes quantized models): experts in the pool (one expert a bank row, each
 layer in its own formats) unless a shared-memory pool or the expert hierarchy needs float experts,
 and the dense projections, the output projection and the embedding table. bf16 tensors stay as
@@ -50,16 +50,17 @@ from hearth.engine.config import parse_dtype
 from hearth.engine.executor import hugepages
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
-from hearth.engine.kernels import BLOCK_KERNELS
+from hearth.engine.kernels.cpu import BLOCK_KERNELS
 from hearth.engine.models import build_model, family_for
 from hearth.engine.ops import block_weight
-from hearth.engine.quant.formats import FORMATS, HEARTH_FORMATS, BlockFormat, dequantize
+from hearth.engine.quant.block import BlockFormat
+from hearth.engine.quant.registry import FORMATS, HEARTH_FORMATS, REGISTRY, dequantize
 
 # GGUF architecture -> the transformers class hearth serves it as ("llama" with experts is Mixtral).
 ARCHITECTURES = MappingProxyType({"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
                                   "llama": "MixtralForCausalLM"})
 _FLOAT_TYPES = MappingProxyType({0: torch.float32, 1: torch.float16, 30: torch.bfloat16})  # GGML type ids
-_BLOCK_TYPES = MappingProxyType({f.ggml_type: f for f in FORMATS.values()})
+_BLOCK_TYPES = REGISTRY.by_ggml_type()
 
 
 class GGUFError(ValueError):

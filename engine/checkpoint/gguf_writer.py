@@ -3,7 +3,7 @@
 The layout is the one llama.cpp's converter writes: its metadata keys, its tensor names (the
 ``gguf`` package's name map), experts stacked per layer (``ffn_{gate,up,down}_exps``), the BPE
 tokenizer and chat template in ``tokenizer.*`` keys. Weights are quantized by
-:mod:`hearth.engine.quant.quantize`. A *mix* picks a format per tensor as llama.cpp's presets of
+:func:`hearth.engine.quant.registry.quantize`. A *mix* picks a format per tensor as llama.cpp's presets of
 the same name do (``q4_k_m``: Q4_K, with Q6_K for the output projection and for the attention
 values and down projections of a third of the layers); norms, biases and the router stay f32.
 """
@@ -22,15 +22,14 @@ from tqdm import tqdm
 from hearth.engine.checkpoint.common import FUSED
 from hearth.engine.checkpoint.gguf_reader import permute_rope_rows
 from hearth.engine.models import family_for
-from hearth.engine.quant.formats import FORMATS
-from hearth.engine.quant.quantize import quantize
+from hearth.engine.quant.registry import FORMATS, REGISTRY, quantize
 
 # Hugging Face architecture -> GGUF architecture (the gguf package's MODEL_ARCH member).
 ARCHITECTURES = {"Qwen3MoeForCausalLM": "QWEN3MOE", "Qwen2MoeForCausalLM": "QWEN2MOE",
                  "MixtralForCausalLM": "LLAMA"}  # Mixtral: llama with experts, as llama.cpp writes it
 FLOAT_TYPES = ("f32", "f16", "bf16")
-# Mixes: (base format, format of the tensors that get more bits).
-MIXES = {"q4_k_m": ("q4_k", "q6_k"), "q5_k_m": ("q5_k", "q6_k")}
+# Mixes: (base format, format of the tensors that get more bits), as the formats' modules declare them.
+MIXES = REGISTRY.mixes()
 QUANTS = (*FLOAT_TYPES, *sorted(FORMATS), *sorted(MIXES))
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _LAYER = re.compile(r"^blk\.(\d+)\.")

@@ -19,7 +19,7 @@ dequantized (see :mod:`hearth.engine.quant.formats` and docs/quantization.md):
   and Mixtral (GPT-OSS interleaves them: a row permutation at load, the blocks unchanged).
 
 Where blocks cannot stay (another compute dtype than float32, no native kernels, a shared-memory
-pool), the repacked rows are decoded with :func:`~hearth.engine.quant.formats.dequantize`, which
+pool), the repacked rows are decoded with :func:`~hearth.engine.quant.registry.dequantize`, which
 gives the values transformers' dequantization gives in fp32. Every check here is a one-line
 :class:`~hearth.engine.config.ConfigError` (config.json) or ``CheckpointError`` (a tensor).
 """
@@ -38,7 +38,8 @@ from hearth.engine.executor import hugepages
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.layers.linear import Projection, TokenEmbedding
 from hearth.engine.ops import block_weight, deinterleave
-from hearth.engine.quant.formats import FORMATS, HEARTH_FORMATS, BlockFormat, dequantize
+from hearth.engine.quant.block import BlockFormat
+from hearth.engine.quant.registry import FORMATS, HEARTH_FORMATS, dequantize
 
 FP8_BLOCK = HEARTH_FORMATS["fp8_e4m3"]
 MXFP4_BLOCK = FORMATS["mxfp4"]

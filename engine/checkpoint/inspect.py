@@ -16,7 +16,7 @@ from hearth.engine.checkpoint.gguf_reader import GGUFFile, expert_blocks, kernel
 from hearth.engine.checkpoint.hf import checkpoint_files, is_unused_tensor, open_safetensors
 from hearth.engine.checkpoint.hf_quant import QuantSpec, quant_spec
 from hearth.engine.config import ModelConfig, read_config_json
-from hearth.engine.kernels import cpu_decode_ops
+from hearth.engine.kernels.cpu import cpu_decode_ops
 from hearth.engine.models import build_model, family_for
 
 

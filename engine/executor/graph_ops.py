@@ -17,12 +17,14 @@ import torch
 
 from hearth.engine.experts.compute import routed_partial_sum
 from hearth.engine.experts.mechanism.device import copy_experts
-from hearth.engine.experts.mechanism.ring import FREE, await_task, write_task
+from hearth.engine.experts.mechanism.ring import await_task, write_task
 from hearth.engine.experts.policy.cache import cache_step
 from hearth.engine.experts.pool import ExpertBlocks
-from hearth.engine.kernels import cpu_decode_ops, device_experts, device_fill, device_ring
+from hearth.engine.kernels.cpu import cpu_decode_ops
+from hearth.engine.kernels.gpu import device_experts, device_fill, device_ring
+from hearth.engine.kernels.ring_words import FREE
 from hearth.engine.ops import activation, decode_blocks, linear
-from hearth.engine.quant.formats import FORMATS, HEARTH_FORMATS
+from hearth.engine.quant.registry import FORMATS, HEARTH_FORMATS
 
 
 def _format(name: str):
@@ -87,7 +89,7 @@ def routed_experts_op(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
     """fp32 [T, H] partial sum of the routed pairs whose bank row is >= 0 (``rows`` [T, k], -1 =
     served elsewhere): :func:`~hearth.engine.experts.compute.routed_partial_sum`. ``gate_up_fmt``
     empty for float banks, else the layer's block formats. On a GPU, float banks go through two
-    fixed-grid kernels (``kernels/device_experts.py``): no host read, so a captured graph replays it."""
+    fixed-grid kernels (``kernels/gpu/device_experts.py``): no host read, so a captured graph replays it."""
     if x.is_cuda and gate_up.is_cuda and not gate_up_fmt and act in ("silu", "swish"):
         return device_experts.slot_experts(x, gate_up, down, rows, weights)
     blocks = None
@@ -156,7 +158,7 @@ def ring_post_op(ctrl: torch.Tensor, x_slot: torch.Tensor, rows_slot: torch.Tens
     waits for the completion flag. Returns the ticket: the descriptor's sequence number, or 0 when
     no row is >= 0 (nothing for the CPU: nothing is posted, the slot stays free and the collect
     returns zeros without waiting)."""
-    if ctrl.is_cuda:  # the ring's device views: the GPU writes the descriptor (kernels/device_ring.py)
+    if ctrl.is_cuda:  # the ring's device views: the GPU writes the descriptor (kernels/gpu/device_ring.py)
         return device_ring.post(ctrl, x_slot, rows_slot, weights_slot, x, rows, weights)
     if not bool((rows >= 0).any()):  # the same choice the device kernel makes
         return torch.tensor(0)

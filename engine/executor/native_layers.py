@@ -1,4 +1,4 @@
-"""Decoder layers as one native call per decode step (``engine/kernels/layer.h``).
+"""Decoder layers as one native call per decode step (``engine/kernels/cpu/layer.h``).
 
 A decode step of a few sequences spends most of its time outside the weight kernels when each layer
 runs as some forty small torch operations. For the layers whose parts the native layer knows (RMSNorm,
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from hearth.engine.executor.batch import ForwardBatch
 from hearth.engine.experts.compute import LocalExpertBackend
-from hearth.engine.kernels import BLOCK_CODES, NativeKernels, cpu_decode_ops
+from hearth.engine.kernels.cpu import BLOCK_CODES, NativeKernels, cpu_decode_ops
 from hearth.engine.layers.attention import Attention, gather_context
 from hearth.engine.layers.mlp import GatedMLP
 from hearth.engine.layers.moe import MoEBlock, TopKRouter
@@ -308,7 +308,7 @@ class NativeLayers:
 
 
 def _int8_activations(layer) -> bool:
-    """Whether the layer's weights run in the int8-activation mode (engine/int8_mode.py)."""
+    """Whether the layer's weights run in the int8-activation mode (engine/kernels/cpu/int8_mode.py)."""
     mlp = layer.mlp
     if isinstance(mlp, MoEBlock) and type(mlp.backend) is LocalExpertBackend:
         blocks = mlp.backend.pool.layer_blocks(mlp.layer_idx)

@@ -49,7 +49,7 @@ def map_ring_slot(ring: TaskRing, device) -> dict[str, torch.Tensor] | None:
     """Slot 0 of ``ring`` as device views of its registered pages (None where that cannot be: the
     CPU share then goes through the host)."""
     from hearth.engine.experts.mechanism.device import pin_host_memory
-    from hearth.engine.kernels import device_fill
+    from hearth.engine.kernels.gpu import device_fill
 
     if not device_fill.available():
         return None
@@ -82,7 +82,7 @@ class HierarchicalExpertBackend:
         # How B_P is measured (experts/measure.py LINK_PATHS): the path the decode steps fill by.
         self.link_path = "copy"
         # On a GPU with CPU workers behind the task ring: slot 0's fields as device views, so the GPU
-        # posts and collects the CPU share itself (kernels/device_ring.py); None elsewhere.
+        # posts and collects the CPU share itself (kernels/gpu/device_ring.py); None elsewhere.
         self.device_ring = None
         if device.kind == "cuda" and isinstance(cpu_workers, RingCpuWorkers):
             self.device_ring = map_ring_slot(cpu_workers.ring, device)
@@ -213,7 +213,7 @@ class HierarchicalExpertBackend:
         """After a fixed-shape step on a GPU: raise what its ring collects left behind (a worker
         that failed or did not answer; the host reads the ring's error word, not the GPU)."""
         if self.device_ring is not None:
-            from hearth.engine.kernels import device_ring
+            from hearth.engine.kernels.gpu import device_ring
 
             self.device.synchronize()  # the step's collects have run (the sampler waits for it anyway)
             device_ring.raise_if_failed(self.cpu_workers.ring.slots[0]["ctrl"])

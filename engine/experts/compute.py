@@ -11,7 +11,7 @@ import torch
 
 from hearth.engine.experts.contract import StepContext
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
-from hearth.engine.kernels import BLOCK_KERNELS, cpu_decode_ops
+from hearth.engine.kernels.cpu import BLOCK_KERNELS, cpu_decode_ops
 from hearth.engine.ops import SMALL_BATCH, activation, activation_name, decode_blocks, gated, linear
 
 

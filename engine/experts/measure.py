@@ -4,7 +4,7 @@ B_H: the CPU expert kernel itself on the model's experts, cycling through the po
 come from DRAM rather than the last-level cache (a plain memory-read loop over-reports it).
 B_P: batched fills of real slot sizes through the path the steps will fill by: the device's own
 copy path (DMA on its copy stream) for eager steps, the count-aware fill op (SM loads of the mapped
-pool, ``kernels/device_fill.py``) for captured ones, whose rate can differ. Each path is fitted as
+pool, ``kernels/gpu/device_fill.py``) for captured ones, whose rate can differ. Each path is fitted as
 affine (fixed dispatch cost + bytes/bandwidth) from runs with 1 and with k experts.
 """
 

@@ -13,7 +13,7 @@ import torch
 
 from hearth.engine.config import ModelConfig
 from hearth.engine.executor import hugepages
-from hearth.engine.quant.formats import BlockFormat
+from hearth.engine.quant.block import BlockFormat
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class ExpertBlocks:
     down: BlockFormat
     hidden: int
     inter: int
-    int8_activations: bool = False  # the opt-in int8-activation mode (see engine/int8_mode.py)
+    int8_activations: bool = False  # the opt-in int8-activation mode (see engine/kernels/cpu/int8_mode.py)
     bias: bool = False  # experts with biases (GPT-OSS): fp32 after each row's blocks, 2I of them, H of them
 
     @property

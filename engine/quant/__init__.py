@@ -1,1 +1,2 @@
-"""Block-quantized weights: the formats (GGML's Q8_0, Q4_0, K-quants, MXFP4) and their kernels."""
+"""Block-quantized weights: what a format declares (``block.py``), one module per format
+(``formats/``), the registry that lists them (``registry.py``), and their torch encode and decode."""

@@ -24,10 +24,10 @@ import torch
 
 from hearth.engine.experts.contract import CpuTaskTiming
 from hearth.engine.experts.mechanism import shm
+from hearth.engine.kernels.ring_words import FAILED, FREE, SUBMITTED
 
 _MAGIC = b"HEARTH-RING-v2\0\0"  # v2: 64-byte aligned fields
 _HEADER = 4096
-FREE, SUBMITTED, DONE, FAILED = 0, 1, 2, 3
 # Header words after the magic: shutdown flag, worker pid, worker heartbeat.
 _WORDS = 4
 
@@ -77,7 +77,7 @@ class TaskRing:
         base = _HEADER + i * self.layout.slot_bytes
         return {name: torch.frombuffer(self.segment.buf, dtype=dtype, count=count, offset=base + offset)
                 for name, (dtype, count, offset) in self.layout.fields().items()}
-        # ctrl: state, seq, tokens, k, fp32_weights, nbytes, nanoseconds, error (a GPU step's)
+        # ctrl: the control words of kernels/ring_words.py
 
     @classmethod
     def create(cls, name: str, layout: RingLayout) -> TaskRing:

@@ -18,7 +18,8 @@ from hearth.engine.experts.compute import routed_partial_sum
 from hearth.engine.experts.mechanism import shm
 from hearth.engine.experts.mechanism.cpu_workers import bind_current_thread, physical_cores, task_expert_bytes
 from hearth.engine.experts.mechanism.host_pool import HostExpertPool, process_alive
-from hearth.engine.experts.mechanism.ring import DONE, FAILED, SUBMITTED, TaskRing
+from hearth.engine.experts.mechanism.ring import TaskRing
+from hearth.engine.kernels.ring_words import DONE, FAILED, SUBMITTED
 from hearth.engine.ops import activation
 
 log = logging.getLogger("hearth.cpu_worker")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from hearth.engine.experts.contract import FillPlan
-from hearth.engine.kernels import cpu_decode_ops
+from hearth.engine.kernels.cpu import cpu_decode_ops
 
 # Stats counters kept on the device (read only when asked for).
 STAT_NAMES = ("steps", "hits", "misses", "fills", "cpu", "evictions")

@@ -27,8 +27,8 @@ MIN_PROGRAMS = 256
 def build_expert_kernels():
     """(up, down) jitted now, so that the interpreter setting in force then applies (these kernels
     call Triton's own jitted helpers, so the interpreter must be on before Triton is imported)."""
-    import triton
-    import triton.language as tl
+    import triton  # deferred: triton is optional
+    import triton.language as tl  # deferred: triton is optional
 
     @triton.jit
     def up_kernel(x, gate_up, pair_slot, h, top_k, hidden, inter, BLOCK_ROWS: tl.constexpr,  # noqa: N803

@@ -5,7 +5,7 @@
 //
 // The modules take raw pointers (tensor.data_ptr()) and sizes as Python ints, not torch tensors: they
 // build without torch's headers and keep working when torch is upgraded (no C++ ABI to match). The
-// Python side (kernels/__init__.py) checks dtypes, shapes and contiguity before calling.
+// Python side (kernels/cpu/__init__.py) checks dtypes, shapes and contiguity before calling.
 #pragma once
 
 #define PY_SSIZE_T_CLEAN

@@ -6,9 +6,9 @@
 
 namespace {
 
-// Feature bits reported to the dispatcher (kernels/__init__.py reads the same bits).
+// Feature bits reported to the dispatcher (kernels/cpu/__init__.py reads the same bits).
 enum Feature : int {
-  kAvx2 = 1 << 0,  // AVX2 + FMA + F16C: the decode kernels of decode_avx2.cpp
+  kAvx2 = 1 << 0,  // AVX2 + FMA + F16C: the decode kernels of decode.cpp
   kAvx512 = 1 << 1,  // AVX-512 F/BW/VL
   kAvx512Bf16 = 1 << 2,
   kAvx512Vnni = 1 << 3,
@@ -131,7 +131,7 @@ PyObject* py_copy_rows(PyObject*, PyObject* const* args, Py_ssize_t n) {
 }
 
 PyMethodDef methods[] = {
-    {"cpu_features", py_cpu_features, METH_NOARGS, "feature bits of this CPU (see kernels/__init__.py)"},
+    {"cpu_features", py_cpu_features, METH_NOARGS, "feature bits of this CPU (see kernels/cpu/__init__.py)"},
     {"source_hash", hearth::py_source_hash, METH_NOARGS, "hash of the sources this module was built from"},
     {"cache_step", hearth::fastcall(py_cache_step), METH_FASTCALL,
      "the expert cache's control step on host-memory tables"},

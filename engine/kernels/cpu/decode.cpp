@@ -1,9 +1,9 @@
-// Decode (few-token) CPU kernels for AVX2 + FMA + F16C: matrix-vector products that stream the weights
-// at memory speed, RMSNorm, and a whole MoE layer's routed experts for one token in one call. Built with
-// -mavx2 -mfma -mf16c; the dispatcher loads this library only on CPUs that have them. The same source
-// is built a second time for AVX-512 (decode_avx512.cpp), where the block-quantized kernels of blocks.h
-// use 16 lanes, and a third for AVX-512 VNNI (decode_avx512vnni.cpp), which adds the opt-in
-// int8-activation kernels of q8.h.
+// Decode (few-token) CPU kernels: matrix-vector products that stream the weights at memory speed,
+// RMSNorm, and a whole MoE layer's routed experts for one token in one call. This source is built once
+// per instruction set, each time through a wrapper that names the module: decode_avx2.cpp (AVX2 + FMA +
+// F16C; the dispatcher loads it only on CPUs that have them), decode_avx512.cpp (AVX-512, where the
+// block-quantized kernels of blocks.h use 16 lanes) and decode_avx512vnni.cpp (AVX-512 VNNI, which adds
+// the opt-in int8-activation kernels of q8.h).
 //
 // Numerics follow PyTorch's own low-precision kernels: products are accumulated in fp32 and every
 // intermediate tensor the reference materialises (projection outputs, the activation, the gated
@@ -15,7 +15,7 @@
 #include "native.h"
 
 #ifndef HEARTH_DECODE_MODULE
-#define HEARTH_DECODE_MODULE _native_avx2
+#error "decode.cpp is built through a per-instruction-set wrapper (decode_avx2.cpp, ...) that names the module"
 #endif
 
 namespace {

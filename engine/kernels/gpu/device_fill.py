@@ -28,8 +28,8 @@ PROGRAMS = 256
 
 def build_fill_kernel():
     """The jitted kernel (built on first use, so that the interpreter setting in force then applies)."""
-    import triton
-    import triton.language as tl
+    import triton  # deferred: triton is optional
+    import triton.language as tl  # deferred: triton is optional
 
     @triton.jit
     def fill_rows_kernel(src_bank, dst_bank, row_table, src_ids, dst_slots, count, num_fills, row_words, chunks,
@@ -57,7 +57,7 @@ def fill_kernel():
 def available() -> bool:
     """Whether the kernel can run here (Triton importable)."""
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401 - deferred: triton is optional
     except ImportError:
         return False
     return True

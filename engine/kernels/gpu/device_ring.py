@@ -1,9 +1,10 @@
 """The CPU share of a captured decode step, handed over by the GPU itself: kernels that write a task
-descriptor into the shared task ring (``experts/mechanism/ring.py``) and wait for its completion
-word, so the step needs no host synchronisation and a CUDA graph can replay it.
+descriptor into the shared task ring (``experts/mechanism/ring.py``; its control words are
+``kernels/ring_words.py``) and wait for its completion word, so the step needs no host
+synchronisation and a CUDA graph can replay it.
 
 The ring lives in host memory the CPU expert worker maps; registered with CUDA (pinned, mapped),
-:func:`~hearth.engine.kernels.device_fill.mapped_view` gives it device addresses. ``post`` copies
+:func:`~hearth.engine.kernels.gpu.device_fill.mapped_view` gives it device addresses. ``post`` copies
 the payload (activations as fp32, pool rows, weights) into a slot, then sets the slot's fields and
 its state word SUBMITTED with a system-scope release, all from one program with barriers between,
 so every payload write is ordered before the worker can see the state. A share with no pair for the
@@ -24,16 +25,16 @@ import functools
 
 import torch
 
-from hearth.engine.experts.mechanism.ring import DONE, FAILED, FREE, SUBMITTED
+from hearth.engine.kernels.ring_words import DONE, ERROR_WORD, FAILED, FREE, SUBMITTED
 
-ERROR_WORD = 7  # ctrl[7]: 0, or the worst of TIMED_OUT / WORKER_FAILED / BUSY since the host last cleared it
+# ctrl[ERROR_WORD]: 0, or the worst of these since the host last cleared it.
 TIMED_OUT, WORKER_FAILED, BUSY = 1, 2, 3
 BLOCK = 1024
 
 
 def build_ring_kernels():
     """(post, collect) jitted now, so that the interpreter setting in force applies."""
-    import triton.language as tl
+    import triton.language as tl  # deferred: triton is optional
 
     @triton_jit
     def post_kernel(ctrl, ticket, x_slot, rows_slot, weights_slot, x, rows, weights, n_x, n_pairs, tokens, top_k,
@@ -107,7 +108,7 @@ def build_ring_kernels():
 
 
 def triton_jit(fn):
-    import triton
+    import triton  # deferred: triton is optional
 
     return triton.jit(fn)
 

@@ -7,7 +7,7 @@
 
 namespace hearth::vec {
 
-// Sum of the 8 lanes (the float kernels of decode_avx2.cpp reduce with it too).
+// Sum of the 8 lanes (the float kernels of decode.cpp reduce with it too).
 inline float hsum8(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
   lo = _mm_add_ps(lo, hi);

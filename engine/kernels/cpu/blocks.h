@@ -360,7 +360,7 @@ inline void permute_q4_k(const float* x, int64_t K, float* out) {
 
 // Q6_K with AVX-512. Per half of a super-block (128 elements) one 64-byte load of low nibbles and
 // one 32-byte load of high bit pairs give the 6-bit values u of two 64-element pairs of quarters
-// (quarters 0|1 and 2|3), one per byte, in two registers (the int8 mode's assembly, kernels/q8.h).
+// (quarters 0|1 and 2|3), one per byte, in two registers (the int8 mode's assembly, kernels/cpu/q8.h).
 // Each register's 32-bit lanes then give four vectors of 16 weights, byte k of every lane (one shift,
 // one mask) converted and scaled: w = u * s - 32 s in one fused rounding, the same value as the
 // reference's (u - 32) * s. About two thirds of the instructions of widening each quarter's bytes

@@ -11,7 +11,7 @@
 //
 // The Python side (engine/executor/native_layers.py) describes a layer once as a LayerDesc (pointers, sizes and
 // formats: int64 fields, the few real numbers as doubles) and each step as a StepDesc; the layer updates
-// the hidden states in place. Included by decode_avx2.cpp inside its own namespace, after the float
+// the hidden states in place. Included by decode.cpp inside its own namespace, after the float
 // kernels it reuses (linear_impl, rms_norm_impl, experts_impl), so it has no includes of its own.
 #pragma once
 

@@ -3,7 +3,7 @@
 llama.cpp's CPU kernels quantize each activation row to int8 (one scale per 256 elements) before
 multiplying it with K-quant weights. hearth's default keeps activations in fp32, so that a quantized
 model matches its reference within 1e-6 relative (on CPUs with AVX-512 VNNI, fp32 activations meet
-the GGML formats' weights split into three int8 pieces, 21 bits of each block; see kernels/q8.h). This
+the GGML formats' weights split into three int8 pieces, 21 bits of each block; see kernels/cpu/q8.h). This
 mode does what llama.cpp does for the formats that have that kernel: for decode steps of up to 8
 tokens, projections and experts in those formats multiply one int8 piece with their weights
 (vpdpbusd), about 1.25x as fast per step as three pieces and twice as fast as the fp32 kernels. Every
@@ -19,10 +19,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from hearth.engine.kernels import cpu_decode_ops
+from hearth.engine.kernels.cpu import cpu_decode_ops
+from hearth.engine.quant.registry import REGISTRY
 
 log = logging.getLogger(__name__)
-FORMATS = frozenset({"q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "mxfp4"})  # the formats with an int8-activation kernel
+FORMATS = REGISTRY.int8_formats()  # the formats with an int8-activation kernel (each format's module says)
 
 
 def available() -> bool:

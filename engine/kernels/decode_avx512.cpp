@@ -1,4 +1,0 @@
-// The decode kernels built for AVX-512 (F, BW, VL, DQ): the same source as the AVX2 library, under
-// another module name; blocks.h picks 16-lane vectors from the compiler's target macros.
-#define HEARTH_DECODE_MODULE _native_avx512
-#include "decode_avx2.cpp"
