@@ -190,7 +190,9 @@ def main() -> int:
         model, _ = make_checkpoint(tmp / "tiny", "qwen3_moe", chat_format="agent")
     import ray
 
-    from hearth.cluster.deploy import DeployOptions, deploy, teardown
+    from hearth.cluster.deploy import deploy
+    from hearth.cluster.launch import teardown
+    from hearth.cluster.specs import DeployOptions
     from hearth.engine.tokenizer import load_tokenizer
 
     engine_options = {} if args.no_virtual_device else {"expert_device": "virtual", "expert_cache": "0.25",

@@ -26,58 +26,32 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 
 from hearth.cluster.bandwidth import BandwidthTracker, MonitorPolicy
-from hearth.cluster.stage_actor import StageResult
-from hearth.config import EngineConfig
+from hearth.cluster.specs import NAMESPACE, ReplicaSpec
+from hearth.config import cache_dir
+from hearth.engine import LLMEngine
+from hearth.engine.checkpoint import convert, is_ftw, load_checkpoint
+from hearth.engine.experts import (
+    HostExpertPool,
+    TaskRing,
+    bind_current_thread,
+    cleanup_pool,
+    list_pools,
+    physical_cores,
+    serve_ring,
+)
 from hearth.proto.contracts import GenerateRequest, GenerationChunk, StageLost
 from hearth.serving.client import InProcessEngineClient
 
 log = logging.getLogger("hearth.cluster")
-NAMESPACE = "hearth"
 STREAM_INTERVAL_S = 0.02  # an executor sends a stream's chunks at most this often (after the first)
 STAGE_WAIT_S = 900.0  # how long a step waits for a restarting pipeline stage (it reads its layers again)
-
-
-@dataclass(frozen=True)
-class ReplicaSpec:
-    """Everything the actors of one replica need (plain, typed data: it crosses process boundaries).
-    ``engine`` names the replica's shared pool (``host_pool_name``)."""
-
-    replica_id: str
-    model_name: str
-    model_path: str
-    node_id: str
-    pool_name: str
-    engine: EngineConfig = EngineConfig()
-    max_waiting: int = 64
-    monitor_interval_s: float = 2.0
-    probe_idle_s: float = 300.0
-    # Pipeline stages: this actor's layers [first, end) (None: the whole model), and the actor
-    # names of the later stages, in order (on the first stage).
-    layers: tuple[int, int] | None = None
-    next_stages: tuple[str, ...] = ()
-
-    def actor_name(self, role: str) -> str:
-        return f"hearth:{role}:{self.replica_id}"
-
-    @property
-    def staged(self) -> bool:
-        return self.layers is not None
-
-    @property
-    def uses_cpu_worker(self) -> bool:
-        return self.engine.experts.cpu_workers == "external"
-
-
-def stage_actor_name(replica_id: str, index: int) -> str:
-    """The actor name of stage ``index`` (1, 2, ...) of the split replica ``replica_id``."""
-    return f"hearth:stage:{replica_id}/{index}"
 
 
 def _handle(name: str):
@@ -101,8 +75,6 @@ def _wait_for_pool(spec: ReplicaSpec, timeout_s: float = 1800.0) -> dict[str, An
 def ftw_path(model_path: str, cache: Path) -> Path:
     """The FTW directory for ``model_path``: itself when it is FTW, else a converted copy in the
     cache (made once per node; re-attaching an executor to a filled pool needs FTW)."""
-    from hearth.engine.checkpoint.ftw import is_ftw
-
     if is_ftw(model_path):
         return Path(model_path)
     src = Path(model_path).resolve()
@@ -116,9 +88,6 @@ class HostPoolActor:
     """Owns the replica's expert pool segment."""
 
     def __init__(self, spec: ReplicaSpec) -> None:
-        from hearth.config import cache_dir
-        from hearth.engine.checkpoint.ftw import convert, is_ftw
-
         self.spec = spec
         self.loads = 0
         self.path = ftw_path(spec.model_path, cache_dir())
@@ -137,13 +106,10 @@ class HostPoolActor:
         self._load()
 
     def _load(self) -> None:
-        from hearth.engine.checkpoint.ftw import load_checkpoint
-        from hearth.engine.experts.mechanism.host_pool import HostExpertPool, cleanup, list_pools
-
-        if cleanup(self.spec.pool_name):  # left by this actor's previous life (killed): read it again
+        if cleanup_pool(self.spec.pool_name):  # left by this actor's previous life (killed): read it again
             log.warning("removed the stale expert pool '%s'; reading it again from %s", self.spec.pool_name, self.path)
         for stale in list_pools():  # pools of earlier deployments whose owner was killed (a node that left)
-            if not stale["owner_alive"] and cleanup(stale["name"]):
+            if not stale["owner_alive"] and cleanup_pool(stale["name"]):
                 log.warning("removed the expert pool '%s' of a process that is gone", stale["name"])
         started = time.perf_counter()
 
@@ -189,17 +155,10 @@ class CpuWorkerActor:
 
     def serve(self, pool_name: str, ring_name: str, owner_pid: int) -> int:
         """Serve ``ring_name`` until the executor closes it or dies; returns the tasks done."""
-        from hearth.engine.experts.mechanism.cpu_workers import bind_current_thread, physical_cores
-        from hearth.engine.experts.mechanism.host_pool import HostExpertPool
-        from hearth.engine.experts.mechanism.ring import TaskRing
-        from hearth.engine.experts.mechanism.worker import serve
-
         with self._lock:
             if ring_name in self._rings:
                 return 0  # already served by another call
             self._rings.add(ring_name)
-        import torch
-
         cores = physical_cores()
         bind_current_thread(cores)
         torch.set_num_threads(self.spec.engine.threads or len(cores))
@@ -207,7 +166,7 @@ class CpuWorkerActor:
         ring = TaskRing.attach(ring_name)
         ring.words[1] = os.getpid()
         try:
-            done = serve(pool, ring, parent_pid=owner_pid)
+            done = serve_ring(pool, ring, parent_pid=owner_pid)
             self.served += done
             return done
         finally:
@@ -220,14 +179,28 @@ class CpuWorkerActor:
         return os.getpid()
 
 
+class StageResult:
+    """The later stages' logits for one (micro-)batch, once asked for; times the wait. A stage that
+    failed (died, restarted, raised) turns into :class:`StageLost`."""
+
+    def __init__(self, ref: Any, executor: ExecutorActor) -> None:
+        self.ref, self.executor, self.sent = ref, executor, time.perf_counter()
+
+    def result(self):
+        try:
+            logits = ray.get(self.ref)
+        except ray.exceptions.RayError as exc:
+            raise self.executor._lost(exc) from None
+        hops = self.executor.hops
+        hops[0] += 1
+        hops[1] += time.perf_counter() - self.sent
+        return logits
+
+
 class ExecutorActor:
     """Runs the engine of one replica (an async actor: requests stream back as Ray generators)."""
 
     def __init__(self, spec: ReplicaSpec) -> None:
-        import torch
-
-        from hearth.engine.experts.mechanism.cpu_workers import physical_cores
-
         self.spec = spec
         started = time.perf_counter()
         # A pipeline stage loads its own layers from the checkpoint (no shared pool of all experts).
@@ -245,8 +218,6 @@ class ExecutorActor:
         self.client = InProcessEngineClient(self.model_path, self._build_engine, spec.model_name, spec.max_waiting)
 
     def _build_engine(self):
-        from hearth.engine.llm_engine import LLMEngine
-
         if self.spec.staged:
             engine = LLMEngine(self.model_path, self.spec.engine, layers=self.spec.layers,
                                next_stage=self._next_stages if self.spec.next_stages else None)

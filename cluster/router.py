@@ -14,40 +14,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import ray
 
+from hearth.cluster.cluster_api import run_request
+from hearth.cluster.membership import Membership
+from hearth.cluster.placement import NodeInfo
 from hearth.cluster.routing import ReplicaLoad, choose_replica
+from hearth.cluster.specs import NAMESPACE, DeployOptions, ReplicaInfo, stage_actor_name
+from hearth.cluster.stages import StagePlan
 from hearth.config import ServingConfig
 from hearth.proto.contracts import EngineNotReady, EngineOverloaded, GenerateRequest, GenerationChunk, ModelInfo
 from hearth.proto.prefix import block_hashes
+from hearth.serving.app import ServedModel, ServerState
+from hearth.serving.server import BackgroundServer
 
 log = logging.getLogger("hearth.router")
-ROUTER_NAME = "hearth:router"
 
 
 class ReplicaLost(RuntimeError):
     """The replica serving a request left after the request had started streaming."""
-
-
-@dataclass(frozen=True)
-class ReplicaInfo:
-    """A replica as the router knows it: ids, where it runs, and its executor actor's name."""
-
-    replica_id: str
-    model: str
-    node_id: str
-    node_name: str
-    executor_name: str
-    monitor_name: str
-    executor_kind: str = "cpu"
-    gpu_index: int | None = None
-    expert_cache_bytes: int = 0
 
 
 @dataclass
@@ -90,7 +82,7 @@ class RouterEngineClient:
         self.call_timeout_s = call_timeout_s
         self.replicas: dict[str, _ReplicaState] = {}
         for r in replicas:
-            self.replicas[r.replica_id] = _ReplicaState(r, ray.get_actor(r.executor_name, namespace="hearth"))
+            self.replicas[r.replica_id] = _ReplicaState(r, ray.get_actor(r.executor_name, namespace=NAMESPACE))
         self._health_task: asyncio.Task | None = None
         self.routed = [0, 0.0]  # requests routed, seconds spent choosing (hashing the prompt included)
         self._loaded = threading.Event()
@@ -219,7 +211,7 @@ class RouterEngineClient:
     def add_replica(self, info: ReplicaInfo) -> None:
         """A replica started after deployment (a machine joined); the health loop brings it into
         rotation at its first good check. Called on the server's loop."""
-        self.replicas[info.replica_id] = _ReplicaState(info, ray.get_actor(info.executor_name, namespace="hearth"))
+        self.replicas[info.replica_id] = _ReplicaState(info, ray.get_actor(info.executor_name, namespace=NAMESPACE))
 
     # -- health --------------------------------------------------------------------------------
     def _mark_down(self, state: _ReplicaState, exc: BaseException) -> None:
@@ -339,10 +331,10 @@ class RouterConfig:
     serving: ServingConfig = ServingConfig()
     health_interval_s: float = 1.0
     more: tuple[tuple[ModelInfo, tuple[ReplicaInfo, ...]], ...] = ()
-    deploy: Any = None  # the DeployOptions, to start replicas on machines that join (None: no membership)
+    deploy: DeployOptions | None = None  # to start replicas on machines that join (None: no membership)
     membership_interval_s: float = 5.0
-    nodes: tuple[Any, ...] = ()  # the NodeInfo of each machine at deployment (for the status page)
-    stage_plan: tuple[Any, ...] = ()  # a staged deployment's StagePlan (planned again when a machine leaves)
+    nodes: tuple[NodeInfo, ...] = ()  # each machine at deployment (for the status page)
+    stage_plan: tuple[StagePlan, ...] = ()  # a staged deployment's stages (planned again when a machine leaves)
 
     @property
     def groups(self) -> list[tuple[ModelInfo, tuple[ReplicaInfo, ...]]]:
@@ -353,9 +345,6 @@ class RouterActor:
     """Runs the API server (HTTP + gRPC) on its own thread and event loop inside the actor."""
 
     def __init__(self, config: RouterConfig) -> None:
-        from hearth.serving.app import ServedModel, ServerState
-        from hearth.serving.server import BackgroundServer
-
         self.config = config
         self.started = time.time()
         serving = config.serving
@@ -372,8 +361,6 @@ class RouterActor:
         self.membership = None
         self.nodes = {n.node_id: n for n in config.nodes}  # what each machine reported of itself
         if config.deploy is not None:
-            from hearth.cluster.membership import Membership
-
             self.membership = Membership(config.deploy, {c.model.name: c for c in clients},
                                          config.membership_interval_s, self.nodes, config.stage_plan)
         state.node_provider = self.node_rows
@@ -383,8 +370,6 @@ class RouterActor:
 
     def node_rows(self) -> list[dict[str, Any]]:
         """The machines for the status page: what each reported, and whether Ray sees it alive."""
-        from dataclasses import asdict
-
         alive = {n["NodeID"]: bool(n.get("Alive")) for n in ray.nodes()}
         return [{**asdict(n), "name": n.name, "alive": alive.get(n.node_id, False)} for n in list(self.nodes.values())]
 
@@ -394,8 +379,6 @@ class RouterActor:
         stages = self.membership.stages if self.membership is not None else ()
         if not stages:
             return []
-        from hearth.cluster.actors import stage_actor_name
-
         replica = next(iter(self.membership.clients[stages[0].model].replicas.values()), None)
         rows = [{**s.__dict__, "healthy": bool(replica and replica.healthy), "error": None} for s in stages]
         if replica is None or replica.note or not replica.healthy:
@@ -405,7 +388,7 @@ class RouterActor:
         for s in stages[1:]:
             try:
                 pings[s.index] = ray.get_actor(stage_actor_name(replica.info.replica_id, s.index),
-                                               namespace="hearth").ping.remote()
+                                               namespace=NAMESPACE).ping.remote()
             except ValueError as exc:  # gone for good
                 rows[s.index] |= {"healthy": False, "error": type(exc).__name__}
         if pings:
@@ -452,18 +435,12 @@ class RouterActor:
         (max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos, session_id).
         Errors come back as ``{"error": {"status", "message"}}`` so one bad line of a batch does
         not fail the others."""
-        from hearth.cluster.cluster_api import run_request
-
         future = asyncio.run_coroutine_threadsafe(run_request(self.server.state, request), self.server.loop)
         return future.result()
 
     def stream(self, request: dict[str, Any]):
         """Like :meth:`generate`, as a Ray streaming generator of ``{"text", "token_ids"}`` deltas
         ending with the full result."""
-        import queue
-
-        from hearth.cluster.cluster_api import run_request
-
         chunks: queue.SimpleQueue = queue.SimpleQueue()
         future = asyncio.run_coroutine_threadsafe(run_request(self.server.state, request, chunks.put),
                                                   self.server.loop)

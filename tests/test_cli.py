@@ -172,7 +172,7 @@ def test_up_takes_stages_for_one_model_only() -> None:
     import pytest
 
     from hearth.cli.cluster import add_commands
-    from hearth.cluster.deploy import DeployOptions
+    from hearth.cluster.specs import DeployOptions
 
     parser = argparse.ArgumentParser()
     add_commands(parser.add_subparsers(dest="command"))

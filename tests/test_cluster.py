@@ -19,8 +19,10 @@ import requests
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from hearth.cluster.deploy import DeployOptions, cluster_status, deploy, teardown  # noqa: E402
+from hearth.cluster.deploy import cluster_status, deploy  # noqa: E402
+from hearth.cluster.launch import teardown  # noqa: E402
 from hearth.cluster.routing import ReplicaLoad, choose_replica  # noqa: E402
+from hearth.cluster.specs import DeployOptions  # noqa: E402
 from hearth.engine import LLM  # noqa: E402
 from hearth.engine.experts.mechanism.host_pool import cleanup  # noqa: E402
 from hearth.engine.sampling import SamplingParams  # noqa: E402
@@ -367,7 +369,8 @@ class _FakeExecutor:
 
 
 def test_monitor_actor_pushes_a_new_table_when_the_link_slows(two_nodes):
-    from hearth.cluster.actors import MonitorActor, ReplicaSpec
+    from hearth.cluster.actors import MonitorActor
+    from hearth.cluster.specs import ReplicaSpec
 
     spec = ReplicaSpec("fake@desktop", "fake", "/nowhere", "", "fake-pool", monitor_interval_s=0.05)
     on_desktop = {"resources": {"desktop": 0.01}, "num_cpus": 0}  # the laptop may have left already

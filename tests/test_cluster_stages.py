@@ -14,7 +14,8 @@ import requests
 
 ray = pytest.importorskip("ray")
 
-from hearth.cluster.deploy import DeployOptions, find_router  # noqa: E402
+from hearth.cluster.deploy import find_router  # noqa: E402
+from hearth.cluster.specs import DeployOptions  # noqa: E402
 from hearth.serving.server import free_port  # noqa: E402
 from tests.cluster_helpers import deployed_on_two_nodes  # noqa: E402
 
@@ -24,7 +25,7 @@ PROMPT = "def fibonacci(n):"
 
 @pytest.fixture(scope="module")
 def staged(tmp_path_factory, agent_checkpoint):
-    from hearth.cluster.deploy import layer_sizes
+    from hearth.cluster.sizing import layer_sizes
 
     sizes, embed, head = layer_sizes(str(agent_checkpoint))
     assert 600 * 1024 < sum(sizes) + embed + head < 2 * 600 * 1024
