@@ -61,9 +61,9 @@ def deploy(options: DeployOptions, log=print) -> dict[str, Any]:
             log(f"hearth: replica {r.replica_id}: {r.executor} executor on {r.node_name} "
                 f"({spec.engine.experts.device}), pool '{spec.pool_name}'")
     started = time.perf_counter()
-    executors = [[start_replica(spec) for spec in specs] for *_, specs in groups]
+    actors = [[start_replica(spec) for spec in specs] for *_, specs in groups]
     try:
-        infos = [ray.get([e.ready.remote() for e in group], timeout=options.ready_timeout_s) for group in executors]
+        infos = [ray.get([e.ready.remote() for e in group], timeout=options.ready_timeout_s) for group in actors]
     except Exception:
         teardown()
         raise
@@ -88,8 +88,8 @@ def _start_router(config: RouterConfig) -> dict[str, Any]:
 
 
 def _deploy_stages(options: DeployOptions, nodes: list[NodeInfo], why: Exception, log) -> dict[str, Any]:
-    """One replica split by layers over machines (``plan_stages``): the first stage is the replica's
-    executor, which schedules and samples; the later stages are stage actors it calls each step."""
+    """One replica split by layers over machines (``plan_stages``): the first stage is the replica
+    actor, which schedules and samples; the later stages are stage actors it calls each step."""
     path, name = options.models[0]
     stages = plan_model_stages(options, nodes)
     if len(stages) == 1 and not options.stages:
@@ -133,8 +133,8 @@ def cluster_status() -> dict[str, Any] | None:
 def _replica_numbers(r: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
-        stats = ray.get(ray.get_actor(r["executor_name"], namespace=NAMESPACE).stats.remote(), timeout=10)
-    except Exception:  # noqa: BLE001 - a dead or restarting executor: the row says so
+        stats = ray.get(ray.get_actor(r["replica_actor_name"], namespace=NAMESPACE).stats.remote(), timeout=10)
+    except Exception:  # noqa: BLE001 - a dead or restarting replica actor: the row says so
         return {"state": "down"}
     out["state"] = "ready" if stats.get("ready") else "loading"
     out["running"] = stats.get("running", 0)

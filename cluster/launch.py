@@ -17,7 +17,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from hearth.cluster.actors import CpuWorkerActor, ExecutorActor, HostPoolActor, MonitorActor
+from hearth.cluster.actors import CpuWorkerActor, HostPoolActor, MonitorActor, ReplicaActor
 from hearth.cluster.node_info import describe_this_node
 from hearth.cluster.placement import NodeInfo, ReplicaPlan
 from hearth.cluster.specs import NAMESPACE, DeployOptions, ReplicaInfo, ReplicaSpec
@@ -84,28 +84,27 @@ def replica_specs(replicas: list[ReplicaPlan], options: DeployOptions, model_pat
 
 
 def start_replica(spec: ReplicaSpec) -> Any:
-    """Create the replica's actors on its node; returns the executor handle."""
+    """Create the replica's actors on its node; returns the replica actor's handle."""
     common = {"namespace": NAMESPACE, "lifetime": "detached", "num_cpus": 0, "max_restarts": -1,
               "scheduling_strategy": on_node(spec.node_id)}
     ray.remote(HostPoolActor).options(name=spec.actor_name("pool"), **common).remote(spec)
     if spec.uses_cpu_worker:
         ray.remote(CpuWorkerActor).options(name=spec.actor_name("cpu"), max_concurrency=4, **common).remote(spec)
     gpus = 1 if spec.engine.experts.device == "cuda" else 0
-    executor = ray.remote(ExecutorActor).options(name=spec.actor_name("executor"), num_gpus=gpus,
-                                                 **common).remote(spec)
+    replica = ray.remote(ReplicaActor).options(name=spec.actor_name("replica"), num_gpus=gpus, **common).remote(spec)
     ray.remote(MonitorActor).options(name=spec.actor_name("monitor"), **common).remote(spec)
-    return executor
+    return replica
 
 
 def replica_info(r: ReplicaPlan, spec: ReplicaSpec) -> ReplicaInfo:
     """What the router knows of a replica planned as ``r`` and specified as ``spec``."""
-    return ReplicaInfo(r.replica_id, r.model, r.node_id, r.node_name, spec.actor_name("executor"),
+    return ReplicaInfo(r.replica_id, r.model, r.node_id, r.node_name, spec.actor_name("replica"),
                        spec.actor_name("monitor"), r.executor, r.gpu_index, r.expert_cache_bytes)
 
 
 def start_stages(options: DeployOptions, stages: tuple[StagePlan, ...]) -> tuple[ReplicaInfo, dict[str, Any]]:
     """Start the actors of a staged replica for the plan ``stages`` and wait until it serves; its
-    router entry and the executor's ``ready`` report. A failed start removes what it started."""
+    router entry and the replica actor's ``ready`` report. A failed start removes what it started."""
     path, name = options.models[0]
 
     def engine(stage) -> EngineConfig:  # on a GPU, the stage's layers run the expert hierarchy there
@@ -120,22 +119,22 @@ def start_stages(options: DeployOptions, stages: tuple[StagePlan, ...]) -> tuple
                         max_waiting=options.max_waiting, layers=(stages[0].first_layer, stages[0].end_layer),
                         next_stages=tuple(spec.actor_name("stage") for spec in later))
     gpus = {spec.node_id: 1 if spec.engine.experts.device == "cuda" else 0 for spec in (first, *later)}
-    # A stage that dies is restarted on its machine (empty: the executor ends the requests it held);
+    # A stage that dies is restarted on its machine (empty: the replica actor ends the requests it held);
     # one whose machine left stays down until the stages are planned again.
     common = {"namespace": NAMESPACE, "lifetime": "detached", "num_cpus": 0, "max_restarts": -1}
     for spec in later:
         ray.remote(StageActor).options(name=spec.actor_name("stage"), scheduling_strategy=on_node(spec.node_id),
                                        num_gpus=gpus[spec.node_id], **common).remote(spec)
-    executor = ray.remote(ExecutorActor).options(name=first.actor_name("executor"), num_gpus=gpus[first.node_id],
-                                                 scheduling_strategy=on_node(first.node_id), **common).remote(first)
+    replica = ray.remote(ReplicaActor).options(name=first.actor_name("replica"), num_gpus=gpus[first.node_id],
+                                               scheduling_strategy=on_node(first.node_id), **common).remote(first)
     try:
-        ready = ray.get(executor.ready.remote(), timeout=options.ready_timeout_s)
+        ready = ray.get(replica.ready.remote(), timeout=options.ready_timeout_s)
         ray.get([ray.get_actor(spec.actor_name("stage"), namespace=NAMESPACE).ping.remote() for spec in later],
                 timeout=options.ready_timeout_s)
     except Exception:
         teardown(lambda *_: None, replica_id)
         raise
-    info = ReplicaInfo(replica_id, name, stages[0].node_id, stages[0].node_name, first.actor_name("executor"),
+    info = ReplicaInfo(replica_id, name, stages[0].node_id, stages[0].node_name, first.actor_name("replica"),
                        first.actor_name("monitor"), "cpu", None, 0)
     return info, ready
 
@@ -146,13 +145,13 @@ def _hearth_actors() -> list[str]:
 
 
 def teardown(log=print, replica_id: str | None = None) -> list[str]:
-    """Stop everything ``deploy`` started: router, monitors, executors, CPU workers, then the pools
+    """Stop everything ``deploy`` started: router, monitors, replica actors, stages, CPU workers, then the pools
     (closed first, so their shared memory is removed); or only the actors of ``replica_id``.
     Returns the names removed."""
     names = _hearth_actors()
     if replica_id is not None:  # its actors, and its later pipeline stages (named replica/index)
         names = [n for n in names if n.endswith(f":{replica_id}") or re.search(f":{re.escape(replica_id)}/\\d+$", n)]
-    order = ("router", "monitor", "executor", "stage", "cpu", "pool")
+    order = ("router", "monitor", "replica", "stage", "cpu", "pool")
     removed = []
     for role in order:
         for name in [n for n in names if n.split(":")[1] == role]:
@@ -165,7 +164,7 @@ def teardown(log=print, replica_id: str | None = None) -> list[str]:
                     ray.get(handle.close.remote(), timeout=30)
                 except Exception as exc:  # noqa: BLE001 - a dead pool: its segment is cleaned on the node later
                     log(f"hearth: could not close {name} cleanly: {type(exc).__name__}")
-            elif role in ("router", "executor"):
+            elif role in ("router", "replica"):
                 with contextlib.suppress(Exception):  # a clean stop frees ports and shared memory; kill anyway
                     ray.get((handle.stop if role == "router" else handle.shutdown).remote(), timeout=30)
             ray.kill(handle, no_restart=True)

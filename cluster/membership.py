@@ -70,9 +70,9 @@ class Membership:
         noticed = time.monotonic()
         added = await asyncio.to_thread(self._plan_round)
         started = []
-        for plan, info, executor in await asyncio.to_thread(self._start, added):
+        for plan, info, actor in await asyncio.to_thread(self._start, added):
             try:
-                await asyncio.wrap_future(executor.ready.remote().future())
+                await asyncio.wrap_future(actor.ready.remote().future())
             except Exception as exc:  # noqa: BLE001 - a replica that fails to load stays out; logged
                 log.warning("replica %s did not start: %s", plan.replica_id, exc)
                 continue

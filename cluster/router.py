@@ -1,8 +1,8 @@
 """The router: one named, detached actor per cluster serving the HTTP and gRPC API over replicas.
 
 :class:`RouterEngineClient` implements the serving layer's engine-client contract on top of the
-executor actors, so the OpenAI, Anthropic and gRPC front ends run unchanged. Per request it picks
-a replica with :func:`cluster.routing.choose_replica` and streams the executor's chunks back.
+replica actors, so the OpenAI, Anthropic and gRPC front ends run unchanged. Per request it picks
+a replica with :func:`cluster.routing.choose_replica` and streams the replica actor's chunks back.
 A replica that fails is out of rotation at once; a request that has not streamed anything yet is
 retried on another replica; one that has gets :class:`ReplicaLost` (an error event in its
 protocol, then the stream closes). A health loop brings restarted replicas back and refreshes
@@ -51,7 +51,7 @@ class _ReplicaState:
     assigned: int = 0
     decode_tok_s: float = 0.0
     last_error: str | None = None
-    executor_stats: dict[str, Any] = field(default_factory=dict)  # the latest, from the health loop
+    engine_stats: dict[str, Any] = field(default_factory=dict)  # the latest, from the health loop
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     draining: bool = False  # out of rotation for new requests; removed once its requests finish
     cached: frozenset[int] = frozenset()  # its prefix cache's block hashes (health loop)
@@ -61,7 +61,7 @@ class _ReplicaState:
     note: str | None = None  # why it is out of rotation, where more is known than the last error
 
     def load(self) -> ReplicaLoad:
-        warmth = float((self.executor_stats.get("experts") or {}).get("hit_rate") or 0.0)
+        warmth = float((self.engine_stats.get("experts") or {}).get("hit_rate") or 0.0)
         return ReplicaLoad(self.info.replica_id, self.info.model, self.healthy and not self.draining, self.in_flight,
                            self.decode_tok_s, self.assigned, self.cached, self.block_size, warmth)
 
@@ -82,7 +82,7 @@ class RouterEngineClient:
         self.call_timeout_s = call_timeout_s
         self.replicas: dict[str, _ReplicaState] = {}
         for r in replicas:
-            self.replicas[r.replica_id] = _ReplicaState(r, ray.get_actor(r.executor_name, namespace=NAMESPACE))
+            self.replicas[r.replica_id] = _ReplicaState(r, ray.get_actor(r.replica_actor_name, namespace=NAMESPACE))
         self._health_task: asyncio.Task | None = None
         self.routed = [0, 0.0]  # requests routed, seconds spent choosing (hashing the prompt included)
         self._loaded = threading.Event()
@@ -111,7 +111,7 @@ class RouterEngineClient:
                 "route_seconds_mean": routed[1] / routed[0] if routed[0] else 0.0,
                 "replicas": {r.info.replica_id: {"healthy": r.healthy, "in_flight": r.in_flight, "assigned": r.assigned,
                                                  "decode_tok_s": r.decode_tok_s, "last_error": r.last_error,
-                                                 "node": r.info.node_name, "executor": r.executor_stats,
+                                                 "node": r.info.node_name, "executor": r.engine_stats,
                                                  "prefix_blocks": len(r.cached), "prompt_tokens": r.prompt_tokens,
                                                  "cached_prompt_tokens": r.cached_prompt_tokens}
                              for r in states}}
@@ -187,7 +187,7 @@ class RouterEngineClient:
                     return
         finally:
             lost.cancel()
-            ray.cancel(gen)  # no-op when finished; aborts the request on the executor otherwise
+            ray.cancel(gen)  # no-op when finished; aborts the request on the replica actor otherwise
 
     async def resize_expert_cache(self, size: str, replica: str | None = None) -> dict[str, dict[str, Any]]:
         """Resize the device expert cache of one replica, or of every replica in rotation (each at its
@@ -211,7 +211,8 @@ class RouterEngineClient:
     def add_replica(self, info: ReplicaInfo) -> None:
         """A replica started after deployment (a machine joined); the health loop brings it into
         rotation at its first good check. Called on the server's loop."""
-        self.replicas[info.replica_id] = _ReplicaState(info, ray.get_actor(info.executor_name, namespace=NAMESPACE))
+        handle = ray.get_actor(info.replica_actor_name, namespace=NAMESPACE)
+        self.replicas[info.replica_id] = _ReplicaState(info, handle)
 
     # -- health --------------------------------------------------------------------------------
     def _mark_down(self, state: _ReplicaState, exc: BaseException) -> None:
@@ -261,7 +262,7 @@ class RouterEngineClient:
             state.last_error = None
         state.healthy = True
         state.decode_tok_s = float(stats.get("decode_tok_s") or 0.0)
-        state.executor_stats = stats
+        state.engine_stats = stats
 
 
 class _Lost(Exception):
@@ -375,7 +376,7 @@ class RouterActor:
 
     def stage_rows(self) -> list[dict[str, Any]]:
         """A split model's stages for the status page: machine, layers and whether each answers (the
-        first stage is the replica's executor: its health is the replica's)."""
+        first stage is the replica actor: its health is the replica's)."""
         stages = self.membership.stages if self.membership is not None else ()
         if not stages:
             return []

@@ -85,7 +85,7 @@ class ReplicaSpec:
     next_stages: tuple[str, ...] = ()
 
     def actor_name(self, role: str) -> str:
-        """The name of this replica's actor in ``role``: executor, pool, cpu, monitor or stage."""
+        """The name of this replica's actor in ``role``: replica, pool, cpu, monitor or stage."""
         return f"hearth:{role}:{self.replica_id}"
 
     @property
@@ -104,14 +104,14 @@ def stage_actor_name(replica_id: str, index: int) -> str:
 
 @dataclass(frozen=True)
 class ReplicaInfo:
-    """A replica as the router knows it: ids, where it runs, and its executor actor's name."""
+    """A replica as the router knows it: ids, where it runs, and its replica actor's name."""
 
     replica_id: str
     model: str
     node_id: str
     node_name: str
-    executor_name: str
+    replica_actor_name: str
     monitor_name: str
-    executor_kind: str = "cpu"
+    executor_kind: str = "cpu"  # where its engine runs the model: "cuda" or "cpu"
     gpu_index: int | None = None
     expert_cache_bytes: int = 0

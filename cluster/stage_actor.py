@@ -1,5 +1,5 @@
 """The actor each later stage of a replica split by layers (pipeline stages) runs in; the first
-stage is the replica's executor, which calls it once per step (see
+stage is the replica actor, which calls it once per step (see
 :class:`~hearth.cluster.actors.StageResult`). See docs/cluster.md, pipeline stages."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hearth.proto.contracts import StageLost
 
 class StageActor:
     """A later pipeline stage of a replica: its layers, their experts and KV cache, on its machine;
-    the first stage (the replica's executor) calls :meth:`forward` once per step."""
+    the first stage (the replica actor) calls :meth:`forward` once per step."""
 
     def __init__(self, spec: ReplicaSpec) -> None:
         self.threads = spec.engine.threads or len(physical_cores())
