@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from hearth.proto.contracts import GenerateRequest
-from hearth.serving.anthropic_schema import CountTokensRequest, Message, MessagesRequest
+from hearth.serving.anthropic_requests import CountTokensRequest, Message, MessagesRequest
 from hearth.serving.errors import APIError, check_json_schema, parse_body
 from hearth.serving.frontend import OMITTED, RenderedPrompt, ToolMode, tool_json, tool_mode
 from hearth.serving.generation import Reply, collect, stream_reply

@@ -21,7 +21,7 @@ from hearth.serving.openai_format import (
     completion_events,
     completion_response,
 )
-from hearth.serving.openai_schema import (
+from hearth.serving.openai_requests import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,

@@ -21,7 +21,7 @@ from hearth.serving.errors import APIError, check_json_schema, parse_body, valid
 from hearth.serving.frontend import OMITTED, ToolMode, parse_arguments, tool_json, tool_mode
 from hearth.serving.generation import Reply, collect, stream_reply
 from hearth.serving.openai_api import response_schema
-from hearth.serving.openai_schema import ResponseFormat
+from hearth.serving.openai_requests import ResponseFormat
 from hearth.serving.parsers import Event
 from hearth.serving.responses_format import (
     EventWriter,
@@ -32,7 +32,7 @@ from hearth.serving.responses_format import (
     status_of,
     usage,
 )
-from hearth.serving.responses_schema import (
+from hearth.serving.responses_requests import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionTool,
