@@ -109,8 +109,8 @@ def restarts(args, desc) -> dict:
     import ray
 
     replica = desc["replicas"][0]
-    executor = ray.get_actor(replica["executor_name"], namespace="hearth")
-    pool = ray.get_actor(replica["executor_name"].replace(":executor:", ":pool:"), namespace="hearth")
+    executor = ray.get_actor(replica["replica_actor_name"], namespace="hearth")
+    pool = ray.get_actor(replica["replica_actor_name"].replace(":replica:", ":pool:"), namespace="hearth")
     pool_info, cold = ray.get(pool.info.remote()), ray.get(executor.ready.remote())
     restart_s, load_s = [], []
     info = cold
@@ -143,12 +143,12 @@ def idle_cpu(args, desc) -> dict:
     import ray
 
     replica = desc["replicas"][0]
-    name = replica["executor_name"]
+    name = replica["replica_actor_name"]
 
     def actor(role: str):
-        return ray.get_actor(name.replace(":executor:", f":{role}:"), namespace="hearth")
+        return ray.get_actor(name.replace(":replica:", f":{role}:"), namespace="hearth")
 
-    pids = {"router": desc["pid"], "executor": ray.get(actor("executor").stats.remote())["pid"],
+    pids = {"router": desc["pid"], "executor": ray.get(actor("replica").stats.remote())["pid"],
             "pool": ray.get(actor("pool").info.remote())["pid"],
             "monitor": ray.get(actor("monitor").status.remote())["pid"]}
     with contextlib.suppress(ValueError):  # no CPU-worker actor without an expert device
@@ -190,7 +190,9 @@ def main() -> int:
         model, _ = make_checkpoint(tmp / "tiny", "qwen3_moe", chat_format="agent")
     import ray
 
-    from hearth.cluster.deploy import DeployOptions, deploy, teardown
+    from hearth.cluster.deploy import deploy
+    from hearth.cluster.launch import teardown
+    from hearth.cluster.specs import DeployOptions
     from hearth.engine.text.tokenizer import load_tokenizer
 
     engine_options = {} if args.no_virtual_device else {"expert_device": "virtual", "expert_cache": "0.25",

@@ -107,7 +107,9 @@ def main() -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    from hearth.cluster.deploy import DeployOptions, deploy, teardown
+    from hearth.cluster.deploy import deploy
+    from hearth.cluster.launch import teardown
+    from hearth.cluster.specs import DeployOptions
     from hearth.engine.checkpoint.dispatch import load_config
     from hearth.serving.server import free_port
 

@@ -11,15 +11,11 @@ hearth server (``--url``, which reads the server's llama.cpp-style ``timings``).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-from hearth.cli.bench_backends import engine_runner, transformers_runner, url_runner
 
 
 @dataclass
@@ -117,7 +113,7 @@ def add_parser(sub) -> None:
     p.add_argument("-o", "--output", choices=["md", "json"], default="md", help="what to print (default md)")
 
 
-def _validate(args: argparse.Namespace) -> None:
+def validate(args: argparse.Namespace) -> None:
     if args.n_prompt < 0 or args.n_gen < 0 or args.repetitions < 1 or not (args.n_prompt or args.n_gen):
         raise ValueError("--n-prompt and --n-gen must be >= 0 (not both 0) and --repetitions >= 1")
     if any(d < 0 for d in args.depth) or (args.n_prompt and any(d % args.n_prompt for d in args.depth)):
@@ -125,55 +121,3 @@ def _validate(args: argparse.Namespace) -> None:
                          f"the pp test is exactly one prefill chunk")
     if args.url and (args.cache_fraction or args.transformers):
         raise ValueError("--url benchmarks a running server; --cache-fraction and --transformers are in-process")
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    _validate(args)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": {k: v for k, v in vars(args).items()
-                                                                 if k not in ("api_key", "func")}}
-    rows: list[BenchRow] = []
-    if args.url:
-        name, runner = url_runner(args.url, args.api_key)
-        rows += run_backend("server", name, runner, args)
-    else:
-        if args.model is None:
-            from hearth.engine.checkpoint.demo import demo_model_dir
-
-            args.model = str(demo_model_dir())
-        model = Path(args.model).name
-        max_len = max(args.depth) + args.n_prompt + args.n_gen + 8
-        with engine_runner(args.model, args.dtype, max_len, args.n_prompt, {}) as runner:
-            rows += run_backend("hearth", model, runner, args)
-        for fraction in args.cache_fraction or []:
-            opts = {"expert_device": "auto", "expert_cache": fraction, "virtual_link_gbps": args.virtual_link_gbps,
-                    "double_buffer": not args.no_double_buffer, "stream_min_tokens": args.stream_min_tokens}
-            with engine_runner(args.model, args.dtype, max_len, args.n_prompt, opts) as runner:
-                rows += run_backend(f"hearth cache {fraction:g}", model, runner, args)
-        if args.transformers:
-            rows += run_backend("transformers", model, transformers_runner(args.model, args.dtype), args)
-    result = {**meta, "rows": [r.to_json() for r in rows]}
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    if args.output == "json":
-        print(json.dumps(result, indent=2, default=str))
-    else:
-        print(markdown(rows) + ("" if args.url else "\n\n" + kv_note(args.model, args.dtype)))
-    return 0
-
-
-def kv_note(model: str, dtype: str) -> str:
-    """The model's KV cache bytes per token (and, for latent attention, what expanded K/V would take)."""
-    from hearth.engine.checkpoint.dispatch import load_config
-    from hearth.engine.checkpoint.inspect import human_bytes, summarize
-
-    s = summarize(load_config(model, None if dtype == "auto" else dtype)[1])
-    note = f"KV cache per token: {human_bytes(s.kv_bytes_per_token)}"
-    if s.expanded_kv_bytes_per_token:
-        ratio = s.expanded_kv_bytes_per_token / s.kv_bytes_per_token
-        note += (f" (latent + rotary key), against {human_bytes(s.expanded_kv_bytes_per_token)} of expanded "
-                 f"per-head K/V: {ratio:.1f}x smaller")
-    return note

@@ -1,4 +1,5 @@
-"""The backends ``hearth bench`` times: this engine in-process, transformers, a running server.
+"""The backends ``hearth bench`` times (this engine in-process, transformers, a running server), and
+the command that runs them (its flags and tables are in :mod:`hearth.cli.bench`).
 
 Each returns a runner ``(depth, pp, tg) -> {"pp": tok/s, "tg": tok/s, "ttft": ms}`` for one
 repetition (a key is absent when its test is skipped). All use greedy decoding, ignore EOS, and the
@@ -8,20 +9,28 @@ so the expert cache, sees realistic input.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import inspect
 import json
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from hearth.cli.bench import BenchRow, markdown, run_backend, validate
+from hearth.engine import LLM, SamplingParams
+from hearth.engine.checkpoint.demo import demo_model_dir
+from hearth.engine.checkpoint.dispatch import load_config
+from hearth.engine.checkpoint.inspect import human_bytes, summarize
 
 DEFAULT_URL_TIMEOUT_S = 600
 
 
 def timed_steps(engine, prompt: list[int], max_tokens: int) -> list[float]:
     """Seconds of each engine step of one greedy request, until it finishes."""
-    from hearth.engine import SamplingParams
-
     rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     times = []
     while True:
@@ -34,8 +43,6 @@ def timed_steps(engine, prompt: list[int], max_tokens: int) -> list[float]:
 
 def prompt_ids(tokenizer, length: int) -> list[int]:
     """``length`` token ids of real text (repeated if the text is short)."""
-    import argparse
-
     ids = tokenizer.encode(inspect.getsource(argparse), add_special_tokens=False)
     while len(ids) < length:
         ids = ids + ids
@@ -45,10 +52,6 @@ def prompt_ids(tokenizer, length: int) -> list[int]:
 @contextlib.contextmanager
 def engine_runner(model: str, dtype: str, max_len: int, n_prompt: int, options: dict) -> Iterator:
     """This engine, one request at a time; the pp chunk is exactly one engine step."""
-    import torch
-
-    from hearth.engine import LLM
-
     if options.get("expert_device") == "auto":
         options = dict(options, expert_device="cuda" if torch.cuda.is_available() else "virtual")
     chunk = max(n_prompt, 16)
@@ -84,7 +87,7 @@ def engine_runner(model: str, dtype: str, max_len: int, n_prompt: int, options: 
 
 def transformers_runner(model: str, dtype: str):
     """Hugging Face transformers (eager, its own KV cache) on the same checkpoint."""
-    import torch
+    # deferred: transformers takes about a second to import, and only --transformers needs it
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = "auto" if dtype in ("auto", None) else getattr(torch, dtype)
@@ -156,3 +159,49 @@ def url_runner(url: str, api_key: str | None):
         return result
 
     return name, run
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``hearth bench``: every backend asked for, then the table (or JSON) of their rows."""
+    validate(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "args": {k: v for k, v in vars(args).items()
+                                                                 if k not in ("api_key", "func")}}
+    rows: list[BenchRow] = []
+    if args.url:
+        name, runner = url_runner(args.url, args.api_key)
+        rows += run_backend("server", name, runner, args)
+    else:
+        if args.model is None:
+            args.model = str(demo_model_dir())
+        model = Path(args.model).name
+        max_len = max(args.depth) + args.n_prompt + args.n_gen + 8
+        with engine_runner(args.model, args.dtype, max_len, args.n_prompt, {}) as runner:
+            rows += run_backend("hearth", model, runner, args)
+        for fraction in args.cache_fraction or []:
+            opts = {"expert_device": "auto", "expert_cache": fraction, "virtual_link_gbps": args.virtual_link_gbps,
+                    "double_buffer": not args.no_double_buffer, "stream_min_tokens": args.stream_min_tokens}
+            with engine_runner(args.model, args.dtype, max_len, args.n_prompt, opts) as runner:
+                rows += run_backend(f"hearth cache {fraction:g}", model, runner, args)
+        if args.transformers:
+            rows += run_backend("transformers", model, transformers_runner(args.model, args.dtype), args)
+    result = {**meta, "rows": [r.to_json() for r in rows]}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if args.output == "json":
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(markdown(rows) + ("" if args.url else "\n\n" + kv_note(args.model, args.dtype)))
+    return 0
+
+
+def kv_note(model: str, dtype: str) -> str:
+    """The model's KV cache bytes per token (and, for latent attention, what expanded K/V would take)."""
+    s = summarize(load_config(model, None if dtype == "auto" else dtype)[1])
+    note = f"KV cache per token: {human_bytes(s.kv_bytes_per_token)}"
+    if s.expanded_kv_bytes_per_token:
+        ratio = s.expanded_kv_bytes_per_token / s.kv_bytes_per_token
+        note += (f" (latent + rotary key), against {human_bytes(s.expanded_kv_bytes_per_token)} of expanded "
+                 f"per-head K/V: {ratio:.1f}x smaller")
+    return note

@@ -118,6 +118,7 @@ def expand_settings_file(argv: list[str]) -> list[str]:
     command line's own (so that a flag given there wins; repeated flags such as ``--model`` add up).
     Keys are the flags without ``--`` (``expert-cache`` or ``expert_cache``); ``true`` is a bare
     flag, ``false`` leaves it out, a list repeats it."""
+    # deferred: tomllib is in the standard library from Python 3.11; on 3.10 only --config needs it
     import tomllib
 
     if not argv or argv[0] not in SETTINGS_COMMANDS:

@@ -2,16 +2,17 @@
 
 One group per replica, all pinned to the replica's node:
 
-- :class:`HostPoolActor` owns the expert pool in named shared memory and outlives executor
-  restarts. Killed, Ray recreates it and it reads the pool again from the FTW files.
-- :class:`CpuWorkerActor` runs the CPU expert worker loop on the executor's task ring (shared
+- :class:`HostPoolActor` owns the expert pool in named shared memory and outlives replica
+  actor restarts. Killed, Ray recreates it and it reads the pool again from the FTW files.
+- :class:`CpuWorkerActor` runs the CPU expert worker loop on the engine's task ring (shared
   memory), so per-layer work never crosses a Ray call.
-- :class:`ExecutorActor` runs the engine. Restarted by Ray after a crash, it re-attaches to the
-  pool by name instead of reading the experts again.
-- :class:`MonitorActor` turns the executor's fill and CPU timings into live B_P/B_H estimates
+- :class:`ReplicaActor` runs the replica's engine (the GPU executor of :mod:`hearth.engine` runs
+  inside it). Restarted by Ray after a crash, it re-attaches to the pool by name instead of
+  reading the experts again.
+- :class:`MonitorActor` turns the engine's fill and CPU timings into live B_P/B_H estimates
   and pushes a new q table when they drift.
 
-A replica split by layers runs its first stage in the executor and each later stage in a
+A replica split by layers runs its first stage in the replica actor and each later stage in a
 :class:`~hearth.cluster.stage_actor.StageActor` on that stage's machine.
 
 Actors only carry decisions out; placement and routing are pure functions elsewhere.
@@ -26,58 +27,32 @@ import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 
 from hearth.cluster.bandwidth import BandwidthTracker, MonitorPolicy
-from hearth.cluster.stage_actor import StageResult
-from hearth.config import EngineConfig
+from hearth.cluster.specs import NAMESPACE, ReplicaSpec
+from hearth.config import cache_dir
+from hearth.engine import LLMEngine
+from hearth.engine.checkpoint import convert, is_ftw, load_checkpoint
+from hearth.engine.experts import (
+    HostExpertPool,
+    TaskRing,
+    bind_current_thread,
+    cleanup_pool,
+    list_pools,
+    physical_cores,
+    serve_ring,
+)
 from hearth.proto.contracts import GenerateRequest, GenerationChunk, StageLost
 from hearth.serving.client import InProcessEngineClient
 
 log = logging.getLogger("hearth.cluster")
-NAMESPACE = "hearth"
-STREAM_INTERVAL_S = 0.02  # an executor sends a stream's chunks at most this often (after the first)
+STREAM_INTERVAL_S = 0.02  # a replica actor sends a stream's chunks at most this often (after the first)
 STAGE_WAIT_S = 900.0  # how long a step waits for a restarting pipeline stage (it reads its layers again)
-
-
-@dataclass(frozen=True)
-class ReplicaSpec:
-    """Everything the actors of one replica need (plain, typed data: it crosses process boundaries).
-    ``engine`` names the replica's shared pool (``host_pool_name``)."""
-
-    replica_id: str
-    model_name: str
-    model_path: str
-    node_id: str
-    pool_name: str
-    engine: EngineConfig = EngineConfig()
-    max_waiting: int = 64
-    monitor_interval_s: float = 2.0
-    probe_idle_s: float = 300.0
-    # Pipeline stages: this actor's layers [first, end) (None: the whole model), and the actor
-    # names of the later stages, in order (on the first stage).
-    layers: tuple[int, int] | None = None
-    next_stages: tuple[str, ...] = ()
-
-    def actor_name(self, role: str) -> str:
-        return f"hearth:{role}:{self.replica_id}"
-
-    @property
-    def staged(self) -> bool:
-        return self.layers is not None
-
-    @property
-    def uses_cpu_worker(self) -> bool:
-        return self.engine.experts.cpu_workers == "external"
-
-
-def stage_actor_name(replica_id: str, index: int) -> str:
-    """The actor name of stage ``index`` (1, 2, ...) of the split replica ``replica_id``."""
-    return f"hearth:stage:{replica_id}/{index}"
 
 
 def _handle(name: str):
@@ -86,8 +61,8 @@ def _handle(name: str):
 
 def _wait_for_pool(spec: ReplicaSpec, timeout_s: float = 1800.0) -> dict[str, Any]:
     """The pool actor's info once its pool is filled. The pool may be restarting (it was killed with
-    the executor, or reads the experts again): wait for it rather than fail, since a constructor
-    that raises leaves the executor dead for good."""
+    the replica actor, or reads the experts again): wait for it rather than fail, since a constructor
+    that raises leaves the replica actor dead for good."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -100,9 +75,7 @@ def _wait_for_pool(spec: ReplicaSpec, timeout_s: float = 1800.0) -> dict[str, An
 
 def ftw_path(model_path: str, cache: Path) -> Path:
     """The FTW directory for ``model_path``: itself when it is FTW, else a converted copy in the
-    cache (made once per node; re-attaching an executor to a filled pool needs FTW)."""
-    from hearth.engine.checkpoint.ftw import is_ftw
-
+    cache (made once per node; re-attaching a replica actor to a filled pool needs FTW)."""
     if is_ftw(model_path):
         return Path(model_path)
     src = Path(model_path).resolve()
@@ -116,10 +89,6 @@ class HostPoolActor:
     """Owns the replica's expert pool segment."""
 
     def __init__(self, spec: ReplicaSpec) -> None:
-        from hearth.config import cache_dir
-        from hearth.engine.checkpoint.dispatch import convert
-        from hearth.engine.checkpoint.ftw import is_ftw
-
         self.spec = spec
         self.loads = 0
         self.path = ftw_path(spec.model_path, cache_dir())
@@ -138,13 +107,10 @@ class HostPoolActor:
         self._load()
 
     def _load(self) -> None:
-        from hearth.engine.checkpoint.dispatch import load_checkpoint
-        from hearth.engine.experts.mechanism.host_pool import HostExpertPool, cleanup, list_pools
-
-        if cleanup(self.spec.pool_name):  # left by this actor's previous life (killed): read it again
+        if cleanup_pool(self.spec.pool_name):  # left by this actor's previous life (killed): read it again
             log.warning("removed the stale expert pool '%s'; reading it again from %s", self.spec.pool_name, self.path)
         for stale in list_pools():  # pools of earlier deployments whose owner was killed (a node that left)
-            if not stale["owner_alive"] and cleanup(stale["name"]):
+            if not stale["owner_alive"] and cleanup_pool(stale["name"]):
                 log.warning("removed the expert pool '%s' of a process that is gone", stale["name"])
         started = time.perf_counter()
 
@@ -163,14 +129,14 @@ class HostPoolActor:
                 "load_seconds": self.load_seconds, "path": str(self.path), "pid": os.getpid()}
 
     def close(self) -> None:
-        """Remove the segment (the executor must be gone first; its mapping would keep the pages)."""
+        """Remove the segment (the replica actor must be gone first; its mapping would keep the pages)."""
         if self.pool is not None:
             self.pool.close()
             self.pool = None
 
 
 class CpuWorkerActor:
-    """Serves CPU expert tasks from an executor's ring. On a restart it asks the executor for its
+    """Serves CPU expert tasks from a replica's ring. On a restart it asks the replica actor for its
     ring and serves it again."""
 
     def __init__(self, spec: ReplicaSpec) -> None:
@@ -182,25 +148,18 @@ class CpuWorkerActor:
 
     def _reattach(self) -> None:
         try:
-            ring = ray.get(_handle(self.spec.actor_name("executor")).ring.remote(), timeout=30)
-        except Exception:  # noqa: BLE001 - no executor yet (first start): it will call serve()
+            ring = ray.get(_handle(self.spec.actor_name("replica")).ring.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - no replica actor yet (first start): it will call serve()
             return
         if ring is not None:
             self.serve(*ring)
 
     def serve(self, pool_name: str, ring_name: str, owner_pid: int) -> int:
-        """Serve ``ring_name`` until the executor closes it or dies; returns the tasks done."""
-        from hearth.engine.experts.mechanism.cpu_workers import bind_current_thread, physical_cores
-        from hearth.engine.experts.mechanism.host_pool import HostExpertPool
-        from hearth.engine.experts.mechanism.ring import TaskRing
-        from hearth.engine.experts.mechanism.worker import serve
-
+        """Serve ``ring_name`` until the replica actor closes it or dies; returns the tasks done."""
         with self._lock:
             if ring_name in self._rings:
                 return 0  # already served by another call
             self._rings.add(ring_name)
-        import torch
-
         cores = physical_cores()
         bind_current_thread(cores)
         torch.set_num_threads(self.spec.engine.threads or len(cores))
@@ -208,7 +167,7 @@ class CpuWorkerActor:
         ring = TaskRing.attach(ring_name)
         ring.words[1] = os.getpid()
         try:
-            done = serve(pool, ring, parent_pid=owner_pid)
+            done = serve_ring(pool, ring, parent_pid=owner_pid)
             self.served += done
             return done
         finally:
@@ -221,14 +180,28 @@ class CpuWorkerActor:
         return os.getpid()
 
 
-class ExecutorActor:
+class StageResult:
+    """The later stages' logits for one (micro-)batch, once asked for; times the wait. A stage that
+    failed (died, restarted, raised) turns into :class:`StageLost`."""
+
+    def __init__(self, ref: Any, replica: ReplicaActor) -> None:
+        self.ref, self.replica, self.sent = ref, replica, time.perf_counter()
+
+    def result(self):
+        try:
+            logits = ray.get(self.ref)
+        except ray.exceptions.RayError as exc:
+            raise self.replica._lost(exc) from None
+        hops = self.replica.hops
+        hops[0] += 1
+        hops[1] += time.perf_counter() - self.sent
+        return logits
+
+
+class ReplicaActor:
     """Runs the engine of one replica (an async actor: requests stream back as Ray generators)."""
 
     def __init__(self, spec: ReplicaSpec) -> None:
-        import torch
-
-        from hearth.engine.experts.mechanism.cpu_workers import physical_cores
-
         self.spec = spec
         started = time.perf_counter()
         # A pipeline stage loads its own layers from the checkpoint (no shared pool of all experts).
@@ -246,8 +219,6 @@ class ExecutorActor:
         self.client = InProcessEngineClient(self.model_path, self._build_engine, spec.model_name, spec.max_waiting)
 
     def _build_engine(self):
-        from hearth.engine.llm_engine import LLMEngine
-
         if self.spec.staged:
             engine = LLMEngine(self.model_path, self.spec.engine, layers=self.spec.layers,
                                next_stage=self._next_stages if self.spec.next_stages else None)
@@ -404,7 +375,7 @@ class ExecutorActor:
 
 
 class MonitorActor:
-    """Polls the executor's expert timings and pushes new bandwidths when they drift."""
+    """Polls the replica's expert timings and pushes new bandwidths when they drift."""
 
     def __init__(self, spec: ReplicaSpec, policy: MonitorPolicy | None = None) -> None:
         self.spec = spec
@@ -412,7 +383,7 @@ class MonitorActor:
         self.tracker: BandwidthTracker | None = None
         self.history: list[dict[str, Any]] = []
         self.qtable: list[int] | None = None
-        self._executor_pid: int | None = None
+        self._engine_pid: int | None = None
         self._stop = threading.Event()
         threading.Thread(target=self._run, daemon=True, name="hearth-monitor").start()
 
@@ -422,16 +393,16 @@ class MonitorActor:
         moved_at, last_calls = [time.monotonic()] * 2, None
         while not self._stop.wait(self.spec.monitor_interval_s):
             try:
-                executor = _handle(self.spec.actor_name("executor"))
-                stats = ray.get(executor.stats.remote(), timeout=10)
-            except Exception:  # noqa: BLE001 - executor restarting or gone: try again later
+                replica = _handle(self.spec.actor_name("replica"))
+                stats = ray.get(replica.stats.remote(), timeout=10)
+            except Exception:  # noqa: BLE001 - replica actor restarting or gone: try again later
                 continue
             experts = stats.get("experts")
             if not stats.get("ready") or experts is None or "b_p" not in experts:
                 continue  # no hierarchy (CPU executor) or a forced q table: nothing to tune
-            if self.tracker is None or stats.get("pid") != self._executor_pid:  # (re)started executor
+            if self.tracker is None or stats.get("pid") != self._engine_pid:  # (re)started replica actor
                 self.tracker = BandwidthTracker(experts["b_p"], experts["b_h"], self.policy)
-                self._executor_pid = stats.get("pid")
+                self._engine_pid = stats.get("pid")
             self.qtable = experts.get("qtable", self.qtable)
             change = self.tracker.observe(experts)
             calls, now = (experts["fill_calls"], experts["cpu_calls"]), time.monotonic()
@@ -439,12 +410,12 @@ class MonitorActor:
                         for c, last, at in zip(calls, last_calls or calls, moved_at, strict=True)]
             last_calls = calls
             if now - min(moved_at) > self.spec.probe_idle_s:  # a path (or both) unused for a while
-                probed = self._call(executor.probe.remote())  # None while requests run: retried next time
+                probed = self._call(replica.probe.remote())  # None while requests run: retried next time
                 if probed:
                     moved_at = [now] * 2
                     change = self.tracker.add_probe(*probed) or change
             if change is not None:
-                table = self._call(executor.set_bandwidths.remote(change.b_p, change.b_h))
+                table = self._call(replica.set_bandwidths.remote(change.b_p, change.b_h))
                 if table is not None:
                     self.qtable = table
                     self.history = (self.history + [{"time": time.time(), "b_p": change.b_p, "b_h": change.b_h,
@@ -455,7 +426,7 @@ class MonitorActor:
     def _call(ref) -> Any:
         try:
             return ray.get(ref, timeout=30)
-        except Exception:  # noqa: BLE001 - the executor went away meanwhile
+        except Exception:  # noqa: BLE001 - the replica actor went away meanwhile
             return None
 
     def status(self) -> dict[str, Any]:

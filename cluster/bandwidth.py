@@ -1,13 +1,13 @@
-"""Live estimates of B_P (link) and B_H (host expert path) from an executor's own timings.
+"""Live estimates of B_P (link) and B_H (host expert path) from a replica's own timings.
 
-The executor's expert backend keeps cumulative counters of bytes, seconds and calls for fills
+The engine's expert backend keeps cumulative counters of bytes, seconds and calls for fills
 and for CPU experts (``HierarchicalExpertBackend.stats``). The tracker turns the difference
 between two readings into one rate sample per path — bytes over the time left after each call's
 fixed dispatch cost, so small batches do not read as a slow link — keeps the last ``window``
 samples, and takes their median, so one slow interval (a page fault storm, a noisy neighbour)
 does not move the table. When the median drifts from the bandwidths behind the current q table
 by more than ``drift``, :meth:`BandwidthTracker.observe` returns the new pair; the caller pushes it
-to the executor, which rebuilds the q table in place at a step boundary.
+to the replica actor, whose engine rebuilds the q table in place at a step boundary.
 
 Pure Python, no Ray: the monitor actor and the tests drive the same class.
 """
@@ -33,7 +33,7 @@ class MonitorPolicy:
 
 @dataclass(frozen=True)
 class BandwidthChange:
-    """A pair of estimates that moved past the threshold: push it to the executor."""
+    """A pair of estimates that moved past the threshold: push it to the replica actor."""
 
     b_p: float
     b_h: float
@@ -71,7 +71,7 @@ class _PathSamples:
 
 
 class BandwidthTracker:
-    """Tracks (B_P, B_H) for one executor, starting from the pair behind its current table."""
+    """Tracks (B_P, B_H) for one replica, starting from the pair behind its current table."""
 
     def __init__(self, b_p: float, b_h: float, policy: MonitorPolicy | None = None) -> None:
         self.policy = policy or MonitorPolicy()

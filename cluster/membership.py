@@ -23,19 +23,23 @@ from typing import Any
 
 import ray
 
+from hearth.cluster.launch import describe_nodes, replica_info, replica_specs, start_replica, start_stages, teardown
 from hearth.cluster.placement import ModelSpec, NodeInfo, PlacementError, ReplicaPlan, plan_joiners
+from hearth.cluster.sizing import model_spec, plan_model_stages
+from hearth.cluster.specs import DeployOptions, ReplicaInfo
+from hearth.cluster.stages import StagePlan
 
 log = logging.getLogger("hearth.membership")
 
 
 class Membership:
-    """Watches the cluster's machines for one deployment (``options``: its DeployOptions; ``clients``:
+    """Watches the cluster's machines for one deployment (``options``: what it deploys; ``clients``:
     the router's engine client per model name)."""
 
-    def __init__(self, options: Any, clients: dict[str, Any], interval_s: float = 5.0,
-                 nodes: dict[str, NodeInfo] | None = None, stages: tuple[Any, ...] = ()) -> None:
+    def __init__(self, options: DeployOptions, clients: dict[str, Any], interval_s: float = 5.0,
+                 nodes: dict[str, NodeInfo] | None = None, stages: tuple[StagePlan, ...] = ()) -> None:
         self.options, self.clients, self.interval_s = options, clients, interval_s
-        self.stages = stages  # the StagePlan of a staged deployment (empty: replicas)
+        self.stages = stages  # the stages of a staged deployment (empty: replicas)
         self._restage_tried: frozenset[str] | None = None  # the live machines of the last plan that failed
         self.nodes = nodes if nodes is not None else {}  # node id -> its report (shared with the router)
         self.paths = {name: path for path, name in options.models}
@@ -66,9 +70,9 @@ class Membership:
         noticed = time.monotonic()
         added = await asyncio.to_thread(self._plan_round)
         started = []
-        for plan, info, executor in await asyncio.to_thread(self._start, added):
+        for plan, info, actor in await asyncio.to_thread(self._start, added):
             try:
-                await asyncio.wrap_future(executor.ready.remote().future())
+                await asyncio.wrap_future(actor.ready.remote().future())
             except Exception as exc:  # noqa: BLE001 - a replica that fails to load stays out; logged
                 log.warning("replica %s did not start: %s", plan.replica_id, exc)
                 continue
@@ -83,8 +87,6 @@ class Membership:
         """A staged deployment's round: if a machine holding a stage left, stop the broken replica and
         plan the stages again over the live machines (now, or in a later round once machines join);
         returns the new replica's id once it serves."""
-        from hearth.cluster.deploy import teardown
-
         live = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in self.drained}
         if all(s.node_id in live for s in self.stages) or self._restage_tried == frozenset(live):
             return []  # intact, or no machine came or went since the last plan that failed
@@ -120,8 +122,6 @@ class Membership:
         """Drain a machine that holds a pipeline stage: refused (nothing changes) when the other
         machines cannot hold the model; else the split replica takes no new request, finishes what
         it holds, and the stages are planned again without the machine."""
-        from hearth.cluster.deploy import describe_nodes, plan_model_stages
-
         node_id = next(s.node_id for s in self.stages if node in (s.node_name, s.node_id))
         others = [n for n in ray.nodes() if n.get("Alive") and n["NodeID"] not in self.drained | {node_id}]
         try:
@@ -142,17 +142,13 @@ class Membership:
             return {"node": node, "replicas": [r.info.replica_id for r in old], "unfinished": left,
                     "stages": [s.__dict__ for s in self.stages]}
 
-    def _start_stages(self, live: dict[str, dict]) -> tuple[tuple[Any, ...], Any]:
-        from hearth.cluster.deploy import describe_nodes, plan_model_stages, start_stages
-
+    def _start_stages(self, live: dict[str, dict]) -> tuple[tuple[StagePlan, ...], ReplicaInfo]:
         nodes = describe_nodes(list(live.values()))
         self.nodes.update({n.node_id: n for n in nodes})
         stages = plan_model_stages(self.options, nodes)
         return stages, start_stages(self.options, stages)[0]
 
     def _plan_round(self) -> tuple[ReplicaPlan, ...]:
-        from hearth.cluster.deploy import describe_nodes, model_spec
-
         live = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
         holders = {name: frozenset(r.info.node_id for r in c.replicas.values() if r.info.node_id in live)
                    for name, c in self.clients.items()}
@@ -169,8 +165,6 @@ class Membership:
         return plan_joiners(nodes, self.specs, {k: len(v) for k, v in holders.items()}, holders)
 
     def _start(self, added: tuple[ReplicaPlan, ...]) -> list[tuple[ReplicaPlan, Any, Any]]:
-        from hearth.cluster.deploy import replica_info, replica_specs, start_replica
-
         out = []
         for plan in added:
             spec = replica_specs([plan], self.options, self.paths[plan.model], plan.model)[0]
@@ -180,8 +174,6 @@ class Membership:
 
     async def drain(self, node: str, timeout_s: float = 600.0) -> dict[str, Any]:
         """Drain the machine named (or with the id) ``node``; see ``RouterActor.drain``."""
-        from hearth.cluster.deploy import teardown
-
         if any(node in (s.node_name, s.node_id) for s in self.stages):
             return await self._drain_stage(node, timeout_s)
         targets = [(c, r) for c in self.clients.values() for r in list(c.replicas.values())

@@ -1,6 +1,6 @@
 """What a node has, read on the node itself: RAM, physical cores, NVIDIA GPUs (pynvml).
 
-Runs inside a Ray task pinned to each node (see ``cluster.deploy.discover_nodes``), so nothing is
+Runs inside a Ray task pinned to each node (see ``cluster.launch.discover_nodes``), so nothing is
 configured by hand.
 """
 
@@ -10,6 +10,13 @@ import contextlib
 import os
 
 from hearth.cluster.placement import GpuInfo, NodeInfo
+from hearth.config import ConfigError, parse_bytes
+from hearth.engine.experts import physical_cores
+
+try:
+    import pynvml
+except ImportError:  # no NVIDIA bindings: a CPU node
+    pynvml = None
 
 
 def meminfo() -> tuple[int, int]:
@@ -27,9 +34,7 @@ def meminfo() -> tuple[int, int]:
 
 def nvidia_gpus() -> tuple[GpuInfo, ...]:
     """The node's NVIDIA GPUs with total and free memory; empty without a driver."""
-    try:
-        import pynvml
-    except ImportError:
+    if pynvml is None:
         return ()
     try:
         pynvml.nvmlInit()
@@ -51,8 +56,6 @@ def nvidia_gpus() -> tuple[GpuInfo, ...]:
 def ram_limit() -> int | None:
     """The RAM its owner lets hearth use on this machine: ``HEARTH_RAM_LIMIT`` in the environment
     the node was started with (``HEARTH_RAM_LIMIT=24GiB ray start ...``), or None."""
-    from hearth.config import ConfigError, parse_bytes
-
     text = os.environ.get("HEARTH_RAM_LIMIT", "").strip()
     if not text:
         return None
@@ -64,8 +67,6 @@ def ram_limit() -> int | None:
 
 def describe_this_node(node_id: str, address: str, labels: frozenset[str]) -> NodeInfo:
     """A :class:`NodeInfo` for the machine this runs on."""
-    from hearth.engine.experts.mechanism.cpu_workers import physical_cores
-
     total, available = meminfo()
     return NodeInfo(node_id, address, total, available, len(physical_cores()), nvidia_gpus(), labels,
                     ram_limit_bytes=ram_limit())

@@ -1,8 +1,8 @@
 """The router: one named, detached actor per cluster serving the HTTP and gRPC API over replicas.
 
 :class:`RouterEngineClient` implements the serving layer's engine-client contract on top of the
-executor actors, so the OpenAI, Anthropic and gRPC front ends run unchanged. Per request it picks
-a replica with :func:`cluster.routing.choose_replica` and streams the executor's chunks back.
+replica actors, so the OpenAI, Anthropic and gRPC front ends run unchanged. Per request it picks
+a replica with :func:`cluster.routing.choose_replica` and streams the replica actor's chunks back.
 A replica that fails is out of rotation at once; a request that has not streamed anything yet is
 retried on another replica; one that has gets :class:`ReplicaLost` (an error event in its
 protocol, then the stream closes). A health loop brings restarted replicas back and refreshes
@@ -14,40 +14,32 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import ray
 
+from hearth.cluster.cluster_api import run_request
+from hearth.cluster.membership import Membership
+from hearth.cluster.placement import NodeInfo
 from hearth.cluster.routing import ReplicaLoad, choose_replica
+from hearth.cluster.specs import NAMESPACE, DeployOptions, ReplicaInfo, stage_actor_name
+from hearth.cluster.stages import StagePlan
 from hearth.config import ServingConfig
 from hearth.proto.contracts import EngineNotReady, EngineOverloaded, GenerateRequest, GenerationChunk, ModelInfo
 from hearth.proto.prefix import block_hashes
+from hearth.serving.app import ServedModel, ServerState
+from hearth.serving.server import BackgroundServer
 
 log = logging.getLogger("hearth.router")
-ROUTER_NAME = "hearth:router"
 
 
 class ReplicaLost(RuntimeError):
     """The replica serving a request left after the request had started streaming."""
-
-
-@dataclass(frozen=True)
-class ReplicaInfo:
-    """A replica as the router knows it: ids, where it runs, and its executor actor's name."""
-
-    replica_id: str
-    model: str
-    node_id: str
-    node_name: str
-    executor_name: str
-    monitor_name: str
-    executor_kind: str = "cpu"
-    gpu_index: int | None = None
-    expert_cache_bytes: int = 0
 
 
 @dataclass
@@ -59,7 +51,7 @@ class _ReplicaState:
     assigned: int = 0
     decode_tok_s: float = 0.0
     last_error: str | None = None
-    executor_stats: dict[str, Any] = field(default_factory=dict)  # the latest, from the health loop
+    engine_stats: dict[str, Any] = field(default_factory=dict)  # the latest, from the health loop
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     draining: bool = False  # out of rotation for new requests; removed once its requests finish
     cached: frozenset[int] = frozenset()  # its prefix cache's block hashes (health loop)
@@ -69,7 +61,7 @@ class _ReplicaState:
     note: str | None = None  # why it is out of rotation, where more is known than the last error
 
     def load(self) -> ReplicaLoad:
-        warmth = float((self.executor_stats.get("experts") or {}).get("hit_rate") or 0.0)
+        warmth = float((self.engine_stats.get("experts") or {}).get("hit_rate") or 0.0)
         return ReplicaLoad(self.info.replica_id, self.info.model, self.healthy and not self.draining, self.in_flight,
                            self.decode_tok_s, self.assigned, self.cached, self.block_size, warmth)
 
@@ -90,7 +82,7 @@ class RouterEngineClient:
         self.call_timeout_s = call_timeout_s
         self.replicas: dict[str, _ReplicaState] = {}
         for r in replicas:
-            self.replicas[r.replica_id] = _ReplicaState(r, ray.get_actor(r.executor_name, namespace="hearth"))
+            self.replicas[r.replica_id] = _ReplicaState(r, ray.get_actor(r.replica_actor_name, namespace=NAMESPACE))
         self._health_task: asyncio.Task | None = None
         self.routed = [0, 0.0]  # requests routed, seconds spent choosing (hashing the prompt included)
         self._loaded = threading.Event()
@@ -119,7 +111,7 @@ class RouterEngineClient:
                 "route_seconds_mean": routed[1] / routed[0] if routed[0] else 0.0,
                 "replicas": {r.info.replica_id: {"healthy": r.healthy, "in_flight": r.in_flight, "assigned": r.assigned,
                                                  "decode_tok_s": r.decode_tok_s, "last_error": r.last_error,
-                                                 "node": r.info.node_name, "executor": r.executor_stats,
+                                                 "node": r.info.node_name, "executor": r.engine_stats,
                                                  "prefix_blocks": len(r.cached), "prompt_tokens": r.prompt_tokens,
                                                  "cached_prompt_tokens": r.cached_prompt_tokens}
                              for r in states}}
@@ -195,7 +187,7 @@ class RouterEngineClient:
                     return
         finally:
             lost.cancel()
-            ray.cancel(gen)  # no-op when finished; aborts the request on the executor otherwise
+            ray.cancel(gen)  # no-op when finished; aborts the request on the replica actor otherwise
 
     async def resize_expert_cache(self, size: str, replica: str | None = None) -> dict[str, dict[str, Any]]:
         """Resize the device expert cache of one replica, or of every replica in rotation (each at its
@@ -219,7 +211,8 @@ class RouterEngineClient:
     def add_replica(self, info: ReplicaInfo) -> None:
         """A replica started after deployment (a machine joined); the health loop brings it into
         rotation at its first good check. Called on the server's loop."""
-        self.replicas[info.replica_id] = _ReplicaState(info, ray.get_actor(info.executor_name, namespace="hearth"))
+        handle = ray.get_actor(info.replica_actor_name, namespace=NAMESPACE)
+        self.replicas[info.replica_id] = _ReplicaState(info, handle)
 
     # -- health --------------------------------------------------------------------------------
     def _mark_down(self, state: _ReplicaState, exc: BaseException) -> None:
@@ -269,7 +262,7 @@ class RouterEngineClient:
             state.last_error = None
         state.healthy = True
         state.decode_tok_s = float(stats.get("decode_tok_s") or 0.0)
-        state.executor_stats = stats
+        state.engine_stats = stats
 
 
 class _Lost(Exception):
@@ -339,10 +332,10 @@ class RouterConfig:
     serving: ServingConfig = ServingConfig()
     health_interval_s: float = 1.0
     more: tuple[tuple[ModelInfo, tuple[ReplicaInfo, ...]], ...] = ()
-    deploy: Any = None  # the DeployOptions, to start replicas on machines that join (None: no membership)
+    deploy: DeployOptions | None = None  # to start replicas on machines that join (None: no membership)
     membership_interval_s: float = 5.0
-    nodes: tuple[Any, ...] = ()  # the NodeInfo of each machine at deployment (for the status page)
-    stage_plan: tuple[Any, ...] = ()  # a staged deployment's StagePlan (planned again when a machine leaves)
+    nodes: tuple[NodeInfo, ...] = ()  # each machine at deployment (for the status page)
+    stage_plan: tuple[StagePlan, ...] = ()  # a staged deployment's stages (planned again when a machine leaves)
 
     @property
     def groups(self) -> list[tuple[ModelInfo, tuple[ReplicaInfo, ...]]]:
@@ -353,9 +346,6 @@ class RouterActor:
     """Runs the API server (HTTP + gRPC) on its own thread and event loop inside the actor."""
 
     def __init__(self, config: RouterConfig) -> None:
-        from hearth.serving.app import ServedModel, ServerState
-        from hearth.serving.server import BackgroundServer
-
         self.config = config
         self.started = time.time()
         serving = config.serving
@@ -372,8 +362,6 @@ class RouterActor:
         self.membership = None
         self.nodes = {n.node_id: n for n in config.nodes}  # what each machine reported of itself
         if config.deploy is not None:
-            from hearth.cluster.membership import Membership
-
             self.membership = Membership(config.deploy, {c.model.name: c for c in clients},
                                          config.membership_interval_s, self.nodes, config.stage_plan)
         state.node_provider = self.node_rows
@@ -383,19 +371,15 @@ class RouterActor:
 
     def node_rows(self) -> list[dict[str, Any]]:
         """The machines for the status page: what each reported, and whether Ray sees it alive."""
-        from dataclasses import asdict
-
         alive = {n["NodeID"]: bool(n.get("Alive")) for n in ray.nodes()}
         return [{**asdict(n), "name": n.name, "alive": alive.get(n.node_id, False)} for n in list(self.nodes.values())]
 
     def stage_rows(self) -> list[dict[str, Any]]:
         """A split model's stages for the status page: machine, layers and whether each answers (the
-        first stage is the replica's executor: its health is the replica's)."""
+        first stage is the replica actor: its health is the replica's)."""
         stages = self.membership.stages if self.membership is not None else ()
         if not stages:
             return []
-        from hearth.cluster.actors import stage_actor_name
-
         replica = next(iter(self.membership.clients[stages[0].model].replicas.values()), None)
         rows = [{**s.__dict__, "healthy": bool(replica and replica.healthy), "error": None} for s in stages]
         if replica is None or replica.note or not replica.healthy:
@@ -405,7 +389,7 @@ class RouterActor:
         for s in stages[1:]:
             try:
                 pings[s.index] = ray.get_actor(stage_actor_name(replica.info.replica_id, s.index),
-                                               namespace="hearth").ping.remote()
+                                               namespace=NAMESPACE).ping.remote()
             except ValueError as exc:  # gone for good
                 rows[s.index] |= {"healthy": False, "error": type(exc).__name__}
         if pings:
@@ -452,18 +436,12 @@ class RouterActor:
         (max_tokens, temperature, top_p, top_k, min_p, seed, stop, ignore_eos, session_id).
         Errors come back as ``{"error": {"status", "message"}}`` so one bad line of a batch does
         not fail the others."""
-        from hearth.cluster.cluster_api import run_request
-
         future = asyncio.run_coroutine_threadsafe(run_request(self.server.state, request), self.server.loop)
         return future.result()
 
     def stream(self, request: dict[str, Any]):
         """Like :meth:`generate`, as a Ray streaming generator of ``{"text", "token_ids"}`` deltas
         ending with the full result."""
-        import queue
-
-        from hearth.cluster.cluster_api import run_request
-
         chunks: queue.SimpleQueue = queue.SimpleQueue()
         future = asyncio.run_coroutine_threadsafe(run_request(self.server.state, request, chunks.put),
                                                   self.server.loop)

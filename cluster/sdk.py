@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from tqdm import tqdm
 
-from hearth.cluster.actors import NAMESPACE
-from hearth.cluster.router import ROUTER_NAME
+from hearth.cluster.specs import NAMESPACE, ROUTER_NAME
 
 
 class HearthError(RuntimeError):
@@ -73,8 +73,6 @@ class HearthClient:
         optional ``id`` and sampling fields; ``defaults`` fill what a line leaves out) and append
         one result per line to ``output_path``. Lines whose id is already in the output are
         skipped, so an interrupted batch resumes where it stopped. Returns the results written."""
-        from tqdm import tqdm
-
         requests = _read_requests(Path(input_path), defaults)
         done = _done_ids(Path(output_path))
         todo = [r for r in requests if r["id"] not in done]

@@ -1,50 +1,27 @@
-"""The later stages of a replica split by layers (pipeline stages): the actor each later stage runs
-in, and the handle the first stage (the replica's executor) waits on for a (micro-)batch's logits.
-See docs/cluster.md, pipeline stages."""
+"""The actor each later stage of a replica split by layers (pipeline stages) runs in; the first
+stage is the replica actor, which calls it once per step (see
+:class:`~hearth.cluster.actors.StageResult`). See docs/cluster.md, pipeline stages."""
 
 from __future__ import annotations
 
 import os
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import ray
+import torch
 
+from hearth.cluster.specs import ReplicaSpec
+from hearth.engine import LLMEngine
+from hearth.engine.experts import physical_cores
 from hearth.proto.contracts import StageLost
-
-if TYPE_CHECKING:
-    from hearth.cluster.actors import ExecutorActor, ReplicaSpec
-
-
-class StageResult:
-    """The later stages' logits for one (micro-)batch, once asked for; times the wait. A stage that
-    failed (died, restarted, raised) turns into :class:`StageLost`."""
-
-    def __init__(self, ref: Any, executor: ExecutorActor) -> None:
-        self.ref, self.executor, self.sent = ref, executor, time.perf_counter()
-
-    def result(self):
-        try:
-            logits = ray.get(self.ref)
-        except ray.exceptions.RayError as exc:
-            raise self.executor._lost(exc) from None
-        hops = self.executor.hops
-        hops[0] += 1
-        hops[1] += time.perf_counter() - self.sent
-        return logits
 
 
 class StageActor:
     """A later pipeline stage of a replica: its layers, their experts and KV cache, on its machine;
-    the first stage (the replica's executor) calls :meth:`forward` once per step."""
+    the first stage (the replica actor) calls :meth:`forward` once per step."""
 
     def __init__(self, spec: ReplicaSpec) -> None:
-        import torch
-
-        from hearth.engine.experts.mechanism.cpu_workers import physical_cores
-        from hearth.engine.llm_engine import LLMEngine
-
         self.threads = spec.engine.threads or len(physical_cores())
         torch.set_num_threads(self.threads)
         started = time.perf_counter()
@@ -56,8 +33,6 @@ class StageActor:
     def forward(self, batch, hidden, instance: str):
         """This stage's layers over the first stage's batch and the previous stage's hidden states;
         refused when meant for an earlier instance of this stage (whose KV cache died with it)."""
-        import torch
-
         if instance != self.instance:
             first, end = self.spec.layers
             raise StageLost(f"stage {self.spec.replica_id} (layers {first}-{end - 1}) restarted and lost its KV cache")

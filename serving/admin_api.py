@@ -4,6 +4,7 @@ every other route."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -12,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from hearth.config import ConfigError, parse_cache_size
 from hearth.proto.contracts import EngineNotReady
 from hearth.serving.errors import APIError, parse_body
+from hearth.serving.status_page import status_snapshot
 
 router = APIRouter()
 
@@ -28,10 +30,6 @@ class ExpertCacheResize(BaseModel):
 async def status(request: Request) -> dict[str, Any]:
     """The status page's data: machines, replicas (health, load, speed, bandwidths, q table), the
     queue and recent requests."""
-    import asyncio
-
-    from hearth.serving.status_page import status_snapshot
-
     state = request.app.state.hearth
     nodes = await asyncio.to_thread(state.node_provider) if state.node_provider is not None else None
     stages = await asyncio.to_thread(state.stage_provider) if state.stage_provider is not None else None

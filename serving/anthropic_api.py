@@ -11,38 +11,42 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from hearth.proto.contracts import GenerateRequest
-from hearth.serving.anthropic_schema import CountTokensRequest, Message, MessagesRequest
-from hearth.serving.errors import APIError, check_json_schema, parse_body
+from hearth.serving.anthropic_requests import CountTokensRequest, Message, MessagesRequest
+from hearth.serving.errors import APIError, check_json_schema
 from hearth.serving.frontend import OMITTED, RenderedPrompt, ToolMode, tool_json, tool_mode
 from hearth.serving.generation import Reply, collect, stream_reply
 from hearth.serving.parsers import Event
 from hearth.serving.session import session_key
-from hearth.serving.transport import clamp_headers, event_stream, prepend, primed, run_unless_disconnected, sse
+from hearth.serving.transport import (
+    Intake,
+    clamp_headers,
+    event_stream,
+    prepend,
+    primed,
+    run_unless_disconnected,
+    sse,
+)
 
 router = APIRouter()
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> dict[str, int]:
-    state = request.app.state.hearth
-    raw = await request.body()
+    intake = await Intake.read(request)
 
     def prepare() -> int:  # on an intake thread
-        body = parse_body(CountTokensRequest, raw)
-        return len(_render(state.check_model(body.model), body, check_length=False).ids)  # even when too long
+        body, scope = intake.open(CountTokensRequest)
+        return len(_render(scope, body, check_length=False).ids)  # even when too long
 
-    return {"input_tokens": await state.prepare(prepare, len(raw))}
+    return {"input_tokens": await intake.prepare(prepare)}
 
 
 @router.post("/v1/messages")
 async def messages(request: Request):
-    state = request.app.state.hearth
-    raw, session_id = await request.body(), request.headers.get("x-session-id")
-    tenant = state.tenant(request)
+    intake = await Intake.read(request)
 
     def prepare():  # on an intake thread
-        body = parse_body(MessagesRequest, raw)
-        scope = state.check_model(body.model)
+        body, scope = intake.open(MessagesRequest)
         prompt = _render(scope, body)
         frontend = scope.frontend
         message_id = f"msg_{uuid.uuid4().hex[:24]}"
@@ -51,10 +55,10 @@ async def messages(request: Request):
                                    top_k=body.top_k, grammar=prompt.grammar)
         opening = [{"role": "system", "content": body.model_dump(mode="json").get("system")}] if body.system else []
         opening += [m.model_dump(mode="json") for m in body.messages]
-        gen = GenerateRequest(message_id, prompt.ids, params, session_key(session_id, opening), tenant)
+        gen = GenerateRequest(message_id, prompt.ids, params, session_key(intake.session_id, opening), intake.tenant)
         return scope, body, prompt, max_tokens, gen
 
-    scope, body, prompt, max_tokens, gen = await state.prepare(prepare, len(raw))
+    scope, body, prompt, max_tokens, gen = await intake.prepare(prepare)
     stream = stream_reply(scope, gen, scope.frontend.parser(prompt), "anthropic", "messages")
     headers = clamp_headers(body.max_tokens, max_tokens)
     if body.stream:

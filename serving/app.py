@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import functools
 import logging
 import threading
@@ -12,12 +14,15 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hearth.engine import load_tokenizer
+from hearth.engine.checkpoint import load_config
 from hearth.serving import admin_api, anthropic_api, openai_api, openapi, responses_api
 from hearth.serving.errors import APIError, key_matches, protocol_of
 from hearth.serving.frontend import ModelFrontend
@@ -57,9 +62,6 @@ class ServedModel:
 
     def _build_frontend(self) -> ModelFrontend:
         self.check_ready()
-        from hearth.engine.checkpoint.dispatch import load_config
-        from hearth.engine.text.tokenizer import load_tokenizer
-
         path = Path(self.client.model.path)
         _, cfg = load_config(path)
         model = self.client.model
@@ -286,8 +288,6 @@ class AuthAndAccessLog:
 def _authorized(scope: dict, key: str | tuple[str, ...]) -> bool:
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
     if scope["path"] == "/":  # a browser opening the status page passes the key in the address: /?key=KEY
-        from urllib.parse import parse_qs
-
         given = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("key", [""])[0]
         if given and key_matches("", given, key):
             return True
@@ -306,9 +306,6 @@ def release_memory() -> None:
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
     """glibc's ``malloc_trim``, looked up once (finding the C library runs ``ldconfig``), or None."""
-    import ctypes
-    import ctypes.util
-
     name = ctypes.util.find_library("c")
     try:
         return ctypes.CDLL(name).malloc_trim if name else None

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hearth.engine.experts.mechanism.vram_watch import watch_engine
+from hearth.engine.experts import watch_engine
 from hearth.proto.contracts import (
     EngineNotReady,
     EngineOverloaded,

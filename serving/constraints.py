@@ -12,7 +12,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from hearth.engine.text.grammar import JSON_STYLE
+import llguidance
+
+from hearth.engine import JSON_STYLE
 from hearth.serving.errors import APIError
 
 
@@ -166,15 +168,11 @@ def _xml_value(schema: dict[str, Any]) -> str:
 
 
 def _lark(start: str, rules: list[str]) -> str:
-    import llguidance
-
     return llguidance.grammar_from("lark", start + "\n" + "\n".join(rules) + "\n")
 
 
 def check_grammar(grammar: str, field: str) -> None:
     """A grammar (built from a client's schema) that does not compile is a 400 on ``field``."""
-    import llguidance
-
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise APIError(400, f"{field}: the schema cannot be enforced ({error.strip().splitlines()[0]})", field)

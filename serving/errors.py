@@ -6,6 +6,8 @@ import hmac
 import json
 from typing import Any, TypeVar
 
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import validator_for
 from pydantic import BaseModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
@@ -178,9 +180,6 @@ def validate_as(model: type[M], data: Any, where: str = "") -> M:
 
 def check_json_schema(schema: Any, where: str) -> None:
     """A schema (tool parameters, a reply's format) must be a valid JSON Schema of an object."""
-    from jsonschema.exceptions import SchemaError
-    from jsonschema.validators import validator_for
-
     if not isinstance(schema, dict):
         raise APIError(400, f"{where}: must be a JSON Schema object", where)
     try:

@@ -15,7 +15,7 @@ from typing import Any
 
 from jinja2.exceptions import TemplateError
 
-from hearth.engine.sampling import SamplingParams
+from hearth.proto.contracts import SamplingParams
 from hearth.serving.constraints import FORCED_CALL_PREFIX, GrammarBuilder, check_grammar
 from hearth.serving.errors import APIError, context_overflow, loads_bounded
 from hearth.serving.parsers import THINK_CLOSE, THINK_OPEN

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from hearth.proto.contracts import GenerateRequest
-from hearth.serving.errors import APIError, check_json_schema, parse_body
+from hearth.serving.errors import APIError, check_json_schema
 from hearth.serving.frontend import OMITTED, ToolMode, parse_arguments, tool_json, tool_mode
 from hearth.serving.generation import collect_samples, fan_out, samples
 from hearth.serving.openai_format import (
@@ -21,7 +21,7 @@ from hearth.serving.openai_format import (
     completion_events,
     completion_response,
 )
-from hearth.serving.openai_schema import (
+from hearth.serving.openai_requests import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -29,12 +29,11 @@ from hearth.serving.openai_schema import (
     SamplingFields,
 )
 from hearth.serving.session import session_key
-from hearth.serving.transport import clamp_headers, event_stream, primed, run_unless_disconnected
+from hearth.serving.transport import Intake, clamp_headers, event_stream, primed, run_unless_disconnected
 
 router = APIRouter()
 
 _MEDIA = {"image_url": "image", "input_audio": "audio", "file": "file"}
-B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
 
 
 @router.get("/v1/models")
@@ -55,20 +54,12 @@ async def list_models(request: Request) -> dict[str, Any]:
         for name, model in served]}
 
 
-def _open(state: Any, raw: bytes, model: type[B]) -> tuple[B, Any]:
-    """The validated body, and the scope of the served model it names."""
-    body = parse_body(model, raw)
-    return body, state.check_model(body.model)
-
-
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
-    state = request.app.state.hearth
-    raw, session_id = await request.body(), request.headers.get("x-session-id")
-    tenant = state.tenant(request)
+    intake = await Intake.read(request)
 
     def prepare():  # on an intake thread
-        body, scope = _open(state, raw, ChatCompletionRequest)
+        body, scope = intake.open(ChatCompletionRequest)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
         tools, mode = _tools(body)
@@ -81,11 +72,11 @@ async def chat_completions(request: Request):
         params = _sampling(scope, body, prompt.ids, requested,
                            "max_completion_tokens" if body.max_completion_tokens else "max_tokens", request_id,
                            logprobs=(body.top_logprobs or 0) if body.logprobs else None, grammar=prompt.grammar)
-        session = session_key(session_id, messages)
-        gens = samples(GenerateRequest(request_id, prompt.ids, params, session, tenant), body.n)
+        session = session_key(intake.session_id, messages)
+        gens = samples(GenerateRequest(request_id, prompt.ids, params, session, intake.tenant), body.n)
         return scope, body, prompt, request_id, requested, params, gens
 
-    scope, body, prompt, request_id, requested, params, gens = await state.prepare(prepare, len(raw))
+    scope, body, prompt, request_id, requested, params, gens = await intake.prepare(prepare)
     stream = fan_out(scope, gens, [scope.frontend.parser(prompt) for _ in gens], "openai", "chat")
     headers = clamp_headers(requested, params.max_tokens)
     logprobs = LogprobFormat(scope.frontend.token_text) if body.logprobs else None
@@ -100,12 +91,10 @@ async def chat_completions(request: Request):
 
 @router.post("/v1/completions")
 async def completions(request: Request):
-    state = request.app.state.hearth
-    raw, session_id = await request.body(), request.headers.get("x-session-id")
-    tenant = state.tenant(request)
+    intake = await Intake.read(request)
 
     def prepare():  # on an intake thread
-        body, scope = _open(state, raw, CompletionRequest)
+        body, scope = intake.open(CompletionRequest)
         if body.echo or body.suffix:
             raise APIError(400, "echo and suffix are not supported", "echo" if body.echo else "suffix")
         prompt = body.prompt
@@ -117,10 +106,10 @@ async def completions(request: Request):
         request_id = f"cmpl-{uuid.uuid4().hex}"
         params = _sampling(scope, body, ids, body.max_tokens, "max_tokens", request_id, default_tokens=16,
                            logprobs=body.logprobs)
-        gen = GenerateRequest(request_id, ids, params, session_key(session_id, prompt_ids=ids), tenant)
+        gen = GenerateRequest(request_id, ids, params, session_key(intake.session_id, prompt_ids=ids), intake.tenant)
         return scope, body, request_id, params, samples(gen, body.n)
 
-    scope, body, request_id, params, gens = await state.prepare(prepare, len(raw))
+    scope, body, request_id, params, gens = await intake.prepare(prepare)
     stream = fan_out(scope, gens, [None] * len(gens), "openai", "completions")
     headers = clamp_headers(body.max_tokens, params.max_tokens)
     logprobs = LogprobFormat(scope.frontend.token_text) if body.logprobs is not None else None

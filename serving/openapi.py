@@ -1,5 +1,5 @@
 """The OpenAPI document with the request bodies the handlers parse themselves and the response
-bodies they build (``response_schema``).
+bodies they build (``openapi_replies``).
 
 The handlers read their bodies as bytes (strict parsing with errors in each API's own shape, see
 ``errors.parse_body``), so FastAPI cannot see them; here each body model's JSON Schema is put into
@@ -16,11 +16,11 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from hearth.serving.admin_api import ExpertCacheResize
-from hearth.serving.anthropic_schema import CountTokensRequest, MessagesRequest
+from hearth.serving.anthropic_requests import CountTokensRequest, MessagesRequest
 from hearth.serving.errors import protocol_of
-from hearth.serving.openai_schema import ChatCompletionRequest, CompletionRequest
-from hearth.serving.response_schema import ANTHROPIC_ERROR, HEALTH, OPENAI_ERROR, RESPONSE_BODIES, SSE_EVENT
-from hearth.serving.responses_schema import ResponsesRequest
+from hearth.serving.openai_requests import ChatCompletionRequest, CompletionRequest
+from hearth.serving.openapi_replies import ANTHROPIC_ERROR, HEALTH, OPENAI_ERROR, RESPONSE_BODIES, SSE_EVENT
+from hearth.serving.responses_requests import ResponsesRequest
 
 # (path, method) -> the model its body is validated as.
 REQUEST_BODIES: dict[tuple[str, str], type[BaseModel]] = {

@@ -17,11 +17,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from hearth.proto.contracts import GenerateRequest, GenerationChunk
-from hearth.serving.errors import APIError, check_json_schema, parse_body, validate_as
+from hearth.serving.errors import APIError, check_json_schema, validate_as
 from hearth.serving.frontend import OMITTED, ToolMode, parse_arguments, tool_json, tool_mode
 from hearth.serving.generation import Reply, collect, stream_reply
 from hearth.serving.openai_api import response_schema
-from hearth.serving.openai_schema import ResponseFormat
+from hearth.serving.openai_requests import ResponseFormat
 from hearth.serving.parsers import Event
 from hearth.serving.responses_format import (
     EventWriter,
@@ -32,7 +32,7 @@ from hearth.serving.responses_format import (
     status_of,
     usage,
 )
-from hearth.serving.responses_schema import (
+from hearth.serving.responses_requests import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionTool,
@@ -40,7 +40,7 @@ from hearth.serving.responses_schema import (
     ResponsesRequest,
 )
 from hearth.serving.session import session_key
-from hearth.serving.transport import clamp_headers, event_stream, primed, run_unless_disconnected
+from hearth.serving.transport import Intake, clamp_headers, event_stream, primed, run_unless_disconnected
 
 router = APIRouter()
 log = logging.getLogger("hearth.serving")
@@ -50,14 +50,11 @@ _MEDIA = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
 @router.post("/v1/responses", response_model=None)
 async def create_response(request: Request) -> JSONResponse | StreamingResponse:
     """Create a response: JSON, or a stream of events with ``stream: true``."""
-    state = request.app.state.hearth
-    raw, session_id = await request.body(), request.headers.get("x-session-id")
-    tenant = state.tenant(request)
+    intake = await Intake.read(request)
 
     def prepare():  # on an intake thread
-        body = parse_body(ResponsesRequest, raw)
-        scope = state.check_model(body.model)
-        history = _history(state, body.previous_response_id)
+        body, scope = intake.open(ResponsesRequest)
+        history = _history(intake.state, body.previous_response_id)
         conversation = history + _input_messages(body)
         messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
         tools, mode, namespaces = _tools(body)
@@ -73,11 +70,11 @@ async def create_response(request: Request) -> JSONResponse | StreamingResponse:
         max_tokens = frontend.max_tokens(body.max_output_tokens, len(prompt.ids), "max_output_tokens", head.id)
         params = frontend.sampling(max_tokens, None, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                                    grammar=prompt.grammar)
-        gen = GenerateRequest(f"resp-{uuid.uuid4().hex}", prompt.ids, params, session_key(session_id, conversation),
-                              tenant)
+        gen = GenerateRequest(f"resp-{uuid.uuid4().hex}", prompt.ids, params,
+                              session_key(intake.session_id, conversation), intake.tenant)
         return scope, body, conversation, namespaces, prompt, head, max_tokens, gen
 
-    scope, body, conversation, namespaces, prompt, head, max_tokens, gen = await state.prepare(prepare, len(raw))
+    scope, body, conversation, namespaces, prompt, head, max_tokens, gen = await intake.prepare(prepare)
     stream = stream_reply(scope, gen, scope.frontend.parser(prompt), "openai", "responses")
     headers = clamp_headers(body.max_output_tokens, max_tokens)
     if body.stream:

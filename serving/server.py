@@ -8,6 +8,7 @@ import contextlib
 import functools
 import json
 import logging
+import socket
 import sys
 import threading
 from collections.abc import Sequence
@@ -18,6 +19,8 @@ import grpc
 import uvicorn
 
 from hearth.config import EngineConfig, ServingConfig
+from hearth.engine import LLMEngine
+from hearth.engine.checkpoint import load_config
 from hearth.serving.admission import AdmissionLimits
 from hearth.serving.app import ServerState, create_app
 from hearth.serving.client import InProcessEngineClient
@@ -29,8 +32,6 @@ def build_state(model: str | Path, engine: EngineConfig, serving: ServingConfig,
     """An in-process engine client (loading in its thread) and the state the handlers share."""
 
     def factory():
-        from hearth.engine.llm_engine import LLMEngine
-
         return LLMEngine(model, engine, show_progress=show_progress, logits_processors=logits_processors)
 
     names = list(serving.model_names) or [Path(model).name]
@@ -43,8 +44,6 @@ def build_state(model: str | Path, engine: EngineConfig, serving: ServingConfig,
 
 def describe_model(model: str | Path, engine: EngineConfig) -> tuple[int, int]:
     """(context length, vocabulary size) from the checkpoint's config alone, before the weights load."""
-    from hearth.engine.checkpoint.dispatch import load_config
-
     _, cfg = load_config(model)
     return engine.context_length(cfg.max_position_embeddings), cfg.vocab_size
 
@@ -180,8 +179,6 @@ def configure_logging(fmt: str = "json", level: str = "info") -> None:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """An unused TCP port on ``host`` (for tests and benchmarks)."""
-    import socket
-
     with contextlib.closing(socket.socket()) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

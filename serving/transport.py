@@ -1,20 +1,52 @@
-"""HTTP plumbing shared by the protocols: server-sent events and client-disconnect handling."""
+"""HTTP plumbing shared by the protocols: a generation request's intake, server-sent events and
+client-disconnect handling."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from hearth.serving.errors import parse_body
 
 T = TypeVar("T")
+B = TypeVar("B", bound=BaseModel)
 _DISCONNECT_POLL_S = 0.25
 _PRIME_WAIT_S = 1.0  # how long a stream's start may wait for its first item before the response starts
 KEEPALIVE_S = 5.0  # the longest a stream stays silent: then an SSE comment goes out
+
+
+@dataclass(frozen=True)
+class Intake:
+    """What a generation endpoint reads of its request on the event loop: the server's state, the
+    raw body, the ``x-session-id`` header and the request's tenant. The body is parsed on an intake
+    thread, by :meth:`open` inside the function given to :meth:`prepare`."""
+
+    state: Any
+    raw: bytes
+    session_id: str | None
+    tenant: str
+
+    @classmethod
+    async def read(cls, request: Request) -> Intake:
+        state = request.app.state.hearth
+        raw, session_id = await request.body(), request.headers.get("x-session-id")
+        return cls(state, raw, session_id, state.tenant(request))
+
+    def open(self, model: type[B]) -> tuple[B, Any]:
+        """The validated body, and the scope of the served model it names (on the intake thread)."""
+        body = parse_body(model, self.raw)
+        return body, self.state.check_model(body.model)
+
+    async def prepare(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on an intake thread (``ServerState.prepare``), sized by the body."""
+        return await self.state.prepare(fn, len(self.raw))
 
 
 def clamp_headers(requested: int | None, used: int) -> dict[str, str] | None:

@@ -19,7 +19,8 @@ def deployed_on_two_nodes(cache_dir: Path, options: Any, segments: tuple[str, ..
     import ray
     from ray.cluster_utils import Cluster
 
-    from hearth.cluster.deploy import deploy, teardown
+    from hearth.cluster.deploy import deploy
+    from hearth.cluster.launch import teardown
     from hearth.engine.experts.mechanism.host_pool import cleanup
 
     env = {"HEARTH_CACHE": str(cache_dir), **(env or {})}  # inherited by the nodes

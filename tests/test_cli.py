@@ -159,11 +159,11 @@ def test_generate_on_a_hybrid_model_with_checkpoint_flags(checkpoint):
 def test_model_arguments_take_an_optional_name() -> None:
     from pathlib import Path
 
-    from hearth.cli.cluster import _model_arg
+    from hearth.cli.cluster import model_arg
 
-    assert _model_arg("coder=/m/qwen") == ("coder", Path("/m/qwen"))
-    assert _model_arg("/m/qwen3-moe") == ("qwen3-moe", Path("/m/qwen3-moe"))
-    assert _model_arg("/m/a=b") == ("a=b", Path("/m/a=b"))  # a path with "=" in it stays a path
+    assert model_arg("coder=/m/qwen") == ("coder", Path("/m/qwen"))
+    assert model_arg("/m/qwen3-moe") == ("qwen3-moe", Path("/m/qwen3-moe"))
+    assert model_arg("/m/a=b") == ("a=b", Path("/m/a=b"))  # a path with "=" in it stays a path
 
 
 def test_up_takes_stages_for_one_model_only() -> None:
@@ -172,7 +172,7 @@ def test_up_takes_stages_for_one_model_only() -> None:
     import pytest
 
     from hearth.cli.cluster import add_commands
-    from hearth.cluster.deploy import DeployOptions
+    from hearth.cluster.specs import DeployOptions
 
     parser = argparse.ArgumentParser()
     add_commands(parser.add_subparsers(dest="command"))

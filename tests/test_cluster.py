@@ -19,8 +19,10 @@ import requests
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from hearth.cluster.deploy import DeployOptions, cluster_status, deploy, teardown  # noqa: E402
+from hearth.cluster.deploy import cluster_status, deploy  # noqa: E402
+from hearth.cluster.launch import teardown  # noqa: E402
 from hearth.cluster.routing import ReplicaLoad, choose_replica  # noqa: E402
+from hearth.cluster.specs import DeployOptions  # noqa: E402
 from hearth.engine import LLM  # noqa: E402
 from hearth.engine.experts.mechanism.host_pool import cleanup  # noqa: E402
 from hearth.engine.sampling import SamplingParams  # noqa: E402
@@ -233,10 +235,10 @@ def test_expert_cache_resized_through_the_router(deployment, expected):
     assert complete(url).json()["choices"][0]["token_ids"] == expected
 
 
-def test_killed_executor_reattaches_to_its_pool(deployment, expected):
+def test_killed_replica_actor_reattaches_to_its_pool(deployment, expected):
     replica = "tiny@laptop"
     pool = ray.get_actor(f"hearth:pool:{replica}", namespace="hearth")
-    executor = ray.get_actor(f"hearth:executor:{replica}", namespace="hearth")
+    executor = ray.get_actor(f"hearth:replica:{replica}", namespace="hearth")
     loads_before = ray.get(pool.info.remote())["loads"]
     cold = ray.get(executor.ready.remote())
     assert cold["attached_pool"] is True  # the pool actor filled it; the executor never read experts
@@ -274,7 +276,7 @@ def test_killed_pool_actor_is_rebuilt_from_ftw(deployment, expected):
     session = session_for(replica, deployment)
     r = complete(deployment["url"], session=session)
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == expected
-    executor = ray.get_actor(f"hearth:executor:{replica}", namespace="hearth")
+    executor = ray.get_actor(f"hearth:replica:{replica}", namespace="hearth")
     old = ray.get(executor.ready.remote())["pid"]
     ray.kill(executor, no_restart=False)
     info = restarted(executor.ready.remote, old)
@@ -335,8 +337,8 @@ def test_node_leaving_mid_stream(two_nodes, deployment, expected):
     assert 'hearth_replica_healthy{node="desktop",replica="tiny@desktop"} 1.0' in metrics
 
 
-class _FakeExecutor:
-    """Stands in for an executor: expert counters whose link rate halves after 10 readings."""
+class _FakeReplica:
+    """Stands in for a replica actor: expert counters whose link rate halves after 10 readings."""
 
     def __init__(self) -> None:
         self.readings = 0
@@ -367,12 +369,13 @@ class _FakeExecutor:
 
 
 def test_monitor_actor_pushes_a_new_table_when_the_link_slows(two_nodes):
-    from hearth.cluster.actors import MonitorActor, ReplicaSpec
+    from hearth.cluster.actors import MonitorActor
+    from hearth.cluster.specs import ReplicaSpec
 
     spec = ReplicaSpec("fake@desktop", "fake", "/nowhere", "", "fake-pool", monitor_interval_s=0.05)
     on_desktop = {"resources": {"desktop": 0.01}, "num_cpus": 0}  # the laptop may have left already
-    executor = ray.remote(_FakeExecutor).options(name=spec.actor_name("executor"), namespace="hearth",
-                                                 **on_desktop).remote()
+    executor = ray.remote(_FakeReplica).options(name=spec.actor_name("replica"), namespace="hearth",
+                                                **on_desktop).remote()
     monitor = ray.remote(MonitorActor).options(namespace="hearth", **on_desktop).remote(spec)
     try:
         deadline = time.monotonic() + 30

@@ -9,7 +9,8 @@ import requests
 
 ray = pytest.importorskip("ray")
 
-from hearth.cluster.deploy import DeployOptions, cluster_status  # noqa: E402
+from hearth.cluster.deploy import cluster_status  # noqa: E402
+from hearth.cluster.specs import DeployOptions  # noqa: E402
 from hearth.serving.server import free_port  # noqa: E402
 from tests.checkpoints import make_checkpoint  # noqa: E402
 from tests.cluster_helpers import deployed_on_two_nodes  # noqa: E402

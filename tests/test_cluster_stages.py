@@ -14,7 +14,8 @@ import requests
 
 ray = pytest.importorskip("ray")
 
-from hearth.cluster.deploy import DeployOptions, find_router  # noqa: E402
+from hearth.cluster.deploy import find_router  # noqa: E402
+from hearth.cluster.specs import DeployOptions  # noqa: E402
 from hearth.serving.server import free_port  # noqa: E402
 from tests.cluster_helpers import deployed_on_two_nodes  # noqa: E402
 
@@ -24,7 +25,7 @@ PROMPT = "def fibonacci(n):"
 
 @pytest.fixture(scope="module")
 def staged(tmp_path_factory, agent_checkpoint):
-    from hearth.cluster.deploy import layer_sizes
+    from hearth.cluster.sizing import layer_sizes
 
     sizes, embed, head = layer_sizes(str(agent_checkpoint))
     assert 600 * 1024 < sum(sizes) + embed + head < 2 * 600 * 1024
@@ -77,7 +78,7 @@ def test_two_stages_on_two_machines_match_one_machine(staged, agent_checkpoint) 
         (s["index"], s["node_name"], True) for s in stages]
     _check_stage_table(staged["url"])
     # Each stage ran the expert hierarchy over its own layers (a device cache; misses filled or on the CPU).
-    for name in (staged["replicas"][0]["executor_name"], f"hearth:stage:{staged['replicas'][0]['replica_id']}/1"):
+    for name in (staged["replicas"][0]["replica_actor_name"], f"hearth:stage:{staged['replicas'][0]['replica_id']}/1"):
         experts = ray.get(ray.get_actor(name, namespace="hearth").stats.remote())["experts"]
         assert experts["fill_calls"] + experts["cpu_calls"] > 0, experts
     # The hop: the first stage's time in the later stage, per step, against a step's whole time.
@@ -85,7 +86,7 @@ def test_two_stages_on_two_machines_match_one_machine(staged, agent_checkpoint) 
     reply = requests.post(f"{staged['url']}/v1/completions", timeout=120, json={
         "model": "tiny", "prompt": PROMPT, "max_tokens": 64, "temperature": 0, "ignore_eos": True})
     took = time.perf_counter() - start
-    executor = ray.get_actor(staged["replicas"][0]["executor_name"], namespace="hearth")
+    executor = ray.get_actor(staged["replicas"][0]["replica_actor_name"], namespace="hearth")
     stats = ray.get(executor.stats.remote())
     per_step = stats["stage_seconds"] / stats["stage_calls"]
     print(f"\nstage hop (later stage's compute included): {per_step * 1e3:.2f} ms a step; "
@@ -124,7 +125,7 @@ def test_killing_a_stage_mid_stream_ends_it_with_an_error_and_the_next_request_s
     assert after.status_code == 200, after.text
     assert after.json()["choices"][0]["token_ids"] == before
     assert ray.get(stage.ping.remote())["pid"] != pid  # a new process
-    executor = ray.get_actor(staged["replicas"][0]["executor_name"], namespace="hearth")
+    executor = ray.get_actor(staged["replicas"][0]["replica_actor_name"], namespace="hearth")
     assert ray.get(executor.stats.remote())["stages_lost"] >= 1
     print(f"\nnext request after the stage died: {time.perf_counter() - start:.1f} s (the stage reloading included)")
 

@@ -14,7 +14,7 @@ import requests
 ray = pytest.importorskip("ray")
 sync_api = pytest.importorskip("playwright.sync_api")
 
-from hearth.cluster.deploy import DeployOptions  # noqa: E402
+from hearth.cluster.specs import DeployOptions  # noqa: E402
 from hearth.serving.server import free_port  # noqa: E402
 from tests.cluster_helpers import deployed_on_two_nodes  # noqa: E402
 

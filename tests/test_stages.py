@@ -232,7 +232,7 @@ def test_a_hybrid_stage_starts_each_new_request_from_zero_states(checkpoint) -> 
 def test_a_quantized_checkpoint_is_planned_at_its_stored_size(checkpoint, tmp_path) -> None:
     """A GGUF file runs with its weights in their blocks: the planner counts its layers at about the
     file's size, not at float32's."""
-    from hearth.cluster.deploy import layer_sizes, model_spec
+    from hearth.cluster.sizing import layer_sizes, model_spec
     from hearth.engine.checkpoint.gguf_writer import write_gguf
 
     src, _ = checkpoint("qwen3_moe")

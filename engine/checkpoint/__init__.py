@@ -13,3 +13,9 @@ Imports among these modules run one way, with :mod:`.common` at the bottom and :
 and :mod:`.inspect` at the top: a format's module never imports the dispatch, and no module imports
 another inside a function to hide a cycle.
 """
+
+from hearth.engine.checkpoint.dispatch import convert, load_checkpoint, load_config
+from hearth.engine.checkpoint.ftw import is_ftw
+from hearth.engine.checkpoint.inspect import summarize
+
+__all__ = ["convert", "is_ftw", "load_checkpoint", "load_config", "summarize"]

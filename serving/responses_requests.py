@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from hearth.serving.openai_schema import JSONSchemaFormat
+from hearth.serving.openai_requests import JSONSchemaFormat
 
 
 class _Body(BaseModel):

@@ -1,4 +1,4 @@
-"""JSON Schemas of the response bodies, for ``/openapi.json``.
+"""JSON Schemas of the reply bodies of every API (OpenAI, Responses, Anthropic), for ``/openapi.json``.
 
 The handlers build their answers as plain dicts (``openai_format``, ``responses_format``,
 ``anthropic_api``); these schemas say what those dicts hold, field by field, so that schema-driven
