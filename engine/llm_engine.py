@@ -22,7 +22,6 @@ from hearth.engine.cache.state_checkpoints import CheckpointStore, checkpoint_po
 from hearth.engine.cache.state_slots import RecurrentStatePool
 from hearth.engine.checkpoint.common import LoadedModel
 from hearth.engine.checkpoint.dispatch import load_checkpoint
-from hearth.engine.executor.batch import ForwardBatch
 from hearth.engine.executor.device_placement import move_module, resolve_device
 from hearth.engine.executor.fixed_shape import StaticDecoder
 from hearth.engine.executor.memory_plan import (
@@ -38,6 +37,7 @@ from hearth.engine.experts.build import build_hierarchy, cache_slots
 from hearth.engine.experts.contract import ExpertControl
 from hearth.engine.experts.mechanism.host_pool import HostExpertPool
 from hearth.engine.kernels.cpu import cpu_decode_ops, int8_mode
+from hearth.engine.layers.batch import ForwardBatch
 from hearth.engine.models import MoECausalLM
 from hearth.engine.request import Request
 from hearth.engine.sampling import sample_token, token_logprob

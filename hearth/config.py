@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import ipaddress
 import os
 import re
 import types
@@ -407,8 +408,6 @@ class ServingConfig(Section):
 
 def is_loopback(host: str) -> bool:
     """Whether ``host`` is reachable from this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
-    import ipaddress
-
     if host.strip("[]").lower() == "localhost":
         return True
     try:

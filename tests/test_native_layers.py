@@ -1,4 +1,4 @@
-"""Native decode layers (engine/executor/native_layers.py, kernels/cpu/layer.h) against the module path they
+"""Native decode layers (engine/layers/native.py, kernels/cpu/layer.h) against the module path they
 replace: the same checkpoint run with HEARTH_NATIVE_LAYERS=0 and =1, logits compared step by step.
 
 fp32: within 1e-5 relative (only fp32 summation order differs); bf16: bit for bit (the attention core
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hearth.engine import LLM
-from hearth.engine.executor.native_layers import NativeLayers
+from hearth.engine.layers.native import NativeLayers
 from tests.helpers import greedy, max_rel_error, record_logits
 
 pytestmark = pytest.mark.skipif(
@@ -114,8 +114,8 @@ def test_block_weights(tmp_path, checkpoint, monkeypatch):
 
 
 def test_descriptions_match_the_kernels():
-    from hearth.engine.executor.native_layers import LAYER_FIELDS, STEP_FIELDS
     from hearth.engine.kernels.cpu import cpu_decode_ops
+    from hearth.engine.layers.native import LAYER_FIELDS, STEP_FIELDS
 
     assert cpu_decode_ops()._decode.layer_desc_size() == (len(LAYER_FIELDS), len(STEP_FIELDS))
     assert torch.get_num_threads() >= 1

@@ -12,8 +12,8 @@ from dataclasses import replace
 import torch
 
 from hearth.config import EngineConfig
+from hearth.engine import hugepages
 from hearth.engine.config import ModelConfig
-from hearth.engine.executor import hugepages
 
 
 def kv_cache_tokens(config: EngineConfig, cfg: ModelConfig, max_model_len: int) -> int:

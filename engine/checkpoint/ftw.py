@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from hearth.engine import hugepages
 from hearth.engine.checkpoint.common import (
     CheckpointError,
     LoadedModel,
@@ -42,7 +43,6 @@ from hearth.engine.checkpoint.common import (
 )
 from hearth.engine.checkpoint.hf import load_hf_config
 from hearth.engine.config import ConfigError, parse_dtype
-from hearth.engine.executor import hugepages
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.models import MoECausalLM, build_model

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from hearth.engine import hugepages
 from hearth.engine.checkpoint.common import (
     CheckpointError,
     LoadedModel,
@@ -47,7 +48,6 @@ from hearth.engine.checkpoint.common import (
     stage_owns,
 )
 from hearth.engine.config import parse_dtype
-from hearth.engine.executor import hugepages
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.kernels.cpu import BLOCK_KERNELS

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
+from hearth.engine import hugepages
 from hearth.engine.checkpoint.common import FUSED, PER_EXPERT, CheckpointError, replace_parameter
 from hearth.engine.config import ConfigError
-from hearth.engine.executor import hugepages
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.layers.linear import Projection, TokenEmbedding
 from hearth.engine.ops import block_weight, deinterleave

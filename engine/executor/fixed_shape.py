@@ -3,7 +3,7 @@
 A decode step of n sequences runs in a bucket of B >= n rows (``BATCH_BUCKETS``) and block tables of
 MB blocks (a power of two >= the longest sequence's). Rows past the real ones repeat row 0 exactly,
 so inside the step there are no masks over rows, no valid counts and no host reads: the model's own
-modules run on a :class:`~hearth.engine.executor.batch.StaticBatch` (attention over gathered blocks masked by
+modules run on a :class:`~hearth.engine.layers.batch.StaticBatch` (attention over gathered blocks masked by
 context length; the expert hierarchy through custom ops, ``engine/executor/graph_ops.py``), and the same
 shapes recur at every token. :class:`StaticDecoder` keeps one compiled step per bucket
 (``torch.compile(fullgraph=True)``: a graph break is an error) or runs it eagerly.
@@ -25,8 +25,8 @@ import hearth.engine.executor.graph_ops  # noqa: F401 - registers torch.ops.hear
 from hearth.config import ConfigError
 from hearth.engine.cache.kv_pages import PagedKVCache
 from hearth.engine.cache.state_slots import RecurrentStatePool
-from hearth.engine.executor.batch import StaticBatch
 from hearth.engine.layers.attention import SinkAttention
+from hearth.engine.layers.batch import StaticBatch
 from hearth.engine.layers.compressed_attention import CompressedAttention
 from hearth.engine.layers.mla import LatentAttention
 from hearth.engine.request import Request

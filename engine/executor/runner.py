@@ -9,8 +9,8 @@ import torch
 
 from hearth.engine.cache.kv_pages import PagedKVCache
 from hearth.engine.cache.state_slots import RecurrentStatePool, StateSnapshot
-from hearth.engine.executor.batch import ForwardBatch, SequenceSlice
 from hearth.engine.experts.contract import StepContext
+from hearth.engine.layers.batch import ForwardBatch, SequenceSlice
 from hearth.engine.models import MoECausalLM
 from hearth.engine.request import Request
 

@@ -17,12 +17,14 @@ import torch
 from hearth.engine.experts.compute import routed_experts_node
 from hearth.engine.experts.contract import CpuWorkers, ExpertDevice, StepContext
 from hearth.engine.experts.measure import _fit, _median_time, link_fill, measure_host_path
+from hearth.engine.experts.mechanism.device import pin_host_memory
 from hearth.engine.experts.mechanism.ring import ExternalCpuWorkers, RingCpuWorkers, TaskRing
 from hearth.engine.experts.mechanism.streamer import LayerStreamer
 from hearth.engine.experts.policy.cache import ExpertCacheTables
 from hearth.engine.experts.policy.qstar import PathCost, SplitCosts, build_qtable
 from hearth.engine.experts.policy.tuning import CreditTuner
 from hearth.engine.experts.pool import ExpertPool
+from hearth.engine.kernels.gpu import device_fill, device_ring
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +50,6 @@ class PathTimes:
 def map_ring_slot(ring: TaskRing, device) -> dict[str, torch.Tensor] | None:
     """Slot 0 of ``ring`` as device views of its registered pages (None where that cannot be: the
     CPU share then goes through the host)."""
-    from hearth.engine.experts.mechanism.device import pin_host_memory
-    from hearth.engine.kernels.gpu import device_fill
-
     if not device_fill.available():
         return None
     try:
@@ -213,8 +212,6 @@ class HierarchicalExpertBackend:
         """After a fixed-shape step on a GPU: raise what its ring collects left behind (a worker
         that failed or did not answer; the host reads the ring's error word, not the GPU)."""
         if self.device_ring is not None:
-            from hearth.engine.kernels.gpu import device_ring
-
             self.device.synchronize()  # the step's collects have run (the sampler waits for it anyway)
             device_ring.raise_if_failed(self.cpu_workers.ring.slots[0]["ctrl"])
 

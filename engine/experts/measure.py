@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 
+from hearth.engine.executor import graph_ops  # noqa: F401 - registers torch.ops.hearth.*, which link_fill calls
 from hearth.engine.experts.compute import routed_partial_sum
 from hearth.engine.experts.contract import FillPlan
 from hearth.engine.experts.policy.qstar import PathCost
@@ -77,8 +78,6 @@ def link_fill(device, src: torch.Tensor, dst: torch.Tensor, path: str = "copy") 
     if path == "copy":
         plan = FillPlan(torch.empty(0, dtype=torch.long), src, dst, torch.tensor(src.numel()))
         return lambda: (device.fill(plan), device.synchronize())
-    import hearth.engine.executor.graph_ops  # noqa: F401 - registers torch.ops.hearth.*
-
     count = torch.tensor(src.numel(), device=device.device)  # read by the op where it copies, as in a step
     gate_up_src, down_src, rows_of = device.fill_sources()
     return lambda: (torch.ops.hearth.fill_slots(device.gate_up, device.down, gate_up_src, down_src, rows_of, src,

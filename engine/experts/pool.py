@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hearth.engine import hugepages
 from hearth.engine.config import ModelConfig
-from hearth.engine.executor import hugepages
 from hearth.engine.quant.block import BlockFormat
 
 

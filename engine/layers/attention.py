@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hearth.engine.executor import hugepages
-from hearth.engine.executor.batch import LayerContext, SequenceSlice, StaticBatch
+from hearth.engine import hugepages
+from hearth.engine.layers.batch import LayerContext, SequenceSlice, StaticBatch
 from hearth.engine.layers.linear import Projection
 from hearth.engine.layers.rope import apply_rotary
 from hearth.engine.ops import linear

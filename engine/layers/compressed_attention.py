@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hearth.engine.executor.batch import ForwardBatch, LayerContext, SequenceSlice, StaticBatch
+from hearth.engine.layers.batch import ForwardBatch, LayerContext, SequenceSlice, StaticBatch
 from hearth.engine.layers.hyper import unweighted_rms_norm
 from hearth.engine.layers.linear import Projection
 from hearth.engine.layers.norm import RMSNormScaledInFp32

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hearth.engine.config import LinearAttentionConfig
-from hearth.engine.executor.batch import LayerContext, StaticBatch
+from hearth.engine.layers.batch import LayerContext, StaticBatch
 from hearth.engine.layers.linear import Projection
 from hearth.engine.layers.norm import GatedRMSNorm
 from hearth.engine.ops import linear

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hearth.engine.executor.batch import LayerContext, StaticBatch
 from hearth.engine.layers.attention import gather_context, step_mask
+from hearth.engine.layers.batch import LayerContext, StaticBatch
 from hearth.engine.layers.linear import Projection
 from hearth.engine.layers.norm import RMSNorm
 from hearth.engine.layers.rope import apply_rotary

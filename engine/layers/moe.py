@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hearth.engine.executor.batch import LayerContext, StaticBatch
 from hearth.engine.experts.contract import ExpertBackend
+from hearth.engine.layers.batch import LayerContext, StaticBatch
 from hearth.engine.layers.linear import Projection
 from hearth.engine.ops import linear
 

@@ -8,8 +8,8 @@ architecture is a new file here plus, where its attention or routing is new, a n
 from __future__ import annotations
 
 from hearth.config import ConfigError
+from hearth.engine import hugepages
 from hearth.engine.config import ModelConfig
-from hearth.engine.executor import hugepages
 from hearth.engine.experts.contract import ExpertBackend
 from hearth.engine.models import (
     deepseek_v2,

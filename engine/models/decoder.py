@@ -13,11 +13,11 @@ from torch import nn
 from hearth.engine.cache.kv_pages import PagedKVCache
 from hearth.engine.cache.state_slots import RecurrentStatePool
 from hearth.engine.config import ModelConfig
-from hearth.engine.executor.batch import ForwardBatch, LayerContext, StaticBatch
-from hearth.engine.executor.native_layers import NativeLayers
 from hearth.engine.experts.contract import ExpertBackend
+from hearth.engine.layers.batch import ForwardBatch, LayerContext, StaticBatch
 from hearth.engine.layers.linear import Projection, TokenEmbedding
 from hearth.engine.layers.moe import MoEBlock
+from hearth.engine.layers.native import NativeLayers
 from hearth.engine.layers.rope import RotaryEmbedding
 from hearth.engine.ops import linear
 
@@ -73,7 +73,7 @@ class MoECausalLM(nn.Module):
         self._native = None
 
     def native_layers(self, kv: PagedKVCache) -> NativeLayers | None:
-        """The layers' native decode descriptions for ``kv`` (built on first use; see executor/native_layers.py)."""
+        """The layers' native decode descriptions for ``kv`` (built on first use; see layers/native.py)."""
         if self._native is None or self._native[0] is not kv:
             self._native = (kv, NativeLayers.for_model(self, kv))
         return self._native[1]

@@ -32,8 +32,8 @@ from torch import nn
 
 from hearth.config import ConfigError
 from hearth.engine.config import ModelConfig, RopeConfig, parse_rope
-from hearth.engine.executor.batch import ForwardBatch, LayerContext, StaticBatch
 from hearth.engine.experts.contract import ExpertBackend
+from hearth.engine.layers.batch import ForwardBatch, LayerContext, StaticBatch
 from hearth.engine.layers.compressed_attention import (
     CompressedAttention,
     LightningIndexer,

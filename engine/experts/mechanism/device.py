@@ -22,6 +22,7 @@ from hearth.engine.experts.compute import routed_partial_sum
 from hearth.engine.experts.contract import FillPlan
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
 from hearth.engine.kernels.cpu import cpu_decode_ops
+from hearth.engine.kernels.gpu import device_fill
 
 log = logging.getLogger(__name__)
 # Experts moved per copy when an arena is resized.
@@ -163,8 +164,6 @@ class CudaDevice:
         self._sources = self._mapped_sources()
 
     def _mapped_sources(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from hearth.engine.kernels.gpu import device_fill
-
         if device_fill.available():
             try:
                 return (device_fill.mapped_view(self.pool.gate_up, self.device),
@@ -362,8 +361,6 @@ def register_range(cudart, first: int, nbytes: int) -> int:
 
 
 def _clear_cuda_error() -> None:
-    from hearth.engine.kernels.gpu.device_fill import cuda_runtime
-
     # No runtime library: nothing recorded an error either.
     with contextlib.suppress(OSError, RuntimeError, AttributeError):
-        cuda_runtime().cudaGetLastError()
+        device_fill.cuda_runtime().cudaGetLastError()

@@ -65,6 +65,7 @@ def nvml_free_reader(device_index: int) -> Callable[[], int] | None:
     """A function returning the free bytes of CUDA device ``device_index`` as NVML counts them (all
     processes), or None where NVML is not available (no ``pynvml``, no driver)."""
     try:
+        # deferred: NVML is optional (no pynvml or no driver: no reader), and torch is only needed then
         import pynvml
         import torch
 

@@ -9,7 +9,7 @@
 // roundings (the attention's fp32 softmax and value sum follow torch's CPU flash kernel: exp in fp32,
 // the probabilities rounded to the model dtype before the value product, the fp32 sum as divisor).
 //
-// The Python side (engine/executor/native_layers.py) describes a layer once as a LayerDesc (pointers, sizes and
+// The Python side (engine/layers/native.py) describes a layer once as a LayerDesc (pointers, sizes and
 // formats: int64 fields, the few real numbers as doubles) and each step as a StepDesc; the layer updates
 // the hidden states in place. Included by decode.cpp inside its own namespace, after the float
 // kernels it reuses (linear_impl, rms_norm_impl, experts_impl), so it has no includes of its own.

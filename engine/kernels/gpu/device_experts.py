@@ -27,8 +27,13 @@ MIN_PROGRAMS = 256
 def build_expert_kernels():
     """(up, down) jitted now, so that the interpreter setting in force then applies (these kernels
     call Triton's own jitted helpers, so the interpreter must be on before Triton is imported)."""
-    import triton  # deferred: triton is optional
-    import triton.language as tl  # deferred: triton is optional
+    return _build_up_kernel(), _build_down_kernel()
+
+
+def _build_up_kernel():
+    # deferred: triton is optional
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def up_kernel(x, gate_up, pair_slot, h, top_k, hidden, inter, BLOCK_ROWS: tl.constexpr,  # noqa: N803
@@ -58,6 +63,14 @@ def build_expert_kernels():
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         tl.store(h + p * inter + rows, (act * up).to(dtype), mask=inside)
 
+    return up_kernel
+
+
+def _build_down_kernel():
+    # deferred: triton is optional
+    import triton
+    import triton.language as tl
+
     @triton.jit
     def down_kernel(h, down, pair_slot, weights, out, top_k, hidden, inter, BLOCK_ROWS: tl.constexpr,  # noqa: N803
                     BLOCK_K: tl.constexpr):
@@ -85,7 +98,7 @@ def build_expert_kernels():
                 total += part
         tl.store(out + t * hidden + rows, total, mask=inside)
 
-    return up_kernel, down_kernel
+    return down_kernel
 
 
 @functools.cache

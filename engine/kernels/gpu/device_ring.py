@@ -34,6 +34,10 @@ BLOCK = 1024
 
 def build_ring_kernels():
     """(post, collect) jitted now, so that the interpreter setting in force applies."""
+    return _build_post_kernel(), _build_collect_kernel()
+
+
+def _build_post_kernel():
     import triton.language as tl  # deferred: triton is optional
 
     @triton_jit
@@ -78,6 +82,12 @@ def build_ring_kernels():
                 tl.store(ticket, 0)
                 tl.atomic_max(ctrl + 7, BUSY, sem="relaxed", scope="sys")
 
+    return post_kernel
+
+
+def _build_collect_kernel():
+    import triton.language as tl  # deferred: triton is optional
+
     @triton_jit
     def collect_kernel(ctrl, out_slot, out, n, limit, SUBMITTED: tl.constexpr, DONE: tl.constexpr,  # noqa: N803
                        FAILED: tl.constexpr, FREE: tl.constexpr, TIMED_OUT: tl.constexpr,
@@ -104,7 +114,7 @@ def build_ring_kernels():
             tl.debug_barrier()
             tl.atomic_xchg(ctrl, tl.where(state == SUBMITTED, state, FREE), sem="release", scope="sys")
 
-    return post_kernel, collect_kernel
+    return collect_kernel
 
 
 def triton_jit(fn):

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hearth.engine.executor.batch import ForwardBatch
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.kernels.cpu import BLOCK_CODES, NativeKernels, cpu_decode_ops
 from hearth.engine.layers.attention import Attention, gather_context
+from hearth.engine.layers.batch import ForwardBatch
 from hearth.engine.layers.mlp import GatedMLP
 from hearth.engine.layers.moe import MoEBlock, TopKRouter
 from hearth.engine.layers.norm import RMSNorm
