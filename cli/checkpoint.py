@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 from hearth.config import parse_bytes
-from hearth.engine.checkpoint.dispatch import load_config
-from hearth.engine.checkpoint.ftw import convert, read_index
+from hearth.engine.checkpoint.dispatch import convert, load_config
+from hearth.engine.checkpoint.ftw import read_index
 from hearth.engine.checkpoint.gguf_writer import ConvertError, write_gguf
 from hearth.engine.checkpoint.inspect import human_bytes, human_count, stored_summary, summarize
 from hearth.engine.kernels.cpu import cpu_decode_ops
