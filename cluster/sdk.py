@@ -22,6 +22,10 @@ from typing import Any
 import ray
 from tqdm import tqdm
 
+# Loaded here, on the importing thread, and not later by ``ray.get_actor``: Ray unpickles the router's
+# class inside its core worker, and torch (which the router's serving modules pull in) loaded there
+# fails in a job's driver with "oneMKL FATAL ERROR: Cannot load libtorch_cpu.so".
+from hearth.cluster import router as _router  # noqa: F401
 from hearth.cluster.specs import NAMESPACE, ROUTER_NAME
 
 
