@@ -76,12 +76,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _nothing_deployed() -> int:
+    print("hearth: nothing is deployed on this cluster", file=sys.stderr)
+    return 1
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     _connect(args.address)
     status = cluster_status()
     if status is None:
-        print("hearth: nothing is deployed on this cluster", file=sys.stderr)
-        return 1
+        return _nothing_deployed()
     print(json.dumps(status, indent=2, default=str) if args.json else format_status(status))
     return 0
 
@@ -90,8 +94,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
     _connect(args.address)
     router = find_router()
     if router is None:
-        print("hearth: nothing is deployed on this cluster", file=sys.stderr)
-        return 1
+        return _nothing_deployed()
     try:
         done = ray.get(router.drain.remote(args.node, args.timeout), timeout=args.timeout + 60)
     except ray.exceptions.RayTaskError as exc:

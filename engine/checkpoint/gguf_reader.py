@@ -37,16 +37,7 @@ import torch
 from tqdm import tqdm
 
 from hearth.engine import hugepages
-from hearth.engine.checkpoint.common import (
-    CheckpointError,
-    LoadedModel,
-    PoolFactory,
-    adopt_blocks,
-    blocks_can_stay,
-    replace_parameter,
-    stage_config,
-    stage_owns,
-)
+from hearth.engine.checkpoint import common
 from hearth.engine.config import parse_dtype
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
@@ -232,8 +223,8 @@ def _config(f: GGUFFile, dtype: str | torch.dtype | None):
 
 
 def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_progress: bool = False,
-              pool_factory: PoolFactory | None = None, keep_blocks: bool = True, for_storage: bool = False,
-              layers: tuple[int, int] | None = None) -> LoadedModel:
+              pool_factory: common.PoolFactory | None = None, keep_blocks: bool = True, for_storage: bool = False,
+              layers: tuple[int, int] | None = None) -> common.LoadedModel:
     """Build the model of a GGUF file and fill every weight from it (``keep_blocks``: quantized
     weights may stay in their blocks; ``for_storage``: they do even where the native kernels do not
     run here, as ``hearth convert`` writes them to FTW; ``layers``: only the tensors of the pipeline
@@ -243,8 +234,8 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
     f = GGUFFile(path)
     family, cfg = _config(f, dtype)
     if layers is not None:
-        cfg = stage_config(cfg, layers)
-    keep_blocks = keep_blocks and blocks_can_stay(cfg, kernels=not for_storage)
+        cfg = common.stage_config(cfg, layers)
+    keep_blocks = keep_blocks and common.blocks_can_stay(cfg, kernels=not for_storage)
     blocks = expert_blocks(f, cfg) if pool_factory is None and keep_blocks else None
     pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None, blocks)
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
@@ -257,9 +248,9 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
         base, suffix = name.rsplit(".", 1)
         target = names.get_name(base)
         if target is None:
-            raise CheckpointError(f"{f.path}: no GGUF name for '{name}' ({cfg.architecture})")
+            raise common.CheckpointError(f"{f.path}: no GGUF name for '{name}' ({cfg.architecture})")
         known.add(f"{target}.{suffix}")
-        if stage_owns(name, cfg):
+        if common.stage_owns(name, cfg):
             expected[f"{target}.{suffix}"] = param
     known |= {f"blk.{layer}.ffn_{part}_exps.weight" for layer, moe in enumerate(cfg.moe_layers) if moe
               for part in _EXPERT_PARTS}
@@ -269,18 +260,18 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
     errors += [f"missing tensor '{n}'" for n in [*expected, *experts] if n not in f.tensors]
     if errors:
         more = f"; … and {len(errors) - 6} more" if len(errors) > 6 else ""
-        raise CheckpointError(f"{f.path}: does not match its metadata: {'; '.join(errors[:6])}{more}")
+        raise common.CheckpointError(f"{f.path}: does not match its metadata: {'; '.join(errors[:6])}{more}")
     bar = tqdm(total=len(expected) + len(experts), desc="loading tensors", unit="t", disable=not show_progress)
     for name, param in expected.items():
         _load_dense(f, name, param, model, keep_blocks, cfg)
         bar.update(1)
-    adopt_blocks(model)
+    common.adopt_blocks(model)
     for name, (layer, part) in experts.items():
         _fill_experts(f, name, pool, cfg, layer, part)
         bar.update(1)
     bar.close()
     model.eval()
-    return LoadedModel(config=cfg, model=model, pool=pool, model_dir=f.path)
+    return common.LoadedModel(config=cfg, model=model, pool=pool, model_dir=f.path)
 
 
 def kernel_format(t) -> BlockFormat | None:
@@ -328,7 +319,7 @@ def _load_dense(f: GGUFFile, name: str, param: torch.nn.Parameter, model, keep_b
         return
     raw = _stored_rows(t, reorder)
     blocks = hugepages.empty(*raw.shape, dtype=raw.dtype).copy_(raw)  # a copy: the file's map can close
-    replace_parameter(model, param, block_weight(blocks, fmt))
+    common.replace_parameter(model, param, block_weight(blocks, fmt))
 
 
 def _fill_experts(f: GGUFFile, name: str, pool: ExpertPool, cfg, layer: int, part: str) -> None:

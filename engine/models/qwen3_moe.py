@@ -12,14 +12,7 @@ import torch
 from hearth.engine.config import ModelConfig
 from hearth.engine.experts.contract import ExpertBackend
 from hearth.engine.layers.attention import Attention
-from hearth.engine.models.base import (
-    COMMON_FIELDS,
-    ModelFamily,
-    NormFactory,
-    decoder_fields,
-    qwen_moe_fields,
-    softmax_moe_decoder,
-)
+from hearth.engine.models import base
 from hearth.engine.models.decoder import MoECausalLM
 
 
@@ -32,25 +25,25 @@ class Qwen3MoeConfig(ModelConfig):
 def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> Qwen3MoeConfig:
     return Qwen3MoeConfig(
         architecture="Qwen3MoeForCausalLM",
-        **decoder_fields(hf, model_dir, dtype),
-        **qwen_moe_fields(hf),
+        **base.decoder_fields(hf, model_dir, dtype),
+        **base.qwen_moe_fields(hf),
         qkv_bias=bool(getattr(hf, "attention_bias", False)),
         sliding_windows=(getattr(hf, "sliding_window", None) or None,) * hf.num_hidden_layers,
     )
 
 
 def build(cfg: Qwen3MoeConfig, experts: ExpertBackend) -> MoECausalLM:
-    def attention(i: int, norm: NormFactory) -> Attention:
+    def attention(i: int, norm: base.NormFactory) -> Attention:
         return Attention(i, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
                          bias=cfg.qkv_bias, qk_norm=norm, window=cfg.window(i), out_bias=cfg.qkv_bias)
 
-    return softmax_moe_decoder(cfg, experts, attention, normalize=cfg.norm_topk_prob)
+    return base.softmax_moe_decoder(cfg, experts, attention, normalize=cfg.norm_topk_prob)
 
 
-FAMILY = ModelFamily(
+FAMILY = base.ModelFamily(
     "qwen3_moe",
     ("Qwen3MoeForCausalLM",),
     parse_config,
     build,
-    required_fields=COMMON_FIELDS + (("num_experts", "num_local_experts"), ("moe_intermediate_size",)),
+    required_fields=base.COMMON_FIELDS + (("num_experts", "num_local_experts"), ("moe_intermediate_size",)),
 )
