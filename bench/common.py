@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -45,6 +46,37 @@ def last_level_cache() -> int:
             unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
             sizes.append(int(text.rstrip("KMG")) * unit)
     return max(sizes, default=0)
+
+
+# The instruction sets that choose hearth's (and llama.cpp's) CPU kernels, by their /proc/cpuinfo names.
+ISA_FLAGS = ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+
+
+def machine_facts() -> dict:
+    """What a CPU figure depends on: date, CPU model, cores, the instruction sets of ``ISA_FLAGS`` it has,
+    and its last-level cache (a benchmark row is only a memory result if that cache cannot hold the model)."""
+    model, flags = "unknown", set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    return {"date": time.strftime("%Y-%m-%d"), "cpu": model, "cores": os.cpu_count(),
+            "isa": [f for f in ISA_FLAGS if f in flags], "last_level_cache_bytes": last_level_cache()}
+
+
+def memory_share(bytes_per_token: int, tok_s: float, read_rate_b_s: float) -> dict:
+    """Decode's bytes per second as a share of the measured read rate. Above 1 a cache held part of the
+    weights, so the row is flagged ``cache_bound``: it is not a memory result."""
+    share = bytes_per_token * tok_s / read_rate_b_s
+    return {"roofline_share": share, "cache_bound": share > 1.0}
+
+
+def share_label(row: dict) -> str:
+    """``63 %``, or ``106 % (cache-bound)`` for a row that :func:`memory_share` flagged."""
+    return f"{100 * row['roofline_share']:.0f} %" + (" (cache-bound)" if row.get("cache_bound") else "")
 
 
 @contextlib.contextmanager

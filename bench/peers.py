@@ -35,7 +35,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hearth  # noqa: E402,F401 - before torch: hearth's OpenMP defaults apply to the process
-from bench.common import emit, read_rate, synthetic_prompt, worker_process  # noqa: E402
+from bench.common import (  # noqa: E402
+    emit,
+    machine_facts,
+    memory_share,
+    read_rate,
+    share_label,
+    synthetic_prompt,
+    worker_process,
+)
 
 # llama.cpp's file types (llama.h, enum llama_ftype) by the names its quantize tool takes.
 FTYPES = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q4_k_s": 14, "q5_k_m": 17, "q5_k_s": 16, "q6_k": 18}
@@ -174,8 +182,8 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     roofline = read_rate()
     n_ctx = args.prompt + args.tokens + 64
-    result = {"threads": args.threads, "rounds": args.rounds, "prompt": args.prompt, "tokens": args.tokens,
-              "read_rate_gb_s": roofline / 1e9, "files": []}
+    result = {"machine": machine_facts(), "threads": args.threads, "rounds": args.rounds, "prompt": args.prompt,
+              "tokens": args.tokens, "read_rate_gb_s": roofline / 1e9, "files": []}
     for path in args.files:
         dtype = args.dtype or "float32"  # GGUF's default (bf16 weights stay bf16 blocks)
         per_token = stored_summary(path, load_gguf_config(path)[1])["bytes_per_decode_token"]
@@ -199,14 +207,17 @@ def run(args: argparse.Namespace) -> int:
             tg = statistics.median(r["tg"] for r in taken)
             row[name] = {"pp_tok_s": statistics.median(r["pp"] for r in taken), "tg_tok_s": tg,
                          "tg_all": [round(r["tg"], 2) for r in taken], "pp_all": [round(r["pp"], 1) for r in taken],
-                         "roofline_share": per_token * tg / roofline}
+                         **memory_share(per_token, tg, roofline)}
         for name in engines[1:]:
             row[name]["tg_ratio"] = row[name]["tg_tok_s"] / row["llama.cpp"]["tg_tok_s"]
             row[name]["pp_ratio"] = row[name]["pp_tok_s"] / row["llama.cpp"]["pp_tok_s"]
         row["tg_ratio"], row["pp_ratio"] = row["hearth"]["tg_ratio"], row["hearth"]["pp_ratio"]
         result["files"].append(row)
-    print(f"\n{args.threads} threads, prompt {args.prompt}, decode {args.tokens} tokens, median of {args.rounds} "
-          f"interleaved rounds; memory read rate {roofline / 1e9:.1f} GB/s\n")
+    facts = result["machine"]
+    print(f"\n{facts['cpu']} ({' '.join(facts['isa'])}; last-level cache "
+          f"{facts['last_level_cache_bytes'] / 2**20:.0f} MiB), {facts['date']}\n{args.threads} threads, prompt "
+          f"{args.prompt}, decode {args.tokens} tokens, median of {args.rounds} interleaved rounds; memory read rate "
+          f"{roofline / 1e9:.1f} GB/s\n")
     print("| file | engine | pp tok/s | tg tok/s | tg roofline | pp ratio | tg ratio |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for row in result["files"]:
@@ -214,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
             r = row[name]
             ratios = (f"{r['pp_ratio']:.2f}x | {r['tg_ratio']:.2f}x" if name != "llama.cpp" else "1.00 | 1.00")
             print(f"| {Path(row['file']).name} | {name} | {r['pp_tok_s']:.1f} | {r['tg_tok_s']:.2f} | "
-                  f"{100 * r['roofline_share']:.0f} % | {ratios} |")
+                  f"{share_label(r)} | {ratios} |")
     emit(result, args.json)
     return 0
 

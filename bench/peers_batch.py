@@ -28,7 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.common import emit, last_level_cache, read_rate, synthetic_prompt, worker_process
+from bench.common import emit, last_level_cache, machine_facts, read_rate, synthetic_prompt, worker_process
 
 
 def _flush_floats() -> int:
@@ -222,7 +222,8 @@ def batch(args: argparse.Namespace) -> int:
     step = statistics.median(t for _, t in many)
     step_bytes = dense + experts * expert_bytes
     one_bytes = dense + experts_one * expert_bytes  # per token of one stream
-    result = {"file": str(path), "streams": args.streams, "threads": args.threads, "rounds": args.rounds,
+    result = {"machine": machine_facts(), "file": str(path), "streams": args.streams, "threads": args.threads,
+              "rounds": args.rounds,
               "int8_activations": args.int8_activations, "flush_cache": args.flush_cache,
               "read_rate_gb_s": roofline / 1e9,
               "one_stream_tok_s": statistics.median(one), "aggregate_tok_s": statistics.median(t for t, _ in many),
