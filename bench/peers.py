@@ -17,6 +17,7 @@ times tok/s, over a measured streaming read rate). llama-cpp-python is the ``pee
 (``pip install -e '.[peers]'``; it builds llama.cpp from source, ~15 min on 2 cores). Not part
 of CI.
 
+    python bench/random_hf.py /tmp/qwen3-5b --shape 5b   # a model no CPU cache holds (or --shape 1b)
     python bench/peers.py make --model DIR --llama-cpp ~/src/llama.cpp --out /tmp/peer [--quants q8_0 q4_k_m]
     python bench/peers.py run /tmp/peer/*.gguf [--threads 2] [--rounds 5] [--json bench/out/peers.json]
     python bench/peers.py batch /tmp/peer/model-Q4_K_M.gguf [--streams 4] [--peer]   # batched decode (peers_batch.py)
