@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import cache_replay, simulate, traces  # noqa: E402
+from bench.common import machine_facts  # noqa: E402
 from bench.decode import RANDOM_1B  # noqa: E402
 
 SYNTHETIC = {"low": 0.2, "high": 0.8}
@@ -34,14 +35,9 @@ def machine_line() -> str:
     """CPU model, cores, RAM, OS, Python and torch versions of this machine."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = machine_facts()["cpu"]
+    if cpu == "unknown":
+        cpu = platform.processor() or platform.machine()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (f"{cpu}, {os.cpu_count()} cores, {ram:.0f} GiB RAM, {gpu}; {platform.system()} "
