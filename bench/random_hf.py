@@ -69,6 +69,7 @@ def _write_layers(out: Path, tensors: dict[str, torch.Tensor], layers: int, gen:
     fresh (normal(0, std) where layer 0's tensor varies; copied where it is constant, as a norm's ones)."""
     outer = {name: t for name, t in tensors.items() if not LAYER.search(name)}
     first = {name: t for name, t in tensors.items() if LAYER.search(name)}
+    constant = {name for name, t in first.items() if torch.all(t == t.flatten()[0])}  # a norm's ones: copied
     weight_map: dict[str, str] = {}
     total = 0
     for i in tqdm(range(-1, layers), desc="writing layers", unit="layer"):
@@ -76,7 +77,8 @@ def _write_layers(out: Path, tensors: dict[str, torch.Tensor], layers: int, gen:
             shard, part = "model-outer.safetensors", outer
         else:
             shard = f"model-layer-{i:03d}.safetensors"
-            part = {LAYER.sub(f".layers.{i}.", name): t if i == 0 else _fresh(t, gen, std) for name, t in first.items()}
+            part = {LAYER.sub(f".layers.{i}.", name): t if i == 0 or name in constant else _fresh(t, gen, std)
+                    for name, t in first.items()}
         save_file({k: v.contiguous() for k, v in part.items()}, str(out / shard), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(part, shard))
         total += sum(t.numel() * t.element_size() for t in part.values())
@@ -85,8 +87,6 @@ def _write_layers(out: Path, tensors: dict[str, torch.Tensor], layers: int, gen:
 
 
 def _fresh(like: torch.Tensor, gen: torch.Generator, std: float) -> torch.Tensor:
-    if torch.all(like == like.flatten()[0]):
-        return like.clone()
     return (torch.randn(like.shape, generator=gen) * std).to(like.dtype)
 
 
