@@ -299,8 +299,8 @@ class EngineConfig(Section):
                                        minimum=2)
     verify_checksums: bool = option(True, "check every FTW extent's CRC while loading", flag="--verify")
     threads: int | None = option(None, "CPU threads for torch (default: torch's choice)", minimum=1)
-    int8_activations: bool = option(False, "quantize activations to int8 for Q4_K/Q6_K weights in decode "
-                                    "(llama.cpp's scheme: faster on AVX-512 VNNI CPUs, not exact; off by default)")
+    int8_activations: bool = option(False, "quantize activations to int8 for GGML-quantized weights in decode "
+                                    "(llama.cpp's scheme: faster, not exact; off by default)")
     device: str = option("auto", "where the dense weights, the KV cache and sampling run: cpu, cuda or cuda:N (the GPU "
                                  "executor); auto: CUDA where it is present", metavar="DEVICE")
     static_decode: Literal["off", "eager", "compile", "graph"] = option(

@@ -1,11 +1,9 @@
-"""The native block-quantized kernels (AVX2 and AVX-512 builds) against the torch decoders: fp32
+"""The native block-quantized kernels (every decode library this CPU runs) against the torch decoders: fp32
 products on weights decoded by :func:`~hearth.engine.quant.registry.dequantize`, itself equal to
 the ``gguf`` reference. Projections for 1 to 11 tokens, and routed experts for several tokens with
 shared experts, mixed formats, padded bank rows and rows computed elsewhere."""
 
 from __future__ import annotations
-
-import importlib
 
 import numpy as np
 import pytest
@@ -14,30 +12,13 @@ import torch
 from hearth.engine.kernels import cpu as kernels
 from hearth.engine.quant.registry import FORMATS, dequantize
 from tests.block_data import expert_banks, random_blocks, reference_experts, routed_tokens
+from tests.kernel_builds import kernel_builds
 
 _base = kernels.cpu_decode_ops()
 pytestmark = pytest.mark.skipif(_base is None, reason="native kernels not available on this machine")
 
 
-def _builds() -> list[kernels.NativeKernels]:
-    """Every decode library this CPU runs (AVX2, and AVX-512 and AVX-512 VNNI where present)."""
-    if _base is None:
-        return []
-    names = ["_native_avx2"] + (["_native_avx512"] if _base.features & kernels.FEATURE_AVX512 else [])
-    if _base.features & kernels.FEATURE_AVX512 and _base.features & kernels.FEATURE_AVX512_VNNI:
-        names.append("_native_avx512vnni")
-    out = []
-    for name in names:
-        try:
-            module = importlib.import_module(f"hearth.engine.kernels.cpu.{name}")
-        except ImportError:
-            continue
-        out.append(kernels.NativeKernels(_base._base, module, _base.features))
-    return out
-
-
-BUILDS = _builds()
-IDS = [b._decode.__name__.rsplit(".", 1)[1] for b in BUILDS]
+BUILDS = kernel_builds()
 
 
 def _rows(name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -53,7 +34,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (got - want).abs().max().item() <= 1e-5 * scale, (got - want).abs().max().item() / scale
 
 
-@pytest.mark.parametrize("ops", BUILDS, ids=IDS)
+@pytest.mark.parametrize("ops", BUILDS)
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_linear_blocks_equals_decoded_weights(ops, name) -> None:
     k, n = 512, 40
@@ -64,7 +45,7 @@ def test_linear_blocks_equals_decoded_weights(ops, name) -> None:
         _close(ops.linear_blocks(x, w, name), x @ ref_w.T)
 
 
-@pytest.mark.parametrize("ops", BUILDS, ids=IDS)
+@pytest.mark.parametrize("ops", BUILDS)
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_a_token_gets_the_same_bits_alone_and_in_a_batch(ops, name) -> None:
     """One token's products do not depend on the other tokens of the call, nor on whether its rows
@@ -77,7 +58,7 @@ def test_a_token_gets_the_same_bits_alone_and_in_a_batch(ops, name) -> None:
         assert torch.equal(ops.linear_blocks(x[m : m + 1], w, name), together[m : m + 1])
 
 
-@pytest.mark.parametrize("ops", BUILDS, ids=IDS)
+@pytest.mark.parametrize("ops", BUILDS)
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_dequantize_blocks_equals_the_torch_decoder(ops, name) -> None:
     """Prefill's native decode of rows of blocks, strided rows included (a bank row's experts), against
@@ -90,7 +71,7 @@ def test_dequantize_blocks_equals_the_torch_decoder(ops, name) -> None:
     torch.testing.assert_close(ops.dequantize_blocks(padded, name, k), ref, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("ops", BUILDS, ids=IDS)
+@pytest.mark.parametrize("ops", BUILDS)
 @pytest.mark.parametrize(("gu_fmt", "dn_fmt"), [(f, f) for f in sorted(FORMATS)] + [("q4_k", "q6_k"),
                                                                                         ("q8_0", "q4_0")])
 def test_experts_blocks_equals_decoded_experts(ops, gu_fmt, dn_fmt) -> None:
@@ -102,7 +83,7 @@ def test_experts_blocks_equals_decoded_experts(ops, gu_fmt, dn_fmt) -> None:
         _close(got, reference_experts(x, gu, dn, rows, weights, gu_fmt, dn_fmt, hidden, inter))
 
 
-@pytest.mark.parametrize("ops", BUILDS, ids=IDS)
+@pytest.mark.parametrize("ops", BUILDS)
 def test_block_kernels_reject_what_they_cannot_read(ops) -> None:
     w = _rows("q8_0", 4, 64, 5)
     with pytest.raises(ValueError, match="linear_blocks"):

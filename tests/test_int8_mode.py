@@ -1,25 +1,31 @@
 """The opt-in int8-activation mode (engine/kernels/cpu/int8_mode.py, kernels/cpu/q8.h).
 
-- Kernels: on activations that int8 represents exactly (integers up to 127 times a power of two, one
-  of them 127 in every 256), the VNNI products equal the fp32 kernels' up to fp32 summation order.
+- Kernels, in every decode library this CPU runs: on activations that int8 represents exactly
+  (integers up to 127 times a power of two, one of them 127 in every 256), the integer products equal
+  the fp32 products of the weights decoded by the gguf package's dequantizer, up to fp32 summation
+  order; the routed experts differ from their three-piece products by activation rounding only.
 - Model: a Q4_K_M file in the mode against the default fp32 activations: the stated tolerance of the
   mode (each step's logits within 5e-2 of the largest logit while both runs have been fed the same
   tokens; on a random model's near-ties greedy tokens may part) holds, and the mode really ran (its
-  weights are marked). Skipped where the CPU has no AVX-512 VNNI.
+  weights are marked). Skipped where this machine has no native kernels.
 """
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
 
 from hearth.engine import LLM
-from hearth.engine.kernels.cpu import cpu_decode_ops, int8_mode
+from hearth.engine.kernels.cpu import int8_mode
+from hearth.engine.quant.registry import FORMATS
 from tests.block_data import random_blocks
 from tests.helpers import greedy, max_rel_error, record_logits
+from tests.kernel_builds import kernel_builds
 
-pytestmark = pytest.mark.skipif(not int8_mode.available(), reason="no AVX-512 VNNI kernels on this machine")
+pytestmark = pytest.mark.skipif(not int8_mode.available(), reason="no native kernels on this machine")
+BUILDS = kernel_builds()
 
 
 def _exact_int8_rows(m: int, k: int, seed: int) -> torch.Tensor:
@@ -32,19 +38,27 @@ def _exact_int8_rows(m: int, k: int, seed: int) -> torch.Tensor:
     return q * scale.repeat_interleave(256, dim=1)
 
 
+def _gguf_weights(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The weights [N, K] as the gguf package's dequantizer reads the blocks (fp64)."""
+    qtype = gguf.GGMLQuantizationType(FORMATS[fmt].ggml_type)
+    return torch.from_numpy(gguf.quants.dequantize(w.numpy(), qtype).astype(np.float64))
+
+
+@pytest.mark.parametrize("ops", BUILDS)
 @pytest.mark.parametrize("fmt", sorted(int8_mode.FORMATS))
-def test_linear_equals_the_fp32_kernel_on_exact_activations(fmt):
-    ops = cpu_decode_ops()
+def test_linear_equals_the_reference_on_exact_activations(fmt, ops):
     k, n = 1024, 48
     w = torch.from_numpy(random_blocks(fmt, n, k, np.random.default_rng(5), extremes=False))
+    ref_w = _gguf_weights(w, fmt)
     for m in (1, 2, 5, 8, 11):
         x = _exact_int8_rows(m, k, m)
-        assert max_rel_error(ops.linear_blocks(x, w, fmt, int8=True), ops.linear_blocks(x, w, fmt)) < 1e-5
+        ref = (x.double() @ ref_w.T).float()
+        assert max_rel_error(ops.linear_blocks(x, w, fmt, int8=True), ref) < 1e-5
 
 
-def test_experts_follow_the_mode(tmp_path):
+@pytest.mark.parametrize("ops", BUILDS)
+def test_experts_follow_the_mode(ops):
     """The routed experts' int8 products differ from the fp32 ones by activation rounding only."""
-    ops = cpu_decode_ops()
     hidden, inter, e = 512, 256, 6
     rng = np.random.default_rng(2)
     gu = torch.from_numpy(random_blocks("q4_k", e * 2 * inter, hidden, rng)).reshape(e, -1)

@@ -1,15 +1,16 @@
 """Native CPU kernels, built when the package is installed, chosen at run time by CPU features.
 
-The extension modules (``_native_base`` on every machine, ``_native_avx2`` for AVX2 + FMA + F16C,
-``_native_avx512`` the same kernels with 16-lane block-quantized products for AVX-512,
-``_native_avx512vnni`` those plus the opt-in int8-activation kernels for AVX-512 VNNI) are
-plain C++ that takes tensors as data pointers and sizes, so they build without torch's headers and
-survive torch upgrades; see ``setup.py``. The decode library is imported only on a CPU that has its
-instructions (the widest one). :func:`cpu_decode_ops` returns the kernels this machine can run, or None where they
-are unavailable (not built, another architecture, a CPU without AVX2, ``HEARTH_CPU_KERNELS=0``);
-callers then take the torch paths, which give the same results up to fp32 rounding order. Nothing
-is compiled at run time.
-"""
+The extension modules are ``_native_base`` on every machine and one decode library per x86-64
+instruction set: ``_native_avx2`` (AVX2 + FMA + F16C), ``_native_avxvnni`` (the same with AVX-VNNI),
+``_native_avx512`` (16-lane block-quantized products) and ``_native_avx512vnni`` (those with AVX-512
+VNNI). Each has the integer dot-product kernels of the GGML formats (kernels/cpu/q8.h), 256 or 512
+bits wide. They are plain C++ that takes tensors as data pointers and sizes, so they build without
+torch's headers and survive torch upgrades; see ``setup.py``. One decode library is imported, on a
+CPU that has its instructions: ``HEARTH_CPU_ISA`` pins it, otherwise the widest.
+:func:`cpu_decode_ops` returns the kernels this machine can run, or None where they are unavailable
+(not built, another architecture, a CPU without AVX2, ``HEARTH_CPU_KERNELS=0``); callers then take
+the torch paths, which give the same results up to fp32 rounding order. Nothing is compiled at run
+time."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ FEATURE_AVX512 = 1 << 1
 FEATURE_AVX512_BF16 = 1 << 2
 FEATURE_AVX512_VNNI = 1 << 3
 FEATURE_AMX = 1 << 4
+FEATURE_AVX_VNNI = 1 << 5
+# The decode libraries (``_native_<isa>``) and the feature bits each needs, widest first.
+LIBRARIES = (("avx512vnni", FEATURE_AVX2 | FEATURE_AVX512 | FEATURE_AVX512_VNNI),
+             ("avx512", FEATURE_AVX2 | FEATURE_AVX512), ("avxvnni", FEATURE_AVX2 | FEATURE_AVX_VNNI),
+             ("avx2", FEATURE_AVX2))
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Block formats the native kernels compute in their blocks, with their codes in blocks.h (each
 # format's module declares its entry).
@@ -52,8 +58,10 @@ class NativeKernels:
     def __init__(self, base: ModuleType, decode: ModuleType, features: int) -> None:
         self.features = features
         self._base, self._decode = base, decode
-        # The int8-activation kernels (the GGML formats) are in the VNNI library only.
-        self.int8_activations = decode.__name__.endswith("vnni")
+        self.isa = decode.__name__.rsplit("_native_", 1)[-1]
+        # The integer dot-product kernels of the GGML formats (q8.h): every x86-64 library has them.
+        self.q8_kernel: str = decode.q8_kernel() if hasattr(decode, "q8_kernel") else ""
+        self.int8_activations = bool(self.q8_kernel)
 
     def linear_decode(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """y [M, N] = x [M, K] @ w [N, K]^T (+ bias) for a few tokens, in the weight's dtype."""
@@ -221,14 +229,7 @@ def cpu_decode_ops() -> NativeKernels | None:
     features = base.cpu_features()
     if not features & FEATURE_AVX2:
         return None  # not an AVX2 machine: the torch paths are the right ones, nothing to warn about
-    # The widest library this CPU runs; HEARTH_CPU_ISA=avx2 or avx512 keeps to that one (to compare, or to
-    # test each).
-    isa = os.environ.get("HEARTH_CPU_ISA", "").lower()
-    names = ["_native_avx2"]
-    if features & FEATURE_AVX512 and isa != "avx2":
-        names.insert(0, "_native_avx512")
-        if features & FEATURE_AVX512_VNNI and isa != "avx512":
-            names.insert(0, "_native_avx512vnni")
+    names = [f"_native_{isa}" for isa in library_order(features, os.environ.get("HEARTH_CPU_ISA", ""))]
     for name in names:
         try:
             decode = _module(name)
@@ -245,6 +246,24 @@ def cpu_decode_ops() -> NativeKernels | None:
     log.warning("hearth: no decode kernel library is built for these sources (%s); using PyTorch kernels",
                 ", ".join(names))
     return None
+
+
+def runnable_isas(features: int) -> list[str]:
+    """The decode libraries (by instruction set) a CPU with these feature bits runs, widest first."""
+    return [isa for isa, needs in LIBRARIES if features & needs == needs]
+
+
+def library_order(features: int, pinned: str = "") -> list[str]:
+    """The libraries to try, in order: ``pinned`` (``HEARTH_CPU_ISA``) alone where this CPU runs it,
+    else every runnable one, widest first."""
+    runnable = runnable_isas(features)
+    pinned = pinned.strip().lower()
+    if pinned in runnable:
+        return [pinned]
+    if pinned:
+        log.warning("hearth: HEARTH_CPU_ISA=%s is not one this CPU runs (%s); ignoring it", pinned,
+                    ", ".join(runnable))
+    return runnable
 
 
 @functools.cache

@@ -13,6 +13,7 @@ enum Feature : int {
   kAvx512Bf16 = 1 << 2,
   kAvx512Vnni = 1 << 3,
   kAmx = 1 << 4,  // AMX tiles (bf16/int8)
+  kAvxVnni = 1 << 5,  // AVX-VNNI: vpdpbusd on 256 bits with a VEX encoding (no AVX-512 needed)
 };
 
 int cpu_features() {
@@ -26,6 +27,7 @@ int cpu_features() {
   if (__builtin_cpu_supports("avx512bf16")) bits |= kAvx512Bf16;
   if (__builtin_cpu_supports("avx512vnni")) bits |= kAvx512Vnni;
   if (__builtin_cpu_supports("amx-tile")) bits |= kAmx;
+  if (__builtin_cpu_supports("avxvnni")) bits |= kAvxVnni;
 #endif
   return bits;
 }

@@ -561,8 +561,9 @@ inline void sum16_rows(int64_t r0, int64_t r1, float* const* out, const Fill& fi
 #endif
 
 // Rows [r0, r1) of a weight (row r at w + r * rb) times M quantized activation rows (kQ8<F> formats
-// only; nothing otherwise) into out[m][r - r0], sixteen rows at a time (sum16_rows: a reduction per
-// row costs as much as a third of a short row's products, the experts' one-super-block down rows).
+// only; nothing otherwise) into out[m][r - r0], sixteen rows (AVX-512) or eight at a time (sum16_rows,
+// sum8_rows: a reduction per row costs as much as a third of a short row's products, the experts'
+// one-super-block down rows).
 template <typename F>
 inline void rows_dot_q8_range(const uint8_t* w, int64_t rb, int64_t r0, int64_t r1, int64_t K, const Q8Row* xs,
                               int M, float* const* out) {
@@ -571,16 +572,21 @@ inline void rows_dot_q8_range(const uint8_t* w, int64_t rb, int64_t r0, int64_t 
     constexpr int P = decltype(pieces)::value;
     with_tokens(M, [&](auto m) {
       constexpr int kM = decltype(m)::value;
-      sum16_rows<kM>(r0, r1, out, [&](int64_t r, int n, __m512 (*part)[16]) {
+      auto fill = [&](int64_t r, int n, auto part) {
         for (int i = 0; i < n; ++i) {
-          __m512 v[kM];
+          std::remove_reference_t<decltype(part[0][0])> v[kM];
           if constexpr (std::is_same_v<F, Q6_K>)
             row_acc_q6_k_q8<kM, P>(w + (r + i) * rb, K, xs, v);
           else if constexpr (kQ8<F>)  // (no code for the formats without the kernel: callers never get here)
             row_acc_k_q8<F, kM, P>(w + (r + i) * rb, K, xs, v);
           for (int t = 0; t < kM; ++t) part[t][i] = v[t];
         }
-      });
+      };
+#ifdef HEARTH_Q8_512
+      sum16_rows<kM>(r0, r1, out, fill);
+#else
+      sum8_rows<kM>(r0, r1, out, fill);
+#endif
     });
   };
   if (xs[0].q2 != nullptr)

@@ -436,7 +436,11 @@ PyObject* py_layer_desc_size(PyObject*, PyObject*) {
                        static_cast<Py_ssize_t>(sizeof(layer::StepDesc) / 8));
 }
 
+// The integer dot-product kernels of this build (q8.h): "avx512-vnni", "avx-vnni" or "avx2".
+PyObject* py_q8_kernel(PyObject*, PyObject*) { return PyUnicode_FromString(hearth::blocks::kQ8Kernel); }
+
 PyMethodDef methods[] = {
+    {"q8_kernel", py_q8_kernel, METH_NOARGS, "the integer dot-product kernels of this build"},
     {"source_hash", hearth::py_source_hash, METH_NOARGS, "hash of the sources this module was built from"},
     {"decode_layer", fastcall(py_decode_layer), METH_FASTCALL, "one decoder layer's decode step, in place"},
     {"decode_layers", fastcall(py_decode_layers), METH_FASTCALL, "whole decoder layers' decode step, in place"},

@@ -2,12 +2,12 @@
 
 llama.cpp's CPU kernels quantize each activation row to int8 (one scale per 256 elements) before
 multiplying it with K-quant weights. hearth's default keeps activations in fp32, so that a quantized
-model matches its reference within 1e-6 relative (on CPUs with AVX-512 VNNI, fp32 activations meet
-the GGML formats' weights split into three int8 pieces, 21 bits of each block; see kernels/cpu/q8.h). This
-mode does what llama.cpp does for the formats that have that kernel: for decode steps of up to 8
-tokens, projections and experts in those formats multiply one int8 piece with their weights
-(vpdpbusd), about 1.25x as fast per step as three pieces and twice as fast as the fp32 kernels. Every
-other weight, and prefill, keeps fp32 activations.
+model matches its reference within 1e-6 relative (fp32 activations meet the GGML formats' weights
+split into three int8 pieces, 21 bits of each block; see kernels/cpu/q8.h). This mode does what
+llama.cpp does for the formats that have that kernel: for decode steps of up to 8 tokens,
+projections and experts in those formats multiply one int8 piece with their weights (vpdpbusd, or
+AVX2's vpmaddubsw), about 1.3-1.7x as fast per product as three pieces. Every other weight, and
+prefill, keeps fp32 activations.
 
 What it costs in accuracy is measured in ``tests/test_int8_mode.py`` and stated in
 docs/quantization.md. ``hearth serve --int8-activations`` (``EngineConfig(int8_activations=True)``)
@@ -27,7 +27,7 @@ FORMATS = REGISTRY.int8_formats()  # the formats with an int8-activation kernel 
 
 
 def available() -> bool:
-    """Whether this machine's kernels have the mode (the AVX-512 VNNI library is loaded)."""
+    """Whether this machine's kernels have the mode (any x86-64 decode library: AVX2 and wider)."""
     ops = cpu_decode_ops()
     return ops is not None and ops.int8_activations
 
@@ -37,7 +37,8 @@ def enable(model, pool) -> int:
     the expert layers of ``pool``) to be multiplied in the mode; returns how many were marked (0, with
     a warning, where the kernels are not available)."""
     if not available():
-        log.warning("hearth: --int8-activations needs AVX-512 VNNI kernels; keeping fp32 activations")
+        log.warning("hearth: --int8-activations needs the native kernels (an x86-64 CPU with AVX2); "
+                    "keeping fp32 activations")
         return 0
     marked = 0
     for tensor in [*model.parameters(), *model.buffers()]:  # fused q/k/v weights are buffers

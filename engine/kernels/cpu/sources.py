@@ -38,5 +38,6 @@ def kernel_builds(machine: str) -> list[tuple[str, str, tuple[str, ...]]]:
     builds = [("_native_base", "base.cpp", ())]
     if machine.lower() in ("x86_64", "amd64"):
         builds += [("_native_avx2", "decode_avx2.cpp", _AVX2), ("_native_avx512", "decode_avx512.cpp", _AVX512),
+                   ("_native_avxvnni", "decode_avxvnni.cpp", (*_AVX2, "-mavxvnni")),
                    ("_native_avx512vnni", "decode_avx512vnni.cpp", (*_AVX512, "-mavx512vnni"))]
     return builds
