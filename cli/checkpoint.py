@@ -22,8 +22,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     _, cfg = load_config(args.model)
     s = summarize(cfg)
     stored = stored_summary(args.model, cfg)  # GGUF, FTW, FP8 / MXFP4: the formats as stored
+    ops = cpu_decode_ops()
+    kernels = None if ops is None else {"library": ops.isa, "integer_products": ops.q8_kernel,
+                                        "why": ops.choice.reason}
     if args.json:
-        print(json.dumps({**s.as_dict(), **({"stored": stored} if stored else {})}, indent=2))
+        print(json.dumps({**s.as_dict(), **({"stored": stored} if stored else {}), "cpu_kernels": kernels},
+                         indent=2))
         return 0
     rows = [
         ("architecture", s.architecture),
@@ -44,6 +48,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         rows += [(f"stored {group}", ", ".join(f"{fmt} {human_bytes(n)}" for fmt, n in sorted(fmts.items())))
                  for group, fmts in sorted(stored["formats"].items())]
         rows.append(("bytes per decode token, as stored", human_bytes(stored["bytes_per_decode_token"])))
+    rows.append(("CPU kernels", "none native (PyTorch kernels)" if kernels is None else
+                 f"{kernels['library']}, {kernels['integer_products']} integer products ({kernels['why']})"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")

@@ -6,7 +6,8 @@ instruction set: ``_native_avx2`` (AVX2 + FMA + F16C), ``_native_avxvnni`` (the 
 VNNI). Each has the integer dot-product kernels of the GGML formats (kernels/cpu/q8.h), 256 or 512
 bits wide. They are plain C++ that takes tensors as data pointers and sizes, so they build without
 torch's headers and survive torch upgrades; see ``setup.py``. One decode library is imported, on a
-CPU that has its instructions: ``HEARTH_CPU_ISA`` pins it, otherwise the widest.
+CPU that has its instructions: ``HEARTH_CPU_ISA`` pins it, otherwise the fastest by measurement
+(``dispatch.py``).
 :func:`cpu_decode_ops` returns the kernels this machine can run, or None where they are unavailable
 (not built, another architecture, a CPU without AVX2, ``HEARTH_CPU_KERNELS=0``); callers then take
 the torch paths, which give the same results up to fp32 rounding order. Nothing is compiled at run
@@ -23,6 +24,7 @@ from types import ModuleType
 
 import torch
 
+from hearth.engine.kernels.cpu.dispatch import KernelChoice, cache_key, choose
 from hearth.engine.kernels.cpu.sources import source_hash
 from hearth.engine.quant.registry import REGISTRY, block_format
 
@@ -55,10 +57,12 @@ def _module(name: str) -> ModuleType | None:
 class NativeKernels:
     """The loaded kernel modules, as tensor-level calls (inputs checked here, not in C++)."""
 
-    def __init__(self, base: ModuleType, decode: ModuleType, features: int) -> None:
+    def __init__(self, base: ModuleType, decode: ModuleType, features: int,
+                 choice: KernelChoice | None = None) -> None:
         self.features = features
         self._base, self._decode = base, decode
         self.isa = decode.__name__.rsplit("_native_", 1)[-1]
+        self.choice = choice or KernelChoice(self.isa, "loaded directly")
         # The integer dot-product kernels of the GGML formats (q8.h): every x86-64 library has them.
         self.q8_kernel: str = decode.q8_kernel() if hasattr(decode, "q8_kernel") else ""
         self.int8_activations = bool(self.q8_kernel)
@@ -229,23 +233,36 @@ def cpu_decode_ops() -> NativeKernels | None:
     features = base.cpu_features()
     if not features & FEATURE_AVX2:
         return None  # not an AVX2 machine: the torch paths are the right ones, nothing to warn about
-    names = [f"_native_{isa}" for isa in library_order(features, os.environ.get("HEARTH_CPU_ISA", ""))]
-    for name in names:
-        try:
-            decode = _module(name)
-        except ImportError as exc:
-            log.warning("hearth: the %s decode kernels do not load (%s)", name, exc)
-            continue
-        if decode is not None and present is not None and getattr(decode, "source_hash", str)() != present:
-            # A build that failed for this library only (setup.py builds them as optional) leaves the
-            # previous one in place: stale like a stale base library.
-            log.warning("hearth: the %s kernels were built from other sources than these; trying the next", name)
-            continue
-        if decode is not None:
-            return NativeKernels(base, decode, features)
-    log.warning("hearth: no decode kernel library is built for these sources (%s); using PyTorch kernels",
-                ", ".join(names))
-    return None
+    pinned = os.environ.get("HEARTH_CPU_ISA", "")
+    loaded = {isa: module for isa in library_order(features, pinned) if (module := _decode_library(isa, present))}
+    if not loaded:
+        log.warning("hearth: no decode kernel library is built for these sources (%s); using PyTorch kernels",
+                    ", ".join(library_order(features, pinned)))
+        return None
+    if pinned.strip().lower() in loaded:
+        choice = KernelChoice(pinned.strip().lower(), "pinned by HEARTH_CPU_ISA")
+    else:
+        from hearth.config import cache_dir
+
+        choice = choose(loaded, cache_dir() / "kernels.json", cache_key(present, features))
+    return NativeKernels(base, loaded[choice.isa], features, choice)
+
+
+def _decode_library(isa: str, present: str | None) -> ModuleType | None:
+    """The ``_native_<isa>`` module, or None (with a warning) where it is not built, does not load or
+    was built from other sources than these."""
+    name = f"_native_{isa}"
+    try:
+        decode = _module(name)
+    except ImportError as exc:
+        log.warning("hearth: the %s decode kernels do not load (%s)", name, exc)
+        return None
+    if decode is not None and present is not None and getattr(decode, "source_hash", str)() != present:
+        # A build that failed for this library only (setup.py builds them as optional) leaves the
+        # previous one in place: stale like a stale base library.
+        log.warning("hearth: the %s kernels were built from other sources than these; trying the next", name)
+        return None
+    return decode
 
 
 def runnable_isas(features: int) -> list[str]:
