@@ -132,6 +132,10 @@ class LLMEngine:
             if self.device.type != "cpu":
                 raise ConfigError("--int8-activations is a CPU kernel mode: it needs --device cpu")
             int8_mode.enable(loaded.model, loaded.pool)
+        elif self.device.type == "cpu" and show_progress:  # a user at a console: say when the mode would pay
+            line = int8_mode.hint(int8_mode.model_formats(loaded.model, loaded.pool))
+            if line is not None:
+                log.warning(line)
         if self.device.type != "cpu":
             move_module(loaded.model, self.device)  # the dense part; the experts stay in the host pool
         return loaded

@@ -94,3 +94,13 @@ def test_q4_k_m_model_within_the_stated_tolerance(tmp_path, checkpoint):
         errors += [max_rel_error(a, b) for a, b in zip(ra[: same + 1], rb[: same + 1], strict=True)]
     print("int8 vs fp32 activations, logits max rel error per step:", [f"{e:.1e}" for e in errors])
     assert 0 < max(errors) < 5e-2
+
+
+def test_the_hint_names_the_flag_only_where_arithmetic_bounds_the_products():
+    # memory far faster than any kernel: the exact products are bound by arithmetic, and int8 is faster
+    line = int8_mode.hint({"q4_k", "q6_k"}, read_gbps=1e6)
+    assert line is not None and "--int8-activations" in line and "5e-2" in line and "x as fast" in line
+    # memory far slower: both modes wait on it, nothing to gain
+    assert int8_mode.hint({"q4_k", "q6_k"}, read_gbps=1e-3) is None
+    # no weight the mode applies to (a bf16 model)
+    assert int8_mode.hint(set(), read_gbps=1e6) is None

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
-from hearth.engine.kernels.cpu import cpu_decode_ops
+import torch
+
+from hearth.engine.kernels.cpu import cpu_decode_ops, dispatch
 from hearth.engine.quant.registry import REGISTRY
 
 log = logging.getLogger(__name__)
@@ -52,3 +55,47 @@ def enable(model, pool) -> int:
                 pool.blocks[layer] = dataclasses.replace(blocks, int8_activations=True)
                 marked += 1
     return marked
+
+
+def model_formats(model, pool) -> set[str]:
+    """The formats with an int8-activation kernel that ``model``'s weights and ``pool``'s experts use."""
+    found = {fmt.name for t in [*model.parameters(), *model.buffers()]
+             if (fmt := getattr(t, "block_format", None)) is not None}
+    if pool.blocks is not None:
+        found |= {name for b in pool.blocks.values() for name in (b.gate_up.name, b.down.name)}
+    return found & FORMATS
+
+
+def read_rate_gbps(megabytes: int = 256) -> float:
+    """This machine's streaming read rate with torch's threads (GB/s, best of three sums over a
+    buffer no cache holds)."""
+    buf = torch.ones(megabytes * 2**20 // 4)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return buf.numel() * 4 / best / 1e9
+
+
+def hint(formats: set[str], read_gbps: float | None = None) -> str | None:
+    """One line for a user running the exact mode where arithmetic, not memory, bounds its products:
+    the flag, the speed-up to expect, and the mode's tolerance; None where the mode would not pay
+    (the products already keep up with memory, or the model has no weight the mode applies to)."""
+    ops = cpu_decode_ops()
+    measured = sorted(formats & set(dispatch.FORMATS))
+    if ops is None or not ops.int8_activations or not measured:
+        return None
+    timings = ops.choice.timings.get(ops.isa) or dispatch.measure({ops.isa: ops._decode}).timings[ops.isa]
+    exact = sum(timings[f"{fmt}/1/exact"] for fmt in measured)
+    int8 = sum(timings[f"{fmt}/1/int8"] for fmt in measured)
+    weight_bytes = sum(dispatch.ROWS * REGISTRY.get(fmt).row_bytes(dispatch.COLS) for fmt in measured)
+    exact_gbps, int8_gbps = weight_bytes / exact / 1e3, weight_bytes / int8 / 1e3  # bytes per microsecond
+    read = read_gbps if read_gbps is not None else read_rate_gbps()
+    speedup = min(int8_gbps, read) / min(exact_gbps, read)
+    if exact_gbps >= 0.9 * read or speedup < 1.1:
+        return None
+    return (f"hearth: decode here is bound by arithmetic (exact {'/'.join(measured)} products at "
+            f"{exact_gbps:.0f} GB/s, memory reads at {read:.0f} GB/s): --int8-activations makes them about "
+            f"{speedup:.1f}x as fast, as llama.cpp computes them, with each step's logits within 5e-2 of the "
+            "largest instead of exact (docs/quantization.md)")
