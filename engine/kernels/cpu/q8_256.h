@@ -164,7 +164,7 @@ inline __m256 block_scales8(const uint8_t* blk) {
 // A Q4_K / Q5_K super-block's 8 scales d*sc and offsets -dmin*m: the 12 bytes of 6-bit fields
 // gathered by two byte shuffles into [sc0..7 | m0..7] (fields 4-7 take their low bits from bytes
 // 8-11 and their top two bits from bytes 0-7), widened and scaled.
-inline void k_scales8(const uint8_t* b, __m256* scale, __m256* offset) {
+inline __m128i k_fields(const uint8_t* b) {
   const __m128i S = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));  // d, dmin, then the 12 field bytes
   const __m128i A = _mm_shuffle_epi8(S, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
   const __m128i B = _mm_shuffle_epi8(S, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
@@ -172,7 +172,11 @@ inline void k_scales8(const uint8_t* b, __m256* scale, __m256* offset) {
   const __m128i high = _mm_and_si128(_mm_srli_epi16(A, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15,
                                                                           15, 15));
   const __m128i top = _mm_and_si128(_mm_srli_epi16(B, 2), _mm_set1_epi8(0x30));
-  const __m128i fields = _mm_or_si128(_mm_or_si128(low, high), top);
+  return _mm_or_si128(_mm_or_si128(low, high), top);
+}
+
+inline void k_scales8(const uint8_t* b, __m256* scale, __m256* offset) {
+  const __m128i fields = k_fields(b);
   *scale = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(fields)), _mm256_set1_ps(half_to_float(b)));
   *offset = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(fields, 8))),
                           _mm256_set1_ps(-half_to_float(b + 2)));
@@ -223,6 +227,46 @@ inline __m256i chunk_bytes(const uint8_t* blk, int c, __m256i qh) {
   }
 }
 
+#ifndef HEARTH_Q8_VNNI256
+// One piece on AVX2: the K-quants' integer sub-block scales are vpmaddwd's multiplier, so products and
+// scales are summed in int32 and converted once per super-block, as llama.cpp's AVX2 kernels do (a
+// lane's sum at most 8 * 2 * (2 * 31 * 127) * 63 < 2^24 for Q4_K / Q5_K, exact in fp32). An integer
+// add per chunk and token instead of a conversion and a multiply-add.
+template <typename F, int M>
+inline void row_acc_k_q8_int(const uint8_t* row, int64_t K, const Q8Row* xs, __m256* out) {
+  __m256 acc[M], macc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), macc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / 256; ++b) {
+    const uint8_t* blk = row + b * F::kBytes;
+    prefetch_ahead(blk, F::kBytes);
+    const __m128i fields = k_fields(blk);
+    alignas(16) int16_t sc[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(sc), _mm_cvtepu8_epi16(fields));
+    const __m256 offset = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(fields, 8))),
+                                        _mm256_set1_ps(-half_to_float(blk + 2)));
+    const float d = half_to_float(blk);
+    __m256i qh = _mm256_setzero_si256();
+    if constexpr (std::is_same_v<F, Q5_K>) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+    __m256i acci[M][2];
+    for (int m = 0; m < M; ++m) acci[m][0] = acci[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m256i w = chunk_bytes<F>(blk, c, qh);
+      for (int m = 0; m < M; ++m)
+        acci[m][c & 1] = _mm256_add_epi32(acci[m][c & 1], dot4(w, activations<false>(xs[m].q + 256 * b + 32 * c, w),
+                                                                 sc[c]));
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m256 sum = _mm256_cvtepi32_ps(_mm256_add_epi32(acci[m][0], acci[m][1]));
+      acc[m] = _mm256_fmadd_ps(sum, _mm256_set1_ps(d * xs[m].d[b]), acc[m]);
+      macc[m] = _mm256_fmadd_ps(offset, _mm256_mul_ps(_mm256_loadu_ps(xs[m].sum32 + 8 * b),
+                                                      _mm256_set1_ps(xs[m].d[b])), macc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = _mm256_add_ps(acc[m], macc[m]);
+}
+#endif
+
 // Q4_K, Q5_K, Q8_0, Q4_0 or MXFP4 row (F) . quantized activations for M tokens, left as one vector per
 // token whose 8 lanes sum to the product (rows_dot_q8_range sums eight rows' vectors at once). Each
 // chunk's 32 weight bytes meet the activations' 32 bytes (piece_products); the int32 lanes are scaled
@@ -230,6 +274,12 @@ inline __m256i chunk_bytes(const uint8_t* blk, int c, __m256i qh) {
 // Per token: sum_b dx_b * (sum_c scale_c * sum(q x) + offset_c * sum x).
 template <typename F, int M, int P = 1>
 inline void row_acc_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, __m256* out) {
+#ifndef HEARTH_Q8_VNNI256
+  if constexpr (P == 1 && (std::is_same_v<F, Q4_K> || std::is_same_v<F, Q5_K>)) {
+    row_acc_k_q8_int<F, M>(row, K, xs, out);
+    return;
+  }
+#endif
   constexpr bool kSigned = std::is_same_v<F, Q8_0>;
   __m256 acc[M], macc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), macc[m] = _mm256_setzero_ps();
