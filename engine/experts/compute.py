@@ -86,7 +86,8 @@ def _block_partial_sum(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     t, hidden, inter = x.shape[0], blocks.hidden, blocks.inter
     on_cpu = act is torch.nn.functional.silu and x.dtype == torch.float32 and gate_up.device.type == "cpu"
     ops = cpu_decode_ops() if on_cpu and not blocks.bias else None  # (the native kernel adds no biases)
-    if ops is not None and t <= SMALL_BATCH and {blocks.gate_up.name, blocks.down.name} <= BLOCK_KERNELS:
+    few = t <= SMALL_BATCH or blocks.int8_activations  # (the int8 mode at any token count: see ops._block_linear)
+    if ops is not None and few and {blocks.gate_up.name, blocks.down.name} <= BLOCK_KERNELS:
         return ops.experts_blocks(x, gate_up, down, rows, weights, blocks.gate_up.name, blocks.down.name, inter,
                                   blocks.int8_activations)
     gu_bytes, dn_bytes = blocks.gate_up_bytes, blocks.down_bytes
