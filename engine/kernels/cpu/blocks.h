@@ -572,20 +572,13 @@ inline void rows_dot_q8_range(const uint8_t* w, int64_t rb, int64_t r0, int64_t 
     constexpr int P = decltype(pieces)::value;
     with_tokens(M, [&](auto m) {
       constexpr int kM = decltype(m)::value;
-      // Three pieces for more than four tokens run as two calls, four tokens and the rest (the row
-      // read again from L1): eight tokens' accumulators at once spill registers (half the speed).
-      constexpr int kHead = P == 3 && kM > 4 ? 4 : kM;
       auto fill = [&](int64_t r, int n, auto part) {
         for (int i = 0; i < n; ++i) {
           std::remove_reference_t<decltype(part[0][0])> v[kM];
-          const uint8_t* row = w + (r + i) * rb;
-          if constexpr (std::is_same_v<F, Q6_K>) {
-            row_acc_q6_k_q8<kHead, P>(row, K, xs, v);
-            if constexpr (kHead < kM) row_acc_q6_k_q8<kM - kHead, P>(row, K, xs + kHead, v + kHead);
-          } else if constexpr (kQ8<F>) {  // (no code for the formats without the kernel: callers never get here)
-            row_acc_k_q8<F, kHead, P>(row, K, xs, v);
-            if constexpr (kHead < kM) row_acc_k_q8<F, kM - kHead, P>(row, K, xs + kHead, v + kHead);
-          }
+          if constexpr (std::is_same_v<F, Q6_K>)
+            row_acc_q6_k_q8<kM, P>(w + (r + i) * rb, K, xs, v);
+          else if constexpr (kQ8<F>)  // (no code for the formats without the kernel: callers never get here)
+            row_acc_k_q8<F, kM, P>(w + (r + i) * rb, K, xs, v);
           for (int t = 0; t < kM; ++t) part[t][i] = v[t];
         }
       };
