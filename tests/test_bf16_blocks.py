@@ -13,7 +13,9 @@ from hearth.engine import LLM, SamplingParams
 from hearth.engine.quant.registry import HEARTH_FORMATS, dequantize
 from tests.block_data import expert_banks, reference_experts, routed_tokens
 from tests.gguf_checkpoints import write_gguf
-from tests.test_block_kernels import BUILDS, IDS
+from tests.kernel_builds import kernel_builds
+
+BUILDS = kernel_builds()
 
 BF16 = HEARTH_FORMATS["bf16"]
 
@@ -35,7 +37,7 @@ def test_the_torch_decoder_widens_exactly() -> None:
     assert BF16.row_bytes(64) == 128
 
 
-@pytest.mark.parametrize("ops", BUILDS, ids=IDS)
+@pytest.mark.parametrize("ops", BUILDS)
 def test_linear_blocks_equals_the_widened_weights(ops) -> None:
     k, n = 1024, 40
     w = bf16_rows(n, k, 1)
@@ -48,7 +50,7 @@ def test_linear_blocks_equals_the_widened_weights(ops) -> None:
     assert torch.equal(ops.dequantize_blocks(w, "bf16", k), ref_w.float())
 
 
-@pytest.mark.parametrize("ops", BUILDS, ids=IDS)
+@pytest.mark.parametrize("ops", BUILDS)
 def test_experts_blocks_equals_decoded_experts(ops) -> None:
     hidden, inter, experts = 256, 384, 5
     gu, dn = expert_banks(bf16_rows(experts * 2 * inter, hidden, 2), bf16_rows(experts * hidden, inter, 3), experts)

@@ -11,7 +11,9 @@ import torch
 from hearth.engine.checkpoint.hf_quant import fp8_rows, mxfp4_rows
 from hearth.engine.quant.registry import FORMATS, HEARTH_FORMATS, block_format, dequantize
 from tests.block_data import expert_banks, random_blocks, reference_experts, routed_tokens
-from tests.test_block_kernels import BUILDS, IDS
+from tests.kernel_builds import kernel_builds
+
+BUILDS = kernel_builds()
 
 FP8 = HEARTH_FORMATS["fp8_e4m3"]
 
@@ -71,7 +73,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (got - want).abs().max().item() <= 1e-5 * scale, (got - want).abs().max().item() / scale
 
 
-@pytest.mark.parametrize("ops", BUILDS, ids=IDS)
+@pytest.mark.parametrize("ops", BUILDS)
 def test_fp8_kernel_reads_every_weight_exactly(ops) -> None:
     """Unit vectors read single weights: the kernel's decoding (fp16 by shift, scale times 2^8) is the
     torch decoder's, bit for bit, for every e4m3 byte and scales down to subnormal."""
@@ -80,7 +82,7 @@ def test_fp8_kernel_reads_every_weight_exactly(ops) -> None:
     assert torch.equal(ops.linear_blocks(x, w, "fp8_e4m3"), dequantize(w, "fp8_e4m3", 2048).T)
 
 
-@pytest.mark.parametrize("ops", BUILDS, ids=IDS)
+@pytest.mark.parametrize("ops", BUILDS)
 def test_fp8_linear_blocks_equals_decoded_weights(ops) -> None:
     k, n = 512, 40
     w = random_fp8_rows(n, k, 1)
@@ -96,7 +98,7 @@ def _rows(name: str, rows: int, cols: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(random_blocks(name, rows, cols, np.random.default_rng(seed)))
 
 
-@pytest.mark.parametrize("ops", BUILDS, ids=IDS)
+@pytest.mark.parametrize("ops", BUILDS)
 @pytest.mark.parametrize(("gu_fmt", "dn_fmt"), [("fp8_e4m3", "fp8_e4m3"), ("fp8_e4m3", "q8_0"),
                                                 ("q4_k", "fp8_e4m3")])
 def test_fp8_experts_blocks_equals_decoded_experts(ops, gu_fmt, dn_fmt) -> None:
