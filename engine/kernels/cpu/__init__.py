@@ -24,6 +24,7 @@ from types import ModuleType
 
 import torch
 
+from hearth.config import cache_dir
 from hearth.engine.kernels.cpu.dispatch import KernelChoice, cache_key, choose
 from hearth.engine.kernels.cpu.sources import source_hash
 from hearth.engine.quant.registry import REGISTRY, block_format
@@ -242,8 +243,6 @@ def cpu_decode_ops() -> NativeKernels | None:
     if pinned.strip().lower() in loaded:
         choice = KernelChoice(pinned.strip().lower(), "pinned by HEARTH_CPU_ISA")
     else:
-        from hearth.config import cache_dir
-
         choice = choose(loaded, cache_dir() / "kernels.json", cache_key(present, features))
     return NativeKernels(base, loaded[choice.isa], features, choice)
 

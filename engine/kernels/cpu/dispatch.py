@@ -26,6 +26,8 @@ from types import ModuleType
 
 import torch
 
+from hearth.engine.quant.registry import REGISTRY, quantize
+
 log = logging.getLogger(__name__)
 FORMATS = ("q4_k", "q6_k", "q8_0")  # the experts' and attention's usual formats in Q4_K_M and Q8_0 files
 TOKENS = (1, 4)  # a lone decode stream, and a small batch
@@ -98,9 +100,7 @@ class _Case:
 
 def _cases() -> dict[str, _Case]:
     """Each (format, tokens, mode) as "q4_k/1/exact", with its inputs (random, seeded)."""
-    from hearth.engine.kernels.cpu import BLOCK_CODES
-    from hearth.engine.quant.registry import quantize
-
+    codes = REGISTRY.kernel_codes()
     g = torch.Generator().manual_seed(0)
     cases = {}
     for fmt in FORMATS:
@@ -108,7 +108,7 @@ def _cases() -> dict[str, _Case]:
         for m in TOKENS:
             x = torch.randn(m, COLS, generator=g)
             for mode in ("exact", "int8"):
-                cases[f"{fmt}/{m}/{mode}"] = _Case(BLOCK_CODES[fmt], x, w, mode == "int8", torch.empty(m, ROWS))
+                cases[f"{fmt}/{m}/{mode}"] = _Case(codes[fmt], x, w, mode == "int8", torch.empty(m, ROWS))
     return cases
 
 
