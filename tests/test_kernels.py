@@ -12,10 +12,12 @@ import hearth.engine.ops
 from hearth.engine import LLM
 from hearth.engine.kernels.cpu import cpu_decode_ops
 from tests.helpers import PROMPTS, greedy, hf_greedy, max_rel_error, record_logits, reference
+from tests.kernel_builds import kernel_builds
 
 ops = cpu_decode_ops()
 needs_kernels = pytest.mark.skipif(ops is None, reason="native CPU kernels unavailable on this machine")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+BUILDS = kernel_builds()  # every decode library this CPU runs (AVX2 forms included), the others skipped by name
 
 
 def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -25,14 +27,15 @@ def ulps_apart(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @needs_kernels
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_decode_matches_torch(dtype, bias):
+def test_linear_decode_matches_torch(dtype, bias, build):
     torch.manual_seed(0)
     w = torch.randn(77, 300, dtype=dtype)
     x = torch.randn(1, 300, dtype=dtype)
     b = torch.randn(77, dtype=dtype) if bias else None
-    ref, got = F.linear(x, w, b), ops.linear_decode(x, w, b)
+    ref, got = F.linear(x, w, b), build.linear_decode(x, w, b)
     assert got.dtype == dtype and got.shape == (1, 77)
     if dtype == torch.float32:
         assert max_rel_error(got, ref) < 1e-5
@@ -41,14 +44,15 @@ def test_linear_decode_matches_torch(dtype, bias):
 
 
 @needs_kernels
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_matches_reference_formula(dtype):
+def test_rms_norm_matches_reference_formula(dtype, build):
     torch.manual_seed(2)
     x = torch.randn(5, 3, 96, dtype=dtype) * 3
     w = torch.randn(96, dtype=dtype)
     v = x.float()
     ref = w * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
-    got = ops.rms_norm(x, w, 1e-6)
+    got = build.rms_norm(x, w, 1e-6)
     assert got.shape == x.shape and got.dtype == dtype
     if dtype == torch.float32:
         assert max_rel_error(got, ref) < 1e-5
@@ -67,9 +71,10 @@ def reference_experts(x, gate_up, down, rows, weights):
 
 
 @needs_kernels
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weights_fp32", [False, True])
-def test_experts_decode_matches_reference(dtype, weights_fp32):
+def test_experts_decode_matches_reference(dtype, weights_fp32, build):
     torch.manual_seed(1)
     gate_up = torch.randn(10, 2 * 48, 64, dtype=dtype) * 0.2
     down = torch.randn(10, 64, 48, dtype=dtype) * 0.2
@@ -77,7 +82,7 @@ def test_experts_decode_matches_reference(dtype, weights_fp32):
     rows = [7, 2, 9, 0]
     weights = torch.softmax(torch.randn(4), 0).to(torch.float32 if weights_fp32 else dtype)
     ref = reference_experts(x, gate_up, down, rows, weights)
-    got = ops.experts_decode(x, gate_up, down, rows, weights)
+    got = build.experts_decode(x, gate_up, down, rows, weights)
     assert max_rel_error(got, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
