@@ -72,7 +72,7 @@ def _(data, fmt, cols):
 def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The native RMSNorm (``layers/norm.py``): weight * round(x * rsqrt(mean(x^2) + eps))."""
     ops = cpu_decode_ops()
-    if ops is not None and x.is_cpu:
+    if ops is not None and x.is_cpu and x.dtype == weight.dtype == torch.float32:  # (half types: torch's, as there)
         return ops.rms_norm(x, weight, eps)
     return weight * torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 

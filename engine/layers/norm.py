@@ -24,9 +24,11 @@ class RMSNorm(nn.Module):
         if torch.compiler.is_compiling() and x.device.type == "cpu" and x.dtype == self.weight.dtype:
             return torch.ops.hearth.rms_norm(x, self.weight, self.eps)  # one node (engine/executor/graph_ops.py)
         ops = cpu_decode_ops()
-        # fp16 keeps torch's path: the native fp32 sum and 1/sqrt differ from torch's in the last
-        # bits, which fp16's 10-bit rounding shows (bf16's 7 bits almost never do).
-        if ops is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype and x.dtype != torch.float16:
+        # bf16 and fp16 keep torch's path: the native fp32 sum and 1/sqrt differ from torch's in the
+        # last bits, which the half types' rounding shows now and then, and a greedy near-tie then
+        # parts from transformers (bf16 OLMoE on a Zen 4: one step in 32, the top two logits one
+        # bf16 step apart). The native kernel serves fp32 models, whose bar is 1e-4.
+        if ops is not None and x.device.type == "cpu" and x.dtype == self.weight.dtype == torch.float32:
             return ops.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.normalized_shape, eps=self.eps).to(x.dtype)
 
