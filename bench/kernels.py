@@ -10,7 +10,6 @@ bytes read per second (GB/s) and weights per second; medians over the rounds.
 from __future__ import annotations
 
 import argparse
-import importlib
 import statistics
 import sys
 import time
@@ -36,14 +35,8 @@ def libraries() -> dict[str, kernels.NativeKernels]:
     base = kernels.cpu_decode_ops()
     if base is None:
         raise SystemExit("no native kernels on this machine")
-    out = {}
-    for isa in kernels.runnable_isas(base.features):
-        try:
-            module = importlib.import_module(f"hearth.engine.kernels.cpu._native_{isa}")
-        except ImportError:
-            continue
-        out[isa] = kernels.NativeKernels(base._base, module, base.features)
-    return out
+    loaded = {isa: kernels.decode_library(isa) for isa in kernels.runnable_isas(base.features)}
+    return {isa: ops for isa, ops in loaded.items() if ops is not None}
 
 
 def weights(fmt: str, rows: int) -> torch.Tensor:

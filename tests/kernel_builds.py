@@ -3,22 +3,11 @@ with the reason named (``pytest -rs`` lists them), so a CI machine of any kind t
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
 from hearth.engine.kernels import cpu as kernels
 
 _NEEDS = {"avx512vnni": "AVX-512 VNNI", "avx512": "AVX-512", "avxvnni": "AVX-VNNI", "avx2": "AVX2"}
-
-
-def _load(isa: str) -> kernels.NativeKernels | None:
-    base = kernels.cpu_decode_ops()
-    try:
-        module = importlib.import_module(f"hearth.engine.kernels.cpu._native_{isa}")
-    except ImportError:
-        return None
-    return kernels.NativeKernels(base._base, module, base.features)
 
 
 def kernel_builds() -> list:
@@ -27,7 +16,7 @@ def kernel_builds() -> list:
     runnable = kernels.runnable_isas(base.features) if base is not None else []
     params = []
     for isa, _ in kernels.LIBRARIES:
-        ops = _load(isa) if isa in runnable else None
+        ops = kernels.decode_library(isa)
         reason = (f"this CPU has no {_NEEDS[isa]}" if base is not None and isa not in runnable
                   else "native kernels not available here" if base is None else f"_native_{isa} is not built")
         marks = [] if ops is not None else [pytest.mark.skip(reason=f"{isa} kernels: {reason}")]

@@ -234,14 +234,15 @@ def cpu_decode_ops() -> NativeKernels | None:
     features = base.cpu_features()
     if not features & FEATURE_AVX2:
         return None  # not an AVX2 machine: the torch paths are the right ones, nothing to warn about
-    pinned = os.environ.get("HEARTH_CPU_ISA", "")
-    loaded = {isa: module for isa in library_order(features, pinned) if (module := _decode_library(isa, present))}
+    pinned = os.environ.get("HEARTH_CPU_ISA", "").strip().lower()
+    order = library_order(features, pinned)
+    loaded = {isa: module for isa in order if (module := _decode_library(isa, present))}
     if not loaded:
         log.warning("hearth: no decode kernel library is built for these sources (%s); using PyTorch kernels",
-                    ", ".join(library_order(features, pinned)))
+                    ", ".join(order))
         return None
-    if pinned.strip().lower() in loaded:
-        choice = KernelChoice(pinned.strip().lower(), "pinned by HEARTH_CPU_ISA")
+    if pinned in loaded:
+        choice = KernelChoice(pinned, "pinned by HEARTH_CPU_ISA")
     else:
         choice = choose(loaded, cache_dir() / "kernels.json", cache_key(present, features))
     return NativeKernels(base, loaded[choice.isa], features, choice)
@@ -264,16 +265,26 @@ def _decode_library(isa: str, present: str | None) -> ModuleType | None:
     return decode
 
 
+def decode_library(isa: str) -> NativeKernels | None:
+    """The decode library of one instruction set (``avx2``, ``avxvnni``, ``avx512``, ``avx512vnni``)
+    beside the one this process chose, to compare or test them side by side: None where native
+    kernels do not run here, this CPU lacks its instructions, or it is not built for these sources."""
+    ops = cpu_decode_ops()
+    if ops is None or isa not in runnable_isas(ops.features):
+        return None
+    module = _decode_library(isa, source_hash(_HERE))
+    return None if module is None else NativeKernels(ops._base, module, ops.features)
+
+
 def runnable_isas(features: int) -> list[str]:
     """The decode libraries (by instruction set) a CPU with these feature bits runs, widest first."""
     return [isa for isa, needs in LIBRARIES if features & needs == needs]
 
 
 def library_order(features: int, pinned: str = "") -> list[str]:
-    """The libraries to try, in order: ``pinned`` (``HEARTH_CPU_ISA``) alone where this CPU runs it,
+    """The libraries to try, in order: ``pinned`` (``HEARTH_CPU_ISA``, lower case) alone where this CPU runs it,
     else every runnable one, widest first."""
     runnable = runnable_isas(features)
-    pinned = pinned.strip().lower()
     if pinned in runnable:
         return [pinned]
     if pinned:

@@ -229,11 +229,10 @@ inline void row_dot(const uint8_t* row, int64_t K, const float* const* xs, float
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// A Q4_K super-block's 8 scales d*sc (lanes 0-7) and biases -dmin*m (lanes 8-15), decoded in registers:
-// the 12 bytes of 6-bit fields gathered by two byte shuffles into [sc0..7 | m0..7] (fields 4-7 take their
-// low bits from bytes 8-11 and their top two bits from bytes 0-7), widened and scaled at once.
-inline __m512 k_scales16(const uint8_t* b) {
+// A Q4_K / Q5_K super-block's 8 scale fields sc (bytes 0-7) and 8 min fields m (bytes 8-15), decoded in
+// registers: the 12 bytes of 6-bit fields gathered by two byte shuffles (fields 4-7 take their low bits
+// from bytes 8-11 and their top two bits from bytes 0-7).
+inline __m128i k_fields(const uint8_t* b) {
   const __m128i S = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));  // d, dmin, then the 12 field bytes
   const __m128i A = _mm_shuffle_epi8(S, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
   const __m128i B = _mm_shuffle_epi8(S, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
@@ -241,7 +240,15 @@ inline __m512 k_scales16(const uint8_t* b) {
   const __m128i high = _mm_and_si128(_mm_srli_epi16(A, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15,
                                                                           15, 15));
   const __m128i top = _mm_and_si128(_mm_srli_epi16(B, 2), _mm_set1_epi8(0x30));
-  const __m512 fields = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(_mm_or_si128(low, high), top)));
+  return _mm_or_si128(_mm_or_si128(low, high), top);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// A Q4_K super-block's 8 scales d*sc (lanes 0-7) and biases -dmin*m (lanes 8-15): k_fields widened and
+// scaled at once.
+inline __m512 k_scales16(const uint8_t* b) {
+  const __m512 fields = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k_fields(b)));
+  const __m128i S = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));  // d, dmin first
   const __m512 d_dmin = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
                                               _mm512_castps128_ps512(_mm_cvtph_ps(S)));
   const __m512 sign = _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);

@@ -52,6 +52,25 @@ inline Q8Scale q8_scale(float m, bool nan) {
 template <typename F>
 constexpr int64_t kStretchBytes = F::kElems == 32 ? 8 * F::kBytes : F::kBytes;
 
+// The scales of the eight 32-element blocks of a stretch: their fp16 d widened together, or MXFP4's
+// E8M0 exponents as 2^(e - 128) (half the scale, the table's values being doubled), built from
+// e8m0_half's bits: (e - 1) << 23, and 1 << (21 + e) (subnormal) below 2.
+template <typename F>
+inline __m256 block_scales8(const uint8_t* blk) {
+  constexpr int S = F::kBytes;
+  if constexpr (std::is_same_v<F, Mxfp4>) {
+    const __m256i e = _mm256_setr_epi32(blk[0], blk[S], blk[2 * S], blk[3 * S], blk[4 * S], blk[5 * S], blk[6 * S],
+                                        blk[7 * S]);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(1 << 21), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+  } else {
+    uint16_t h[8];
+    for (int i = 0; i < 8; ++i) std::memcpy(h + i, blk + i * S, 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+  }
+}
+
 #ifdef HEARTH_Q8_512
 #include "q8_512.h"
 #else

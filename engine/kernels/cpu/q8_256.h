@@ -142,39 +142,7 @@ constexpr float kZero = std::is_same_v<F, Q8_0> ? 0.0f : std::is_same_v<F, Q4_0>
 template <typename F>
 constexpr bool kOffsets = !std::is_same_v<F, Q8_0>;
 
-// The scales of the eight 32-element blocks of a stretch: their fp16 d widened together, or MXFP4's
-// E8M0 exponents as 2^(e - 128) (e8m0_half's bits: (e - 1) << 23, subnormal 1 << (21 + e) below 2).
-template <typename F>
-inline __m256 block_scales8(const uint8_t* blk) {
-  constexpr int S = F::kBytes;
-  if constexpr (std::is_same_v<F, Mxfp4>) {
-    const __m256i e = _mm256_setr_epi32(blk[0], blk[S], blk[2 * S], blk[3 * S], blk[4 * S], blk[5 * S], blk[6 * S],
-                                        blk[7 * S]);
-    const __m256i one = _mm256_set1_epi32(1);
-    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, one), 23);
-    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(1 << 21), e);
-    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
-  } else {
-    uint16_t h[8];
-    for (int i = 0; i < 8; ++i) std::memcpy(h + i, blk + i * S, 2);
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
-  }
-}
-
-// A Q4_K / Q5_K super-block's 8 scales d*sc and offsets -dmin*m: the 12 bytes of 6-bit fields
-// gathered by two byte shuffles into [sc0..7 | m0..7] (fields 4-7 take their low bits from bytes
-// 8-11 and their top two bits from bytes 0-7), widened and scaled.
-inline __m128i k_fields(const uint8_t* b) {
-  const __m128i S = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));  // d, dmin, then the 12 field bytes
-  const __m128i A = _mm_shuffle_epi8(S, _mm_setr_epi8(4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15));
-  const __m128i B = _mm_shuffle_epi8(S, _mm_setr_epi8(-1, -1, -1, -1, 4, 5, 6, 7, -1, -1, -1, -1, 8, 9, 10, 11));
-  const __m128i low = _mm_and_si128(A, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0));
-  const __m128i high = _mm_and_si128(_mm_srli_epi16(A, 4), _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15,
-                                                                          15, 15));
-  const __m128i top = _mm_and_si128(_mm_srli_epi16(B, 2), _mm_set1_epi8(0x30));
-  return _mm_or_si128(_mm_or_si128(low, high), top);
-}
-
+// A Q4_K / Q5_K super-block's 8 scales d*sc and offsets -dmin*m: k_fields (blocks.h) widened and scaled.
 inline void k_scales8(const uint8_t* b, __m256* scale, __m256* offset) {
   const __m128i fields = k_fields(b);
   *scale = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(fields)), _mm256_set1_ps(half_to_float(b)));

@@ -64,23 +64,6 @@ constexpr float kPieceScale = P == 3 ? 1.0f / 16384.0f : 1.0f;
 template <typename F>
 constexpr float kZero = std::is_same_v<F, Q8_0> ? 128.0f : std::is_same_v<F, Q4_0> ? 8.0f : 12.0f;
 
-// The scales of the eight 32-element blocks of a stretch: their fp16 d widened together, or MXFP4's
-// E8M0 exponents as 2^(e - 128) (half the scale, the table's values being doubled; e8m0_half's value,
-// subnormals included, by vscalefps).
-template <typename F>
-inline __m256 block_scales8(const uint8_t* blk) {
-  constexpr int S = F::kBytes;
-  if constexpr (std::is_same_v<F, Mxfp4>) {
-    const __m256i e = _mm256_setr_epi32(blk[0], blk[S], blk[2 * S], blk[3 * S], blk[4 * S], blk[5 * S], blk[6 * S],
-                                        blk[7 * S]);
-    return _mm256_scalef_ps(_mm256_set1_ps(1.0f), _mm256_cvtepi32_ps(_mm256_sub_epi32(e, _mm256_set1_epi32(128))));
-  } else {
-    uint16_t h[8];
-    for (int i = 0; i < 8; ++i) std::memcpy(h + i, blk + i * S, 2);
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
-  }
-}
-
 template <typename F>
 inline __m512 stretch_scales(const uint8_t* blk) {
   if constexpr (F::kElems == 32) {
