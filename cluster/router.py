@@ -33,7 +33,7 @@ from hearth.config import ServingConfig
 from hearth.proto.contracts import EngineNotReady, EngineOverloaded, GenerateRequest, GenerationChunk, ModelInfo
 from hearth.proto.prefix import block_hashes
 from hearth.serving.app import ServedModel, ServerState
-from hearth.serving.server import BackgroundServer
+from hearth.serving.server import BackgroundServer, guard_options
 
 log = logging.getLogger("hearth.router")
 
@@ -358,7 +358,7 @@ class RouterActor:
             [[c.model.name] for c in clients]
         models = [ServedModel(n, c, serving.tool_parser) for n, c in zip(names, clients, strict=True)]
         state = ServerState(self.client, None, serving.api_keys(), serving.tool_parser, serving.max_body_bytes,
-                            serving.intake_timeout, models=models)
+                            serving.intake_timeout, models=models, **guard_options(serving))
         self.membership = None
         self.nodes = {n.node_id: n for n in config.nodes}  # what each machine reported of itself
         if config.deploy is not None:

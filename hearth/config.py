@@ -383,6 +383,17 @@ class ServingConfig(Section):
                          "harmony", "none"] | None = option(
         None, "tool-call format (default: chosen from the model family and chat template)")
     log_format: Literal["json", "text"] = option("json", "log lines on stderr")
+    allowed_hosts: tuple[str, ...] = option((), "a Host name the server answers besides IP addresses, loopback names "
+                                                "and (beyond loopback) this machine's names; '.example.com' a domain, "
+                                                "'*' any (repeatable; a guard against DNS rebinding)",
+                                            name="allowed_host", flag="--allowed-hosts", metavar="NAME")
+    cors_origins: tuple[str, ...] = option((), "a web origin whose pages may call the API from a browser, e.g. "
+                                               "http://localhost:3000 (repeatable; default none: CORS off)",
+                                           name="cors_origin", metavar="ORIGIN")
+    response_store_bytes: int = option(64 << 20, "memory for stored /v1/responses results (e.g. 64MiB); the oldest "
+                                                 "go first", name="response_store_size", minimum=0, parse=parse_bytes)
+    read_timeout: float = option(30.0, "seconds a client may take to send a request's headers, and between the "
+                                       "pieces of its body; a slower connection is closed", minimum=0.1)
 
     def validate(self) -> None:
         if self.grpc_port == 0:

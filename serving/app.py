@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -28,7 +29,8 @@ from hearth.serving.errors import APIError, key_matches, protocol_of
 from hearth.serving.frontend import ModelFrontend
 from hearth.serving.metrics import ServerMetrics
 from hearth.serving.responses_format import ResponseStore
-from hearth.serving.session import request_tenant
+from hearth.serving.security import AllowedHosts, BrowserGuard
+from hearth.serving.session import request_owner, request_tenant
 from hearth.serving.status_page import status_page_html
 
 log = logging.getLogger("hearth.serving")
@@ -103,7 +105,10 @@ class ServerState:
 
     def __init__(self, client: Any, model_names: list[str] | None = None, api_key: str | tuple[str, ...] | None = None,
                  tool_parser: str | None = None, max_body_bytes: int = 8 << 20, intake_timeout: float = 30.0,
-                 models: list[ServedModel] | None = None) -> None:
+                 models: list[ServedModel] | None = None, hosts: AllowedHosts | None = None,
+                 cors_origins: tuple[str, ...] = (), response_store_bytes: int = 64 << 20) -> None:
+        """``hosts``: the Host names answered (default: loopback names and IP addresses);
+        ``cors_origins``: web origins whose pages may call the API (default none)."""
         self.client = client
         self.models = models or [ServedModel(model_names or [client.model.name], client, tool_parser)]
         self.model_names = [name for m in self.models for name in m.names]
@@ -112,7 +117,9 @@ class ServerState:
         self.max_body_bytes = max_body_bytes
         self.intake_timeout = intake_timeout
         self.metrics = ServerMetrics(client)
-        self.responses = ResponseStore()  # stored /v1/responses results, for previous_response_id
+        self.hosts = hosts or AllowedHosts()
+        self.cors_origins = cors_origins
+        self.responses = ResponseStore(max_bytes=response_store_bytes)  # for previous_response_id
         self.recent: deque[dict[str, Any]] = deque(maxlen=50)  # finished requests, for the status page
         # The machines behind this server, for the status page (a cluster's router sets it).
         self.node_provider: Callable[[], list[dict[str, Any]]] | None = None
@@ -149,6 +156,10 @@ class ServerState:
     def tenant(self, request: Request) -> str:
         """Whose request it is, for the fair turns of admission (:func:`session.request_tenant`)."""
         return request_tenant(request.headers, request.client.host if request.client else None, self.api_key)
+
+    def owner(self, request: Request) -> str:
+        """Who owns what the request stores (:func:`session.request_owner`)."""
+        return request_owner(request.headers, self.api_key)
 
     @property
     def model_name(self) -> str:
@@ -200,7 +211,11 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(admin_api.router)
     openapi.install(app, state.model_names)
     app.add_middleware(BodyLimit, limit=state.max_body_bytes)
-    app.add_middleware(AuthAndAccessLog, state=state)  # outermost: the key is checked before a body is read
+    app.add_middleware(AuthAndAccessLog, state=state)  # the key is checked before a body is read
+    app.add_middleware(BrowserGuard, hosts=state.hosts, error_response=error_response)  # before the key
+    if state.cors_origins:  # outermost: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["x-request-id", "retry-after"], max_age=600)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):

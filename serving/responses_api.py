@@ -54,7 +54,7 @@ async def create_response(request: Request) -> JSONResponse | StreamingResponse:
 
     def prepare():  # on an intake thread
         body, scope = intake.open(ResponsesRequest)
-        history = _history(intake.state, body.previous_response_id)
+        history = _history(intake.state, body.previous_response_id, intake.owner)
         conversation = history + _input_messages(body)
         messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
         tools, mode, namespaces = _tools(body)
@@ -77,11 +77,12 @@ async def create_response(request: Request) -> JSONResponse | StreamingResponse:
     scope, body, conversation, namespaces, prompt, head, max_tokens, gen = await intake.prepare(prepare)
     stream = stream_reply(scope, gen, scope.frontend.parser(prompt), "openai", "responses")
     headers = clamp_headers(body.max_output_tokens, max_tokens)
+    owner = intake.owner if body.store else None  # whose store keeps it; None: not stored
     if body.stream:
         stream = await primed(request, stream)
-        return event_stream(_events(scope, head, body.store, conversation, stream, namespaces), headers)
+        return event_stream(_events(scope, head, owner, conversation, stream, namespaces), headers)
     reply = await run_unless_disconnected(request, collect(stream))
-    return JSONResponse(_finish(scope, head, reply, output_items(reply, namespaces), body.store, conversation),
+    return JSONResponse(_finish(scope, head, reply, output_items(reply, namespaces), owner, conversation),
                         headers=headers)
 
 
@@ -89,8 +90,8 @@ async def create_response(request: Request) -> JSONResponse | StreamingResponse:
 async def retrieve_response(request: Request, response_id: str) -> dict[str, Any]:
     """A stored response, as it was returned."""
     state = request.app.state.hearth
-    found = state.responses.get(response_id)
-    if found is None:
+    found = state.responses.get(response_id, state.owner(request))
+    if found is None:  # another key's response reads as absent too: ids do not leak
         raise _not_found(state, response_id, "response_id")
     return found[0]
 
@@ -99,21 +100,22 @@ async def retrieve_response(request: Request, response_id: str) -> dict[str, Any
 async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
     """Forget a stored response (a later previous_response_id naming it is a 404)."""
     state = request.app.state.hearth
-    if not state.responses.delete(response_id):
+    if not state.responses.delete(response_id, state.owner(request)):
         raise _not_found(state, response_id, "response_id")
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
 def _not_found(state: Any, response_id: str, field: str) -> APIError:
     return APIError(404, f"{field}: no stored response with id '{response_id}' (responses are kept in memory only: "
-                         f"the newest {state.responses.capacity} with store: true)", field, code="response_not_found")
+                         f"the newest {state.responses.capacity} with store: true, within "
+                         f"{state.responses.max_bytes >> 20} MiB)", field, code="response_not_found")
 
 
 # -- request conversion -------------------------------------------------------------------------
-def _history(state: Any, previous: str | None) -> list[dict[str, Any]]:
+def _history(state: Any, previous: str | None, owner: str) -> list[dict[str, Any]]:
     if previous is None:
         return []
-    found = state.responses.get(previous)
+    found = state.responses.get(previous, owner)
     if found is None:
         raise _not_found(state, previous, "previous_response_id")
     return list(found[1])
@@ -222,17 +224,17 @@ def _echo(body: ResponsesRequest) -> dict[str, Any]:
 
 
 # -- responses ----------------------------------------------------------------------------------
-def _finish(state: Any, head: ResponseHead, reply: Reply, items: list[dict[str, Any]], store: bool,
+def _finish(state: Any, head: ResponseHead, reply: Reply, items: list[dict[str, Any]], owner: str | None,
             conversation: list[dict[str, Any]]) -> dict[str, Any]:
     status, incomplete = status_of(reply)
     reasoning_tokens = len(state.frontend.encode(reply.reasoning)) if reply.reasoning else 0
     body = head.body(status, items, usage(reply, reasoning_tokens), incomplete)
-    if store:
-        state.responses.put(body, conversation + as_messages(items))
+    if owner is not None and not state.responses.put(body, conversation + as_messages(items), owner):
+        log.info("responses: %s not stored (larger than the store's %d bytes)", head.id, state.responses.max_bytes)
     return body
 
 
-async def _events(state: Any, head: ResponseHead, store: bool, conversation: list[dict[str, Any]],
+async def _events(state: Any, head: ResponseHead, owner: str | None, conversation: list[dict[str, Any]],
                   stream: AsyncIterator[tuple[list[Event], GenerationChunk]],
                   namespaces: dict[str, str]) -> AsyncIterator[str]:
     writer = EventWriter(namespaces)
@@ -257,6 +259,6 @@ async def _events(state: Any, head: ResponseHead, store: bool, conversation: lis
         for line in writer.empty_message():  # as the non-streamed output: a reply is at least a message
             yield line
     reply.reasoning = "".join(i["content"][0]["text"] for i in writer.items if i["type"] == "reasoning")
-    body = _finish(state, head, reply, writer.items, store, conversation)
+    body = _finish(state, head, reply, writer.items, owner, conversation)
     yield writer.emit("response.completed" if body["status"] == "completed" else "response.incomplete",
                       response=body)

@@ -111,30 +111,49 @@ def _arguments(text: str) -> dict[str, Any]:
 
 
 class ResponseStore:
-    """Stored responses, for ``previous_response_id`` and retrieval: the newest ``capacity`` kept,
-    in memory only (a restart forgets them)."""
+    """Stored responses, for ``previous_response_id`` and retrieval, in memory only (a restart forgets
+    them). Each belongs to the client that stored it (``owner``: a hash of its API key, or "" on a
+    server without keys); another owner's id reads as absent. Bounded by count and by bytes: each
+    response is kept as its compact JSON, so what is counted is what is held; the oldest go first."""
 
-    def __init__(self, capacity: int = 256) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+    ENTRY_OVERHEAD = 256  # bytes a stored entry costs beyond its JSON (the key, the dict slot, the bytes object)
 
-    def put(self, body: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        """``conversation``: the chat messages up to and including this response's output."""
-        self._items[body["id"]] = (body, conversation)
-        self._items.move_to_end(body["id"])
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+    def __init__(self, capacity: int = 256, max_bytes: int = 64 << 20) -> None:
+        self.capacity, self.max_bytes = capacity, max_bytes
+        self.bytes = 0
+        self._items: OrderedDict[str, tuple[str, bytes]] = OrderedDict()  # id -> (owner, JSON)
 
-    def get(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    def put(self, body: dict[str, Any], conversation: list[dict[str, Any]], owner: str = "") -> bool:
+        """Keep a response; ``conversation``: the chat messages up to and including its output. False
+        (nothing kept) when it alone is larger than the whole budget."""
+        data = json.dumps([body, conversation], ensure_ascii=False, separators=(",", ":")).encode()
+        self.delete(body["id"], owner)
+        if len(data) + self.ENTRY_OVERHEAD > self.max_bytes:
+            return False
+        self._items[body["id"]] = (owner, data)
+        self.bytes += len(data) + self.ENTRY_OVERHEAD
+        while len(self._items) > self.capacity or self.bytes > self.max_bytes:
+            _, (_, old) = self._items.popitem(last=False)
+            self.bytes -= len(old) + self.ENTRY_OVERHEAD
+        return True
+
+    def get(self, response_id: str, owner: str = "") -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
         """The stored response and its conversation, or None (now the most recently used)."""
         found = self._items.get(response_id)
-        if found is not None:
-            self._items.move_to_end(response_id)
-        return found
+        if found is None or found[0] != owner:
+            return None
+        self._items.move_to_end(response_id)
+        body, conversation = json.loads(found[1])
+        return body, conversation
 
-    def delete(self, response_id: str) -> bool:
-        """Forget a response; False when it was not stored."""
-        return self._items.pop(response_id, None) is not None
+    def delete(self, response_id: str, owner: str = "") -> bool:
+        """Forget a response; False when this owner has none by that id."""
+        found = self._items.get(response_id)
+        if found is None or found[0] != owner:
+            return False
+        del self._items[response_id]
+        self.bytes -= len(found[1]) + self.ENTRY_OVERHEAD
+        return True
 
 
 class EventWriter:

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag
 
 from hearth.serving.openai_requests import JSONSchemaFormat
+
+# OpenAI's limits on metadata: 16 pairs, keys of 64 characters, values of 512 (stored and echoed whole).
+Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=64)], Annotated[str, StringConstraints(
+    max_length=512)]], Field(max_length=16)]
 
 
 class _Body(BaseModel):
@@ -130,5 +134,5 @@ class ResponsesRequest(_Body):
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stream: bool = False
     store: bool = True
-    metadata: dict[str, str] | None = None
-    user: str | None = None
+    metadata: Metadata | None = None
+    user: str | None = Field(default=None, max_length=512)

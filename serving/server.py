@@ -25,6 +25,7 @@ from hearth.serving.admission import AdmissionLimits
 from hearth.serving.app import ServerState, create_app
 from hearth.serving.client import InProcessEngineClient
 from hearth.serving.grpc_service import add_service
+from hearth.serving.security import AllowedHosts
 
 
 def build_state(model: str | Path, engine: EngineConfig, serving: ServingConfig,
@@ -39,7 +40,14 @@ def build_state(model: str | Path, engine: EngineConfig, serving: ServingConfig,
     client = InProcessEngineClient(model, factory, names[0], describe=functools.partial(describe_model, model, engine),
                                    limits=limits)
     return ServerState(client, names, serving.api_keys(), serving.tool_parser, serving.max_body_bytes,
-                       serving.intake_timeout)
+                       serving.intake_timeout, **guard_options(serving))
+
+
+def guard_options(serving: ServingConfig) -> dict[str, Any]:
+    """The :class:`ServerState` settings that keep browsers and clients apart: allowed Host names,
+    CORS origins and the stored responses' budget."""
+    return {"hosts": AllowedHosts.for_server(serving.host, serving.allowed_hosts),
+            "cors_origins": serving.cors_origins, "response_store_bytes": serving.response_store_bytes}
 
 
 def describe_model(model: str | Path, engine: EngineConfig) -> tuple[int, int]:

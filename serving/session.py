@@ -61,3 +61,12 @@ def request_tenant(headers: Mapping[str, str], host: str | None, keys: str | tup
     several = isinstance(keys, tuple) and len(keys) > 1
     key = presented_key(headers.get("authorization", ""), headers.get("x-api-key")) if several else None
     return tenant_key(headers.get("x-session-id"), host, key)
+
+
+def request_owner(headers: Mapping[str, str], keys: str | tuple[str, ...] | None) -> str:
+    """Who owns what a request stores (stored responses): a hash of the API key it was let in with,
+    or "" on a server without keys (whoever reaches it shares one owner)."""
+    if not keys:
+        return ""
+    key = presented_key(headers.get("authorization", ""), headers.get("x-api-key"))
+    return "key:" + hashlib.blake2b(key.encode(), digest_size=16).hexdigest()

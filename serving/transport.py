@@ -25,19 +25,20 @@ KEEPALIVE_S = 5.0  # the longest a stream stays silent: then an SSE comment goes
 @dataclass(frozen=True)
 class Intake:
     """What a generation endpoint reads of its request on the event loop: the server's state, the
-    raw body, the ``x-session-id`` header and the request's tenant. The body is parsed on an intake
-    thread, by :meth:`open` inside the function given to :meth:`prepare`."""
+    raw body, the ``x-session-id`` header, the request's tenant and the owner of what it stores. The
+    body is parsed on an intake thread, by :meth:`open` inside the function given to :meth:`prepare`."""
 
     state: Any
     raw: bytes
     session_id: str | None
     tenant: str
+    owner: str = ""
 
     @classmethod
     async def read(cls, request: Request) -> Intake:
         state = request.app.state.hearth
         raw, session_id = await request.body(), request.headers.get("x-session-id")
-        return cls(state, raw, session_id, state.tenant(request))
+        return cls(state, raw, session_id, state.tenant(request), state.owner(request))
 
     def open(self, model: type[B]) -> tuple[B, Any]:
         """The validated body, and the scope of the served model it names (on the intake thread)."""

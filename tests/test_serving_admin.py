@@ -70,8 +70,11 @@ def test_resize_while_a_request_streams(agent_checkpoint):
         assert r.status_code == 404 and "'local'" in r.json()["error"]["message"]
         r = resize(server, size="0.5", extra=1)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-        r = requests.post(server.url + "/admin/expert-cache", data=b"{", timeout=30)
+        r = requests.post(server.url + "/admin/expert-cache", data=b"{", headers={"Content-Type": "application/json"},
+                          timeout=30)
         assert r.status_code == 400
+        r = requests.post(server.url + "/admin/expert-cache", data=b'{"size": "0.5"}', timeout=30)  # a form's type
+        assert r.status_code == 415 and "Content-Type" in r.json()["error"]["message"]
 
 
 def test_no_cache_to_resize(server):

@@ -11,6 +11,8 @@ import requests
 
 from tests.serving_helpers import SCRIPTS, TIME_TOOL, WEATHER_TOOL
 
+JSON = {"Content-Type": "application/json"}
+
 
 @pytest.fixture(scope="module")
 def client(server):
@@ -212,13 +214,14 @@ def test_unknown_model_invalid_json_and_utf8(server):
     url = server.url + "/v1/chat/completions"
     r = requests.post(url, json={"model": "nope", "messages": user("hi")}, timeout=30)
     assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
-    r = requests.post(url, data=b'{"model": "tiny", "messages": [', timeout=30)
+    r = requests.post(url, data=b'{"model": "tiny", "messages": [', headers=JSON, timeout=30)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
-    r = requests.post(url, data=b'{"model": "tiny\xff\xfe"}', timeout=30)
+    r = requests.post(url, data=b'{"model": "tiny\xff\xfe"}', headers=JSON, timeout=30)
     assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"]
-    r = requests.post(url, data=b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', timeout=30)
+    r = requests.post(url, data=b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',
+                      headers=JSON, timeout=30)
     assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
-    r = requests.post(url, data=b"[1, 2]", timeout=30)
+    r = requests.post(url, data=b"[1, 2]", headers=JSON, timeout=30)
     assert r.status_code == 400
 
 
