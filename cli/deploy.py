@@ -63,7 +63,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     options = DeployOptions(str(model.resolve()), name, serving.host, serving.port, serving.grpc_port,
                             serving.api_key, args.replicas, args.require, engine_options(args),
                             max_waiting=serving.max_waiting, tool_parser=serving.tool_parser,
-                            more_models=tuple((str(p.resolve()), n) for n, p in more), stages=args.stages)
+                            more_models=tuple((str(p.resolve()), n) for n, p in more), stages=args.stages,
+                            serving_config=serving)
     desc = deploy(options, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     base = desc["url"]
     print(f"hearth: {', '.join(repr(n) for n in names)} {'is' if len(names) == 1 else 'are'} up: "

@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from hearth.config import ConfigError, EngineConfig, ServingConfig, is_loopback, leaves, option_name, type_parts
@@ -113,14 +112,16 @@ SETTINGS_COMMANDS = ("serve", "up")  # the commands that take ``--config FILE.to
 _PLURALS = {"models": "model"}  # a list under a plural key is the repeated flag
 
 
-def expand_settings_file(argv: list[str]) -> list[str]:
+_SETTINGS_MAX_BYTES = 1 << 20  # a settings file is a page of flags; anything larger is a mistake
+
+
+def expand_settings_file(argv: list[str], parser: argparse.ArgumentParser | None = None) -> list[str]:
     """``hearth serve|up --config FILE.toml ...``: the file's settings as flags, put before the
     command line's own (so that a flag given there wins; repeated flags such as ``--model`` add up).
     Keys are the flags without ``--`` (``expert-cache`` or ``expert_cache``); ``true`` is a bare
-    flag, ``false`` leaves it out, a list repeats it."""
-    # deferred: tomllib is in the standard library from Python 3.11; on 3.10 only --config needs it
-    import tomllib
-
+    flag, ``false`` leaves it out, a list repeats it (for repeatable flags only). With ``parser``
+    (the command line's), every key and value is checked against the flag it stands for: a
+    :class:`ConfigError` names the file, the key and what it expects."""
     if not argv or argv[0] not in SETTINGS_COMMANDS:
         return argv
     rest, path = [], None
@@ -136,17 +137,14 @@ def expand_settings_file(argv: list[str]) -> list[str]:
             rest.append(arg)
     if path is None:
         return argv
-    try:
-        settings = tomllib.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(f"cannot read the settings file {path}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"the settings file {path} is not valid TOML: {exc}") from None
+    settings = read_settings_file(path)
+    actions = _command_actions(parser, argv[0]) if parser is not None else None
     flags: list[str] = []
     for key, value in settings.items():
         flag = "--" + _PLURALS.get(key, key).replace("_", "-")
-        values = value if isinstance(value, list) else [value]
-        for v in values:
+        if actions is not None:
+            _check_setting(path, key, value, actions.get(flag))
+        for v in value if isinstance(value, list) else [value]:
             if isinstance(v, dict):
                 raise ConfigError(f"{path}: '{key}' holds a table; settings are flat (key = value)")
             if v is True:
@@ -154,3 +152,61 @@ def expand_settings_file(argv: list[str]) -> list[str]:
             elif v is not False:
                 flags += [flag, str(v)]
     return [argv[0], *flags, *rest]
+
+
+def read_settings_file(path: str) -> dict[str, Any]:
+    """The TOML table of a settings file; a :class:`ConfigError` (never a traceback) for any bytes."""
+    # deferred: tomllib is in the standard library from Python 3.11; on 3.10 only --config needs it
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(_SETTINGS_MAX_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the settings file {path}: {exc.strerror or exc}") from None
+    if len(raw) > _SETTINGS_MAX_BYTES:
+        raise ConfigError(f"the settings file {path} is larger than {_SETTINGS_MAX_BYTES >> 20} MiB")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"the settings file {path} is not UTF-8 text (byte {exc.start})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"the settings file {path} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"the settings file {path} nests arrays or tables too deeply") from None
+
+
+def _command_actions(parser: argparse.ArgumentParser, command: str) -> dict[str, argparse.Action]:
+    """Each ``--flag`` of ``command``'s subparser, with its action."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    return {opt: action for action in sub._actions for opt in action.option_strings if opt.startswith("--")}
+
+
+def _check_setting(path: str, key: str, value: Any, action: argparse.Action | None) -> None:
+    """A ConfigError unless ``value`` (from TOML) is what the flag for ``key`` takes."""
+    where = f"{path}: '{key}'"
+    if action is None or action.dest == "config":
+        raise ConfigError(f"{where} is not a setting of this command (see its --help for the flags)")
+    if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} expects true or false, got {value!r}")
+        return
+    repeatable = isinstance(action, argparse._AppendAction)
+    if isinstance(value, list) and not repeatable:
+        raise ConfigError(f"{where} takes one value, not a list")
+    for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, bool) or not isinstance(v, (str, int, float)):
+            raise ConfigError(f"{where} expects {_expected(action)}, got {v!r}")
+        try:
+            parsed = action.type(str(v)) if callable(action.type) else str(v)
+        except (TypeError, ValueError, argparse.ArgumentTypeError):
+            raise ConfigError(f"{where} expects {_expected(action)}, got {v!r}") from None
+        if action.choices is not None and parsed not in action.choices:
+            raise ConfigError(f"{where} expects one of {', '.join(map(str, action.choices))}, got {v!r}")
+
+
+def _expected(action: argparse.Action) -> str:
+    kind = {int: "an integer", float: "a number"}.get(action.type, "a string")
+    return kind + (" (or a list of them)" if isinstance(action, argparse._AppendAction) else "")

@@ -113,7 +113,7 @@ def load_command(name: str) -> Callable[[argparse.Namespace], int]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        argv = expand_settings_file(sys.argv[1:] if argv is None else list(argv))
+        argv = expand_settings_file(sys.argv[1:] if argv is None else list(argv), parser)
     except ConfigError as exc:
         print(f"hearth: error: {exc}", file=sys.stderr)
         return 2

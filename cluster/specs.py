@@ -7,6 +7,7 @@ actors, the router, the launch and membership code, the Python client) reads the
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,9 @@ class DeployOptions:
     tool_parser: str | None = None
     more_models: tuple[tuple[str, str | None], ...] = ()  # further (path, name) pairs, served beside the first
     stages: bool = False  # split the (one) model by layers over the machines even where one would hold it
+    # The rest of `hearth up`'s serving settings (key file, allowed hosts, CORS, store budget, timeouts);
+    # the fields above override theirs. A key file is read where the router runs (the head node).
+    serving_config: ServingConfig | None = None
 
     def __post_init__(self) -> None:
         # A clear ConfigError now rather than inside an actor (each replica gets its own pool's name).
@@ -51,9 +55,12 @@ class DeployOptions:
 
     @property
     def serving(self) -> ServingConfig:
-        return ServingConfig(host=self.host, port=self.port, grpc_port=self.grpc_port, api_key=self.api_key,
-                             model_names=tuple(name for _, name in self.models), max_waiting=self.max_waiting,
-                             tool_parser=self.tool_parser)
+        fields = dict(host=self.host, port=self.port, grpc_port=self.grpc_port, api_key=self.api_key,
+                      model_names=tuple(name for _, name in self.models), max_waiting=self.max_waiting,
+                      tool_parser=self.tool_parser)
+        if self.serving_config is None:
+            return ServingConfig(**fields)
+        return dataclasses.replace(self.serving_config, **fields)
 
     @property
     def name(self) -> str:

@@ -200,3 +200,53 @@ def test_serve_and_up_read_their_flags_from_a_settings_file(tmp_path) -> None:
     (tmp_path / "bad.toml").write_text("port = \n")
     assert main(["serve", f"--config={tmp_path / 'bad.toml'}"]) == 2
     assert main(["serve", "--config", str(tmp_path / "missing.toml")]) == 2
+
+
+def test_settings_files_are_typed_input(tmp_path, capsys) -> None:
+    """Every key and value is checked against its flag: one line naming the file, the key and what it
+    expects, exit 2; never a traceback, whatever the bytes."""
+    from hearth.cli.main import main
+
+    cases = {b"\xff\xfeport = 1\n": "not UTF-8", b"x = " + b"[" * 5000 + b"\n": "too deeply",
+             b"max-num-seqs = [1, 2]\n": "'max-num-seqs' takes one value",
+             b'port = "eighty"\n': "'port' expects an integer",
+             b"port = 1.5\n": "expects an integer", b"prefix-caching = 1\n": "expects true or false",
+             b'log-format = "xml"\n': "one of json, text", b"no-such-flag = 1\n": "not a setting",
+             b"port = 1979-05-27\n": "expects an integer", b"served-model-name = [[1]]\n": "expects a string",
+             b"config = 'other.toml'\n": "not a setting"}
+    for i, (raw, message) in enumerate(cases.items()):
+        path = tmp_path / f"case{i}.toml"
+        path.write_bytes(raw)
+        capsys.readouterr()
+        assert main(["serve", "--config", str(path), "--model", str(tmp_path / "none")]) == 2, raw
+        err = capsys.readouterr().err
+        assert message in err and str(path) in err and "Traceback" not in err and err.count("\n") == 1, (raw, err)
+    good = tmp_path / "good.toml"
+    good.write_text('port = 8123\nserved-model-name = ["a", "b"]\nprefix-caching = false\nmax-body-size = "4MiB"\n')
+    assert main(["serve", "--config", str(good), "--model", str(tmp_path / "none")]) == 1  # past the file: no model
+    assert "no such checkpoint" in capsys.readouterr().err
+
+
+def test_fuzzed_settings_files_never_end_in_a_traceback(tmp_path, capsys) -> None:
+    import random
+
+    from hearth.cli.main import main
+
+    rng = random.Random(7)
+    base = b'port = 8000\nhost = "127.0.0.1"\nserved-model-name = ["m"]\nmax-num-seqs = 4\nprefix-caching = true\n'
+    pieces = [b"[", b"]", b"{", b"}", b"=", b'"', b"'", b"\n", b"\xff", b"\xc3", b"\x00", b"#", b"1e999", b"nan",
+              b"[[t]]", b"a.b.c = 1", b"-" * 50, b"\\u0000", b"0x7f", b"inf", b"true", b'"""']
+    for i in range(200):
+        raw = bytearray(base)
+        for _ in range(rng.randint(1, 6)):
+            at = rng.randrange(len(raw) + 1)
+            if rng.random() < 0.5:
+                raw[at:at] = rng.choice(pieces) * rng.choice([1, 1, 3, 600])
+            else:
+                del raw[at:at + rng.randint(1, 8)]
+        path = tmp_path / f"fuzz{i}.toml"
+        path.write_bytes(bytes(raw))
+        capsys.readouterr()
+        rc = main(["serve", "--config", str(path), "--model", str(tmp_path / "none")])
+        err = capsys.readouterr().err
+        assert rc in (1, 2) and "Traceback" not in err and err.count("\n") == 1, (bytes(raw)[:200], err[-400:])
