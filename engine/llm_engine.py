@@ -292,6 +292,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias) or any(t < 0 or t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"logit_bias and stop_token_ids take token ids in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; the maximum context is {self.max_model_len}")
         request_id = request_id or f"req-{next(self._ids)}"

@@ -9,8 +9,8 @@ from hearth.proto.contracts import SamplingParams, TokenLogprob
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """Repetition penalty (over prompt and output, as in transformers) and OpenAI presence/frequency
-    penalties (over the output). ``logits``: [V] fp32."""
+    """Repetition penalty (over prompt and output, as in transformers), OpenAI presence/frequency
+    penalties (over the output), then ``logit_bias``. ``logits``: [V] fp32."""
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
         if seen.numel():
@@ -25,6 +25,9 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt: list[i
         ids, counts = torch.tensor(output, dtype=torch.long).unique(return_counts=True)
         penalty = params.frequency_penalty * counts.float() + params.presence_penalty
         logits = logits.index_add(0, ids, -penalty)
+    if params.logit_bias:  # OpenAI's logit_bias: added last, to the logits the sampler reads
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+        logits = logits.index_add(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype))
     return logits
 
 
@@ -71,7 +74,7 @@ def sample_token(
     """Pick the next token from one sequence's fp32 logits [V]. Logits on a GPU come to the host
     when anything but plain greedy applies: the penalties' index tensors and a seed's generator are
     host-side, and a seed then draws the same tokens on every device."""
-    plain_greedy = params.greedy and params.repetition_penalty == 1.0 and not (
+    plain_greedy = params.greedy and params.repetition_penalty == 1.0 and not params.logit_bias and not (
         output and (params.presence_penalty or params.frequency_penalty))
     if logits.device.type != "cpu" and not plain_greedy:
         logits = logits.cpu()

@@ -48,6 +48,8 @@ class StageLost(RuntimeError):
 
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+MAX_LOGIT_BIAS = 300  # biased tokens per request, as OpenAI allows
+MAX_STOP_TOKEN_IDS = 256
 
 
 @dataclass
@@ -69,6 +71,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: none; k: each token's log-probability and the k likeliest
     grammar: str | None = None  # constrained decoding: an llguidance grammar (JSON text) the output must match
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit before sampling
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +88,10 @@ class SamplingParams:
             (all(s for s in self.stop), "stop strings must be non-empty"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
              f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]"),
+            (len(self.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens"),
+            (all(isinstance(t, int) and t >= 0 for t in self.logit_bias), "logit_bias keys must be token ids"),
+            (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be in [-100, 100]"),
+            (len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids"),
         ]
         for ok, message in checks:
             if not ok:

@@ -24,43 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19hearth/proto/hearth.proto\x12\thearth.v1\"\xb4\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x01H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12 \n\x13skip_special_tokens\x18\r \x01(\x08H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12\x14\n\x07grammar\x18\x0f \x01(\tH\x0b\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\n\n\x08_grammar\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x91\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.hearth.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.hearth.v1.SamplingParamsB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x98\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rstop_sequence\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.hearth.v1.Usage\x12\x39\n\x07timings\x18\x06 \x03(\x0b\x32(.hearth.v1.GenerateResponse.TimingsEntry\x12)\n\x08logprobs\x18\x07 \x03(\x0b\x32\x17.hearth.v1.TokenLogprob\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.hearth.v1.TopLogprob\"\x13\n\x11ListModelsRequest\"?\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.hearth.v1.ModelCard\"\x0f\n\rHealthRequest\"\x9b\x01\n\x0eHealthResponse\x12\x30\n\x06status\x18\x01 \x01(\x0e\x32 .hearth.v1.HealthResponse.Status\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"9\n\x06Status\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07LOADING\x10\x01\x12\t\n\x05READY\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\x32\xd9\x01\n\x06Hearth\x12\x45\n\x08Generate\x12\x1a.hearth.v1.GenerateRequest\x1a\x1b.hearth.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.hearth.v1.ListModelsRequest\x1a\x1d.hearth.v1.ListModelsResponse\x12=\n\x06Health\x12\x18.hearth.v1.HealthRequest\x1a\x19.hearth.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19hearth/proto/hearth.proto\x12\thearth.v1\"\xa4\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x01H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12 \n\x13skip_special_tokens\x18\r \x01(\x08H\t\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12\x14\n\x07grammar\x18\x0f \x01(\tH\x0b\x88\x01\x01\x12<\n\nlogit_bias\x18\x10 \x03(\x0b\x32(.hearth.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokensB\x0b\n\t_logprobsB\n\n\x08_grammar\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x91\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.hearth.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x04 \x01(\x0b\x32\x19.hearth.v1.SamplingParamsB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x98\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x15\n\rstop_sequence\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.hearth.v1.Usage\x12\x39\n\x07timings\x18\x06 \x03(\x0b\x32(.hearth.v1.GenerateResponse.TimingsEntry\x12)\n\x08logprobs\x18\x07 \x03(\x0b\x32\x17.hearth.v1.TokenLogprob\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.hearth.v1.TopLogprob\"\x13\n\x11ListModelsRequest\"?\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.hearth.v1.ModelCard\"\x0f\n\rHealthRequest\"\x9b\x01\n\x0eHealthResponse\x12\x30\n\x06status\x18\x01 \x01(\x0e\x32 .hearth.v1.HealthResponse.Status\x12\r\n\x05model\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"9\n\x06Status\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x0b\n\x07LOADING\x10\x01\x12\t\n\x05READY\x10\x02\x12\n\n\x06\x46\x41ILED\x10\x03\x32\xd9\x01\n\x06Hearth\x12\x45\n\x08Generate\x12\x1a.hearth.v1.GenerateRequest\x1a\x1b.hearth.v1.GenerateResponse0\x01\x12I\n\nListModels\x12\x1c.hearth.v1.ListModelsRequest\x1a\x1d.hearth.v1.ListModelsResponse\x12=\n\x06Health\x12\x18.hearth.v1.HealthRequest\x1a\x19.hearth.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hearth.proto.hearth_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_GENERATERESPONSE_TIMINGSENTRY']._loaded_options = None
   _globals['_GENERATERESPONSE_TIMINGSENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=41
-  _globals['_SAMPLINGPARAMS']._serialized_end=605
-  _globals['_TOKENIDS']._serialized_start=607
-  _globals['_TOKENIDS']._serialized_end=630
-  _globals['_GENERATEREQUEST']._serialized_start=633
-  _globals['_GENERATEREQUEST']._serialized_end=778
-  _globals['_USAGE']._serialized_start=780
-  _globals['_USAGE']._serialized_end=860
-  _globals['_GENERATERESPONSE']._serialized_start=863
-  _globals['_GENERATERESPONSE']._serialized_end=1143
-  _globals['_GENERATERESPONSE_TIMINGSENTRY']._serialized_start=1097
-  _globals['_GENERATERESPONSE_TIMINGSENTRY']._serialized_end=1143
-  _globals['_TOPLOGPROB']._serialized_start=1145
-  _globals['_TOPLOGPROB']._serialized_end=1192
-  _globals['_TOKENLOGPROB']._serialized_start=1194
-  _globals['_TOKENLOGPROB']._serialized_end=1279
-  _globals['_LISTMODELSREQUEST']._serialized_start=1281
-  _globals['_LISTMODELSREQUEST']._serialized_end=1300
-  _globals['_MODELCARD']._serialized_start=1302
-  _globals['_MODELCARD']._serialized_end=1365
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1367
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1425
-  _globals['_HEALTHREQUEST']._serialized_start=1427
-  _globals['_HEALTHREQUEST']._serialized_end=1442
-  _globals['_HEALTHRESPONSE']._serialized_start=1445
-  _globals['_HEALTHRESPONSE']._serialized_end=1600
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=1543
-  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=1600
-  _globals['_HEARTH']._serialized_start=1603
-  _globals['_HEARTH']._serialized_end=1820
+  _globals['_SAMPLINGPARAMS']._serialized_end=717
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=484
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=532
+  _globals['_TOKENIDS']._serialized_start=719
+  _globals['_TOKENIDS']._serialized_end=742
+  _globals['_GENERATEREQUEST']._serialized_start=745
+  _globals['_GENERATEREQUEST']._serialized_end=890
+  _globals['_USAGE']._serialized_start=892
+  _globals['_USAGE']._serialized_end=972
+  _globals['_GENERATERESPONSE']._serialized_start=975
+  _globals['_GENERATERESPONSE']._serialized_end=1255
+  _globals['_GENERATERESPONSE_TIMINGSENTRY']._serialized_start=1209
+  _globals['_GENERATERESPONSE_TIMINGSENTRY']._serialized_end=1255
+  _globals['_TOPLOGPROB']._serialized_start=1257
+  _globals['_TOPLOGPROB']._serialized_end=1304
+  _globals['_TOKENLOGPROB']._serialized_start=1306
+  _globals['_TOKENLOGPROB']._serialized_end=1391
+  _globals['_LISTMODELSREQUEST']._serialized_start=1393
+  _globals['_LISTMODELSREQUEST']._serialized_end=1412
+  _globals['_MODELCARD']._serialized_start=1414
+  _globals['_MODELCARD']._serialized_end=1477
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1479
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1537
+  _globals['_HEALTHREQUEST']._serialized_start=1539
+  _globals['_HEALTHREQUEST']._serialized_end=1554
+  _globals['_HEALTHRESPONSE']._serialized_start=1557
+  _globals['_HEALTHRESPONSE']._serialized_end=1712
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_start=1655
+  _globals['_HEALTHRESPONSE_STATUS']._serialized_end=1712
+  _globals['_HEARTH']._serialized_start=1715
+  _globals['_HEARTH']._serialized_end=1932
 # @@protoc_insertion_point(module_scope)

@@ -190,10 +190,29 @@ class ModelFrontend:
                 raise APIError(400, f"stop.{i}: stop strings must not be empty", "stop")
         if len(stops) > 16:
             raise APIError(400, "stop: at most 16 stop strings", "stop")
+        if "logit_bias" in values:
+            values["logit_bias"] = self._logit_bias(values["logit_bias"])
+        for token in values.get("stop_token_ids", ()):
+            if not 0 <= token < self.vocab_size:
+                raise APIError(400, f"stop_token_ids: {token} is not a token id of this model (vocabulary of "
+                                    f"{self.vocab_size})", "stop_token_ids")
         try:
             return SamplingParams(max_tokens=max_tokens, stop=stops, **values)
         except ValueError as exc:
             raise APIError(400, str(exc), str(exc).split()[0]) from None
+
+    def _logit_bias(self, bias: dict[Any, float]) -> dict[int, float]:
+        """OpenAI's ``logit_bias`` (token ids as strings or numbers -> a bias in [-100, 100]) with its
+        ids checked against this model's vocabulary."""
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            digits = isinstance(key, str) and key.isdecimal() and len(key) <= 12
+            token = int(key) if isinstance(key, int) or digits else -1
+            if not 0 <= token < self.vocab_size:
+                raise APIError(400, f"logit_bias: {str(key)[:40]!r} is not a token id of this model (vocabulary of "
+                                    f"{self.vocab_size})", "logit_bias")
+            out[token] = float(value)
+        return out
 
 
 def tool_mode(choice: str | None, name: str | None, tools: list[dict[str, Any]] | None,

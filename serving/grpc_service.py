@@ -20,6 +20,28 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_
                     "repetition_penalty", "logprobs", "grammar")
 
 
+class Malformed:
+    """A request whose bytes are not its message: the handler answers INVALID_ARGUMENT (grpcio would
+    answer UNKNOWN, with the parser's exception, and log a traceback)."""
+
+    def __init__(self, message: type, error: Exception) -> None:
+        self.detail = f"the request is not a valid {message.__name__} message: {str(error)[:200]}"
+
+
+def _lenient(message: type) -> Any:
+    def parse(data: bytes) -> Any:
+        try:
+            return message.FromString(data)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError, or anything else the bytes cause
+            return Malformed(message, exc)
+    return parse
+
+
+async def _refuse_malformed(request: Any, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, Malformed):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
+
+
 class HearthService(hearth_pb2_grpc.HearthServicer):
     """Generate / ListModels / Health, sharing the HTTP server's state (client, tokenizer, metrics)."""
 
@@ -27,6 +49,7 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
         self.state = state
 
     async def Generate(self, request: hearth_pb2.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        await _refuse_malformed(request, context)
         try:
             self._authorize(context)
             meta = dict(context.invocation_metadata() or ())
@@ -53,15 +76,17 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
             await context.abort(_CODES.get(exc.status, grpc.StatusCode.UNKNOWN), exc.message)
 
     async def ListModels(self, request, context):  # noqa: N802
+        await _refuse_malformed(request, context)
         try:
             self._authorize(context)
         except APIError as exc:
-            await context.abort(_CODES[exc.status], exc.message)
+            await context.abort(_CODES.get(exc.status, grpc.StatusCode.UNKNOWN), exc.message)
         return hearth_pb2.ListModelsResponse(models=[
             hearth_pb2.ModelCard(id=name, max_model_len=m.client.model.max_model_len, created=m.client.model.created)
             for m in self.state.models for name in m.names])
 
     async def Health(self, request, context):  # noqa: N802
+        await _refuse_malformed(request, context)
         client = self.state.client
         error = getattr(client, "load_error", None)
         status = hearth_pb2.HealthResponse.READY if client.ready else (
@@ -78,8 +103,9 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
         s = request.sampling
         max_tokens = frontend.max_tokens(s.max_tokens if s.HasField("max_tokens") else 16, len(ids), "max_tokens")
         fields = {name: getattr(s, name) if s.HasField(name) else None for name in _SAMPLING_FIELDS}
-        params = frontend.sampling(max_tokens, list(s.stop), ignore_eos=s.ignore_eos or None, **fields)
-        params.stop_token_ids = list(s.stop_token_ids)
+        params = frontend.sampling(max_tokens, list(s.stop), ignore_eos=s.ignore_eos or None,
+                                   stop_token_ids=list(s.stop_token_ids) or None,
+                                   logit_bias=dict(s.logit_bias) or None, **fields)
         if s.HasField("skip_special_tokens"):
             params.skip_special_tokens = s.skip_special_tokens
         return scope, GenerateRequest(f"grpc-{uuid.uuid4().hex}", ids, params,
@@ -96,4 +122,19 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
 
 
 def add_service(server: grpc.aio.Server, state: Any) -> None:
-    hearth_pb2_grpc.add_HearthServicer_to_server(HearthService(state), server)
+    """The Hearth service on ``server``: as the generated ``add_HearthServicer_to_server``, with
+    request parsing that turns malformed bytes into INVALID_ARGUMENT."""
+    service = HearthService(state)
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=_lenient(hearth_pb2.GenerateRequest),
+            response_serializer=hearth_pb2.GenerateResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            service.ListModels, request_deserializer=_lenient(hearth_pb2.ListModelsRequest),
+            response_serializer=hearth_pb2.ListModelsResponse.SerializeToString),
+        "Health": grpc.unary_unary_rpc_method_handler(
+            service.Health, request_deserializer=_lenient(hearth_pb2.HealthRequest),
+            response_serializer=hearth_pb2.HealthResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("hearth.v1.Hearth", handlers),))
+    server.add_registered_method_handlers("hearth.v1.Hearth", handlers)

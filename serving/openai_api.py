@@ -201,7 +201,7 @@ def _sampling(state: Any, body: SamplingFields, prompt_ids: list[int], requested
         max_tokens, stop, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
         seed=body.seed, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty, ignore_eos=body.ignore_eos or None, logprobs=logprobs,
-        grammar=grammar,
+        grammar=grammar, logit_bias=body.logit_bias or None,
     )
 
 

@@ -92,6 +92,7 @@ class SamplingFields(_Body):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=300)  # token id -> bias in [-100, 100]
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -40,6 +40,17 @@ def test_presence_and_frequency_penalties():
     assert out.tolist() == [0.0, -1.0, -0.75, 0.0]
 
 
+def test_logit_bias_is_added_last_and_steers_greedy():
+    logits = torch.tensor([1.0, 2.0, 3.0, float("-inf")])
+    params = SamplingParams(temperature=0, logit_bias={0: 5.0, 2: -100.0, 3: 100.0}, presence_penalty=1.0)
+    out = apply_penalties(logits, params, prompt=[], output=[0])
+    assert out[:3].tolist() == [5.0, 2.0, -97.0] and out[3] == float("-inf")  # a grammar's -inf stays -inf
+    assert sample_token(logits, params, [], [0], None) == 0
+    for bad in ({-1: 1.0}, {1: 101.0}, {1: float("nan")}, {i: 1.0 for i in range(301)}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+
+
 def test_top_k_keeps_k_best():
     out = filter_logits(torch.tensor([1.0, 4.0, 3.0, 2.0]), SamplingParams(top_k=2))
     assert torch.isfinite(out).tolist() == [False, True, True, False]

@@ -230,3 +230,24 @@ def test_sdk_raises_typed_errors(client):
         client.chat.completions.create(model="nope", messages=user("x"))
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.chat.completions.create(model="tiny", messages=user("x"), temperature=5)
+
+
+def test_logit_bias_is_applied_exactly(server):
+    """OpenAI's semantics: added to the logits before sampling. At temperature 0 a +100 bias makes its
+    token the only one chosen; a -100 bias on the unbiased reply's first token moves it; ids outside the
+    vocabulary and more than 300 entries are a 400."""
+    url = server.url + "/v1/completions"
+    base = {"model": "tiny", "prompt": "def fibonacci(n):", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    plain = requests.post(url, json=base, timeout=60).json()["choices"][0]["token_ids"]
+    forced = requests.post(url, json={**base, "logit_bias": {"42": 100}}, timeout=60).json()
+    assert forced["choices"][0]["token_ids"] == [42] * 6
+    banned = requests.post(url, json={**base, "logit_bias": {str(plain[0]): -100}}, timeout=60).json()
+    assert banned["choices"][0]["token_ids"][0] != plain[0]
+    assert requests.post(url, json={**base, "logit_bias": {}}, timeout=60).json()["choices"][0]["token_ids"] == plain
+    for bias in ({"99999999": 1}, {"abc": 1}, {"5": 101}, {str(i): 1 for i in range(301)}):
+        r = requests.post(url, json={**base, "logit_bias": bias}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("logit_bias"), (bias, r.text)
+    chat = requests.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": user("hi"), "max_tokens": 3, "temperature": 0, "logit_bias": {"42": 100}})
+    assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 3

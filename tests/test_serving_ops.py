@@ -190,6 +190,19 @@ def test_grpc_matches_http_for_the_same_seed(server):
             bad = hearth_pb2.GenerateRequest(model="tiny", text="x", sampling=hearth_pb2.SamplingParams(top_p=3))
             list(stub.Generate(bad, timeout=10))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details()
+        for raw in (b"\xff\xff\xff", b"\x0a\xff\xff\xff\xff\x0f", b"\x12\x05ab"):  # not GenerateRequest bytes
+            call = channel.unary_stream("/hearth.v1.Hearth/Generate", request_serializer=None,
+                                        response_deserializer=hearth_pb2.GenerateResponse.FromString)
+            with pytest.raises(grpc.RpcError) as err:
+                list(call(raw, timeout=10))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "GenerateRequest" in err.value.details()
+        for sampling, field in ((hearth_pb2.SamplingParams(stop_token_ids=[1] * 257), "stop_token_ids"),
+                                (hearth_pb2.SamplingParams(stop_token_ids=[10**9]), "stop_token_ids"),
+                                (hearth_pb2.SamplingParams(logit_bias={10**9: 1.0}), "logit_bias"),
+                                (hearth_pb2.SamplingParams(logit_bias={1: 500.0}), "logit_bias")):
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(hearth_pb2.GenerateRequest(model="tiny", text="x", sampling=sampling), timeout=10))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details(), field
     tokens = [t for r in replies for t in r.token_ids]
     assert tokens == http["choices"][0]["token_ids"]
     assert "".join(r.text for r in replies) == http["choices"][0]["text"]
