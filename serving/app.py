@@ -32,6 +32,7 @@ from hearth.serving.responses_format import ResponseStore
 from hearth.serving.security import AllowedHosts, BrowserGuard
 from hearth.serving.session import request_owner, request_tenant
 from hearth.serving.status_page import status_page_html
+from hearth.serving.transport import ClientGone
 
 log = logging.getLogger("hearth.serving")
 _OPEN_PATHS = {"/health"}
@@ -227,6 +228,11 @@ def create_app(state: ServerState) -> FastAPI:
         if exc.headers:  # a 405's Allow
             response.headers.update(exc.headers)
         return response
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone):
+        log.info("client disconnected before its answer", extra={"fields": {"path": request.url.path}})
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):

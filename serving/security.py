@@ -133,3 +133,54 @@ class BrowserGuard:
                                  "application/json'" if given else "the request has no Content-Type: send the "
                                  "body with 'Content-Type: application/json'", "content-type")
         return None
+
+
+def guarded_h11_protocol(read_timeout: float) -> type:
+    """uvicorn's h11 protocol with a deadline for each request to arrive whole: ``read_timeout``
+    seconds from its first byte (or from the connection opening) to the end of its body. uvicorn
+    has none: a client sending a byte every few seconds would hold a connection (a file descriptor,
+    a parser) for ever. A connection that misses the deadline is closed; one whose request has
+    arrived is never cut here (generation takes as long as it takes)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    waiting = (h11.IDLE, h11.SEND_BODY)  # the client's states while its request is still arriving
+
+    class GuardedH11Protocol(H11Protocol):
+        _deadline: Any = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state in waiting:
+                self._arm()  # (armed once per request: more bytes do not move the deadline)
+            else:
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()  # the keep-alive timer now watches the idle connection
+            self._disarm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._deadline is None:
+                self._deadline = self.loop.call_later(read_timeout, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _too_slow(self) -> None:
+            self._deadline = None
+            if self.conn.their_state in waiting and not self.transport.is_closing():
+                self.logger.info("closed a connection whose request took longer than %g s to arrive", read_timeout)
+                self.transport.close()
+
+    return GuardedH11Protocol

@@ -25,7 +25,7 @@ from hearth.serving.admission import AdmissionLimits
 from hearth.serving.app import ServerState, create_app
 from hearth.serving.client import InProcessEngineClient
 from hearth.serving.grpc_service import add_service
-from hearth.serving.security import AllowedHosts
+from hearth.serving.security import AllowedHosts, guarded_h11_protocol
 
 
 def build_state(model: str | Path, engine: EngineConfig, serving: ServingConfig,
@@ -65,7 +65,8 @@ async def serve_async(state: ServerState, options: ServingConfig, started: threa
                       stop: asyncio.Event | None = None) -> None:
     """Serve HTTP (and gRPC) until ``stop`` is set (or forever)."""
     config = uvicorn.Config(create_app(state), host=options.host, port=options.port, log_config=None,
-                            access_log=False, lifespan="off", timeout_graceful_shutdown=2)
+                            access_log=False, lifespan="off", timeout_graceful_shutdown=2,
+                            http=guarded_h11_protocol(options.read_timeout))
     http = _Uvicorn(config)
     grpc_server = None
     if options.grpc_port is not None:

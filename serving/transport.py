@@ -22,6 +22,11 @@ _PRIME_WAIT_S = 1.0  # how long a stream's start may wait for its first item bef
 KEEPALIVE_S = 5.0  # the longest a stream stays silent: then an SSE comment goes out
 
 
+class ClientGone(Exception):  # noqa: N818 - an event, not an error
+    """The client closed its connection before its answer was ready (the work for it is cancelled).
+    The app answers it with one info line in the log (``app.create_app``), not a traceback."""
+
+
 @dataclass(frozen=True)
 class Intake:
     """What a generation endpoint reads of its request on the event loop: the server's state, the
@@ -65,7 +70,7 @@ def sse(data: Any, event: str | None = None) -> str:
 
 async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Await ``work``; if the client goes away first, cancel it (which aborts the engine request
-    and frees its KV) and raise CancelledError."""
+    and frees its KV) and raise :class:`ClientGone`."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -74,7 +79,7 @@ async def run_unless_disconnected(request: Request, work: Awaitable[T]) -> T:
                 return task.result()
             if await request.is_disconnected():
                 task.cancel()
-                raise asyncio.CancelledError("client disconnected")
+                raise ClientGone("client disconnected")
     finally:
         if not task.done():
             task.cancel()
@@ -92,7 +97,7 @@ async def primed(request: Request, stream: AsyncIterator[T], wait: float = _PRIM
         while not first.done() and loop.time() < deadline:
             await asyncio.wait({first}, timeout=min(_DISCONNECT_POLL_S, max(deadline - loop.time(), 0.0)))
             if not first.done() and await request.is_disconnected():
-                raise asyncio.CancelledError("client disconnected")
+                raise ClientGone("client disconnected")
     except BaseException:
         first.cancel()
         raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+import logging
 import subprocess
 import sys
 import threading
@@ -118,13 +119,17 @@ def test_disconnect_frees_the_request_and_others_continue(server):
     assert metrics(server)["hearth_requests_total{endpoint=chat,status=aborted}"] >= 1
 
 
-def test_disconnect_of_a_non_streaming_client_aborts_it(server):
+def test_disconnect_of_a_non_streaming_client_aborts_it(server, caplog):
+    caplog.set_level(logging.INFO)
     with pytest.raises(requests.exceptions.ReadTimeout):
         requests.post(server.url + "/v1/completions", timeout=(5, 0.5), json={
             "model": "tiny", "prompt": "long", "max_tokens": 1500, "ignore_eos": True})
     client = server.state.client
     assert wait_until(lambda: client.stats()["in_flight"] == 0 and client.stats()["running"] == 0, 30), \
         client.stats()
+    # One info line says so; nothing at error level, no traceback.
+    assert wait_until(lambda: any("client disconnected" in r.getMessage() for r in caplog.records), 10)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text[-2000:]
     s = client.stats()
     assert s["kv_blocks_free"] + s["kv_blocks_cached"] == s["kv_blocks_total"]  # nothing pinned
 

@@ -143,3 +143,41 @@ def test_the_store_is_bounded_by_bytes_and_owned() -> None:
     while kept:
         assert store.delete(f"r{kept.pop()}", "a")
     assert store.bytes == 0
+
+
+def test_slow_requests_are_cut_at_the_read_timeout(agent_checkpoint) -> None:
+    """Connections that send nothing, a header a byte at a time, or a body a byte at a time are closed
+    once their request has taken read_timeout to arrive; a whole request is answered as usual."""
+    import socket
+    import time
+
+    with running_server(agent_checkpoint, {"max_model_len": 2048}, read_timeout=1.0) as srv:
+        port = srv.options.port
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        socks = []
+        for kind in ("idle", "head", "body") * 10:
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            if kind == "body":
+                s.sendall(head + b"Content-Length: 100\r\n\r\n{")
+            socks.append((kind, s))
+        start, closed = time.monotonic(), {}
+        while len(closed) < len(socks) and time.monotonic() - start < 8:
+            for i, (kind, s) in enumerate(socks):
+                if i in closed:
+                    continue
+                try:
+                    s.sendall(head[len(closed) % 20:][:1] if kind == "head" else b" " if kind == "body" else b"")
+                    s.settimeout(0.01)
+                    if s.recv(1 << 16) == b"":
+                        closed[i] = time.monotonic() - start
+                except (TimeoutError, BlockingIOError):
+                    pass
+                except OSError:
+                    closed[i] = time.monotonic() - start
+            time.sleep(0.2)
+        assert len(closed) == len(socks) and max(closed.values()) < 3.0, closed
+        for _, s in socks:
+            s.close()
+        r = requests.post(srv.url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200
