@@ -43,7 +43,7 @@ from hearth.engine.request import Request
 from hearth.engine.sampling import sample_token, token_logprob
 from hearth.engine.scheduler import RecurrentConfig, ScheduledStep, Scheduler
 from hearth.engine.text.detokenizer import IncrementalDetokenizer
-from hearth.engine.text.grammar import Grammars
+from hearth.engine.text.grammar import Grammars, GrammarTooSlow, Matcher
 from hearth.engine.text.tokenizer import load_tokenizer
 from hearth.proto.contracts import (
     GenerationChunk,
@@ -282,9 +282,11 @@ class LLMEngine:
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None,
+        matcher: Matcher | None = None,
     ) -> str:
-        """Queue a request; returns its id. Raises ValueError for prompts that cannot run."""
+        """Queue a request; returns its id. Raises ValueError for prompts that cannot run.
+        ``matcher``: the grammar's, compiled beforehand off this thread (``grammars.matcher``)."""
         params = params or SamplingParams()
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:
@@ -304,7 +306,7 @@ class LLMEngine:
         if params.seed is not None:
             req.generator = torch.Generator().manual_seed(params.seed)
         if params.grammar is not None:
-            req.matcher = self.grammars.matcher(params.grammar, params.stop_token_ids)
+            req.matcher = matcher or self.grammars.matcher(params.grammar, params.stop_token_ids)
         self.scheduler.add(req)
         self._requests[request_id] = req
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.tokenizer else None
@@ -421,6 +423,10 @@ class LLMEngine:
         for row, req in enumerate(sampled):
             try:
                 token, logprob = self._pick(req, logits[row])
+            except GrammarTooSlow as exc:  # the client's grammar: its request ends, saying why
+                log.info("request %s: %s", req.request_id, exc)
+                outputs.append(self._failed(req, str(exc)))
+                continue
             except Exception:  # noqa: BLE001 - one request's sampler or grammar fails alone
                 log.exception("sampling request %s failed; it ends with finish_reason 'error'", req.request_id)
                 outputs.append(self._failed(req))
@@ -442,13 +448,14 @@ class LLMEngine:
         logprob = token_logprob(raw, token, req.params.logprobs) if req.params.logprobs is not None else None
         return token, logprob
 
-    def _failed(self, req: Request) -> RequestOutput:
-        """End ``req`` with finish_reason "error" (the others in the step go on)."""
+    def _failed(self, req: Request, why: str | None = None) -> RequestOutput:
+        """End ``req`` with finish_reason "error" (the others in the step go on); ``why``, for the
+        client, travels as the chunk's stop_reason."""
         state = self._text.pop(req.request_id)
         self._requests.pop(req.request_id, None)
         self.scheduler.finish(req, "error")
         state.metrics.finished = time.time()
-        chunk = GenerationChunk(req.request_id, [], "", True, "error", None, replace(state.metrics))
+        chunk = GenerationChunk(req.request_id, [], "", True, "error", why, replace(state.metrics))
         return RequestOutput(req.prompt_ids, list(req.output_ids), state.text[:state.emitted], chunk)
 
     def _after_token(self, req: Request, token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
@@ -485,7 +492,8 @@ class LLMEngine:
     def _stop_reason(self, req: Request, token: int) -> str | None:
         p = req.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids) or req.grammar_done:
-            return "stop"
+            # An output that ends before its grammar is whole is cut short, not finished.
+            return "length" if req.matcher is not None and not req.matcher.complete else "stop"
         if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None

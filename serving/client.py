@@ -44,6 +44,7 @@ def _ewma(average: float, value: float) -> float:
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    matcher: Any = None  # the request's grammar, compiled on a worker thread before the engine sees it
 
 
 class InProcessEngineClient:
@@ -104,6 +105,10 @@ class InProcessEngineClient:
             raise EngineNotReady("the model is still loading" if self.load_error is None
                                  else f"the model failed to load: {self.load_error}")
         tokens = len(request.prompt_ids)
+        matcher = None
+        if request.params.grammar is not None:  # compiled here, off the engine thread (a ValueError: a 400)
+            matcher = await asyncio.to_thread(self.engine.grammars.matcher, request.params.grammar,
+                                              request.params.stop_token_ids)
         with self._lock:
             refused = refusal(self.backlog(), tokens, self.limits)
             if refused is not None:
@@ -111,7 +116,7 @@ class InProcessEngineClient:
             self._in_flight += 1
             self._waiting += 1
             self._waiting_tokens += tokens
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), matcher)
         self._streams[request.request_id] = stream
         self._commands.put(("add", request))
         finished = started = False
@@ -213,6 +218,8 @@ class InProcessEngineClient:
             self._loaded.set()
             return
         self._loaded.set()
+        if getattr(self.engine, "tokenizer", None) is not None:
+            self.engine.grammars.warm()  # constrained requests' tokenizer view, built beside the serving
         self._watcher = watch_engine(self.engine, self._resize_now)  # elastic VRAM on a GPU, where NVML reads
         try:
             self._loop()
@@ -272,10 +279,11 @@ class InProcessEngineClient:
         slots = self.engine.config.scheduler.max_num_seqs
         while self._held and self.engine.num_unfinished() < slots:
             request = self._held.pop()
-            if request.request_id not in self._streams:
+            stream = self._streams.get(request.request_id)
+            if stream is None:
                 continue  # the client left before the engine saw the request
             try:
-                self.engine.add_request(request.prompt_ids, request.params, request.request_id)
+                self.engine.add_request(request.prompt_ids, request.params, request.request_id, stream.matcher)
             except ValueError as exc:
                 self._deliver(request.request_id, exc)
 
@@ -298,8 +306,9 @@ class InProcessEngineClient:
         for out in outputs:
             chunk = out.chunk
             if chunk.finish_reason == "error":  # this request alone failed (its sampler or grammar)
-                self._deliver(out.request_id, RuntimeError("generating this request failed (the details are in "
-                                                           "the server log); retry it"))
+                why = chunk.stop_reason  # the client's own doing (its grammar), said to it: a 400
+                self._deliver(out.request_id, ValueError(why) if isinstance(why, str) else RuntimeError(
+                    "generating this request failed (the details are in the server log); retry it"))
                 continue
             self._deliver(out.request_id, chunk)
             speed = chunk.timings.get("predicted_per_second", 0.0)

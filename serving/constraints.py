@@ -35,7 +35,7 @@ class GrammarBuilder:
     def json(self, schema: dict[str, Any], after_reasoning: str | None = None) -> str:
         """Compact JSON matching ``schema``; ``after_reasoning`` (the closing think tag) lets the
         reply reason freely first, for prompts that open a think block."""
-        rules = ["body: %json " + json.dumps({**schema, "x-guidance": dict(JSON_STYLE)})]
+        rules = ["body: %json " + json.dumps({**strict_schema(schema), "x-guidance": dict(JSON_STYLE)})]
         return _lark(self._start("body", after_reasoning), rules)
 
     def tool_call(self, parser: str, tools: list[dict[str, Any]], name: str | None,
@@ -50,7 +50,7 @@ class GrammarBuilder:
         close = self.tag(_CLOSE_TAG[parser])
         rules: list[str] = []
         for i, fn in enumerate(chosen):
-            params = fn.get("parameters") or {"type": "object"}
+            params = strict_schema(fn.get("parameters") or {"type": "object"})
             args = "%json " + json.dumps({**params, "x-guidance": dict(JSON_STYLE)})
             if style is not None:
                 rules += _kv_call_rules(i, fn["name"], params, close, style)
@@ -176,3 +176,110 @@ def check_grammar(grammar: str, field: str) -> None:
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise APIError(400, f"{field}: the schema cannot be enforced ({error.strip().splitlines()[0]})", field)
+
+
+# -- what a schema admits -------------------------------------------------------------------------
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def strict_schema(schema: Any, in_all_of: bool = False) -> Any:
+    """``schema`` read strictly, as xgrammar's strict mode and OpenAI's structured outputs do: an
+    object takes only the properties it declares unless it says otherwise (``additionalProperties``
+    or ``patternProperties``). JSON Schema's open default would let a model invent keys until it
+    runs out of tokens. (Members of an ``allOf`` stay as written: each declares only part.)"""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: strict_schema(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_schema(v) for v in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [strict_schema(v, in_all_of=True) for v in out["allOf"]]
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(out.get(key), dict):
+            out[key] = strict_schema(out[key])
+    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"])
+    if is_object and not in_all_of and not any(k in out for k in _OPEN_KEYS):
+        out["additionalProperties"] = False
+    return out
+
+
+def check_satisfiable(schema: Any, field: str) -> None:
+    """A 400 on ``field`` for a schema no finite JSON value matches (a required property, or the
+    items of a non-empty array, that lead back to their own schema): its grammar could never be
+    completed, and the reply would run to ``max_tokens`` as unfinished JSON."""
+    if not has_finite_instance(schema):
+        raise APIError(400, f"{field}: no finite JSON value matches this schema (a required property or a "
+                            "non-empty array refers back to its own schema on every path)", field)
+
+
+def has_finite_instance(schema: Any) -> bool:
+    """Whether some finite JSON value matches ``schema``, as far as recursion decides it (a fixed
+    point: a node has one once any of its ways out is known to end)."""
+    nodes: dict[int, dict[str, Any]] = {}
+    _collect(schema, nodes)
+    known: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        for key, node in nodes.items():
+            if key not in known and _ends(node, schema, known):
+                known.add(key)
+                changed = True
+    return schema is not False and (not isinstance(schema, dict) or id(schema) in known)
+
+
+def _collect(schema: Any, nodes: dict[int, dict[str, Any]]) -> None:
+    if isinstance(schema, dict) and id(schema) not in nodes:
+        nodes[id(schema)] = schema
+        for value in schema.values():
+            _collect(value, nodes)
+    elif isinstance(schema, list):
+        for value in schema:
+            _collect(value, nodes)
+
+
+def _ends(node: dict[str, Any], root: Any, known: set[int]) -> bool:
+    """Whether ``node`` has a finite instance given the subschemas already ``known`` to."""
+    def ok(sub: Any) -> bool:
+        return sub is not False and (not isinstance(sub, dict) or id(sub) in known)
+
+    if "$ref" in node and not ok(_resolve(root, node["$ref"])):
+        return False
+    if isinstance(node.get("allOf"), list) and not all(ok(s) for s in node["allOf"]):
+        return False
+    for key in ("anyOf", "oneOf"):
+        if isinstance(node.get(key), list) and node[key] and not any(ok(s) for s in node[key]):
+            return False
+    if "enum" in node or "const" in node:
+        return True
+    types = node.get("type")
+    types = [types] if isinstance(types, str) else types if isinstance(types, list) else None
+    if types is None or any(t not in ("object", "array") for t in types):
+        return True  # some scalar (or any value) matches
+    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    if "object" in types and all(ok(props[k]) for k in node.get("required") or [] if k in props):
+        return True
+    items = node.get("items")
+    return "array" in types and (not node.get("minItems") or items is None or ok(items))
+
+
+def _resolve(root: Any, ref: Any) -> Any:
+    """The subschema a local ``$ref`` (``#``, ``#/$defs/x``) names; True (anything) for others."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return True
+    target = root
+    for part in [p for p in ref[1:].split("/") if p]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(target, dict) and part in target:
+            target = target[part]
+        elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+            target = target[int(part)]
+        else:
+            return True  # an unresolvable ref is the grammar library's to report
+    return target

@@ -16,7 +16,7 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 
 from hearth.proto.contracts import SamplingParams
-from hearth.serving.constraints import FORCED_CALL_PREFIX, GrammarBuilder, check_grammar
+from hearth.serving.constraints import FORCED_CALL_PREFIX, GrammarBuilder, check_grammar, check_satisfiable
 from hearth.serving.errors import APIError, context_overflow, loads_bounded
 from hearth.serving.parsers import THINK_CLOSE, THINK_OPEN
 from hearth.serving.reply_parsers import OutputParser, choose_tool_parser
@@ -123,9 +123,14 @@ class ModelFrontend:
                                     f"'{self.tool_parser}' tool-call format", "tool_choice")
             # The call tag is put in the prompt unless the reply first closes a think block.
             prefix = "" if thinking else FORCED_CALL_PREFIX[call_format]
+            for tool in tools:
+                fn = tool["function"]
+                if mode.name is None or fn["name"] == mode.name:
+                    check_satisfiable(fn.get("parameters") or {}, f"tools.{fn['name']}.parameters")
             grammar = self.grammars.tool_call(call_format, tools, mode.name, thinking, bool(thinking))
             check_grammar(grammar, "tools")
         elif json_schema is not None:
+            check_satisfiable(json_schema, schema_field)
             grammar = self.grammars.json(json_schema, thinking)
             check_grammar(grammar, schema_field)
         ids = self.encode(text + prefix)

@@ -153,7 +153,7 @@ def response_schema(fmt: ResponseFormat | None, where: str = "response_format.js
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return {"type": "object"}
+        return {"type": "object", "additionalProperties": True}  # any object (kept open when read strictly)
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise APIError(400, f"{where}.schema is required", f"{where}.schema")
     check_json_schema(fmt.json_schema.schema_, f"{where}.schema")

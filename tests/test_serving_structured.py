@@ -176,3 +176,98 @@ def test_anthropic_forced_tool_use_streamed(aclient) -> None:
     uses = [b for b in msg.content if b.type == "tool_use"]
     assert msg.stop_reason == "tool_use" and uses[0].name == "get_weather"
     jsonschema.validate(uses[0].input, CITY_TOOL["function"]["parameters"])
+
+
+RECURSIVE = {"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]}
+
+
+def test_a_schema_no_finite_value_matches_is_refused_before_generating(oclient, aclient, server) -> None:
+    import anthropic
+    import requests
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": RECURSIVE}}
+    with pytest.raises(openai.BadRequestError, match="no finite JSON value"):
+        oclient.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], response_format=fmt)
+    tool = {"type": "function", "function": {"name": "nest", "parameters": RECURSIVE}}
+    with pytest.raises(openai.BadRequestError, match="tools.nest.parameters"):
+        oclient.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], tools=[tool],
+                                        tool_choice="required")
+    with pytest.raises(anthropic.BadRequestError, match="no finite JSON value"):
+        aclient.messages.create(model="tiny", max_tokens=16, messages=[{"role": "user", "content": "x"}],
+                                tools=[{"name": "nest", "input_schema": RECURSIVE}], tool_choice={"type": "any"})
+    r = requests.post(server.url + "/v1/responses", timeout=30, json={"model": "tiny", "input": "x", "text": {
+        "format": {"type": "json_schema", "name": "r", "schema": RECURSIVE}}})
+    assert r.status_code == 400 and "no finite JSON value" in r.json()["error"]["message"]
+    # A recursion with a way out is fine (and read strictly: no keys beyond "child").
+    ok = {"type": "object", "properties": {"child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+          "required": ["child"]}
+    reply = oclient.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=200,
+                                            response_format={"type": "json_schema", "json_schema": {"name": "o",
+                                                                                                    "schema": ok}})
+    choice = reply.choices[0]
+    if choice.finish_reason == "stop":
+        jsonschema.validate(json.loads(choice.message.content), {**ok, "additionalProperties": False})
+    else:  # cut at max_tokens: reported as such
+        assert choice.finish_reason == "length"
+
+
+def test_an_unfinished_grammar_reports_length(oclient) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "big", "schema": _obj({"a": S, "b": S, "c": S})}}
+    reply = oclient.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                            response_format=fmt)
+    assert reply.choices[0].finish_reason == "length"
+
+
+OPEN = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+
+
+def test_forced_calls_with_an_open_schema_close_on_the_demo_model() -> None:
+    """JSON Schema's open default (any other key) read strictly: a forced call on the demo model
+    ends with a parsed call within 64 tokens in both APIs (unread, it invented keys until max_tokens)."""
+    import anthropic
+
+    from hearth.engine.checkpoint.demo import demo_model_dir
+    from tests.serving_helpers import running_server
+
+    with running_server(demo_model_dir(), scripted=False) as srv:
+        a = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0)
+        o = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        for seed in range(3):
+            m = a.messages.create(model="tiny", max_tokens=64, tool_choice={"type": "any"},
+                                  tools=[{"name": "get_weather", "input_schema": OPEN}],
+                                  messages=[{"role": "user", "content": f"weather {seed}"}])
+            assert m.stop_reason == "tool_use" and m.content[-1].type == "tool_use", m
+            assert set(m.content[-1].input) <= {"city", "days"}
+            c = o.chat.completions.create(model="tiny", max_tokens=64, tool_choice="required", seed=seed,
+                                          messages=[{"role": "user", "content": f"weather {seed}"}], tools=[
+                                              {"type": "function", "function": {"name": "get_weather",
+                                                                                "parameters": OPEN}}])
+            assert c.choices[0].finish_reason == "tool_calls", c
+            assert set(json.loads(c.choices[0].message.tool_calls[0].function.arguments)) <= {"city", "days"}
+
+
+def test_grammars_never_compile_on_the_engine_thread(agent_checkpoint, monkeypatch) -> None:
+    """The tokenizer view is built as the server starts, and each request's matcher on a worker
+    thread: the thread that steps the engine (every stream's tokens) never waits for either."""
+    import threading
+
+    from hearth.engine.text.grammar import Grammars
+    from tests.serving_helpers import running_server, wait_until
+
+    threads: list[str] = []
+    original = Grammars.matcher
+
+    def recording(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Grammars, "matcher", recording)
+    with running_server(agent_checkpoint, scripted=False) as srv:
+        grammars = srv.state.client.engine.grammars
+        assert wait_until(lambda: grammars._tokenizer is not None, 60)  # no constrained request yet
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMAS[1]}}
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                               max_tokens=40, response_format=fmt)
+        jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMAS[1])
+    assert threads and "hearth-engine" not in threads, threads

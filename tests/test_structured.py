@@ -169,3 +169,33 @@ def test_forced_calls_with_json_arguments(llm, call_format) -> None:
         assert [e.kind for e in events] == ["tool_call"], text
         assert events[0].tool_call.name == "run"
         jsonschema.validate(events[0].tool_call.input, params)
+
+
+def test_a_reply_that_ends_before_its_grammar_is_whole_is_not_complete(llm) -> None:
+    grammar = json_schema_grammar(SCHEMA)
+    matcher = llm.engine.grammars.matcher(grammar)
+    assert not matcher.complete
+    eos = llm.engine.tokenizer.eos_token_id
+    assert matcher.advance(eos) and not matcher.complete  # ended: and said to be cut short
+    whole = llm.engine.grammars.matcher(grammar)
+    text = '{"name": "a", "n": 1, "kind": "b", "tags": []}'
+    ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+    assert [whole.advance(t) for t in ids][-1] and whole.complete
+
+
+def test_a_grammar_over_its_mask_budget_ends_its_request_alone(llm, monkeypatch) -> None:
+    from hearth.engine.text import grammar as grammar_module
+
+    monkeypatch.setattr(grammar_module, "MASK_BUDGET_S", -1.0)  # every mask is over
+    engine = llm.engine
+    slow = engine.add_request("def f(x):", SamplingParams(max_tokens=8, grammar=json_schema_grammar(SCHEMA)))
+    plain = engine.add_request("def f(x):", SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    done = {}
+    for _ in range(100):
+        for out in engine.step():
+            if out.chunk.finished:
+                done[out.chunk.request_id] = out.chunk
+        if len(done) == 2:
+            break
+    assert done[slow].finish_reason == "error" and "too costly" in done[slow].stop_reason
+    assert done[plain].finish_reason == "length" and done[plain].metrics.num_output_tokens == 8

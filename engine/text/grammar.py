@@ -1,15 +1,19 @@
 """Constrained decoding: a request's grammar masks the logits of every step, so the output can only
 be text the grammar accepts (a JSON schema, a forced tool call; serving builds those grammars).
 
-The grammars are llguidance's (JSON schemas and Lark-style grammars, compiled lazily per request;
-a mask costs ~0.1 ms per token on this tokenizer size). The tokenizer view is built once per
-engine, on the first constrained request, because building it walks the whole vocabulary.
+The grammars are llguidance's (JSON schemas and Lark-style grammars, compiled per request; a mask
+costs ~0.1 ms per token on this tokenizer size). The tokenizer view walks the whole vocabulary
+(seconds on a 150k one), so :meth:`Grammars.warm` builds it in the background as the engine
+starts, and a server compiles each request's matcher on a worker thread (:meth:`Grammars.matcher`
+is thread-safe): neither ever runs on the thread that steps the engine.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from types import MappingProxyType
 from typing import Any
 
@@ -25,6 +29,16 @@ class GrammarError(ValueError):
     """The grammar does not compile (a bad schema): the request is refused."""
 
 
+class GrammarTooSlow(GrammarError):
+    """One step's mask took longer than the budget: the request ends with this error, alone."""
+
+
+# A mask's CPU time (this thread's, so other threads' load does not count) past which its request
+# ends. llguidance bounds a step by its own fuel limits (about 15 ms of lexing, 2.5 ms of Earley
+# items); this catches whatever those do not, so that one grammar never slows every stream.
+MASK_BUDGET_S = 0.1
+
+
 class Grammars:
     """One engine's llguidance tokenizer and the matchers of its constrained requests."""
 
@@ -35,14 +49,29 @@ class Grammars:
         self.eos_token_id = eos_token_id
         self.stop_token_ids = stop_token_ids  # the engine's end-of-reply tokens
         self._tokenizer = None
+        self._lock = threading.Lock()
+
+    def warm(self) -> threading.Thread:
+        """Build the tokenizer view on a background thread (a constrained request that comes first
+        waits for it on its own thread)."""
+        thread = threading.Thread(target=self._quietly_build, name="hearth-grammar-view", daemon=True)
+        thread.start()
+        return thread
+
+    def _quietly_build(self) -> None:
+        try:
+            self._ll_tokenizer()
+        except Exception:  # noqa: BLE001 - a constrained request will meet (and report) it again
+            log.warning("constrained decoding: building the tokenizer view failed", exc_info=True)
 
     def _ll_tokenizer(self):
-        if self._tokenizer is None:
-            import llguidance.hf  # deferred: imports transformers (seconds); first constrained request only
+        with self._lock:
+            if self._tokenizer is None:
+                import llguidance.hf  # deferred: imports transformers (seconds)
 
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
-                                                           eos_token=self.eos_token_id)
-        return self._tokenizer
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size,
+                                                               eos_token=self.eos_token_id)
+            return self._tokenizer
 
     def matcher(self, grammar: str, stop_token_ids: list[int] = ()) -> Matcher:
         """A fresh matcher for one request (``stop_token_ids``: its own stop tokens besides the
@@ -64,6 +93,7 @@ class Matcher:
         import llguidance.torch  # deferred: as llguidance itself, on the first constrained request
 
         self._ll = matcher
+        self.failed = False  # the grammar could not go on (nothing allowed, a token refused)
         self._stop_token_ids = stop_token_ids
         self._stop_ids = torch.tensor(sorted(t for t in stop_token_ids if t < vocab_size), dtype=torch.long)
         self._torch = llguidance.torch
@@ -73,8 +103,15 @@ class Matcher:
         """``logits`` [V] with every token the grammar forbids next at -inf. End-of-reply tokens are
         forbidden too until the grammar may end (llguidance lets end-of-sequence close an open
         free-text lexeme). If the processed logits allow nothing the grammar does (a logits
-        processor forbade it all), the model's own ``raw`` logits [V] are masked instead."""
+        processor forbade it all), the model's own ``raw`` logits [V] are masked instead. A mask
+        costing more than :data:`MASK_BUDGET_S` raises :class:`GrammarTooSlow`."""
+        start = time.thread_time()
         self._torch.fill_next_token_bitmask(self._ll, self._mask, 0)
+        spent = time.thread_time() - start
+        if spent > MASK_BUDGET_S:
+            self.failed = True
+            raise GrammarTooSlow(f"the output grammar is too costly to enforce: one token's mask took {spent:.2f} s "
+                                 f"of CPU (the budget is {MASK_BUDGET_S:g} s); simplify the schema's patterns")
         masked = self._masked(logits)
         if not torch.isinf(masked).all():
             return masked
@@ -84,6 +121,7 @@ class Matcher:
         # Nothing allowed at all (cannot happen for a grammar that compiled): end the reply rather
         # than fail the engine step for every running request.
         log.warning("constrained decoding: the grammar allows no token (%s); ending the reply", self._ll.get_error())
+        self.failed = True
         masked[self._stop_ids if len(self._stop_ids) else logits.argmax()] = 0.0
         return masked
 
@@ -102,10 +140,18 @@ class Matcher:
         if not self._ll.consume_token(token):  # cannot happen under the mask; never loop on it
             log.warning("constrained decoding: token %d was refused (%s); ending the reply", token,
                         self._ll.get_error())
+            self.failed = True
             return True
         # The grammars built here end with a closing brace or tag: nothing may follow the first
         # state where the output is complete, so the reply ends there.
         return self._ll.is_stopped() or self._ll.is_accepting()
+
+
+    @property
+    def complete(self) -> bool:
+        """Whether the output so far is a whole sentence of the grammar (a reply ending otherwise
+        reports ``length``, never a clean stop)."""
+        return not self.failed and not self._ll.is_error() and (self._ll.is_accepting() or self._ll.is_stopped())
 
 
 def json_schema_grammar(schema: dict[str, Any]) -> str:
