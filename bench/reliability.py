@@ -20,6 +20,10 @@ one table row each:
 - ``kill-9``: the server killed mid-stream and restarted, 3 times -> the median restart ready within the
   range of 3 plain starts, and a stream completes after each.
 
+Then, against a second server with two API keys (``bench/security.py``, one row each): ``constrained-stalls``
+(first on the fresh server), ``cross-key``, ``browser``, ``store-budget``, ``unsatisfiable-schema``,
+``big-bodies``, ``config-fuzz``, ``grpc``, ``disconnect-log``, ``logit-bias`` and ``slow-connections``.
+
     python bench/reliability.py [--model DIR] [--soak-minutes 30] [--fuzz-minutes 10 --schemathesis PATH/st]
                                 [--json bench/out/reliability.json]
 """
@@ -34,6 +38,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +48,7 @@ import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import security  # noqa: E402
 from bench.common import emit  # noqa: E402
 from hearth.serving.server import free_port  # noqa: E402
 
@@ -54,6 +60,7 @@ class Server:
 
     def __init__(self, model: str | None, extra: list[str]) -> None:
         self.port, self.grpc_port = free_port(), free_port()
+        self.log_path = Path(tempfile.mkdtemp(prefix="hearth-reliability-")) / "server.log"
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [sys.executable, "-m", "hearth.cli.main", "serve", "--port", str(self.port),
                      "--grpc-port", str(self.grpc_port), "--log-format", "text", *extra]
@@ -64,7 +71,8 @@ class Server:
     def start(self, timeout: float = 300) -> float:
         """Seconds until /health says ready."""
         start = time.monotonic()
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        with open(self.log_path, "ab") as log:  # the server's log, for the rows that read it
+            self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=log)
         while time.monotonic() - start < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode}")
@@ -75,6 +83,9 @@ class Server:
                 pass
             time.sleep(0.1)
         raise TimeoutError("the server did not become ready")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
     def rss_mb(self) -> float:
         with open(f"/proc/{self.proc.pid}/status") as f:
@@ -362,6 +373,21 @@ def kill_9(server: Server, model: str, cold_start_s: float, rounds: int = 3) -> 
             "holds": restart <= max(plain) and all(answered)}
 
 
+SECURITY_ROWS = {  # constrained-stalls first: it needs the server fresh
+    "constrained-stalls": security.constrained_stalls, "cross-key": security.cross_key, "browser": security.browser,
+    "store-budget": security.store_budget, "unsatisfiable-schema": security.unsatisfiable,
+    "big-bodies": security.big_bodies, "config-fuzz": lambda server, model: security.config_fuzz(),
+    "grpc": security.grpc_rows, "disconnect-log": security.disconnect_log, "logit-bias": security.logit_bias,
+    "slow-connections": lambda server, model: security.slow_connections(server)}
+
+
+def _run_rows(checks: list, wanted: set[str] | None, rows: list[dict]) -> None:
+    for name, check in checks:
+        if wanted is None or name in wanted:
+            rows.append(check())
+            print(json.dumps(rows[-1]), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint to serve (default: the demo model)")
@@ -376,7 +402,7 @@ def main() -> int:
     server = Server(args.model, [])
     cold = server.start()
     model = requests.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
-    rows = []
+    rows: list[dict] = []
     try:
         checks = [("bad-input", lambda: bad_input(server, model)),
                   ("hostile-together", lambda: hostile_together(server, model, args.hostile_seconds)),
@@ -387,12 +413,16 @@ def main() -> int:
         if args.fuzz_minutes > 0:
             checks.append(("schema-fuzz", lambda: schema_fuzz(server, args.schemathesis, args.fuzz_minutes)))
         checks.append(("kill-9", lambda: kill_9(server, model, cold)))
-        for name, check in checks:
-            if wanted is None or name in wanted:
-                rows.append(check())
-                print(json.dumps(rows[-1]), flush=True)
+        _run_rows(checks, wanted, rows)
     finally:
         server.stop()
+    if wanted is None or wanted & set(SECURITY_ROWS):
+        keyed = Server(args.model, ["--api-key-file", security.key_file(), *security.SERVER_FLAGS])
+        keyed.start()
+        try:
+            _run_rows([(name, lambda f=f: f(keyed, model)) for name, f in SECURITY_ROWS.items()], wanted, rows)
+        finally:
+            keyed.stop()
     print(f"\n{'check':<18} holds  figures")
     for row in rows:
         figures = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()

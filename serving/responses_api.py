@@ -106,9 +106,9 @@ async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
 
 
 def _not_found(state: Any, response_id: str, field: str) -> APIError:
-    return APIError(404, f"{field}: no stored response with id '{response_id}' (responses are kept in memory only: "
-                         f"the newest {state.responses.capacity} with store: true, within "
-                         f"{state.responses.max_bytes >> 20} MiB)", field, code="response_not_found")
+    return APIError(404, f"{field}: no stored response with id '{response_id}' (responses with store: true are kept "
+                         f"in memory only, the newest within {state.responses.max_bytes >> 20} MiB, each for the key "
+                         "that stored it)", field, code="response_not_found")
 
 
 # -- request conversion -------------------------------------------------------------------------

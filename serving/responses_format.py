@@ -118,7 +118,7 @@ class ResponseStore:
 
     ENTRY_OVERHEAD = 256  # bytes a stored entry costs beyond its JSON (the key, the dict slot, the bytes object)
 
-    def __init__(self, capacity: int = 256, max_bytes: int = 64 << 20) -> None:
+    def __init__(self, capacity: int = 100_000, max_bytes: int = 64 << 20) -> None:
         self.capacity, self.max_bytes = capacity, max_bytes
         self.bytes = 0
         self._items: OrderedDict[str, tuple[str, bytes]] = OrderedDict()  # id -> (owner, JSON)

@@ -199,3 +199,31 @@ def test_a_grammar_over_its_mask_budget_ends_its_request_alone(llm, monkeypatch)
             break
     assert done[slow].finish_reason == "error" and "too costly" in done[slow].stop_reason
     assert done[plain].finish_reason == "length" and done[plain].metrics.num_output_tokens == 8
+
+
+def test_token_bitmask_bits_are_read_as_llguidance_writes_them() -> None:
+    import torch
+
+    from hearth.engine.text.grammar import allowed_tokens
+
+    words = torch.tensor([-1, 0, 5, -2**31, 2**31 - 1], dtype=torch.int32)  # sign bits included
+    vocab = 150
+    expected = [bool((int(words[i // 32]) >> (i % 32)) & 1) for i in range(vocab)]
+    assert allowed_tokens(words, vocab).tolist() == expected
+
+
+def test_masks_never_compile(llm, monkeypatch) -> None:
+    """A mask runs in plain eager torch, not llguidance's torch.compile kernel: a compilation on
+    another thread flips torch's process-wide compiling flag under the engine's eager step (seen as
+    a RecursionError in linear), and the first one takes seconds."""
+    import llguidance.torch
+    import torch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("llguidance's compiled kernel was called")
+
+    monkeypatch.setattr(llguidance.torch, "apply_token_bitmask_inplace", refuse)
+    monkeypatch.setattr(llguidance.torch, "apply_token_bitmask_inplace_kernel", refuse)
+    matcher = llm.engine.grammars.matcher(json_schema_grammar(SCHEMA))
+    masked = matcher.mask(torch.zeros(llm.engine.model_config.vocab_size))
+    assert torch.isfinite(masked).any() and torch.isinf(masked).any()

@@ -61,6 +61,10 @@ class Grammars:
     def _quietly_build(self) -> None:
         try:
             self._ll_tokenizer()
+            # One throwaway matcher and mask: the first constrained request then finds llguidance's
+            # modules imported (an import holds the interpreter lock) and its caches warm.
+            matcher = self.matcher(json_schema_grammar({"type": "object"}))
+            matcher.mask(torch.zeros(self.vocab_size))
         except Exception:  # noqa: BLE001 - a constrained request will meet (and report) it again
             log.warning("constrained decoding: building the tokenizer view failed", exc_info=True)
 
@@ -127,7 +131,7 @@ class Matcher:
 
     def _masked(self, source: torch.Tensor) -> torch.Tensor:
         masked = source.clone()
-        self._torch.apply_token_bitmask_inplace(masked, self._mask[0])
+        masked.masked_fill_(~allowed_tokens(self._mask[0], masked.shape[-1]), float("-inf"))
         if not self._ll.is_accepting():
             masked[self._stop_ids] = float("-inf")
         return masked
@@ -152,6 +156,16 @@ class Matcher:
         """Whether the output so far is a whole sentence of the grammar (a reply ending otherwise
         reports ``length``, never a clean stop)."""
         return not self.failed and not self._ll.is_error() and (self._ll.is_accepting() or self._ll.is_stopped())
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The bool [vocab_size] of a token bitmask (int32 [ceil(V / 32)], bit j of word i: token
+    32 i + j). Plain eager torch: llguidance's own helper is a ``torch.compile`` kernel, and a
+    compilation sets torch's process-wide "compiling" flag, which would misroute the engine's eager
+    ops on another thread (and compiles for seconds on the first constrained request)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [W, 32]
+    return bits.reshape(-1)[:vocab_size].bool()
 
 
 def json_schema_grammar(schema: dict[str, Any]) -> str:
