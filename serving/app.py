@@ -25,7 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hearth.engine import load_tokenizer
 from hearth.engine.checkpoint import load_config
 from hearth.serving import admin_api, anthropic_api, openai_api, openapi, responses_api
-from hearth.serving.errors import APIError, key_matches, protocol_of
+from hearth.serving.constraints import check_grammar
+from hearth.serving.errors import APIError, check_json_schema, key_matches, protocol_of
 from hearth.serving.frontend import ModelFrontend
 from hearth.serving.metrics import ServerMetrics
 from hearth.serving.responses_format import ResponseStore
@@ -70,6 +71,14 @@ class ServedModel:
         model = self.client.model
         return ModelFrontend(load_tokenizer(path), cfg.architecture, model.max_model_len, model.vocab_size,
                              self.tool_parser)
+
+    def warm(self) -> None:
+        """Build the frontend and run the schema checks once, so that the first request (and the
+        first with a schema) finds them ready instead of stalling the others on the interpreter lock."""
+        frontend = self.frontend
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        check_json_schema(schema, "warm-up")
+        check_grammar(frontend.grammars.json(schema), "warm-up")
 
     def check_ready(self) -> None:
         if not self.client.ready:
@@ -134,6 +143,21 @@ class ServerState:
         self._intake.shutdown(wait=False, cancel_futures=True)
         for client in {id(c): c for c in [self.client, *(m.client for m in self.models)]}.values():
             client.close()
+
+    async def warm_when_ready(self, timeout_s: float = 3600.0) -> None:
+        """Once the models load, warm their frontends on an intake thread (best effort: a failure
+        here is met again, and reported, by the first request)."""
+        loop, deadline = asyncio.get_running_loop(), asyncio.get_running_loop().time() + timeout_s
+        for served in self.models:
+            while not served.client.ready and getattr(served.client, "load_error", None) is None:
+                if loop.time() > deadline:
+                    return
+                await asyncio.sleep(0.1)
+            if served.client.ready:
+                try:
+                    await loop.run_in_executor(self._intake, served.warm)
+                except Exception:  # noqa: BLE001 - see the docstring
+                    log.info("warming the frontend of %s failed", served.name, exc_info=True)
 
     async def prepare(self, fn: Callable[[], R], size: int = 0) -> R:
         """``fn()`` (a request's parsing, rendering and tokenization; ``size``: its body's bytes) on an

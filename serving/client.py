@@ -210,6 +210,9 @@ class InProcessEngineClient:
             cfg = self.engine.model_config
             self.model = ModelInfo(self.model.name, self.model_path, self.engine.max_model_len, cfg.vocab_size,
                                    self.model.created)
+            if getattr(self.engine, "tokenizer", None) is not None:
+                self.phase = "preparing constrained decoding"  # so that the first such request stalls nobody
+                self.engine.grammars.prepare()
             self._publish_stats()
             self.phase = "ready"
         except BaseException as exc:  # noqa: BLE001 - reported through /health and every request
@@ -218,8 +221,6 @@ class InProcessEngineClient:
             self._loaded.set()
             return
         self._loaded.set()
-        if getattr(self.engine, "tokenizer", None) is not None:
-            self.engine.grammars.warm()  # constrained requests' tokenizer view, built beside the serving
         self._watcher = watch_engine(self.engine, self._resize_now)  # elastic VRAM on a GPU, where NVML reads
         try:
             self._loop()

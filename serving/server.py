@@ -80,6 +80,7 @@ async def serve_async(state: ServerState, options: ServingConfig, started: threa
         await asyncio.sleep(0.02)
     if task.done():
         task.result()  # raises the bind error
+    warming = asyncio.create_task(state.warm_when_ready())
     if started is not None:
         started.set()
     try:
@@ -90,6 +91,7 @@ async def serve_async(state: ServerState, options: ServingConfig, started: threa
             http.should_exit = True
             await task
     finally:
+        warming.cancel()
         if grpc_server is not None:
             await grpc_server.stop(grace=1)
 

@@ -247,12 +247,12 @@ def test_forced_calls_with_an_open_schema_close_on_the_demo_model() -> None:
 
 
 def test_grammars_never_compile_on_the_engine_thread(agent_checkpoint, monkeypatch) -> None:
-    """The tokenizer view is built as the server starts, and each request's matcher on a worker
+    """The tokenizer view is built while the server loads, and each request's matcher on a worker
     thread: the thread that steps the engine (every stream's tokens) never waits for either."""
     import threading
 
     from hearth.engine.text.grammar import Grammars
-    from tests.serving_helpers import running_server, wait_until
+    from tests.serving_helpers import running_server
 
     threads: list[str] = []
     original = Grammars.matcher
@@ -264,7 +264,8 @@ def test_grammars_never_compile_on_the_engine_thread(agent_checkpoint, monkeypat
     monkeypatch.setattr(Grammars, "matcher", recording)
     with running_server(agent_checkpoint, scripted=False) as srv:
         grammars = srv.state.client.engine.grammars
-        assert wait_until(lambda: grammars._tokenizer is not None, 60)  # no constrained request yet
+        assert grammars._tokenizer is not None  # built while loading (its warm-up matcher too)
+        threads.clear()
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
         fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMAS[1]}}
         reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],

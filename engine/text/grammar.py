@@ -3,9 +3,9 @@ be text the grammar accepts (a JSON schema, a forced tool call; serving builds t
 
 The grammars are llguidance's (JSON schemas and Lark-style grammars, compiled per request; a mask
 costs ~0.1 ms per token on this tokenizer size). The tokenizer view walks the whole vocabulary
-(seconds on a 150k one), so :meth:`Grammars.warm` builds it in the background as the engine
-starts, and a server compiles each request's matcher on a worker thread (:meth:`Grammars.matcher`
-is thread-safe): neither ever runs on the thread that steps the engine.
+(seconds on a 150k one), so a server builds it with :meth:`Grammars.prepare` while it loads,
+before it reports ready, and compiles each request's matcher on a worker thread
+(:meth:`Grammars.matcher` is thread-safe): neither ever runs on the thread that steps the engine.
 """
 
 from __future__ import annotations
@@ -51,14 +51,9 @@ class Grammars:
         self._tokenizer = None
         self._lock = threading.Lock()
 
-    def warm(self) -> threading.Thread:
-        """Build the tokenizer view on a background thread (a constrained request that comes first
-        waits for it on its own thread)."""
-        thread = threading.Thread(target=self._quietly_build, name="hearth-grammar-view", daemon=True)
-        thread.start()
-        return thread
-
-    def _quietly_build(self) -> None:
+    def prepare(self) -> None:
+        """Build the tokenizer view, import llguidance and warm its caches with one throwaway
+        matcher and mask (a failure is logged: the first constrained request meets it again)."""
         try:
             self._ll_tokenizer()
             # One throwaway matcher and mask: the first constrained request then finds llguidance's
