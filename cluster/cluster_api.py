@@ -19,7 +19,7 @@ from hearth.serving.generation import Reply, stream_reply
 from hearth.serving.session import session_key
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty", "ignore_eos")
+                   "frequency_penalty", "ignore_eos", "logit_bias")
 _KNOWN = {"prompt", "messages", "max_tokens", "stop", "session_id", "id", "model", *SAMPLING_FIELDS}
 
 

@@ -209,8 +209,12 @@ class ModelFrontend:
     def _logit_bias(self, bias: dict[Any, float]) -> dict[int, float]:
         """OpenAI's ``logit_bias`` (token ids as strings or numbers -> a bias in [-100, 100]) with its
         ids checked against this model's vocabulary."""
+        if not isinstance(bias, dict) or len(bias) > 300:
+            raise APIError(400, "logit_bias: give an object of at most 300 token ids -> bias", "logit_bias")
         out: dict[int, float] = {}
         for key, value in bias.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise APIError(400, f"logit_bias.{str(key)[:40]}: a bias is a number in [-100, 100]", "logit_bias")
             digits = isinstance(key, str) and key.isdecimal() and len(key) <= 12
             token = int(key) if isinstance(key, int) or digits else -1
             if not 0 <= token < self.vocab_size:
