@@ -233,8 +233,9 @@ def config_fuzz(files: int = 200) -> dict:
 
 
 def grpc_rows(server: Any, model: str) -> dict:
-    """Malformed gRPC messages get INVALID_ARGUMENT; oversized repeated fields are refused; 64 streams
-    cancelled together leave /health under 100 ms."""
+    """Malformed gRPC messages get INVALID_ARGUMENT; oversized repeated fields (1M stop_token_ids,
+    100k logit_bias, 2M token_ids) are refused; 64 streams cancelled together, or 2M token_ids,
+    leave /health under 100 ms."""
     import grpc
 
     from hearth.proto import hearth_pb2, hearth_pb2_grpc
@@ -243,29 +244,36 @@ def grpc_rows(server: Any, model: str) -> dict:
     channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
     raw = channel.unary_stream("/hearth.v1.Hearth/Generate", request_serializer=None,
                                response_deserializer=hearth_pb2.GenerateResponse.FromString)
-    codes = []
-    for data in (b"\xff\xff\xff", b"\x0a\xff\xff\xff\xff\x0f", b"\x12\x05ab", b"\x1a\x03\x08"):
-        try:
-            list(raw(data, timeout=30, metadata=meta))
-            codes.append("OK")
-        except grpc.RpcError as exc:
-            codes.append(exc.code().name)
+    codes = [_code_of(lambda d=data: list(raw(d, timeout=30, metadata=meta)))
+             for data in (b"\xff\xff\xff", b"\x0a\xff\xff\xff\xff\x0f", b"\x12\x05ab", b"\x1a\x03\x08")]
     stub = hearth_pb2_grpc.HearthStub(channel)
     S = hearth_pb2.SamplingParams
     for sampling in (S(stop_token_ids=[1] * 1_000_000), S(logit_bias={i: 1.0 for i in range(100_000)})):
-        try:
-            list(stub.Generate(hearth_pb2.GenerateRequest(model=model, text="x", sampling=sampling), timeout=60,
-                               metadata=meta))
-            codes.append("OK")
-        except grpc.RpcError as exc:
-            codes.append(exc.code().name)
-    health = _health_during_cancel_storm(server, stub, model, meta)
+        request = hearth_pb2.GenerateRequest(model=model, text="x", sampling=sampling)
+        codes.append(_code_of(lambda r=request: list(stub.Generate(r, timeout=60, metadata=meta))))
+    storm = _health_max_during(server, lambda: _cancel_storm(stub, model, meta))
+    big = hearth_pb2.GenerateRequest(model=model, token_ids=hearth_pb2.TokenIds(ids=[5] * 2_000_000))
+    big_health, big_code = _health_max_during(server, lambda: _code_of(
+        lambda: list(stub.Generate(big, timeout=60, metadata=meta))))
+    codes.append(big_code)
     channel.close()
-    return {"row": "grpc", "malformed_and_oversized": codes, "cancel_storm_health_max_ms": health * 1e3,
-            "holds": set(codes) == {"INVALID_ARGUMENT"} and health < 0.1}
+    return {"row": "grpc", "malformed_and_oversized": codes, "cancel_storm_health_max_ms": storm[0] * 1e3,
+            "2M_token_ids_health_max_ms": big_health * 1e3,
+            "holds": set(codes) == {"INVALID_ARGUMENT"} and storm[0] < 0.1 and big_health < 0.1}
 
 
-def _health_during_cancel_storm(server: Any, stub: Any, model: str, meta: list) -> float:
+def _code_of(call: Callable[[], Any]) -> str:
+    import grpc
+
+    try:
+        call()
+    except grpc.RpcError as exc:
+        return exc.code().name
+    return "OK"
+
+
+def _cancel_storm(stub: Any, model: str, meta: list) -> None:
+    """64 streams started, then all cancelled at once."""
     from hearth.proto import hearth_pb2
 
     request = hearth_pb2.GenerateRequest(model=model, text="def f(x):", sampling=hearth_pb2.SamplingParams(
@@ -274,8 +282,14 @@ def _health_during_cancel_storm(server: Any, stub: Any, model: str, meta: list) 
     for call in calls[:8]:
         with contextlib.suppress(Exception):
             next(call)
-    times = []
-    done = threading.Event()
+    for call in calls:
+        call.cancel()
+    time.sleep(2.0)
+
+
+def _health_max_during(server: Any, action: Callable[[], Any]) -> tuple[float, Any]:
+    """The slowest /health answer (seconds, polled every 10 ms) while ``action`` runs, and its result."""
+    times, done = [], threading.Event()
 
     def poll() -> None:
         while not done.is_set():
@@ -287,12 +301,12 @@ def _health_during_cancel_storm(server: Any, stub: Any, model: str, meta: list) 
     poller = threading.Thread(target=poll)
     poller.start()
     time.sleep(0.3)
-    for call in calls:
-        call.cancel()
-    time.sleep(2.0)
-    done.set()
-    poller.join(30)
-    return max(times)
+    try:
+        result = action()
+    finally:
+        done.set()
+        poller.join(30)
+    return max(times), result
 
 
 def disconnect_log(server: Any, model: str) -> dict:

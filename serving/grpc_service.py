@@ -99,6 +99,9 @@ class HearthService(hearth_pb2_grpc.HearthServicer):
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise APIError(400, "prompt: give text or token_ids", "prompt")
+        if kind == "token_ids" and len(request.token_ids.ids) >= frontend.max_model_len:  # before copying them
+            raise APIError(400, f"prompt: {len(request.token_ids.ids)} token ids; the maximum context is "
+                                f"{frontend.max_model_len}", "prompt")
         ids = frontend.prompt_ids(request.text if kind == "text" else list(request.token_ids.ids), "prompt")
         s = request.sampling
         max_tokens = frontend.max_tokens(s.max_tokens if s.HasField("max_tokens") else 16, len(ids), "max_tokens")
