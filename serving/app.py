@@ -235,12 +235,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(responses_api.router)
     app.include_router(admin_api.router)
     openapi.install(app, state.model_names)
-    app.add_middleware(BodyLimit, limit=state.max_body_bytes)
-    app.add_middleware(AuthAndAccessLog, state=state)  # the key is checked before a body is read
-    app.add_middleware(BrowserGuard, hosts=state.hosts, error_response=error_response)  # before the key
-    if state.cors_origins:  # outermost: a browser's preflight carries no key
-        app.add_middleware(CORSMiddleware, allow_origins=list(state.cors_origins), allow_methods=["*"],
-                           allow_headers=["*"], expose_headers=["x-request-id", "retry-after"], max_age=600)
+    _add_middlewares(app, state)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError):
@@ -286,6 +281,16 @@ def create_app(state: ServerState) -> FastAPI:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _add_middlewares(app: FastAPI, state: ServerState) -> None:
+    """Innermost first: the body limit, the API key, the browser guard, then CORS where asked for."""
+    app.add_middleware(BodyLimit, limit=state.max_body_bytes)
+    app.add_middleware(AuthAndAccessLog, state=state)  # the key is checked before a body is read
+    app.add_middleware(BrowserGuard, hosts=state.hosts, error_response=error_response)  # before the key
+    if state.cors_origins:  # outermost: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["x-request-id", "retry-after"], max_age=600)
 
 
 def _health_of(client: Any) -> dict[str, str]:

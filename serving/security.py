@@ -20,6 +20,9 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
 from hearth.serving.errors import APIError
 
 _LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
@@ -141,9 +144,6 @@ def guarded_h11_protocol(read_timeout: float) -> type:
     has none: a client sending a byte every few seconds would hold a connection (a file descriptor,
     a parser) for ever. A connection that misses the deadline is closed; one whose request has
     arrived is never cut here (generation takes as long as it takes)."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
     waiting = (h11.IDLE, h11.SEND_BODY)  # the client's states while its request is still arriving
 
     class GuardedH11Protocol(H11Protocol):
