@@ -181,24 +181,12 @@ def big_bodies(server: Any, model: str) -> dict:
                       "type": "object", "description": "d" * (6 << 20)}}}}),
               ("/v1/messages/count_tokens", {"model": model, "messages": [{"role": "user",
                                                                             "content": "tok " * (7 << 18)}]})]
-    stop, health = threading.Event(), []
 
-    def poll() -> None:
-        while not stop.is_set():
-            start = time.monotonic()
-            requests.get(server.url + "/health", timeout=30)
-            health.append(time.monotonic() - start)
-            time.sleep(0.02)
+    def send_all() -> list[int]:
+        return [requests.post(server.url + path, data=json.dumps(body), headers=_auth(), timeout=120).status_code
+                for _ in range(3) for path, body in bodies]
 
-    poller = threading.Thread(target=poll)
-    poller.start()
-    codes = []
-    for _ in range(3):
-        for path, body in bodies:
-            codes.append(requests.post(server.url + path, data=json.dumps(body), headers=_auth(), timeout=120)
-                         .status_code)
-    stop.set()
-    poller.join(30)
+    health, codes = _health_during(server, send_all, every_s=0.02)
     p99 = sorted(health)[min(len(health) - 1, int(0.99 * len(health)))]
     return {"row": "big-bodies", "status": sorted(set(codes)), "health_polls": len(health),
             "health_p99_ms": p99 * 1e3, "holds": p99 <= 0.05 and all(c < 500 for c in codes)}
@@ -251,15 +239,17 @@ def grpc_rows(server: Any, model: str) -> dict:
     for sampling in (S(stop_token_ids=[1] * 1_000_000), S(logit_bias={i: 1.0 for i in range(100_000)})):
         request = hearth_pb2.GenerateRequest(model=model, text="x", sampling=sampling)
         codes.append(_code_of(lambda r=request: list(stub.Generate(r, timeout=60, metadata=meta))))
-    storm = _health_max_during(server, lambda: _cancel_storm(stub, model, meta))
+    storm_times, _ = _health_during(server, lambda: _cancel_storm(stub, model, meta))
+    storm = max(storm_times)
     big = hearth_pb2.GenerateRequest(model=model, token_ids=hearth_pb2.TokenIds(ids=[5] * 2_000_000))
-    big_health, big_code = _health_max_during(server, lambda: _code_of(
+    big_times, big_code = _health_during(server, lambda: _code_of(
         lambda: list(stub.Generate(big, timeout=60, metadata=meta))))
+    big_health = max(big_times)
     codes.append(big_code)
     channel.close()
-    return {"row": "grpc", "malformed_and_oversized": codes, "cancel_storm_health_max_ms": storm[0] * 1e3,
+    return {"row": "grpc", "malformed_and_oversized": codes, "cancel_storm_health_max_ms": storm * 1e3,
             "2M_token_ids_health_max_ms": big_health * 1e3,
-            "holds": set(codes) == {"INVALID_ARGUMENT"} and storm[0] < 0.1 and big_health < 0.1}
+            "holds": set(codes) == {"INVALID_ARGUMENT"} and storm < 0.1 and big_health < 0.1}
 
 
 def _code_of(call: Callable[[], Any]) -> str:
@@ -287,8 +277,8 @@ def _cancel_storm(stub: Any, model: str, meta: list) -> None:
     time.sleep(2.0)
 
 
-def _health_max_during(server: Any, action: Callable[[], Any]) -> tuple[float, Any]:
-    """The slowest /health answer (seconds, polled every 10 ms) while ``action`` runs, and its result."""
+def _health_during(server: Any, action: Callable[[], Any], every_s: float = 0.01) -> tuple[list[float], Any]:
+    """Each /health answer's time (seconds, polled every ``every_s``) while ``action`` runs, and its result."""
     times, done = [], threading.Event()
 
     def poll() -> None:
@@ -296,7 +286,7 @@ def _health_max_during(server: Any, action: Callable[[], Any]) -> tuple[float, A
             start = time.monotonic()
             requests.get(server.url + "/health", timeout=30)
             times.append(time.monotonic() - start)
-            time.sleep(0.01)
+            time.sleep(every_s)
 
     poller = threading.Thread(target=poll)
     poller.start()
@@ -306,7 +296,7 @@ def _health_max_during(server: Any, action: Callable[[], Any]) -> tuple[float, A
     finally:
         done.set()
         poller.join(30)
-    return max(times), result
+    return times, result
 
 
 def disconnect_log(server: Any, model: str) -> dict:
