@@ -46,8 +46,9 @@ def deploy(options: DeployOptions, log=print) -> dict[str, Any]:
     try:
         if options.stages:
             raise PlacementError("pipeline stages asked for")
-        plan = plan_placement(nodes, [model_spec(path, name, options.replicas, options.require)
-                                      for path, name in options.models])
+        model_specs = tuple(model_spec(path, name, options.replicas, options.require)
+                            for path, name in options.models)
+        plan = plan_placement(nodes, list(model_specs))
     except PlacementError as why:
         if len(options.models) > 1:
             raise
@@ -75,7 +76,7 @@ def deploy(options: DeployOptions, log=print) -> dict[str, Any]:
         served.append((model, tuple(replica_info(r, s) for r, s in zip(replicas, specs, strict=True))))
     (first, first_replicas), *more = served
     config = RouterConfig(first, first_replicas, options.serving, options.health_interval_s, tuple(more), options,
-                          nodes=tuple(nodes))
+                          nodes=tuple(nodes), specs=model_specs)
     return _start_router(config)
 
 

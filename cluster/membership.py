@@ -37,7 +37,8 @@ class Membership:
     the router's engine client per model name)."""
 
     def __init__(self, options: DeployOptions, clients: dict[str, Any], interval_s: float = 5.0,
-                 nodes: dict[str, NodeInfo] | None = None, stages: tuple[StagePlan, ...] = ()) -> None:
+                 nodes: dict[str, NodeInfo] | None = None, stages: tuple[StagePlan, ...] = (),
+                 specs: tuple[ModelSpec, ...] = ()) -> None:
         self.options, self.clients, self.interval_s = options, clients, interval_s
         self.stages = stages  # the stages of a staged deployment (empty: replicas)
         self._restage_tried: frozenset[str] | None = None  # the live machines of the last plan that failed
@@ -45,7 +46,7 @@ class Membership:
         self.paths = {name: path for path, name in options.models}
         self.planned: set[str] = {r.info.node_id for c in clients.values() for r in c.replicas.values()}
         self.drained: set[str] = set()  # node ids that get no replica again
-        self.specs: list[ModelSpec] | None = None
+        self.specs: list[ModelSpec] | None = list(specs) or None  # (None: sized at the first round)
         self.joined: list[tuple[str, float]] = []  # (replica id, seconds from noticing its machine to serving)
         self._task: asyncio.Task | None = None
         self._busy = asyncio.Lock()

@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ import ray
 
 from hearth.cluster.cluster_api import run_request
 from hearth.cluster.membership import Membership
-from hearth.cluster.placement import NodeInfo
+from hearth.cluster.placement import ModelSpec, NodeInfo
 from hearth.cluster.routing import ReplicaLoad, choose_replica
 from hearth.cluster.specs import NAMESPACE, DeployOptions, ReplicaInfo, stage_actor_name
 from hearth.cluster.stages import StagePlan
@@ -87,6 +88,9 @@ class RouterEngineClient:
         self.routed = [0, 0.0]  # requests routed, seconds spent choosing (hashing the prompt included)
         self._loaded = threading.Event()
         self.load_error: BaseException | None = None
+        # ray.cancel blocks for about 2 ms; 64 clients leaving at once would hold the server's loop
+        # (and every other request on it) for over 100 ms, so cancellations run on a thread of their own.
+        self._cancels = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hearth-router-cancel")
 
     # -- the engine-client contract ------------------------------------------------------------
     @property
@@ -119,6 +123,7 @@ class RouterEngineClient:
     def close(self) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
+        self._cancels.shutdown(wait=False)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
         """Stream from a replica; before the first chunk, a failed replica means a retry elsewhere."""
@@ -170,6 +175,7 @@ class RouterEngineClient:
         """The replica's chunks; raises :class:`_Lost` as soon as the replica is declared down."""
         gen = state.handle.generate.remote(request)
         lost = asyncio.ensure_future(state.lost.wait())
+        ended = False
         try:
             while True:
                 nxt = asyncio.ensure_future(gen.__anext__())
@@ -180,14 +186,17 @@ class RouterEngineClient:
                 try:
                     ref = nxt.result()
                 except StopAsyncIteration:
+                    ended = True
                     return
                 chunk = await ref
+                ended = chunk.finished
                 yield chunk
                 if chunk.finished:
                     return
         finally:
             lost.cancel()
-            ray.cancel(gen)  # no-op when finished; aborts the request on the replica actor otherwise
+            if not ended:  # the caller left, or the replica failed: abort the request on the replica actor
+                self._cancels.submit(ray.cancel, gen)
 
     async def resize_expert_cache(self, size: str, replica: str | None = None) -> dict[str, dict[str, Any]]:
         """Resize the device expert cache of one replica, or of every replica in rotation (each at its
@@ -336,6 +345,9 @@ class RouterConfig:
     membership_interval_s: float = 5.0
     nodes: tuple[NodeInfo, ...] = ()  # each machine at deployment (for the status page)
     stage_plan: tuple[StagePlan, ...] = ()  # a staged deployment's stages (planned again when a machine leaves)
+    # What each model needs of a machine, as deployment measured it: the router then never builds a
+    # model to size one (seconds of the GIL in the router's process, stalling every request it serves).
+    specs: tuple[ModelSpec, ...] = ()
 
     @property
     def groups(self) -> list[tuple[ModelInfo, tuple[ReplicaInfo, ...]]]:
@@ -363,7 +375,7 @@ class RouterActor:
         self.nodes = {n.node_id: n for n in config.nodes}  # what each machine reported of itself
         if config.deploy is not None:
             self.membership = Membership(config.deploy, {c.model.name: c for c in clients},
-                                         config.membership_interval_s, self.nodes, config.stage_plan)
+                                         config.membership_interval_s, self.nodes, config.stage_plan, config.specs)
         state.node_provider = self.node_rows
         state.stage_provider = self.stage_rows
         self.server = BackgroundServer(state, serving, on_loop_start=self._start)
