@@ -263,17 +263,32 @@ def _code_of(call: Callable[[], Any]) -> str:
 
 
 def _cancel_storm(stub: Any, model: str, meta: list) -> None:
-    """64 streams started, then all cancelled at once."""
+    """64 streams started, then all cancelled at once: once 8 of them stream (or after 15 s). The
+    rest are running or wait for a slot (a server runs ``max_num_seqs`` at once), so the storm
+    ends both kinds. Which 8 stream first is up to the server, so each stream is read on a thread."""
     from hearth.proto import hearth_pb2
 
     request = hearth_pb2.GenerateRequest(model=model, text="def f(x):", sampling=hearth_pb2.SamplingParams(
         max_tokens=2000, ignore_eos=True))
     calls = [stub.Generate(request, timeout=120, metadata=meta) for _ in range(64)]
-    for call in calls[:8]:
+    streaming = threading.Semaphore(0)
+
+    def first_chunk(call: Any) -> None:
         with contextlib.suppress(Exception):
             next(call)
+            streaming.release()
+
+    readers = [threading.Thread(target=first_chunk, args=(call,), daemon=True) for call in calls]
+    for reader in readers:
+        reader.start()
+    deadline = time.monotonic() + 15.0
+    for _ in range(8):
+        if not streaming.acquire(timeout=max(deadline - time.monotonic(), 0.0)):
+            break
     for call in calls:
         call.cancel()
+    for reader in readers:
+        reader.join(5.0)
     time.sleep(2.0)
 
 

@@ -73,6 +73,13 @@ def _app_error(exc: ray.exceptions.RayTaskError) -> BaseException:
     return cause if isinstance(cause, BaseException) else RuntimeError(str(exc).splitlines()[0])
 
 
+def _let_go(gen: Any, cancel: bool) -> None:
+    """Abort a replica stream the caller left (or whose replica failed); the generator then goes
+    out of scope on this thread."""
+    if cancel:
+        ray.cancel(gen)
+
+
 class RouterEngineClient:
     """The engine client of the router's API server: one model, several replicas."""
 
@@ -88,9 +95,10 @@ class RouterEngineClient:
         self.routed = [0, 0.0]  # requests routed, seconds spent choosing (hashing the prompt included)
         self._loaded = threading.Event()
         self.load_error: BaseException | None = None
-        # ray.cancel blocks for about 2 ms; 64 clients leaving at once would hold the server's loop
-        # (and every other request on it) for over 100 ms, so cancellations run on a thread of their own.
-        self._cancels = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hearth-router-cancel")
+        # Starting a replica stream, cancelling one and letting go of its generator each hold the GIL
+        # for about 1-2 ms; 64 clients arriving or leaving at once would hold the server's loop (and
+        # every other request on it) for over 100 ms, so those calls run on a thread of their own.
+        self._ray_calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hearth-router-ray")
 
     # -- the engine-client contract ------------------------------------------------------------
     @property
@@ -123,7 +131,7 @@ class RouterEngineClient:
     def close(self) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
-        self._cancels.shutdown(wait=False)
+        self._ray_calls.shutdown(wait=False)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
         """Stream from a replica; before the first chunk, a failed replica means a retry elsewhere."""
@@ -173,7 +181,8 @@ class RouterEngineClient:
 
     async def _stream(self, state: _ReplicaState, request: GenerateRequest) -> AsyncIterator[GenerationChunk]:
         """The replica's chunks; raises :class:`_Lost` as soon as the replica is declared down."""
-        gen = state.handle.generate.remote(request)
+        loop = asyncio.get_running_loop()
+        gen = await loop.run_in_executor(self._ray_calls, state.handle.generate.remote, request)
         lost = asyncio.ensure_future(state.lost.wait())
         ended = False
         try:
@@ -195,8 +204,9 @@ class RouterEngineClient:
                     return
         finally:
             lost.cancel()
-            if not ended:  # the caller left, or the replica failed: abort the request on the replica actor
-                self._cancels.submit(ray.cancel, gen)
+            # The thread holds the last reference, so the generator's cleanup runs there too.
+            self._ray_calls.submit(_let_go, gen, not ended)
+            del gen
 
     async def resize_expert_cache(self, size: str, replica: str | None = None) -> dict[str, dict[str, Any]]:
         """Resize the device expert cache of one replica, or of every replica in rotation (each at its
