@@ -192,12 +192,15 @@ def big_bodies(server: Any, model: str) -> dict:
             "health_p99_ms": p99 * 1e3, "holds": p99 <= 0.05 and all(c < 500 for c in codes)}
 
 
-def config_fuzz(files: int = 200) -> dict:
-    """200 fuzzed settings files: each a one-line error (exit 2) or accepted; never a traceback."""
+def config_fuzz(files: int = 200, command: str = "serve") -> dict:
+    """200 fuzzed settings files for ``hearth serve`` (or ``up``, the cluster's): each a one-line
+    error (exit 2) or accepted; never a traceback. The model does not exist, so an accepted file
+    ends there, before any model or cluster is started."""
     from hearth.cli.main import main as hearth_main
 
     rng = random.Random(11)
-    base = b'port = 8000\nhost = "127.0.0.1"\nserved-model-name = ["m"]\nmax-num-seqs = 4\nprefix-caching = true\n'
+    own = b'served-model-name = ["m"]' if command == "serve" else b"replicas = 1"  # a setting of this command only
+    base = b'port = 8000\nhost = "127.0.0.1"\n' + own + b'\nmax-num-seqs = 4\nprefix-caching = true\n'
     pieces = [b"[", b"]", b"{", b"=", b'"', b"\n", b"\xff", b"\x00", b"nan", b"[[t]]", b"a.b = 1", b"1979-05-27"]
     tracebacks, outcomes = 0, {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -211,12 +214,12 @@ def config_fuzz(files: int = 200) -> dict:
             err = io.StringIO()
             with contextlib.redirect_stderr(err):
                 try:
-                    rc = hearth_main(["serve", "--config", str(path), "--model", str(Path(tmp) / "none")])
+                    rc = hearth_main([command, "--config", str(path), "--model", str(Path(tmp) / "none")])
                 except BaseException as exc:  # noqa: BLE001 - what the row counts
                     rc, tracebacks = type(exc).__name__, tracebacks + 1
             tracebacks += "Traceback" in err.getvalue() or err.getvalue().count("\n") > 1
             outcomes[str(rc)] = outcomes.get(str(rc), 0) + 1
-    return {"row": "config-fuzz", "files": files, "exit_codes": outcomes, "tracebacks": tracebacks,
+    return {"row": "config-fuzz", "command": command, "files": files, "exit_codes": outcomes, "tracebacks": tracebacks,
             "holds": tracebacks == 0}
 
 
@@ -315,15 +318,18 @@ def _health_during(server: Any, action: Callable[[], Any], every_s: float = 0.01
 
 
 def disconnect_log(server: Any, model: str) -> dict:
-    """A client that gives up on a non-streamed request leaves no traceback in the server's log."""
+    """A client that gives up on a non-streamed request leaves no traceback in the server's log
+    (counted from this row's start: earlier rows may log what they provoke)."""
+    before = server.log_text()
     with contextlib.suppress(requests.RequestException):
         requests.post(server.url + "/v1/completions", headers=_auth(), timeout=(5, 0.5), json={
             "model": model, "prompt": "x", "max_tokens": 400, "ignore_eos": True})
     time.sleep(2.0)
     log = server.log_text()
-    return {"row": "disconnect-log", "tracebacks": log.count("Traceback"),
-            "asgi_errors": log.count("Exception in ASGI application"),
-            "holds": "Traceback" not in log and "Exception in ASGI" not in log}
+    log = log[len(before):] if log.startswith(before) else log
+    tracebacks, asgi = log.count("Traceback"), log.count("Exception in ASGI application")
+    return {"row": "disconnect-log", "tracebacks": tracebacks, "asgi_errors": asgi,
+            "holds": tracebacks == 0 and asgi == 0}
 
 
 def logit_bias(server: Any, model: str) -> dict:

@@ -12,9 +12,10 @@ from pathlib import Path
 from hearth.config import parse_bytes
 from hearth.engine.checkpoint.dispatch import convert, load_config
 from hearth.engine.checkpoint.ftw import read_index
-from hearth.engine.checkpoint.gguf_writer import ConvertError, write_gguf
+from hearth.engine.checkpoint.gguf_writer import ConvertError, WriteSummary, write_gguf
 from hearth.engine.checkpoint.inspect import human_bytes, human_count, stored_summary, summarize
 from hearth.engine.kernels.cpu import cpu_decode_ops
+from hearth.engine.quant.registry import FORMATS
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -91,12 +92,16 @@ def _convert_gguf(args: argparse.Namespace, start: float) -> int:
         print(f"hearth convert: with --quant the output is one GGUF file; name it FILE.gguf, not {dst}",
               file=sys.stderr)
         return 2
+    summary = WriteSummary()
     try:
-        write_gguf(args.src, dst, args.quant.lower(), show_progress=True)
+        write_gguf(args.src, dst, args.quant.lower(), show_progress=True, summary=summary)
     except (ConvertError, FileNotFoundError) as exc:
         dst.unlink(missing_ok=True)
         print(f"hearth convert: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {dst}: {dst.stat().st_size / 2**30:.2f} GiB, {args.quant}, in "
+    for (asked, got), n in sorted(summary.fallbacks.items()):
+        print(f"hearth convert: warning: {args.quant} not honoured for {n} tensor(s) whose rows are not whole "
+              f"{asked} blocks ({FORMATS[asked].block_elems} values): written as {got}", file=sys.stderr)
+    print(f"wrote {dst}: {dst.stat().st_size / 2**30:.2f} GiB, {args.quant} (tensors: {summary.describe()}), in "
           f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
     return 0

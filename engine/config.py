@@ -167,6 +167,19 @@ def read_config_json(model_dir: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
 
 
+def config_architectures(raw: dict[str, Any]) -> list[str]:
+    """A config.json's ``architectures``; where it names none, the causal-LM class that transformers'
+    ``AutoModelForCausalLM`` takes for its ``model_type`` (so such a checkpoint loads as it does there)."""
+    named = raw.get("architectures") or []
+    if named or not isinstance(raw.get("model_type"), str):
+        return list(named)
+    # deferred: transformers is heavy to import, and only a config without 'architectures' needs its table
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    default = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(raw["model_type"])
+    return [default] if isinstance(default, str) else []
+
+
 def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     """Read rope parameters from either the transformers 5 or the legacy layout."""
     params = dict(cfg.get("rope_parameters") or {})

@@ -3,7 +3,10 @@ on two nodes: the router serves the same app, so every guard must hold there too
 
 from __future__ import annotations
 
+import glob
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -18,11 +21,22 @@ pytestmark = pytest.mark.multinode
 
 @dataclass(frozen=True)
 class Router:
-    """What the rows need of a server: its address and ports."""
+    """What the rows need of a server: its address and ports, the router process's memory and log."""
 
     url: str
     port: int
     grpc_port: int
+    pid: int
+
+    def rss_mb(self) -> float:
+        with open(f"/proc/{self.pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+    def log_text(self) -> str:
+        """The router actor's stderr and stdout (Ray writes each worker's to files named by its pid)."""
+        files = glob.glob(f"/tmp/ray/session_*/logs/worker-*-{self.pid}.*")
+        newest = sorted(files, key=os.path.getmtime)[-2:]  # this session's .err and .out
+        return "".join(Path(f).read_text(errors="replace") for f in sorted(newest))
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +47,13 @@ def router(tmp_path_factory, agent_checkpoint):
     options = DeployOptions(str(agent_checkpoint), "tiny", port=port, grpc_port=grpc_port, health_interval_s=0.5,
                             engine_options={"max_model_len": 2048}, serving_config=serving)
     with deployed_on_two_nodes(tmp_path_factory.mktemp("hearth-cache"), options) as (_, desc):
-        yield Router(desc["url"], port, grpc_port)
+        yield Router(desc["url"], port, grpc_port, desc["pid"])
 
 
-@pytest.mark.parametrize("row", [security.cross_key, security.browser, security.unsatisfiable, security.logit_bias,
-                                 security.grpc_rows, security.big_bodies],
+# constrained_stalls first: it measures the first constrained request the replicas see.
+@pytest.mark.parametrize("row", [security.constrained_stalls, security.cross_key, security.browser,
+                                 security.store_budget, security.unsatisfiable, security.logit_bias,
+                                 security.grpc_rows, security.big_bodies, security.disconnect_log],
                          ids=lambda f: f.__name__)
 def test_a_security_row_holds_through_the_router(router, row) -> None:
     result = row(router, "tiny")
@@ -46,4 +62,9 @@ def test_a_security_row_holds_through_the_router(router, row) -> None:
 
 def test_slow_connections_to_the_router_are_closed(router) -> None:
     result = security.slow_connections(router, count=100)
+    assert result["holds"], result
+
+
+def test_the_cluster_settings_file_never_ends_in_a_traceback() -> None:
+    result = security.config_fuzz(200, command="up")
     assert result["holds"], result

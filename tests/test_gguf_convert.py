@@ -96,3 +96,29 @@ def test_mixtral_gguf_matches_transformers(tmp_path, fmt) -> None:
             torch.testing.assert_close(reference(out)(prompt).logits, original.float()(prompt).logits,
                                        rtol=1e-4, atol=1e-5)
     assert_matches_transformers(out)
+
+
+def test_a_preset_falls_back_per_tensor_and_says_so(tmp_path, capsys) -> None:
+    """Rows that are not whole 256-value blocks get Q8_0 where 32-value blocks fit and f16 where
+    nothing does (as llama.cpp's quantizer falls back), never a silent f32; the command counts the
+    formats and warns for each fallback; the file is exact against transformers on it."""
+    from hearth.engine.checkpoint.gguf_writer import WriteSummary, fitting_format
+    from tests.checkpoints import make_checkpoint
+
+    assert fitting_format("q4_k", 256) == "q4_k" and fitting_format("q4_k", 96) == "q8_0"
+    assert fitting_format("q6_k", 40) == "f16" and fitting_format("f32", 40) == "f32"
+    # hidden 96: q/k/v/o rows of 96 values (q8_0); the experts' down rows of 40 (f16)
+    hf, _ = make_checkpoint(tmp_path / "hf", "qwen3_moe", hidden_size=96, moe_intermediate_size=40,
+                            intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    summary = WriteSummary()
+    out = write_gguf(hf, tmp_path / "direct.gguf", "q4_k_m", summary=summary)
+    formats = {n: t.format.name if t.quantized else None for n, t in GGUFFile(out).tensors.items()}
+    assert formats["blk.0.attn_q.weight"] == formats["blk.0.ffn_gate_exps.weight"] == "q8_0"
+    assert GGUFFile(out).tensors["blk.0.ffn_down_exps.weight"].format == torch.float16
+    assert summary.fallbacks[("q4_k", "q8_0")] > 0 and summary.fallbacks[("q6_k", "f16")] > 0
+    assert summary.formats["f32"] > 0 and "q4_k" not in summary.formats
+    assert_matches_transformers(out)
+    assert main(["convert", str(hf), str(tmp_path / "cli.gguf"), "--quant", "q4_k_m"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: q4_k_m not honoured for" in err and "whole q4_k blocks (256 values): written as q8_0" in err
+    assert "(tensors: q8_0 " in err or ", q8_0 " in err

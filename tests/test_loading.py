@@ -110,9 +110,56 @@ def test_missing_expert(ckpt):
         load_model(ckpt)
 
 
-def test_extra_tensor(ckpt):
-    rewrite(ckpt, "model.norm.weight", lambda t: t.__setitem__("model.layers.0.mystery.weight", torch.zeros(2)))
-    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.0.mystery.weight'"):
+def test_tensors_of_no_module_are_skipped_and_named(ckpt, caplog):
+    """As transformers does: a stray tensor is left out with one log line that names it, and the
+    model is the same as without it."""
+    import logging
+
+    reference = load_model(ckpt).model.state_dict()
+    strays = {"model.layers.0.mystery.weight": torch.zeros(2), "foo.bar": torch.ones(3)}
+    rewrite(ckpt, "model.norm.weight", lambda t: t.update(strays))
+    with caplog.at_level(logging.INFO, logger="hearth.engine.checkpoint.hf"):
+        loaded = load_model(ckpt)
+    lines = [r.getMessage() for r in caplog.records if "does not use" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("skipped 2 tensors Qwen3MoeForCausalLM does not use: ")
+    assert "belonging to no module: " in lines[0]
+    assert "foo.bar" in lines[0] and "model.layers.0.mystery.weight" in lines[0]
+    for (name, a), b in zip(loaded.model.state_dict().items(), reference.values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_a_stray_tensor_that_collides_with_a_real_name_is_still_refused(ckpt):
+    """A name the model does have, in the wrong shape, is an error rather than a skip."""
+    rewrite(ckpt, "model.norm.weight", lambda t: t.__setitem__("model.norm.weight", torch.zeros(3)))
+    with pytest.raises(CheckpointError, match="tensor 'model.norm.weight' has shape \\[3\\]"):
+        load_model(ckpt)
+
+
+def test_model_type_without_architectures_loads_as_transformers_does(checkpoint, tmp_path):
+    """No ``architectures`` in config.json: the family of transformers' causal-LM class for the
+    ``model_type`` (AutoModelForCausalLM's choice), with the same weights and logits."""
+    from hearth.engine.config import config_architectures
+
+    for family in ("qwen3_moe", "mixtral", "deepseek_v3"):
+        src, _ = checkpoint(family)
+        dst = tmp_path / family
+        shutil.copytree(src, dst)
+        cfg = json.loads((dst / "config.json").read_text())
+        named = cfg.pop("architectures")
+        (dst / "config.json").write_text(json.dumps(cfg))
+        assert config_architectures(cfg) == named
+        a, b = load_model(src), load_model(dst)
+        assert b.config.architecture == a.config.architecture == named[0]
+        for (name, x), y in zip(b.model.state_dict().items(), a.model.state_dict().values(), strict=True):
+            assert torch.equal(x, y), name
+
+
+def test_a_model_type_transformers_has_no_causal_lm_for_is_named(ckpt):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.pop("architectures")
+    cfg["model_type"] = "no_such_model_type"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="no architecture"):
         load_model(ckpt)
 
 

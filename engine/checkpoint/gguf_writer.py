@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +23,7 @@ from tqdm import tqdm
 
 from hearth.engine.checkpoint.common import FUSED
 from hearth.engine.checkpoint.gguf_reader import permute_rope_rows
-from hearth.engine.models import family_for
+from hearth.engine.models import config_architectures, family_for
 from hearth.engine.quant.registry import FORMATS, REGISTRY, quantize
 
 # Hugging Face architecture -> GGUF architecture (the gguf package's MODEL_ARCH member).
@@ -37,6 +39,26 @@ _LAYER = re.compile(r"^blk\.(\d+)\.")
 
 class ConvertError(ValueError):
     """A checkpoint this writer cannot convert, or an unknown quantization."""
+
+
+@dataclass
+class WriteSummary:
+    """What :func:`write_gguf` wrote: tensors per format, and the fallbacks where a tensor's rows
+    were not whole blocks of the format its preset asked for ((asked, written) -> tensors)."""
+
+    formats: Counter = field(default_factory=Counter)
+    fallbacks: Counter = field(default_factory=Counter)
+
+    def describe(self) -> str:
+        return ", ".join(f"{fmt} {n}" for fmt, n in self.formats.most_common())
+
+
+def fitting_format(fmt: str, cols: int) -> str:
+    """``fmt`` where a row of ``cols`` values is whole blocks of it; otherwise the best format that
+    fits, as llama.cpp's quantizer falls back: Q8_0 (32-value blocks) where the rows allow, else f16."""
+    if fmt not in FORMATS or cols % FORMATS[fmt].block_elems == 0:
+        return fmt
+    return "q8_0" if cols % FORMATS["q8_0"].block_elems == 0 else "f16"
 
 
 def more_bits(layer: int, num_layers: int) -> bool:
@@ -58,17 +80,18 @@ def tensor_format(name: str, quant: str, num_layers: int) -> str:
     return more if layer and sensitive and more_bits(int(layer.group(1)), num_layers) else base
 
 
-def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_progress: bool = False) -> Path:
+def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_progress: bool = False,
+               summary: WriteSummary | None = None) -> Path:
     """``hf_dir``'s checkpoint as one GGUF file at ``out``, its matrices in ``quant`` (see
-    :data:`QUANTS`) where their rows are whole blocks (f32 otherwise); norms, biases and the router
-    stay f32."""
+    :data:`QUANTS`) where their rows are whole blocks (else :func:`fitting_format`); norms, biases
+    and the router stay f32. ``summary``, if given, is filled with what was written."""
     import gguf  # deferred: the gguf package is needed for GGUF files only
 
     hf_dir, out = Path(hf_dir), Path(out)
     if quant not in QUANTS:
         raise ConvertError(f"unknown quantization '{quant}' (known: {', '.join(QUANTS)})")
     cfg = json.loads((hf_dir / "config.json").read_text())
-    archs = cfg.get("architectures") or []
+    archs = config_architectures(cfg)
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise ConvertError(f"{hf_dir}: GGUF writing supports {', '.join(ARCHITECTURES)}, not {archs}")
     arch = getattr(gguf.MODEL_ARCH, ARCHITECTURES[archs[0]])
@@ -82,6 +105,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
     stacked = _stacked_experts(tensors, experts, fused, cfg["moe_intermediate_size"] if "moe_intermediate_size" in cfg
                                else cfg["intermediate_size"])
     bar = tqdm(total=len(dense) + len(stacked), desc=f"writing {quant}", unit="t", disable=not show_progress)
+    summary = summary if summary is not None else WriteSummary()
     heads = {".attn_q.": cfg["num_attention_heads"], ".attn_k.": cfg["num_key_value_heads"]}
     for target, name in dense:
         t = tensors[name]()
@@ -92,11 +116,12 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
         router = ".ffn_gate_inp" in target
         if ".ffn_gate_inp_shexp." in target:  # the shared experts' gate [1, H] is stored as a vector
             t = t.reshape(-1)
-        _add(writer, target, t, tensor_format(target, quant, layers) if t.dim() >= 2 and not router else "f32")
+        _add(writer, target, t, tensor_format(target, quant, layers) if t.dim() >= 2 and not router else "f32",
+             summary)
         bar.update(1)
     for (layer, part), load in sorted(stacked.items()):
         target = f"blk.{layer}.ffn_{part}_exps.weight"
-        _add(writer, target, load(), tensor_format(target, quant, layers))
+        _add(writer, target, load(), tensor_format(target, quant, layers), summary)
         bar.update(1)
     bar.close()
     writer.write_header_to_file()
@@ -218,11 +243,15 @@ def _tokenizer(writer, hf_dir: Path) -> None:
         writer.add_chat_template(config["chat_template"])
 
 
-def _add(writer, name: str, t: torch.Tensor, fmt: str) -> None:
+def _add(writer, name: str, t: torch.Tensor, asked: str, summary: WriteSummary) -> None:
     import gguf  # deferred: the gguf package is needed for GGUF files only
 
     x = t.float()
-    if fmt in FORMATS and x.shape[-1] % FORMATS[fmt].block_elems == 0:
+    fmt = fitting_format(asked, x.shape[-1])
+    summary.formats[fmt] += 1
+    if fmt != asked:
+        summary.fallbacks[(asked, fmt)] += 1
+    if fmt in FORMATS:
         rows = quantize(x.reshape(-1, x.shape[-1]), fmt)
         data = rows.reshape(*x.shape[:-1], rows.shape[-1]).numpy()
         writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=gguf.GGMLQuantizationType(FORMATS[fmt].ggml_type))

@@ -39,7 +39,7 @@ from hearth.engine.checkpoint.hf_quant import QuantLoader, expert_blocks, quant_
 from hearth.engine.config import ConfigError, ModelConfig, parse_dtype, read_config_json
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertPool
-from hearth.engine.models import MoECausalLM, build_model, family_for
+from hearth.engine.models import MoECausalLM, build_model, config_architectures, family_for
 from hearth.engine.ops import deinterleave
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class _Progress:
     experts: set[tuple[int, int, str]]
     errors: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # tensors the model does not use
+    stray: list[str] = field(default_factory=list)  # tensors that belong to no module (skipped, as transformers does)
 
 
 def checkpoint_files(model_dir: Path) -> dict[str, Path]:
@@ -234,6 +235,19 @@ def is_unused_tensor(canonical: str, cfg) -> bool:
     return bool(_UNUSED.search(canonical)) or (layer is not None and int(layer.group(1)) >= cfg.num_layers)
 
 
+def _log_skipped(progress: _Progress, architecture: str) -> None:
+    """One line for the tensors left out: the known kinds grouped, the strays by name."""
+    if not progress.skipped and not progress.stray:
+        return
+    parts = [skipped_summary(progress.skipped)] if progress.skipped else []
+    if progress.stray:
+        names = ", ".join(progress.stray[:10]) + (f", … ({len(progress.stray) - 10} more)" if len(progress.stray) > 10
+                                                 else "")
+        parts.append(f"belonging to no module: {names}")
+    log.info("skipped %d tensors %s does not use: %s", len(progress.skipped) + len(progress.stray), architecture,
+             "; ".join(parts))
+
+
 def skipped_summary(names: list[str]) -> str:
     """Skipped tensor names grouped by where they sit: ``mtp.* (12), model.layers.3.* (9)``."""
     groups: dict[str, int] = {}
@@ -267,7 +281,7 @@ def _load_one(name, canonical, f, cfg, params, pool, progress: _Progress, quant=
         if canonical == "lm_head.weight" and cfg.tie_word_embeddings:
             return  # tied: the embedding is the output projection
         if canonical not in params:
-            progress.errors.append(f"unexpected tensor '{name}' (not part of {cfg.architecture})")
+            progress.stray.append(name)
             return
         dst = params[canonical]
         if _check_shape(name, tuple(f.get_slice(name).get_shape()), tuple(dst.shape), progress.errors):
@@ -302,7 +316,7 @@ def load_hf_config(model_dir: str | Path, dtype: str | torch.dtype | None = None
     raw = read_config_json(model_dir)
     if quant_spec(raw, model_dir) is not None and dtype in (None, "auto"):
         dtype = "float32"  # quantized weights compute in float32 by default, as GGUF files do
-    family = family_for(raw.get("architectures"))
+    family = family_for(config_architectures(raw))
     try:
         hf = AutoConfig.from_pretrained(str(model_dir))
     except Exception as exc:
@@ -343,9 +357,7 @@ def load_model(
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
     progress = _load_tensors(model_dir, cfg, model, pool, family, show_progress, quant, keep)
     _report(progress)
-    if progress.skipped:
-        log.info("skipped %d tensors %s does not use: %s", len(progress.skipped), cfg.architecture,
-                 skipped_summary(progress.skipped))
+    _log_skipped(progress, cfg.architecture)
     adopt_blocks(model)
     model.eval()
     return LoadedModel(config=cfg, model=model, pool=pool, model_dir=model_dir)

@@ -198,7 +198,7 @@ class QuantLoader:
                 self._put_experts(layer, range(e), part, rows)
             return True
         if canonical not in params:
-            errors.append(f"unexpected tensor '{name}' (not part of {self.cfg.architecture})")
+            self.progress.stray.append(name)  # belongs to no module: skipped, as transformers does
             return True
         param = params[canonical]
         if shape != tuple(param.shape):

@@ -17,7 +17,7 @@ from hearth.engine.checkpoint.hf import checkpoint_files, is_unused_tensor, open
 from hearth.engine.checkpoint.hf_quant import QuantSpec, quant_spec
 from hearth.engine.config import ModelConfig, read_config_json
 from hearth.engine.kernels.cpu import cpu_decode_ops
-from hearth.engine.models import build_model, family_for
+from hearth.engine.models import build_model, config_architectures, family_for
 
 
 @dataclass(frozen=True)
@@ -238,7 +238,7 @@ def _hf_quant_summary(path: Path, cfg: ModelConfig, spec: QuantSpec) -> dict:
     """An FP8 or MXFP4 checkpoint as shipped: an FP8 weight and its tile scales count as ``fp8_e4m3``,
     MXFP4 blocks and their scales as ``mxfp4``; the rest under its dtype. Tensors the family does
     not use are left out."""
-    family = family_for(read_config_json(path).get("architectures"))
+    family = family_for(config_architectures(read_config_json(path)))
     files = checkpoint_files(path)
     headers: dict[str, tuple[str, list[int]]] = {}
     for shard in sorted(set(files.values())):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from hearth.config import ConfigError
 from hearth.engine import hugepages
-from hearth.engine.config import ModelConfig
+from hearth.engine.config import ModelConfig, config_architectures
 from hearth.engine.experts.contract import ExpertBackend
 from hearth.engine.models import (
     deepseek_v2,
@@ -58,4 +58,5 @@ def build_model(cfg: ModelConfig, experts: ExpertBackend) -> MoECausalLM:
     return model
 
 
-__all__ = ["FAMILIES", "ModelFamily", "MoECausalLM", "build_model", "family_for", "supported_architectures"]
+__all__ = ["FAMILIES", "ModelFamily", "MoECausalLM", "build_model", "config_architectures", "family_for",
+           "supported_architectures"]

@@ -7,6 +7,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from hearth.engine.config import config_architectures
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 # Chat templates for architectures whose checkpoints ship their conversation format as code, not as
 # a template: used when the tokenizer has none.
@@ -39,7 +41,7 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
 def builtin_template(model_dir: Path) -> Path | None:
     """hearth's chat template for the checkpoint's architecture (see ``BUILTIN_TEMPLATES``), if any."""
     try:
-        architectures = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+        architectures = config_architectures(json.loads((model_dir / "config.json").read_text()))
     except (OSError, json.JSONDecodeError):
         return None
     names = [BUILTIN_TEMPLATES[a] for a in architectures if a in BUILTIN_TEMPLATES]
