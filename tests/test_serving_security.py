@@ -145,6 +145,30 @@ def test_the_store_is_bounded_by_bytes_and_owned() -> None:
     assert store.bytes == 0
 
 
+def test_the_store_ring_wraps_and_reads_back_what_it_kept() -> None:
+    """Entries of mixed sizes, some deleted, over many laps of the ring: every entry kept reads back
+    exactly, the kept ones are the newest stored (less those deleted), and the budget holds."""
+    import random
+
+    rng = random.Random(0)
+    store = ResponseStore(capacity=1000, max_bytes=50_000)
+    stored, deleted = [], set()
+    for i in range(600):
+        store.put({"id": f"r{i}", "t": "x" * rng.randrange(0, 9000)}, [{"i": i}], "a")
+        stored.append(i)
+        if rng.random() < 0.2:
+            victim = rng.choice(stored)
+            deleted.add(victim)
+            store.delete(f"r{victim}", "a")
+        assert store.bytes <= store.max_bytes
+    kept = [i for i in stored if store.get(f"r{i}", "a") is not None]
+    assert kept and not set(kept) & deleted
+    assert kept == [i for i in stored[kept[0]:] if i not in deleted]  # a suffix of what was stored
+    for i in kept:
+        body, conversation = store.get(f"r{i}", "a")
+        assert body["id"] == f"r{i}" and conversation == [{"i": i}]
+
+
 def test_slow_requests_are_cut_at_the_read_timeout(agent_checkpoint) -> None:
     """Connections that send nothing, a header a byte at a time, or a body a byte at a time are closed
     once their request has taken read_timeout to arrive; a whole request is answered as usual."""
