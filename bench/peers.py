@@ -52,7 +52,7 @@ FTYPES = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q4_k_s": 14, "q5_k_m": 17, "q5_k_
 
 # -- make ---------------------------------------------------------------------------------------
 
-def convert(model: Path, llama_cpp: Path, out: Path, outtype: str = "bf16") -> None:
+def convert(model: Path, llama_cpp: Path, out: Path, outtype: str = "bf16", extra: tuple[str, ...] = ()) -> None:
     """llama.cpp's converter on a Hugging Face folder, to ``outtype`` (bf16, f32, q8_0…). A
     tokenizer the converter does not know by its hash (a random test model's) gets the
     pre-tokenizer its tokenizer.json declares (GPT-2's byte-level regex); nothing else of the
@@ -69,7 +69,7 @@ def convert(model: Path, llama_cpp: Path, out: Path, outtype: str = "bf16") -> N
             return "gpt-2"
 
     base.TextModel.get_vocab_base_pre = pre_tokenizer
-    sys.argv = ["convert_hf_to_gguf.py", str(model), "--outtype", outtype, "--outfile", str(out)]
+    sys.argv = ["convert_hf_to_gguf.py", str(model), "--outtype", outtype, "--outfile", str(out), *extra]
     runpy.run_path(str(llama_cpp / "convert_hf_to_gguf.py"), run_name="__main__")
 
 

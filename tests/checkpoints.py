@@ -75,6 +75,8 @@ AGENT_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_res
 HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
 # DeepSeek's conversation markers (fullwidth bars) as special tokens; its checkpoints ship no template.
 DEEPSEEK_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
+# GLM's markers (special tokens), which llama.cpp's converter looks up by name in a GLM tokenizer.
+GLM_TOKENS = ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
 HARMONY_TEMPLATE = (
     "{%- if tools %}<|start|>developer<|message|># Tools{% for t in tools %} functions.{{ t.function.name }}"
     "{% endfor %}<|end|>{% endif %}"
@@ -173,9 +175,9 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384, chat_format: str = "ch
     ``chat_format`` is ``chatml`` (plain ChatML), ``agent`` (ChatML with tools and thinking, and
     their markers as single tokens), ``harmony`` (GPT-OSS's markers as special tokens) or
     ``deepseek_v4`` (DeepSeek's markers as special tokens, think tags, and no chat template, as
-    DeepSeek-V4 ships)."""
-    if chat_format not in ("chatml", "agent", "harmony", "deepseek_v4"):
-        raise ValueError(f"unknown chat format '{chat_format}' (chatml, agent, harmony or deepseek_v4)")
+    DeepSeek-V4 ships) or ``glm`` (ChatML with GLM's markers as special tokens besides)."""
+    if chat_format not in ("chatml", "agent", "harmony", "deepseek_v4", "glm"):
+        raise ValueError(f"unknown chat format '{chat_format}' (chatml, agent, harmony, deepseek_v4 or glm)")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -196,6 +198,8 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384, chat_format: str = "ch
     if chat_format == "deepseek_v4":
         tok.add_special_tokens(DEEPSEEK_TOKENS)
         tok.add_tokens(["<think>", "</think>"])
+    if chat_format == "glm":
+        tok.add_special_tokens(GLM_TOKENS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token={"harmony": "<|return|>", "deepseek_v4": DEEPSEEK_TOKENS[1]}.get(chat_format, "<|im_end|>"),

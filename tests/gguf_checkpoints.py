@@ -27,8 +27,27 @@ def reference(path: Path):
     if f.architecture == "llama":
         return _mixtral_reference(path, config)
     assert AutoConfig.from_pretrained(path.parent, gguf_file=path.name).num_experts == config.num_experts
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
-                                                dtype=torch.float32).eval()
+    model, info = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
+                                                       dtype=torch.float32, ignore_mismatched_sizes=True,
+                                                       output_loading_info=True)
+    mismatched = [str(key) for key in info.get("mismatched_keys", [])]
+    assert all("shared_expert_gate" in key for key in mismatched), mismatched
+    _shared_expert_gates(model, path)
+    return model.eval()
+
+
+def _shared_expert_gates(model, path: Path) -> None:
+    """Qwen2-MoE's shared-expert gate, which llama.cpp's converter stores as [1, 1, H] and
+    transformers' GGUF loading then drops for a size mismatch (and leaves at random): set from the
+    ``gguf`` package's decoding of the file, as stored."""
+    import gguf
+
+    for t in gguf.GGUFReader(path).tensors:
+        if t.name.endswith(".ffn_gate_inp_shexp.weight"):
+            layer = int(t.name.split(".")[1])
+            values = gguf.quants.dequantize(t.data, t.tensor_type).astype("float32").reshape(1, -1)
+            with torch.no_grad():
+                model.model.layers[layer].mlp.shared_expert_gate.weight.copy_(torch.from_numpy(values.copy()))
 
 
 _MIXTRAL_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",

@@ -1,0 +1,41 @@
+"""GGUF files of every family written by llama.cpp's own converter and quantizer
+(``tools/make_gguf_fixtures.py``, committed under ``tests/fixtures/gguf``), and the tiny checkpoints
+they were made from, made again here from the same recipe and seed: the tests' reference is
+transformers on that checkpoint, and a file hearth did not write is what hearth reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gguf"
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2",
+            "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v4")
+# make_checkpoint's arguments beyond the family: bf16 weights (the converter's bf16 file is then
+# lossless), and the tokenizer each family's converter expects.
+RECIPES: dict[str, dict[str, Any]] = {
+    "glm4_moe": {"chat_format": "glm"},
+    "gpt_oss": {"chat_format": "harmony"},
+    "deepseek_v4": {"chat_format": "deepseek_v4"},
+}
+# The converter's flags per family: the hybrids' checkpoints here have no MTP layers to export.
+CONVERTER_FLAGS: dict[str, tuple[str, ...]] = {"qwen3_next": ("--no-mtp",), "qwen3_5_moe": ("--no-mtp",)}
+# config.json fields a shipped checkpoint has and transformers' config class does not write.
+SHIPPED_FIELDS: dict[str, dict[str, Any]] = {"deepseek_v4": {"num_hash_layers": 1}}
+
+
+def fixture_checkpoint(out_dir: Path, family: str) -> tuple[Path, Any]:
+    """The checkpoint ``family``'s fixtures were made from (its directory, the transformers model)."""
+    from tests.checkpoints import make_checkpoint
+
+    path, model = make_checkpoint(out_dir, family, dtype="bfloat16", seed=0, **RECIPES.get(family, {}))
+    if family in SHIPPED_FIELDS:
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, **SHIPPED_FIELDS[family]}, indent=2))
+    return path, model
+
+
+def fixture(family: str, kind: str) -> Path:
+    """The fixture file of ``family`` in ``kind`` (bf16, q8_0, q4_k_m)."""
+    return FIXTURES / f"{family}-{kind}.gguf"

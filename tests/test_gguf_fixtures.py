@@ -1,0 +1,69 @@
+"""GGUF files written by llama.cpp's own converter (``tests/fixtures/gguf``, made by
+``tools/make_gguf_fixtures.py``): the families hearth reads from GGUF match transformers on the
+same file and on the checkpoint the file was made from; the others are refused with one line that
+names the architecture, never a traceback or a wrong model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from hearth.engine import LLM, SamplingParams  # noqa: E402
+from hearth.engine.checkpoint.common import CheckpointError  # noqa: E402
+from hearth.engine.checkpoint.gguf_reader import ARCHITECTURES, GGUFError  # noqa: E402
+from hearth.engine.config import ConfigError  # noqa: E402
+from tests.gguf_checkpoints import PROMPTS, assert_matches_transformers  # noqa: E402
+from tests.gguf_fixtures import FAMILIES, FIXTURES, fixture, fixture_checkpoint  # noqa: E402
+
+MANIFEST = {r["family"]: r for r in json.loads((FIXTURES / "MANIFEST.json").read_text())}
+MADE = [(family, kind) for family in FAMILIES for kind in ("bf16", "q8_0", "q4_k_m")
+        if f"{family}-{kind}.gguf" in MANIFEST.get(family, {}).get("written", [])]
+
+
+def architecture(path) -> str:
+    """The file's ``general.architecture``, as the gguf package reads it."""
+    import gguf
+
+    return gguf.GGUFReader(path).fields["general.architecture"].contents()
+
+
+READ = [(f, k) for f, k in MADE if architecture(fixture(f, k)) in ARCHITECTURES]
+REFUSED = [(f, k) for f, k in MADE if (f, k) not in READ]
+
+
+def test_every_family_has_fixtures_or_says_why_not() -> None:
+    for family in FAMILIES:
+        made = MANIFEST[family]["written"]
+        assert made or MANIFEST[family]["failed"], family
+
+
+@pytest.mark.parametrize(("family", "kind"), READ, ids=[f"{f}-{k}" for f, k in READ])
+def test_a_llama_cpp_file_matches_transformers_on_it(family, kind) -> None:
+    assert_matches_transformers(fixture(family, kind))
+
+
+@pytest.mark.parametrize("family", sorted({f for f, k in READ if k == "bf16"}))
+def test_a_lossless_llama_cpp_file_matches_the_checkpoint_it_was_made_from(family, tmp_path) -> None:
+    """The bf16 file against transformers on the bf16 checkpoint itself (computed in fp32): the
+    converter's layout (names, q/k row order, stacked experts) read back exactly."""
+    _, model = fixture_checkpoint(tmp_path / family, family)
+    model = model.float()
+    llm = LLM(fixture(family, "bf16"))
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            want = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
+        out = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, logprobs=0))[0]
+        assert out.token_ids[0] == int(want.argmax())
+        assert out.chunk.logprobs[0].logprob == pytest.approx(float(want.max()), abs=1e-4)
+
+
+@pytest.mark.parametrize(("family", "kind"), REFUSED, ids=[f"{f}-{k}" for f, k in REFUSED])
+def test_a_family_not_read_from_gguf_yet_is_refused_by_name(family, kind) -> None:
+    path = fixture(family, kind)
+    arch = architecture(path)
+    with pytest.raises((GGUFError, ConfigError, CheckpointError), match=arch):
+        LLM(path)
