@@ -38,6 +38,8 @@ from tqdm import tqdm
 
 from hearth.engine import hugepages
 from hearth.engine.checkpoint import common
+from hearth.engine.checkpoint.gguf_families import ARCHITECTURES as GGUF_ARCHITECTURES
+from hearth.engine.checkpoint.gguf_families import metadata_config
 from hearth.engine.config import parse_dtype
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
@@ -48,8 +50,7 @@ from hearth.engine.quant.block import BlockFormat
 from hearth.engine.quant.registry import FORMATS, HEARTH_FORMATS, REGISTRY, dequantize
 
 # GGUF architecture -> the transformers class hearth serves it as ("llama" with experts is Mixtral).
-ARCHITECTURES = MappingProxyType({"qwen3moe": "Qwen3MoeForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
-                                  "llama": "MixtralForCausalLM"})
+ARCHITECTURES = MappingProxyType({name: spec.hf_architecture for name, spec in GGUF_ARCHITECTURES.items()})
 _FLOAT_TYPES = MappingProxyType({0: torch.float32, 1: torch.float16, 30: torch.bfloat16})  # GGML type ids
 _BLOCK_TYPES = REGISTRY.by_ggml_type()
 
@@ -184,12 +185,7 @@ def is_gguf(path: str | Path) -> bool:
 
 def gguf_hf_config(f: GGUFFile) -> Any:
     """The transformers config of a GGUF file, completed from its metadata."""
-    from transformers import AutoConfig  # deferred: transformers is heavy to import; only configs need it
-
-    try:
-        hf = AutoConfig.from_pretrained(str(f.path.parent), gguf_file=f.path.name)
-    except Exception as exc:  # noqa: BLE001 - transformers' own conversion error, with the file named
-        raise GGUFError(f"{f.path}: cannot read its config ({exc})") from None
+    hf = _read_config(f)
     # transformers' GGUF mapping leaves the experts' widths at their defaults.
     width = f.metadata(f"{f.architecture}.expert_feed_forward_length")
     if width is not None:
@@ -207,6 +203,22 @@ def gguf_hf_config(f: GGUFFile) -> Any:
                            num_experts_per_tok=int(f.metadata("llama.expert_used_count")))
         hf.architectures = ["MixtralForCausalLM"]
     return hf
+
+
+def _read_config(f: GGUFFile) -> Any:
+    """transformers' config of the file: by its GGUF support, or from the metadata by hearth's
+    mapping where transformers has none for the architecture (see ``gguf_families``)."""
+    from transformers import AutoConfig  # deferred: transformers is heavy to import; only configs need it
+
+    try:
+        if GGUF_ARCHITECTURES[f.architecture].model_type is None:
+            return AutoConfig.from_pretrained(str(f.path.parent), gguf_file=f.path.name)
+        vocab = f.tensors["token_embd.weight"].shape[0]  # the embedding's rows (the token list may be shorter)
+        special = {name: f.metadata(f"tokenizer.ggml.{name}_token_id") for name in ("bos", "eos", "pad")}
+        return metadata_config(f.architecture, lambda key, default=None: f.metadata(f"{f.architecture}.{key}", default),
+                               vocab, special)
+    except Exception as exc:  # noqa: BLE001 - a conversion error, with the file named
+        raise GGUFError(f"{f.path}: cannot read its config ({exc})") from None
 
 
 def load_gguf_config(path: str | Path, dtype: str | torch.dtype | None = None):

@@ -22,9 +22,7 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
     from its metadata, with its chat template)."""
     model_dir = Path(model_dir)
     if model_dir.suffix == ".gguf" and model_dir.is_file():
-        from transformers import AutoTokenizer  # deferred: transformers takes seconds to import
-
-        return AutoTokenizer.from_pretrained(str(model_dir.parent), gguf_file=model_dir.name)
+        return _gguf_tokenizer(model_dir)
     if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer  # deferred: transformers takes seconds to import
@@ -36,6 +34,21 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
             log.info("%s ships no chat template: using hearth's %s", model_dir, builtin.name)
             tokenizer.chat_template = builtin.read_text()
     return tokenizer
+
+
+def _gguf_tokenizer(path: Path) -> Any:
+    """A GGUF file's tokenizer. transformers' AutoTokenizer first looks the architecture up in its
+    GGUF config mapping, which lacks several families hearth reads; the fast tokenizer built from
+    the file's ``tokenizer.ggml.*`` keys alone (the same conversion) serves those."""
+    # deferred: transformers takes seconds to import
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except ValueError as exc:
+        if "is not supported yet" not in str(exc):
+            raise
+    return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def builtin_template(model_dir: Path) -> Path | None:

@@ -1,0 +1,71 @@
+"""The GGUF architectures hearth reads, as llama.cpp's converter writes them: the transformers class
+each is served as, and, where transformers' GGUF support has no config mapping for it, the config
+built from the file's metadata (the keys llama.cpp's converter writes, read back into the fields of
+transformers' config class for that family)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+Meta = Callable[..., Any]  # meta(key, default=None): the value of "{architecture}.{key}"
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """One GGUF architecture: the transformers class it is served as; ``model_type`` and ``fields``
+    where hearth builds its config from the metadata (None: transformers' GGUF support reads it)."""
+
+    hf_architecture: str
+    model_type: str | None = None
+    fields: Callable[[Meta], dict[str, Any]] = field(default=lambda meta: {})
+
+
+def common_fields(meta: Meta) -> dict[str, Any]:
+    """The fields every decoder's metadata gives: shapes, norms, rotary base, the router's top-k.
+    Multi-token-prediction layers (``nextn_predict_layers``) are counted in ``block_count``; the
+    decoder has the others."""
+    heads = int(meta("attention.head_count"))
+    fields: dict[str, Any] = dict(
+        hidden_size=int(meta("embedding_length")),
+        num_hidden_layers=int(meta("block_count")) - int(meta("nextn_predict_layers", 0) or 0),
+        num_attention_heads=heads,
+        num_key_value_heads=int(meta("attention.head_count_kv", heads)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(meta("context_length")),
+        rope_parameters={"rope_type": "default", "rope_theta": float(meta("rope.freq_base", 10000.0))},
+        num_experts_per_tok=int(meta("expert_used_count")),
+    )
+    if meta("feed_forward_length") is not None:
+        fields["intermediate_size"] = int(meta("feed_forward_length"))
+    if meta("attention.key_length") is not None:
+        fields["head_dim"] = int(meta("attention.key_length"))
+    return fields
+
+
+def _olmoe(meta: Meta) -> dict[str, Any]:
+    # OLMoE's experts are intermediate_size wide; it does not renormalise the top-k weights.
+    fields = {**common_fields(meta), "num_experts": int(meta("expert_count")), "norm_topk_prob": False}
+    if meta("attention.clamp_kqv") is not None:
+        fields["clip_qkv"] = float(meta("attention.clamp_kqv"))
+    return fields
+
+
+ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
+    "qwen3moe": GGUFArchitecture("Qwen3MoeForCausalLM"),
+    "qwen2moe": GGUFArchitecture("Qwen2MoeForCausalLM"),
+    "llama": GGUFArchitecture("MixtralForCausalLM"),  # llama with experts, as llama.cpp writes Mixtral
+    "olmoe": GGUFArchitecture("OlmoeForCausalLM", "olmoe", _olmoe),
+})
+
+
+def metadata_config(architecture: str, meta: Meta, vocab_size: int, special: Mapping[str, int | None]) -> Any:
+    """transformers' config of ``architecture`` from the metadata (``special``: the bos/eos/pad ids)."""
+    from transformers import AutoConfig  # deferred: transformers is heavy to import; only configs need it
+
+    spec = ARCHITECTURES[architecture]
+    fields = {**spec.fields(meta), "vocab_size": vocab_size}
+    fields.update({f"{name}_token_id": value for name, value in special.items() if value is not None})
+    return AutoConfig.for_model(spec.model_type, **fields)
