@@ -18,6 +18,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     "glm4_moe": {"chat_format": "glm"},
     "gpt_oss": {"chat_format": "harmony"},
     "deepseek_v4": {"chat_format": "deepseek_v4"},
+    "minimax_m2": {"bos_token_id": None},  # (its config class's default, 200034, is past the tiny vocabulary)
 }
 # The converter's flags per family: the hybrids' checkpoints here have no MTP layers to export.
 CONVERTER_FLAGS: dict[str, tuple[str, ...]] = {"qwen3_next": ("--no-mtp",), "qwen3_5_moe": ("--no-mtp",)}

@@ -58,6 +58,7 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "qwen2moe": GGUFArchitecture("Qwen2MoeForCausalLM"),
     "llama": GGUFArchitecture("MixtralForCausalLM"),  # llama with experts, as llama.cpp writes Mixtral
     "olmoe": GGUFArchitecture("OlmoeForCausalLM", "olmoe", _olmoe),
+    "minimax-m2": GGUFArchitecture("MiniMaxM2ForCausalLM"),
 })
 
 
@@ -69,3 +70,14 @@ def metadata_config(architecture: str, meta: Meta, vocab_size: int, special: Map
     fields = {**spec.fields(meta), "vocab_size": vocab_size}
     fields.update({f"{name}_token_id": value for name, value in special.items() if value is not None})
     return AutoConfig.for_model(spec.model_type, **fields)
+
+
+def gguf_name(names: Any, param: str) -> str | None:
+    """The GGUF tensor of a model parameter (its transformers name), by llama.cpp's name table (the
+    ``gguf`` package's ``TensorNameMap``), or None. As the converter does, a router's
+    ``e_score_correction_bias`` is the ``.bias`` of ``e_score_correction`` (``exp_probs_b.bias``)."""
+    if param.endswith("e_score_correction_bias"):
+        param = param[: -len("_bias")] + ".bias"
+    base, suffix = param.rsplit(".", 1)
+    target = names.get_name(base)
+    return f"{target}.{suffix}" if target is not None else None

@@ -39,7 +39,7 @@ from tqdm import tqdm
 from hearth.engine import hugepages
 from hearth.engine.checkpoint import common
 from hearth.engine.checkpoint.gguf_families import ARCHITECTURES as GGUF_ARCHITECTURES
-from hearth.engine.checkpoint.gguf_families import metadata_config
+from hearth.engine.checkpoint.gguf_families import gguf_name, metadata_config
 from hearth.engine.config import parse_dtype
 from hearth.engine.experts.compute import LocalExpertBackend
 from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
@@ -241,7 +241,6 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
     weights may stay in their blocks; ``for_storage``: they do even where the native kernels do not
     run here, as ``hearth convert`` writes them to FTW; ``layers``: only the tensors of the pipeline
     stage holding layers [first, end))."""
-    import gguf  # deferred: the gguf package is needed for GGUF files only
 
     f = GGUFFile(path)
     family, cfg = _config(f, dtype)
@@ -251,19 +250,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
     blocks = expert_blocks(f, cfg) if pool_factory is None and keep_blocks else None
     pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None, blocks)
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
-    names = gguf.TensorNameMap(gguf.MODEL_ARCH[f.architecture.upper()], cfg.num_layers)
-    known: set[str] = set()  # every tensor the whole model reads (a stage loads its own of them)
-    expected: dict[str, torch.nn.Parameter] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        base, suffix = name.rsplit(".", 1)
-        target = names.get_name(base)
-        if target is None:
-            raise common.CheckpointError(f"{f.path}: no GGUF name for '{name}' ({cfg.architecture})")
-        known.add(f"{target}.{suffix}")
-        if common.stage_owns(name, cfg):
-            expected[f"{target}.{suffix}"] = param
+    known, expected = _dense_tensors(f, cfg, model)
     known |= {f"blk.{layer}.ffn_{part}_exps.weight" for layer, moe in enumerate(cfg.moe_layers) if moe
               for part in _EXPERT_PARTS}
     experts = {f"blk.{layer}.ffn_{part}_exps.weight": (layer, part)
@@ -284,6 +271,27 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
     bar.close()
     model.eval()
     return common.LoadedModel(config=cfg, model=model, pool=pool, model_dir=f.path)
+
+
+def _dense_tensors(f: GGUFFile, cfg, model) -> tuple[set[str], dict[str, torch.nn.Parameter]]:
+    """(every non-expert tensor name the whole model reads, this stage's: GGUF name -> parameter),
+    the names from llama.cpp's own table (see :func:`gguf_families.gguf_name`)."""
+    import gguf  # deferred: the gguf package is needed for GGUF files only
+
+    arch = next(member for member, name in gguf.MODEL_ARCH_NAMES.items() if name == f.architecture)
+    names = gguf.TensorNameMap(arch, cfg.num_layers)
+    known: set[str] = set()  # (a pipeline stage loads its own of them)
+    expected: dict[str, torch.nn.Parameter] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        target = gguf_name(names, name)
+        if target is None:
+            raise common.CheckpointError(f"{f.path}: no GGUF name for '{name}' ({cfg.architecture})")
+        known.add(target)
+        if common.stage_owns(name, cfg):
+            expected[target] = param
+    return known, expected
 
 
 def kernel_format(t) -> BlockFormat | None:
