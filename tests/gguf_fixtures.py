@@ -37,6 +37,16 @@ def fixture_checkpoint(out_dir: Path, family: str) -> tuple[Path, Any]:
     return path, model
 
 
+def fixture_model(out_dir: Path, family: str) -> Any:
+    """transformers' model of the fixture checkpoint, in fp32 as loaded from the directory (a bf16
+    model cast with ``.float()`` would keep its buffers, the rotary frequencies among them, rounded)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path, _ = fixture_checkpoint(out_dir, family)
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
 def fixture(family: str, kind: str) -> Path:
     """The fixture file of ``family`` in ``kind`` (bf16, q8_0, q4_k_m)."""
     return FIXTURES / f"{family}-{kind}.gguf"

@@ -17,7 +17,7 @@ from hearth.engine.checkpoint.common import CheckpointError  # noqa: E402
 from hearth.engine.checkpoint.gguf_reader import ARCHITECTURES, GGUFError  # noqa: E402
 from hearth.engine.config import ConfigError  # noqa: E402
 from tests.gguf_checkpoints import PROMPTS, assert_matches_transformers, dequantized_reference  # noqa: E402
-from tests.gguf_fixtures import FAMILIES, FIXTURES, fixture, fixture_checkpoint  # noqa: E402
+from tests.gguf_fixtures import FAMILIES, FIXTURES, fixture, fixture_model  # noqa: E402
 
 MANIFEST = {r["family"]: r for r in json.loads((FIXTURES / "MANIFEST.json").read_text())}
 MADE = [(family, kind) for family in FAMILIES for kind in ("bf16", "q8_0", "q4_k_m")
@@ -52,7 +52,7 @@ def test_a_llama_cpp_file_matches_transformers_on_it(family, kind, tmp_path) -> 
     path = fixture(family, kind)
     ref = None
     if architecture(path) not in TRANSFORMERS_READS:
-        ref = dequantized_reference(path, fixture_checkpoint(tmp_path / family, family)[1])
+        ref = dequantized_reference(path, fixture_model(tmp_path / family, family))
     assert_matches_transformers(path, ref)
 
 
@@ -60,8 +60,7 @@ def test_a_llama_cpp_file_matches_transformers_on_it(family, kind, tmp_path) -> 
 def test_a_lossless_llama_cpp_file_matches_the_checkpoint_it_was_made_from(family, tmp_path) -> None:
     """The bf16 file against transformers on the bf16 checkpoint itself (computed in fp32): the
     converter's layout (names, q/k row order, stacked experts) read back exactly."""
-    _, model = fixture_checkpoint(tmp_path / family, family)
-    model = model.float()
+    model = fixture_model(tmp_path / family, family)
     llm = LLM(fixture(family, "bf16"))
     for prompt in PROMPTS:
         with torch.no_grad():
@@ -77,3 +76,49 @@ def test_a_family_not_read_from_gguf_yet_is_refused_by_name(family, kind) -> Non
     arch = architecture(path)
     with pytest.raises((GGUFError, ConfigError, CheckpointError), match=arch):
         LLM(path)
+
+
+def with_extra_tensors(src, dst, extra: dict) -> None:
+    """``src`` copied to ``dst`` with ``extra`` (name -> float32 array) added, metadata unchanged."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, f.contents(), f.types[0], sub)
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)  # (row bytes if quantized)
+    for name, values in extra.items():
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_multi_token_prediction_layers_in_the_file_are_skipped(tmp_path, caplog) -> None:
+    """GLM's and DeepSeek's files from llama.cpp keep their nextn layers after the decoder's
+    (``blk.N`` with N = the decoder's layer count, counted in ``block_count``): skipped, named in
+    one log line, the model unchanged; a stray tensor elsewhere is still refused."""
+    import logging
+
+    import numpy as np
+
+    src = fixture("glm4_moe", "q8_0")
+    extra = tmp_path / "nextn.gguf"
+    with_extra_tensors(src, extra, {"blk.3.nextn.eh_proj.weight": np.ones((64, 128), np.float32),
+                                    "blk.3.attn_norm.weight": np.ones(64, np.float32)})
+    with caplog.at_level(logging.INFO, logger="hearth.engine.checkpoint.gguf_reader"):
+        got = LLM(extra).generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0))[0].token_ids
+    assert any("skipped 2 tensors" in r.getMessage() and "blk.3" in r.getMessage() for r in caplog.records)
+    assert got == LLM(src).generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0))[0].token_ids
+    stray = tmp_path / "stray.gguf"
+    with_extra_tensors(src, stray, {"blk.1.mystery.weight": np.ones(64, np.float32)})
+    with pytest.raises(CheckpointError, match="unexpected tensor 'blk.1.mystery.weight'"):
+        LLM(stray)

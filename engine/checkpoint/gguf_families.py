@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 Meta = Callable[..., Any]  # meta(key, default=None): the value of "{architecture}.{key}"
+Has = Callable[[str], bool]  # has(name): whether the file holds that tensor
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class GGUFArchitecture:
 
     hf_architecture: str
     model_type: str | None = None
-    fields: Callable[[Meta], dict[str, Any]] = field(default=lambda meta: {})
+    fields: Callable[[Meta, Has], dict[str, Any]] = field(default=lambda meta, has: {})
 
 
 def common_fields(meta: Meta) -> dict[str, Any]:
@@ -45,12 +46,35 @@ def common_fields(meta: Meta) -> dict[str, Any]:
     return fields
 
 
-def _olmoe(meta: Meta) -> dict[str, Any]:
+def _olmoe(meta: Meta, has: Has) -> dict[str, Any]:
     # OLMoE's experts are intermediate_size wide; it does not renormalise the top-k weights.
     fields = {**common_fields(meta), "num_experts": int(meta("expert_count")), "norm_topk_prob": False}
     if meta("attention.clamp_kqv") is not None:
         fields["clip_qkv"] = float(meta("attention.clamp_kqv"))
     return fields
+
+
+def _glm4_moe(meta: Meta, has: Has) -> dict[str, Any]:
+    """GLM-4.5/4.6/4.7: the DeepSeek-style router (sigmoid, groups, correction bias, scaled weights),
+    leading dense layers, a shared expert, partial rotary; q/k/v biases and q/k norms where the file
+    holds them (the converter writes no flag for either)."""
+    fields = common_fields(meta)
+    head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
+    return {**fields, **_deepseek_router(meta),
+            "partial_rotary_factor": int(meta("rope.dimension_count", head_dim)) / head_dim,
+            "attention_bias": has("blk.0.attn_q.bias"), "use_qk_norm": has("blk.0.attn_q_norm.weight")}
+
+
+def _deepseek_router(meta: Meta) -> dict[str, Any]:
+    """The routed and shared experts and the group-limited router, as DeepSeek-V2/V3 and GLM name them."""
+    return dict(n_routed_experts=int(meta("expert_count")),
+                moe_intermediate_size=int(meta("expert_feed_forward_length")),
+                n_shared_experts=int(meta("expert_shared_count", 0) or 0),
+                first_k_dense_replace=int(meta("leading_dense_block_count", 0) or 0),
+                n_group=int(meta("expert_group_count", 1) or 1),
+                topk_group=int(meta("expert_group_used_count", 1) or 1),
+                routed_scaling_factor=float(meta("expert_weights_scale", 1.0) or 1.0),
+                norm_topk_prob=bool(meta("expert_weights_norm", False)))
 
 
 ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
@@ -59,15 +83,17 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "llama": GGUFArchitecture("MixtralForCausalLM"),  # llama with experts, as llama.cpp writes Mixtral
     "olmoe": GGUFArchitecture("OlmoeForCausalLM", "olmoe", _olmoe),
     "minimax-m2": GGUFArchitecture("MiniMaxM2ForCausalLM"),
+    "glm4moe": GGUFArchitecture("Glm4MoeForCausalLM", "glm4_moe", _glm4_moe),
 })
 
 
-def metadata_config(architecture: str, meta: Meta, vocab_size: int, special: Mapping[str, int | None]) -> Any:
+def metadata_config(architecture: str, meta: Meta, has: Has, vocab_size: int,
+                    special: Mapping[str, int | None]) -> Any:
     """transformers' config of ``architecture`` from the metadata (``special``: the bos/eos/pad ids)."""
     from transformers import AutoConfig  # deferred: transformers is heavy to import; only configs need it
 
     spec = ARCHITECTURES[architecture]
-    fields = {**spec.fields(meta), "vocab_size": vocab_size}
+    fields = {**spec.fields(meta, has), "vocab_size": vocab_size}
     fields.update({f"{name}_token_id": value for name, value in special.items() if value is not None})
     return AutoConfig.for_model(spec.model_type, **fields)
 

@@ -26,6 +26,7 @@ tensors) is decoded to the compute dtype at load; see docs/quantization.md.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,7 @@ from hearth.engine.quant.registry import FORMATS, HEARTH_FORMATS, REGISTRY, dequ
 
 # GGUF architecture -> the transformers class hearth serves it as ("llama" with experts is Mixtral).
 ARCHITECTURES = MappingProxyType({name: spec.hf_architecture for name, spec in GGUF_ARCHITECTURES.items()})
+log = logging.getLogger(__name__)
 _FLOAT_TYPES = MappingProxyType({0: torch.float32, 1: torch.float16, 30: torch.bfloat16})  # GGML type ids
 _BLOCK_TYPES = REGISTRY.by_ggml_type()
 
@@ -216,7 +218,7 @@ def _read_config(f: GGUFFile) -> Any:
         vocab = f.tensors["token_embd.weight"].shape[0]  # the embedding's rows (the token list may be shorter)
         special = {name: f.metadata(f"tokenizer.ggml.{name}_token_id") for name in ("bos", "eos", "pad")}
         return metadata_config(f.architecture, lambda key, default=None: f.metadata(f"{f.architecture}.{key}", default),
-                               vocab, special)
+                               f.tensors.__contains__, vocab, special)
     except Exception as exc:  # noqa: BLE001 - a conversion error, with the file named
         raise GGUFError(f"{f.path}: cannot read its config ({exc})") from None
 
@@ -255,7 +257,11 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
               for part in _EXPERT_PARTS}
     experts = {f"blk.{layer}.ffn_{part}_exps.weight": (layer, part)
                for layer in cfg.moe_layer_ids for part in _EXPERT_PARTS}
-    errors = [f"unexpected tensor '{n}'" for n in f.tensors if n not in known]
+    beyond = [n for n in f.tensors if n not in known and _layer_of(n) >= cfg.num_layers]
+    if beyond:  # multi-token-prediction (nextn) layers, counted in block_count: not computed here
+        log.info("skipped %d tensors of %s's multi-token-prediction layers (blk.%d and on)", len(beyond),
+                 cfg.architecture, cfg.num_layers)
+    errors = [f"unexpected tensor '{n}'" for n in f.tensors if n not in known and n not in beyond]
     errors += [f"missing tensor '{n}'" for n in [*expected, *experts] if n not in f.tensors]
     if errors:
         more = f"; … and {len(errors) - 6} more" if len(errors) > 6 else ""
@@ -271,6 +277,12 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
     bar.close()
     model.eval()
     return common.LoadedModel(config=cfg, model=model, pool=pool, model_dir=f.path)
+
+
+def _layer_of(name: str) -> int:
+    """The layer of a ``blk.N.*`` tensor (-1 for the others)."""
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() else -1
 
 
 def _dense_tensors(f: GGUFFile, cfg, model) -> tuple[set[str], dict[str, torch.nn.Parameter]]:
