@@ -27,80 +27,37 @@ tensors) is decoded to the compute dtype at load; see docs/quantization.md.
 from __future__ import annotations
 
 import logging
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from hearth.engine import hugepages
 from hearth.engine.checkpoint import common
+from hearth.engine.checkpoint.gguf_experts import expert_blocks, expert_tensors, fill_experts
 from hearth.engine.checkpoint.gguf_families import ARCHITECTURES as GGUF_ARCHITECTURES
 from hearth.engine.checkpoint.gguf_families import gguf_name, metadata_config
+from hearth.engine.checkpoint.gguf_tensors import (
+    GGUFError,
+    GGUFTensor,
+    kernel_format,
+    stored_rows,
+)
 from hearth.engine.config import parse_dtype
 from hearth.engine.experts.compute import LocalExpertBackend
-from hearth.engine.experts.pool import ExpertBlocks, ExpertPool
-from hearth.engine.kernels.cpu import BLOCK_KERNELS
+from hearth.engine.experts.pool import ExpertPool
 from hearth.engine.models import build_model, family_for
 from hearth.engine.ops import block_weight
 from hearth.engine.quant.block import BlockFormat
-from hearth.engine.quant.registry import FORMATS, HEARTH_FORMATS, REGISTRY, dequantize
+from hearth.engine.quant.registry import FORMATS, REGISTRY
 
 # GGUF architecture -> the transformers class hearth serves it as ("llama" with experts is Mixtral).
 ARCHITECTURES = MappingProxyType({name: spec.hf_architecture for name, spec in GGUF_ARCHITECTURES.items()})
 log = logging.getLogger(__name__)
 _FLOAT_TYPES = MappingProxyType({0: torch.float32, 1: torch.float16, 30: torch.bfloat16})  # GGML type ids
 _BLOCK_TYPES = REGISTRY.by_ggml_type()
-
-
-class GGUFError(ValueError):
-    """A GGUF file hearth cannot load; the message names the file and what is wrong."""
-
-
-@dataclass(frozen=True)
-class GGUFTensor:
-    """One tensor: its torch shape (``[rows…, cols]``), format and stored data (a memory-map view)."""
-
-    name: str
-    shape: tuple[int, ...]
-    format: BlockFormat | torch.dtype
-    data: np.ndarray
-
-    @property
-    def quantized(self) -> bool:
-        return isinstance(self.format, BlockFormat)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.nbytes)
-
-    def raw(self) -> torch.Tensor:
-        """The stored data as a tensor (uint8 blocks ``[rows…, row_bytes]``, or the float values):
-        a read-only view of the file's memory map, to copy from."""
-        values = np.ascontiguousarray(self.data)
-        if self.quantized:
-            return _readonly(values.view(np.uint8)).reshape(*self.shape[:-1], self.format.row_bytes(self.shape[-1]))
-        if self.format == torch.bfloat16:  # numpy has no bfloat16: the bytes are read as int16
-            return _readonly(values.view(np.int16)).view(torch.bfloat16).reshape(self.shape)
-        return _readonly(values).reshape(self.shape)
-
-    def dequantized(self) -> torch.Tensor:
-        """float32 values ``[rows…, cols]`` (block formats decoded, see ``formats.dequantize``)."""
-        if not self.quantized:
-            return self.raw().float()
-        rows = self.raw().reshape(-1, self.format.row_bytes(self.shape[-1]))
-        return dequantize(rows, self.format, self.shape[-1]).reshape(self.shape)
-
-
-def _readonly(values: np.ndarray) -> torch.Tensor:
-    """A tensor over a read-only memory map (torch warns that it cannot write it; nothing does)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(values)
 
 
 class GGUFFile:
@@ -176,9 +133,7 @@ def unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-BF16_BLOCKS = HEARTH_FORMATS["bf16"]  # a bf16 tensor kept as stored when computed in fp32
 
-_EXPERT_PARTS = ("gate", "up", "down")
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -253,10 +208,8 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
     pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None, blocks)
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
     known, expected = _dense_tensors(f, cfg, model)
-    known |= {f"blk.{layer}.ffn_{part}_exps.weight" for layer, moe in enumerate(cfg.moe_layers) if moe
-              for part in _EXPERT_PARTS}
-    experts = {f"blk.{layer}.ffn_{part}_exps.weight": (layer, part)
-               for layer in cfg.moe_layer_ids for part in _EXPERT_PARTS}
+    known |= set(expert_tensors(cfg, [layer for layer, moe in enumerate(cfg.moe_layers) if moe]))
+    experts = expert_tensors(cfg, cfg.moe_layer_ids)
     beyond = [n for n in f.tensors if n not in known and _layer_of(n) >= cfg.num_layers]
     if beyond:  # multi-token-prediction (nextn) layers, counted in block_count: not computed here
         log.info("skipped %d tensors of %s's multi-token-prediction layers (blk.%d and on)", len(beyond),
@@ -272,7 +225,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
         bar.update(1)
     common.adopt_blocks(model)
     for name, (layer, part) in experts.items():
-        _fill_experts(f, name, pool, cfg, layer, part)
+        fill_experts(f.path, name, f.tensors[name], pool, cfg, layer, part)
         bar.update(1)
     bar.close()
     model.eval()
@@ -306,33 +259,6 @@ def _dense_tensors(f: GGUFFile, cfg, model) -> tuple[set[str], dict[str, torch.n
     return known, expected
 
 
-def kernel_format(t) -> BlockFormat | None:
-    """The blocks a tensor stays in, where a kernel computes them: its own format, or hearth's bf16
-    blocks for a bf16 tensor (its bytes as stored; rows of whole 32-element blocks)."""
-    fmt = t.format
-    if fmt == torch.bfloat16 and t.shape[-1] % BF16_BLOCKS.block_elems == 0:
-        fmt = BF16_BLOCKS
-    return fmt if isinstance(fmt, BlockFormat) and fmt.name in BLOCK_KERNELS else None
-
-
-def _stored_rows(t, reorder=lambda x: x) -> torch.Tensor:
-    """A tensor kept in blocks as uint8 rows of its stored bytes (bf16 values viewed as bytes)."""
-    raw = reorder(t.raw())
-    return raw.contiguous().view(torch.uint8) if raw.dtype == torch.bfloat16 else raw
-
-
-def expert_blocks(f: GGUFFile, cfg) -> dict[int, ExpertBlocks] | None:
-    """Each MoE layer's expert formats, when every layer's can stay in blocks (gate and up in one
-    format, each with a kernel); otherwise None (the experts are decoded)."""
-    blocks = {}
-    for layer in cfg.moe_layer_ids:
-        gate, up, down = (kernel_format(f.tensors[f"blk.{layer}.ffn_{p}_exps.weight"]) for p in _EXPERT_PARTS)
-        if gate is None or down is None or gate != up:
-            return None
-        blocks[layer] = ExpertBlocks(gate, down, cfg.hidden_size, cfg.moe_intermediate_size)
-    return blocks
-
-
 def _load_dense(f: GGUFFile, name: str, param: torch.nn.Parameter, model, keep_blocks: bool, cfg) -> None:
     """One non-expert tensor into its parameter: a 2-D weight in a block format with a kernel
     replaces the parameter by its blocks (uint8 [rows, row bytes], tagged ``block_format``); the
@@ -349,30 +275,6 @@ def _load_dense(f: GGUFFile, name: str, param: torch.nn.Parameter, model, keep_b
     if fmt is None:
         param.data.copy_(reorder(t.dequantized().reshape(param.shape)))
         return
-    raw = _stored_rows(t, reorder)
+    raw = stored_rows(t, reorder)
     blocks = hugepages.empty(*raw.shape, dtype=raw.dtype).copy_(raw)  # a copy: the file's map can close
     common.replace_parameter(model, param, block_weight(blocks, fmt))
-
-
-def _fill_experts(f: GGUFFile, name: str, pool: ExpertPool, cfg, layer: int, part: str) -> None:
-    """``blk.L.ffn_{part}_exps`` [E, out, in] into the pool's banks (gate then up rows in gate_up)."""
-    i, h, e = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
-    t = f.tensors[name]
-    want = (e, h, i) if part == "down" else (e, i, h)
-    if tuple(t.shape) != want:
-        raise GGUFError(f"{f.path}: tensor '{name}' has shape {list(t.shape)}, expected {list(want)}")
-    rows = slice(pool.layer_rows(layer), pool.layer_rows(layer) + e)
-    blocks = pool.layer_blocks(layer)
-    if blocks is not None:  # as stored: each expert's rows of blocks at the start of its bank row
-        raw = _stored_rows(t).reshape(e, -1)  # [E, rows * row bytes]
-        if part == "down":
-            pool.down[rows, : raw.shape[1]].copy_(raw)
-        else:  # gate rows first, then up rows
-            start = 0 if part == "gate" else raw.shape[1]
-            pool.gate_up[rows, start : start + raw.shape[1]].copy_(raw)
-        return
-    values = t.dequantized()
-    if part == "down":
-        pool.down[rows].copy_(values)
-    else:  # gate rows first, then up rows
-        pool.gate_up[rows, (0 if part == "gate" else i):(i if part == "gate" else 2 * i)].copy_(values)
