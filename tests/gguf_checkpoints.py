@@ -68,19 +68,30 @@ def dequantized_reference(path: Path, model: Any) -> Any:
     model = model.float()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(_file_weight(name, tensors, names).reshape(param.shape))
+            param.copy_(_file_weight(name, tuple(param.shape), tensors, names).reshape(param.shape))
     return model.eval()
 
 
-def _file_weight(name: str, tensors: dict[str, torch.Tensor], names: Any) -> torch.Tensor:
-    if ".mlp.experts." in name:  # model.layers.L.mlp.experts.{gate_up_proj,down_proj}
-        layer = name.split(".")[2]
-        if name.endswith("gate_up_proj"):
-            gate, up = (tensors[f"blk.{layer}.ffn_{part}_exps.weight"] for part in ("gate", "up"))
+def _file_weight(name: str, shape: tuple[int, ...], tensors: dict[str, torch.Tensor], names: Any) -> torch.Tensor:
+    """The file's tensor for transformers' parameter ``name`` of ``shape``. Experts: transformers'
+    fused ``gate_up_proj`` [E, 2I, H] (gate rows, then up), or GPT-OSS's [E, H, 2I] with gate and up
+    interleaved column by column (its biases likewise) and ``down_proj`` [E, I, H]."""
+    if ".mlp.experts." in name:
+        layer, part = name.split(".")[2], name.rsplit(".", 1)[1]
+        kind = "bias" if part.endswith("_bias") else "weight"
+        gate, up, down = (tensors.get(f"blk.{layer}.ffn_{p}_exps.{kind}") for p in ("gate", "up", "down"))
+        gpt_oss = f"blk.{layer}.ffn_gate_exps.bias" in tensors  # (the experts with biases)
+        if part.startswith("down"):
+            return down.transpose(1, 2) if gpt_oss and kind == "weight" else down
+        if not gpt_oss:
             return torch.cat([gate, up], 1)
-        return tensors[f"blk.{layer}.ffn_down_exps.weight"]
+        if kind == "bias":
+            return torch.stack([gate, up], -1).reshape(shape)
+        return torch.stack([gate, up], -1).permute(0, 2, 1, 3).reshape(shape)  # [E, H, 2I], interleaved
     base, suffix = name.rsplit(".", 1)
     target = names.get_name(base)
+    if target is None:  # a bare parameter, as the converter names it (GPT-OSS's sinks)
+        target, suffix = names.get_name(name), "weight"
     assert target is not None, f"no GGUF name for {name}"
     return tensors[f"{target}.{suffix}"]
 

@@ -16,7 +16,8 @@ FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_
 # lossless), and the tokenizer each family's converter expects.
 RECIPES: dict[str, dict[str, Any]] = {
     "glm4_moe": {"chat_format": "glm"},
-    "gpt_oss": {"chat_format": "harmony"},
+    # (llama.cpp holds GPT-OSS's SwiGLU clamp as a constant, 7.0, which every GPT-OSS checkpoint has)
+    "gpt_oss": {"chat_format": "harmony", "swiglu_limit": 7.0},
     "deepseek_v4": {"chat_format": "deepseek_v4"},
     "minimax_m2": {"bos_token_id": None},  # (its config class's default, 200034, is past the tiny vocabulary)
 }

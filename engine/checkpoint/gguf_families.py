@@ -77,6 +77,24 @@ def _deepseek_router(meta: Meta) -> dict[str, Any]:
                 norm_topk_prob=bool(meta("expert_weights_norm", False)))
 
 
+def _gpt_oss(meta: Meta, has: Has) -> dict[str, Any]:
+    """GPT-OSS: experts ``expert_feed_forward_length`` wide, sliding and full attention alternating,
+    YaRN. llama.cpp keeps the experts' SwiGLU clamp as a constant, 7.0 (every GPT-OSS checkpoint's
+    ``swiglu_limit``), not in the file."""
+    fields = common_fields(meta)
+    fields.update(num_local_experts=int(meta("expert_count")),
+                  intermediate_size=int(meta("expert_feed_forward_length")),
+                  sliding_window=int(meta("attention.sliding_window")), swiglu_limit=7.0)
+    if meta("rope.scaling.type") == "yarn":
+        fields["rope_parameters"] = {
+            "rope_type": "yarn", "rope_theta": float(meta("rope.freq_base")),
+            "factor": float(meta("rope.scaling.factor")),
+            "original_max_position_embeddings": int(meta("rope.scaling.original_context_length")),
+            "beta_fast": float(meta("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(meta("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
+    return fields
+
+
 ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "qwen3moe": GGUFArchitecture("Qwen3MoeForCausalLM"),
     "qwen2moe": GGUFArchitecture("Qwen2MoeForCausalLM"),
@@ -84,6 +102,7 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "olmoe": GGUFArchitecture("OlmoeForCausalLM", "olmoe", _olmoe),
     "minimax-m2": GGUFArchitecture("MiniMaxM2ForCausalLM"),
     "glm4moe": GGUFArchitecture("Glm4MoeForCausalLM", "glm4_moe", _glm4_moe),
+    "gpt-oss": GGUFArchitecture("GptOssForCausalLM", "gpt_oss", _gpt_oss),
 })
 
 
@@ -106,4 +125,6 @@ def gguf_name(names: Any, param: str) -> str | None:
         param = param[: -len("_bias")] + ".bias"
     base, suffix = param.rsplit(".", 1)
     target = names.get_name(base)
+    if target is None and names.get_name(param) is not None:  # a bare parameter (GPT-OSS's sinks)
+        return f"{names.get_name(param)}.weight"
     return f"{target}.{suffix}" if target is not None else None

@@ -38,16 +38,15 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
 
 def _gguf_tokenizer(path: Path) -> Any:
     """A GGUF file's tokenizer. transformers' AutoTokenizer first looks the architecture up in its
-    GGUF config mapping, which lacks several families hearth reads; the fast tokenizer built from
+    GGUF config mapping, which lacks (or fails on) several families hearth reads; the fast tokenizer built from
     the file's ``tokenizer.ggml.*`` keys alone (the same conversion) serves those."""
     # deferred: transformers takes seconds to import
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except ValueError as exc:
-        if "is not supported yet" not in str(exc):
-            raise
+    except (ValueError, TypeError, KeyError) as exc:  # its config mapping lacks or trips on the architecture
+        log.debug("AutoTokenizer cannot read %s (%s); building the tokenizer from its tokenizer keys", path, exc)
     return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
