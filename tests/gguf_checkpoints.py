@@ -93,6 +93,11 @@ def _file_weight(name: str, shape: tuple[int, ...], tensors: dict[str, torch.Ten
     if target is None:  # a bare parameter, as the converter names it (GPT-OSS's sinks)
         target, suffix = names.get_name(name), "weight"
     assert target is not None, f"no GGUF name for {name}"
+    if target.endswith(".attn_kv_b") and f"{target}.{suffix}" not in tensors:
+        # llama.cpp's converter splits DeepSeek's kv_b_proj [heads x (nope + v), rank] per head into
+        # attn_k_b [heads, rank, nope] (transposed) and attn_v_b [heads, v, rank]
+        k_b, v_b = (tensors[target.replace("kv_b", part) + ".weight"] for part in ("k_b", "v_b"))
+        return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
     return tensors[f"{target}.{suffix}"]
 
 

@@ -20,6 +20,13 @@ RECIPES: dict[str, dict[str, Any]] = {
     "gpt_oss": {"chat_format": "harmony", "swiglu_limit": 7.0},
     "deepseek_v4": {"chat_format": "deepseek_v4"},
     "minimax_m2": {"bos_token_id": None},  # (its config class's default, 200034, is past the tiny vocabulary)
+    # YaRN with DeepSeek's attention scale, as every V2/V3 checkpoint ships it (V2-Lite's mscale 0.707)
+    "deepseek_v2": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                        "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0,
+                                        "mscale": 0.707, "mscale_all_dim": 0.707}},
+    "deepseek_v3": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                        "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0,
+                                        "mscale": 1.0, "mscale_all_dim": 1.0}},
 }
 # The converter's flags per family: the hybrids' checkpoints here have no MTP layers to export.
 CONVERTER_FLAGS: dict[str, tuple[str, ...]] = {"qwen3_next": ("--no-mtp",), "qwen3_5_moe": ("--no-mtp",)}

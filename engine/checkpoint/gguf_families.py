@@ -22,6 +22,8 @@ class GGUFArchitecture:
     hf_architecture: str
     model_type: str | None = None
     fields: Callable[[Meta, Has], dict[str, Any]] = field(default=lambda meta, has: {})
+    # Where one GGUF architecture holds several transformers families: (model_type, class) by the file.
+    variant: Callable[[Meta, Has], tuple[str, str]] | None = None
 
 
 def common_fields(meta: Meta) -> dict[str, Any]:
@@ -95,6 +97,40 @@ def _gpt_oss(meta: Meta, has: Has) -> dict[str, Any]:
     return fields
 
 
+def _deepseek2_variant(meta: Meta, has: Has) -> tuple[str, str]:
+    """llama.cpp writes DeepSeek-V2 and V3 as one architecture; V3's router has a correction bias."""
+    first_moe = int(meta("leading_dense_block_count", 0) or 0)
+    if has(f"blk.{first_moe}.exp_probs_b.bias"):
+        return "deepseek_v3", "DeepseekV3ForCausalLM"
+    return "deepseek_v2", "DeepseekV2ForCausalLM"
+
+
+def _deepseek2(meta: Meta, has: Has) -> dict[str, Any]:
+    """DeepSeek-V2/V3: multi-head latent attention (the converter writes one KV head and the latent
+    widths), the group-limited router; V2 softmax routing (greedy with one group), V3 sigmoid with a
+    correction bias; YaRN with DeepSeek's attention scale (``yarn_log_multiplier`` = 0.1 x mscale)."""
+    fields = common_fields(meta)
+    fields.pop("head_dim", None)
+    rope_dim, key_dim = int(meta("rope.dimension_count")), int(meta("attention.key_length_mla"))
+    fields.update(_deepseek_router(meta), num_key_value_heads=fields["num_attention_heads"],
+                  q_lora_rank=meta("attention.q_lora_rank"), kv_lora_rank=int(meta("attention.kv_lora_rank")),
+                  qk_rope_head_dim=rope_dim, qk_nope_head_dim=key_dim - rope_dim,
+                  v_head_dim=int(meta("attention.value_length_mla")))
+    if _deepseek2_variant(meta, has)[0] == "deepseek_v3":
+        fields["topk_method"] = "noaux_tc"
+    else:
+        fields["topk_method"] = "group_limited_greedy" if fields["n_group"] > 1 else "greedy"
+    if meta("rope.scaling.type") == "yarn":
+        mscale = float(meta("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        fields["rope_parameters"] = {
+            "rope_type": "yarn", "rope_theta": float(meta("rope.freq_base")),
+            "factor": float(meta("rope.scaling.factor")),
+            "original_max_position_embeddings": int(meta("rope.scaling.original_context_length")),
+            "beta_fast": float(meta("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(meta("rope.scaling.yarn_beta_slow", 1.0)), "mscale": mscale, "mscale_all_dim": mscale}
+    return fields
+
+
 ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "qwen3moe": GGUFArchitecture("Qwen3MoeForCausalLM"),
     "qwen2moe": GGUFArchitecture("Qwen2MoeForCausalLM"),
@@ -103,6 +139,7 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "minimax-m2": GGUFArchitecture("MiniMaxM2ForCausalLM"),
     "glm4moe": GGUFArchitecture("Glm4MoeForCausalLM", "glm4_moe", _glm4_moe),
     "gpt-oss": GGUFArchitecture("GptOssForCausalLM", "gpt_oss", _gpt_oss),
+    "deepseek2": GGUFArchitecture("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek2, _deepseek2_variant),
 })
 
 
@@ -112,9 +149,34 @@ def metadata_config(architecture: str, meta: Meta, has: Has, vocab_size: int,
     from transformers import AutoConfig  # deferred: transformers is heavy to import; only configs need it
 
     spec = ARCHITECTURES[architecture]
+    model_type, hf_architecture = (spec.model_type, spec.hf_architecture) if spec.variant is None else \
+        spec.variant(meta, has)
     fields = {**spec.fields(meta, has), "vocab_size": vocab_size}
     fields.update({f"{name}_token_id": value for name, value in special.items() if value is not None})
-    return AutoConfig.for_model(spec.model_type, **fields)
+    config = AutoConfig.for_model(model_type, **fields)
+    config.architectures = [hf_architecture]
+    return config
+
+
+def composed_tensors(architecture: str, names: set[str], layers: int) -> dict[str, tuple[tuple[str, ...], Callable]]:
+    """Tensors a model reads that the converter wrote as parts: name -> (the parts, a function of
+    their float values giving it). DeepSeek-V2/V3's ``kv_b_proj`` [heads x (nope + v), rank] is
+    split into ``attn_k_b`` [heads, rank, nope] (transposed) and ``attn_v_b`` [heads, v, rank]."""
+    out: dict[str, tuple[tuple[str, ...], Callable]] = {}
+    if architecture != "deepseek2":
+        return out
+    for layer in range(layers):
+        k_b, v_b = f"blk.{layer}.attn_k_b.weight", f"blk.{layer}.attn_v_b.weight"
+        if k_b in names and v_b in names:
+            out[f"blk.{layer}.attn_kv_b.weight"] = ((k_b, v_b), _kv_b)
+    return out
+
+
+def _kv_b(k_b: Any, v_b: Any) -> Any:
+    import torch  # deferred: this module's tables need no torch
+
+    heads, rank = k_b.shape[0], k_b.shape[1]
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, rank) if heads else k_b
 
 
 def gguf_name(names: Any, param: str) -> str | None:

@@ -38,7 +38,7 @@ from hearth.engine import hugepages
 from hearth.engine.checkpoint import common
 from hearth.engine.checkpoint.gguf_experts import expert_blocks, expert_tensors, fill_experts
 from hearth.engine.checkpoint.gguf_families import ARCHITECTURES as GGUF_ARCHITECTURES
-from hearth.engine.checkpoint.gguf_families import gguf_name, metadata_config
+from hearth.engine.checkpoint.gguf_families import composed_tensors, gguf_name, metadata_config
 from hearth.engine.checkpoint.gguf_tensors import (
     GGUFError,
     GGUFTensor,
@@ -151,7 +151,8 @@ def gguf_hf_config(f: GGUFFile) -> Any:
     if shared is not None:
         hf.shared_expert_intermediate_size = int(shared)
     hf.tie_word_embeddings = "output.weight" not in f.tensors
-    hf.architectures = [ARCHITECTURES[f.architecture]]
+    if GGUF_ARCHITECTURES[f.architecture].model_type is None:  # (hearth's own mapping names the class)
+        hf.architectures = [ARCHITECTURES[f.architecture]]
     if f.architecture == "llama":  # transformers reads a llama; with experts it is a Mixtral
         from transformers import MixtralConfig  # deferred: as above
 
@@ -207,6 +208,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
     blocks = expert_blocks(f, cfg) if pool_factory is None and keep_blocks else None
     pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None, blocks)
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
+    _compose(f)
     known, expected = _dense_tensors(f, cfg, model)
     known |= set(expert_tensors(cfg, [layer for layer, moe in enumerate(cfg.moe_layers) if moe]))
     experts = expert_tensors(cfg, cfg.moe_layer_ids)
@@ -230,6 +232,18 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
     bar.close()
     model.eval()
     return common.LoadedModel(config=cfg, model=model, pool=pool, model_dir=f.path)
+
+
+def _compose(f: GGUFFile) -> None:
+    """Put together the tensors the converter wrote as parts (see ``gguf_families.composed_tensors``),
+    as float tensors in place of their parts."""
+    for name, (parts, compose) in composed_tensors(f.architecture, set(f.tensors), len(f.tensors)).items():
+        if name in f.tensors:
+            continue
+        values = compose(*(f.tensors[part].dequantized() for part in parts)).contiguous()
+        f.tensors[name] = GGUFTensor(name, tuple(values.shape), torch.float32, values.numpy())
+        for part in parts:
+            del f.tensors[part]
 
 
 def _layer_of(name: str) -> int:
