@@ -55,9 +55,12 @@ def dequantized_reference(path: Path, model: Any) -> Any:
     """``model`` (transformers, of the checkpoint the file was made from) with every weight replaced
     by the file's, as the ``gguf`` package decodes it, found by llama.cpp's own name table (the
     ``gguf`` package's ``TensorNameMap``, which its converter writes with); stacked experts
-    ``ffn_{gate,up,down}_exps`` go back to transformers' fused ``gate_up_proj`` / ``down_proj``.
+    ``ffn_{gate,up,down}_exps`` go back to transformers' fused ``gate_up_proj`` / ``down_proj``,
+    and what the converter changed in the hybrids is undone (``tests/gguf_hybrid_reference.py``).
     The reference for families whose GGUF files transformers does not read."""
     import gguf
+
+    from tests.gguf_hybrid_reference import adjusted, hybrid_weight
 
     reader = gguf.GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
@@ -68,7 +71,10 @@ def dequantized_reference(path: Path, model: Any) -> Any:
     model = model.float()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(_file_weight(name, tuple(param.shape), tensors, names).reshape(param.shape))
+            value = hybrid_weight(arch, name, tensors, model.config)
+            if value is None:
+                value = adjusted(arch, name, _file_weight(name, tuple(param.shape), tensors, names), model.config)
+            param.copy_(value.reshape(param.shape))
     return model.eval()
 
 

@@ -131,6 +131,23 @@ def _deepseek2(meta: Meta, has: Has) -> dict[str, Any]:
     return fields
 
 
+def _qwen_hybrid(meta: Meta) -> dict[str, Any]:
+    """Qwen3-Next and Qwen3.5-MoE: gated DeltaNet layers (``attention.recurrent_layers``) between
+    gated attention ones, partial rotary, routed and shared experts."""
+    fields = common_fields(meta)
+    keys, values, key_dim, value_dim = linear_heads(meta)
+    recurrent = list(meta("attention.recurrent_layers") or [])[: fields["num_hidden_layers"]]
+    head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
+    fields["rope_parameters"]["partial_rotary_factor"] = int(meta("rope.dimension_count", head_dim)) / head_dim
+    fields.update(num_experts=int(meta("expert_count")), moe_intermediate_size=int(meta("expert_feed_forward_length")),
+                  shared_expert_intermediate_size=int(meta("expert_shared_feed_forward_length", 0) or 0),
+                  linear_num_key_heads=keys, linear_num_value_heads=values, linear_key_head_dim=key_dim,
+                  linear_value_head_dim=value_dim, linear_conv_kernel_dim=int(meta("ssm.conv_kernel")),
+                  layer_types=["linear_attention" if r else "full_attention" for r in recurrent],
+                  norm_topk_prob=True)
+    return fields
+
+
 ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "qwen3moe": GGUFArchitecture("Qwen3MoeForCausalLM"),
     "qwen2moe": GGUFArchitecture("Qwen2MoeForCausalLM"),
@@ -140,6 +157,8 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "glm4moe": GGUFArchitecture("Glm4MoeForCausalLM", "glm4_moe", _glm4_moe),
     "gpt-oss": GGUFArchitecture("GptOssForCausalLM", "gpt_oss", _gpt_oss),
     "deepseek2": GGUFArchitecture("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek2, _deepseek2_variant),
+    "qwen3next": GGUFArchitecture("Qwen3NextForCausalLM", "qwen3_next", lambda meta, has: _qwen_hybrid(meta)),
+    "qwen35moe": GGUFArchitecture("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", lambda meta, has: _qwen_hybrid(meta)),
 })
 
 
@@ -158,18 +177,39 @@ def metadata_config(architecture: str, meta: Meta, has: Has, vocab_size: int,
     return config
 
 
-def composed_tensors(architecture: str, names: set[str], layers: int) -> dict[str, tuple[tuple[str, ...], Callable]]:
+def composed_tensors(architecture: str, names: set[str], meta: Meta) -> dict[str, tuple[tuple[str, ...], Callable]]:
     """Tensors a model reads that the converter wrote as parts: name -> (the parts, a function of
     their float values giving it). DeepSeek-V2/V3's ``kv_b_proj`` [heads x (nope + v), rank] is
-    split into ``attn_k_b`` [heads, rank, nope] (transposed) and ``attn_v_b`` [heads, v, rank]."""
+    split into ``attn_k_b`` [heads, rank, nope] (transposed) and ``attn_v_b`` [heads, v, rank];
+    Qwen3-Next's ``in_proj_qkvz`` (q, k, v, z per key head) into ``attn_qkv`` (all q, all k, all v)
+    and ``attn_gate`` (z)."""
     out: dict[str, tuple[tuple[str, ...], Callable]] = {}
-    if architecture != "deepseek2":
-        return out
+    layers = int(meta("block_count", 0) or 0)
     for layer in range(layers):
-        k_b, v_b = f"blk.{layer}.attn_k_b.weight", f"blk.{layer}.attn_v_b.weight"
-        if k_b in names and v_b in names:
-            out[f"blk.{layer}.attn_kv_b.weight"] = ((k_b, v_b), _kv_b)
+        if architecture == "deepseek2":
+            parts = (f"blk.{layer}.attn_k_b.weight", f"blk.{layer}.attn_v_b.weight")
+            if all(part in names for part in parts):
+                out[f"blk.{layer}.attn_kv_b.weight"] = (parts, _kv_b)
+        elif architecture == "qwen3next":
+            parts = (f"blk.{layer}.attn_qkv.weight", f"blk.{layer}.attn_gate.weight")
+            if all(part in names for part in parts):
+                out[f"blk.{layer}.ssm_in.weight"] = (parts, lambda qkv, z: _qkvz(qkv, z, *linear_heads(meta)))
     return out
+
+
+def linear_heads(meta: Meta) -> tuple[int, int, int, int]:
+    """A gated-DeltaNet layer's (key heads, value heads, key head width, value head width)."""
+    keys, values = int(meta("ssm.group_count")), int(meta("ssm.time_step_rank"))
+    return keys, values, int(meta("ssm.state_size")), int(meta("ssm.inner_size")) // values
+
+
+def _qkvz(qkv: Any, z: Any, keys: int, values: int, key_dim: int, value_dim: int) -> Any:
+    import torch  # deferred: this module's tables need no torch
+
+    hidden, per = qkv.shape[1], values // keys * value_dim
+    q, k, v = qkv.split([keys * key_dim, keys * key_dim, keys * per])
+    grouped = [t.reshape(keys, -1, hidden) for t in (q, k, v, z)]
+    return torch.cat(grouped, dim=1).reshape(-1, hidden)
 
 
 def _kv_b(k_b: Any, v_b: Any) -> Any:
@@ -185,8 +225,62 @@ def gguf_name(names: Any, param: str) -> str | None:
     ``e_score_correction_bias`` is the ``.bias`` of ``e_score_correction`` (``exp_probs_b.bias``)."""
     if param.endswith("e_score_correction_bias"):
         param = param[: -len("_bias")] + ".bias"
+    if param.endswith((".linear_attn.A_log", ".linear_attn.dt_bias")):  # the hybrids' bare parameters
+        layer = param.split(".")[2]
+        return f"blk.{layer}.ssm_a" if param.endswith("A_log") else f"blk.{layer}.ssm_dt.bias"
     base, suffix = param.rsplit(".", 1)
     target = names.get_name(base)
     if target is None and names.get_name(param) is not None:  # a bare parameter (GPT-OSS's sinks)
         return f"{names.get_name(param)}.weight"
     return f"{target}.{suffix}" if target is not None else None
+
+
+_ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
+                 "model.norm.weight")
+
+
+def restore(architecture: str, param: str, values: Any, meta: Meta) -> Any | None:
+    """A parameter's values from the file's (float) where the converter changed them, else None.
+    The hybrids (Qwen3-Next, Qwen3.5): zero-centred RMSNorm weights stored plus one, ``A_log``
+    stored as ``-exp(A_log)``, and for Qwen3.5 with more value than key heads, the value heads of
+    the DeltaNet tensors reordered from grouped by key head to tiled (llama.cpp broadcasts them)."""
+    import torch  # deferred: this module's tables need no torch
+
+    if architecture not in ("qwen3next", "qwen35moe"):
+        return None
+    if param.endswith(_ZERO_CENTRED):
+        return values - 1
+    if ".linear_attn." not in param:
+        return None
+    out = torch.log(-values) if param.endswith("A_log") else values
+    keys, heads, key_dim, value_dim = linear_heads(meta)
+    if architecture == "qwen35moe" and heads != keys:
+        out = _untile(param, out, keys, heads // keys, key_dim, value_dim)
+    return out if out is not values else None
+
+
+def _untile(param: str, t: Any, keys: int, per_key: int, key_dim: int, value_dim: int) -> Any:
+    """The value heads of a Qwen3.5 DeltaNet tensor back from tiled to grouped order."""
+    import torch  # deferred: as above
+
+    if param.endswith("in_proj_qkv.weight"):
+        qk = 2 * keys * key_dim
+        return torch.cat([t[:qk], _grouped(t[qk:], 0, keys, per_key, value_dim)])
+    if param.endswith("conv1d.weight"):
+        qk = 2 * keys * key_dim
+        return torch.cat([t[:qk], _grouped(t[qk:], 0, keys, per_key, value_dim)])
+    if param.endswith("in_proj_z.weight"):
+        return _grouped(t, 0, keys, per_key, value_dim)
+    if param.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        return _grouped(t, 0, keys, per_key, 1)
+    if param.endswith("out_proj.weight"):
+        return _grouped(t, 1, keys, per_key, value_dim)
+    return t
+
+
+def _grouped(t: Any, dim: int, keys: int, per_key: int, width: int) -> Any:
+    """Undo the converter's reorder along ``dim``: tiled [per_key, keys, width] back to grouped
+    [keys, per_key, width]."""
+    shape = list(t.shape)
+    tiled = t.reshape(*shape[:dim], per_key, keys, width, *shape[dim + 1:])
+    return tiled.transpose(dim, dim + 1).reshape(shape)

@@ -38,7 +38,7 @@ from hearth.engine import hugepages
 from hearth.engine.checkpoint import common
 from hearth.engine.checkpoint.gguf_experts import expert_blocks, expert_tensors, fill_experts
 from hearth.engine.checkpoint.gguf_families import ARCHITECTURES as GGUF_ARCHITECTURES
-from hearth.engine.checkpoint.gguf_families import composed_tensors, gguf_name, metadata_config
+from hearth.engine.checkpoint.gguf_families import composed_tensors, gguf_name, metadata_config, restore
 from hearth.engine.checkpoint.gguf_tensors import (
     GGUFError,
     GGUFTensor,
@@ -103,6 +103,10 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: tensor '{name}': rows of {cols} elements are not whole "
                             f"{fmt.block_elems}-element {type_name} blocks")
         return fmt
+
+    def meta(self, key: str, default: Any = None) -> Any:
+        """A metadata value of this file's architecture (``{architecture}.{key}``), or ``default``."""
+        return self.metadata(f"{self.architecture}.{key}", default)
 
     def metadata(self, key: str, default: Any = None) -> Any:
         """A metadata value (strings decoded, arrays as lists), or ``default``."""
@@ -173,8 +177,7 @@ def _read_config(f: GGUFFile) -> Any:
             return AutoConfig.from_pretrained(str(f.path.parent), gguf_file=f.path.name)
         vocab = f.tensors["token_embd.weight"].shape[0]  # the embedding's rows (the token list may be shorter)
         special = {name: f.metadata(f"tokenizer.ggml.{name}_token_id") for name in ("bos", "eos", "pad")}
-        return metadata_config(f.architecture, lambda key, default=None: f.metadata(f"{f.architecture}.{key}", default),
-                               f.tensors.__contains__, vocab, special)
+        return metadata_config(f.architecture, f.meta, f.tensors.__contains__, vocab, special)
     except Exception as exc:  # noqa: BLE001 - a conversion error, with the file named
         raise GGUFError(f"{f.path}: cannot read its config ({exc})") from None
 
@@ -222,8 +225,8 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
         more = f"; … and {len(errors) - 6} more" if len(errors) > 6 else ""
         raise common.CheckpointError(f"{f.path}: does not match its metadata: {'; '.join(errors[:6])}{more}")
     bar = tqdm(total=len(expected) + len(experts), desc="loading tensors", unit="t", disable=not show_progress)
-    for name, param in expected.items():
-        _load_dense(f, name, param, model, keep_blocks, cfg)
+    for name, (param_name, param) in expected.items():
+        _load_dense(f, name, param, model, keep_blocks, cfg, param_name)
         bar.update(1)
     common.adopt_blocks(model)
     for name, (layer, part) in experts.items():
@@ -237,7 +240,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
 def _compose(f: GGUFFile) -> None:
     """Put together the tensors the converter wrote as parts (see ``gguf_families.composed_tensors``),
     as float tensors in place of their parts."""
-    for name, (parts, compose) in composed_tensors(f.architecture, set(f.tensors), len(f.tensors)).items():
+    for name, (parts, compose) in composed_tensors(f.architecture, set(f.tensors), f.meta).items():
         if name in f.tensors:
             continue
         values = compose(*(f.tensors[part].dequantized() for part in parts)).contiguous()
@@ -252,7 +255,7 @@ def _layer_of(name: str) -> int:
     return int(parts[1]) if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit() else -1
 
 
-def _dense_tensors(f: GGUFFile, cfg, model) -> tuple[set[str], dict[str, torch.nn.Parameter]]:
+def _dense_tensors(f: GGUFFile, cfg, model) -> tuple[set[str], dict[str, tuple[str, torch.nn.Parameter]]]:
     """(every non-expert tensor name the whole model reads, this stage's: GGUF name -> parameter),
     the names from llama.cpp's own table (see :func:`gguf_families.gguf_name`)."""
     import gguf  # deferred: the gguf package is needed for GGUF files only
@@ -260,7 +263,7 @@ def _dense_tensors(f: GGUFFile, cfg, model) -> tuple[set[str], dict[str, torch.n
     arch = next(member for member, name in gguf.MODEL_ARCH_NAMES.items() if name == f.architecture)
     names = gguf.TensorNameMap(arch, cfg.num_layers)
     known: set[str] = set()  # (a pipeline stage loads its own of them)
-    expected: dict[str, torch.nn.Parameter] = {}
+    expected: dict[str, tuple[str, torch.nn.Parameter]] = {}  # GGUF name -> (the model's name, parameter)
     for name, param in model.named_parameters(remove_duplicate=False):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -269,11 +272,12 @@ def _dense_tensors(f: GGUFFile, cfg, model) -> tuple[set[str], dict[str, torch.n
             raise common.CheckpointError(f"{f.path}: no GGUF name for '{name}' ({cfg.architecture})")
         known.add(target)
         if common.stage_owns(name, cfg):
-            expected[target] = param
+            expected[target] = (name, param)
     return known, expected
 
 
-def _load_dense(f: GGUFFile, name: str, param: torch.nn.Parameter, model, keep_blocks: bool, cfg) -> None:
+def _load_dense(f: GGUFFile, name: str, param: torch.nn.Parameter, model, keep_blocks: bool, cfg,
+                param_name: str = "") -> None:
     """One non-expert tensor into its parameter: a 2-D weight in a block format with a kernel
     replaces the parameter by its blocks (uint8 [rows, row bytes], tagged ``block_format``); the
     rest is decoded into the parameter. GGUF ``llama`` files keep q/k rows in the interleaved
@@ -282,10 +286,16 @@ def _load_dense(f: GGUFFile, name: str, param: torch.nn.Parameter, model, keep_b
     heads = {".attn_q.": cfg.num_heads, ".attn_k.": cfg.num_kv_heads} if f.architecture == "llama" else {}
     unpermute = next((n for key, n in heads.items() if key in name), None)
     reorder = (lambda x: unpermute_rope_rows(x, unpermute)) if unpermute else (lambda x: x)
-    vector_of_row = param.dim() == 2 and param.shape[0] == 1 and tuple(t.shape) == (param.shape[1],)
-    if tuple(t.shape) != tuple(param.shape) and not vector_of_row:  # a [1, H] gate is stored as [H]
+    exact = tuple(t.shape) == tuple(param.shape)
+    # the converter drops unit dimensions: a [1, H] gate stored as [H], a [C, 1, K] convolution as [C, K]
+    squeezed = [d for d in t.shape if d != 1] == [d for d in param.shape if d != 1]
+    if not exact and not squeezed:
         raise GGUFError(f"{f.path}: tensor '{name}' has shape {list(t.shape)}, expected {list(param.shape)}")
-    fmt = kernel_format(t) if keep_blocks and param.dim() == 2 and not vector_of_row else None
+    restored = restore(f.architecture, param_name, t.dequantized(), f.meta) if param_name else None
+    if restored is not None:  # values the converter changed (see gguf_families.restore): decoded
+        param.data.copy_(restored.reshape(param.shape))
+        return
+    fmt = kernel_format(t) if keep_blocks and param.dim() == 2 and exact else None
     if fmt is None:
         param.data.copy_(reorder(t.dequantized().reshape(param.shape)))
         return
