@@ -28,11 +28,13 @@ from hearth.engine.quant.registry import FORMATS, REGISTRY, quantize
 
 # Hugging Face architecture -> GGUF architecture (the gguf package's MODEL_ARCH member).
 ARCHITECTURES = {"Qwen3MoeForCausalLM": "QWEN3MOE", "Qwen2MoeForCausalLM": "QWEN2MOE",
-                 "MixtralForCausalLM": "LLAMA"}  # Mixtral: llama with experts, as llama.cpp writes it
+                 "MixtralForCausalLM": "LLAMA",  # Mixtral: llama with experts, as llama.cpp writes it
+                 "OlmoeForCausalLM": "OLMOE"}
 FLOAT_TYPES = ("f32", "f16", "bf16")
 # Mixes: (base format, format of the tensors that get more bits), as the formats' modules declare them.
 MIXES = REGISTRY.mixes()
-QUANTS = (*FLOAT_TYPES, *sorted(FORMATS), *sorted(MIXES))
+# What it can write: the formats with an encoder.
+QUANTS = (*FLOAT_TYPES, *sorted(n for n, f in FORMATS.items() if f.encode is not None), *sorted(MIXES))
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
