@@ -37,3 +37,81 @@ def test_llama_cpp_files_match_transformers(tmp_path, family, shape) -> None:
         quantize(bf16, out, name, 2)
         assert_matches_transformers(out)
     assert_matches_transformers(bf16)
+
+
+
+_FIRST_TOKENS = """
+import json, sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=256, n_threads=2, verbose=False)
+first = [next(iter(llm.generate(prompt, top_k=1, temp=0.0, reset=True))) for prompt in json.loads(sys.argv[2])]
+print(json.dumps(first))
+"""
+# log-probability: llama.cpp multiplies with int8 activations (Q8_K ones for the K formats), so where a
+# random model's top tokens are this close it may pick either (0.12 was seen at Q4_K_M; a wrong layout
+# gives tokens far down the list)
+LLAMA_TIE = 0.15
+
+
+def _checkpoint(tmp_path, family: str):
+    from tests.checkpoints import make_checkpoint
+
+    shape = {"intermediate_size": 256} if family == "mixtral" else {"moe_intermediate_size": 256,
+                                                                     "intermediate_size": 256}
+    # llama.cpp's OLMoE takes its k norm as wide as the model (OLMoE has as many KV heads as heads)
+    kv_heads = 4 if family == "olmoe" else 2
+    return make_checkpoint(tmp_path / "hf", family, hidden_size=256, num_attention_heads=4,
+                           num_key_value_heads=kv_heads, head_dim=64, num_hidden_layers=2, **shape)[0]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+def test_hearth_writes_the_tensors_llama_cpps_converter_writes(tmp_path, family) -> None:
+    """``hearth convert --quant q8_0`` and llama.cpp's converter (to Q8_0) on the same checkpoint:
+    every tensor of the same name, type and bytes, and the metadata both write equal."""
+    import gguf
+    import numpy as np
+
+    from hearth.engine.checkpoint.gguf_writer import write_gguf
+
+    hf = _checkpoint(tmp_path, family)
+    ours = gguf.GGUFReader(write_gguf(hf, tmp_path / "hearth.gguf", "q8_0"))
+    theirs_path = tmp_path / "llama.gguf"
+    code = ("import sys; from pathlib import Path; from bench.peers import convert; "
+            f"convert(Path({str(hf)!r}), Path({LLAMA_CPP!r}), Path({str(theirs_path)!r}), 'q8_0')")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)
+    theirs = gguf.GGUFReader(theirs_path)
+    tensors = {t.name: t for t in theirs.tensors}
+    assert {t.name for t in ours.tensors} == set(tensors)
+    for t in ours.tensors:
+        assert t.tensor_type == tensors[t.name].tensor_type, t.name
+        assert np.array_equal(np.asarray(t.data).reshape(-1), np.asarray(tensors[t.name].data).reshape(-1)), t.name
+    skip = ("general.", "tokenizer.ggml.pre", "GGUF.")  # (names, sizes; the pre-tokenizer: see the converter patch)
+    for key, field in ours.fields.items():
+        if key in theirs.fields and not key.startswith(skip):
+            assert field.contents() == theirs.fields[key].contents(), key
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("quant", ["q8_0", "q4_k_m"])
+def test_llama_cpp_runs_hearth_written_files(tmp_path, family, quant) -> None:
+    """``hearth convert --quant`` files load in llama.cpp, whose first greedy token on each prompt
+    is hearth's, or a near-tie in hearth's log-probabilities (``LLAMA_TIE``). (Further tokens are
+    not compared: on random tiny models llama.cpp's int8 activations break ties a few tokens on,
+    and its own choices then change with its batch size and KV cache type.)"""
+    pytest.importorskip("llama_cpp")
+    import json
+
+    from hearth.engine import LLM, SamplingParams
+    from hearth.engine.checkpoint.gguf_writer import write_gguf
+    from tests.gguf_checkpoints import PROMPTS
+
+    out = write_gguf(_checkpoint(tmp_path, family), tmp_path / f"m-{quant}.gguf", quant)
+    done = subprocess.run([sys.executable, "-c", _FIRST_TOKENS, str(out), json.dumps(PROMPTS)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    llm = LLM(out)
+    for prompt, token in zip(PROMPTS, theirs, strict=True):
+        sampled = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0, logprobs=20))[0]
+        top = dict(sampled.chunk.logprobs[0].top)
+        assert token in top and max(top.values()) - top[token] < LLAMA_TIE, (family, quant, token, top)
