@@ -51,6 +51,7 @@ print(json.dumps(first))
 # random model's top tokens are this close it may pick either (0.12 was seen at Q4_K_M; a wrong layout
 # gives tokens far down the list)
 LLAMA_TIE = 0.15
+WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2"]  # the families hearth convert writes
 
 
 def _checkpoint(tmp_path, family: str):
@@ -60,11 +61,17 @@ def _checkpoint(tmp_path, family: str):
                                                                      "intermediate_size": 256}
     # llama.cpp's OLMoE takes its k norm as wide as the model (OLMoE has as many KV heads as heads)
     kv_heads = 4 if family == "olmoe" else 2
-    return make_checkpoint(tmp_path / "hf", family, hidden_size=256, num_attention_heads=4,
+    path = make_checkpoint(tmp_path / "hf", family, hidden_size=256, num_attention_heads=4,
                            num_key_value_heads=kv_heads, head_dim=64, num_hidden_layers=2, **shape)[0]
+    if family == "minimax_m2":  # as shipped (transformers' config class does not write it; the converter reads it)
+        import json
+
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "scoring_func": "sigmoid"}))
+    return path
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("family", WRITTEN)
 def test_hearth_writes_the_tensors_llama_cpps_converter_writes(tmp_path, family) -> None:
     """``hearth convert --quant q8_0`` and llama.cpp's converter (to Q8_0) on the same checkpoint:
     every tensor of the same name, type and bytes, and the metadata both write equal."""
@@ -91,7 +98,7 @@ def test_hearth_writes_the_tensors_llama_cpps_converter_writes(tmp_path, family)
             assert field.contents() == theirs.fields[key].contents(), key
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("family", WRITTEN)
 @pytest.mark.parametrize("quant", ["q8_0", "q4_k_m"])
 def test_llama_cpp_runs_hearth_written_files(tmp_path, family, quant) -> None:
     """``hearth convert --quant`` files load in llama.cpp, whose first greedy token on each prompt

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from hearth.engine.checkpoint.common import FUSED
+from hearth.engine.checkpoint.gguf_families import gguf_name
 from hearth.engine.checkpoint.gguf_reader import permute_rope_rows
 from hearth.engine.models import config_architectures, family_for
 from hearth.engine.quant.registry import FORMATS, REGISTRY, quantize
@@ -29,7 +30,7 @@ from hearth.engine.quant.registry import FORMATS, REGISTRY, quantize
 # Hugging Face architecture -> GGUF architecture (the gguf package's MODEL_ARCH member).
 ARCHITECTURES = {"Qwen3MoeForCausalLM": "QWEN3MOE", "Qwen2MoeForCausalLM": "QWEN2MOE",
                  "MixtralForCausalLM": "LLAMA",  # Mixtral: llama with experts, as llama.cpp writes it
-                 "OlmoeForCausalLM": "OLMOE"}
+                 "OlmoeForCausalLM": "OLMOE", "MiniMaxM2ForCausalLM": "MINIMAXM2"}
 FLOAT_TYPES = ("f32", "f16", "bf16")
 # Mixes: (base format, format of the tensors that get more bits), as the formats' modules declare them.
 MIXES = REGISTRY.mixes()
@@ -148,11 +149,10 @@ def _sort_tensors(tensors: dict, family, names, hf_dir: Path) -> tuple[list, dic
         if f:
             fused[(int(f.group(1)), f.group(2))] = name
             continue
-        base, suffix = canonical.rsplit(".", 1)
-        target = names.get_name(base)
+        target = gguf_name(names, canonical)
         if target is None:
             raise ConvertError(f"{hf_dir}: no GGUF name for tensor '{name}'")
-        dense.append((f"{target}.{suffix}", name))
+        dense.append((target, name))
     return dense, experts, fused
 
 
@@ -188,13 +188,22 @@ def _load_one(path: Path, key: str) -> torch.Tensor:
         return handle.get_tensor(key)
 
 
+_FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_k": 14, "q4_k_m": 15, "q5_k": 16, "q5_k_m": 17,
+               "q6_k": 18, "bf16": 32, "mxfp4": 38}
+
+
 def _metadata(writer, cfg: dict, quant: str) -> None:
+    archs = config_architectures(cfg)
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_feed_forward_length(cfg["intermediate_size"])
     if "moe_intermediate_size" in cfg:
         writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    elif archs == ["MiniMaxM2ForCausalLM"]:  # (its experts are intermediate_size wide; llama.cpp says so)
+        writer.add_expert_feed_forward_length(cfg["intermediate_size"])
+    if archs == ["MiniMaxM2ForCausalLM"]:  # sigmoid routing, which llama.cpp must be told
+        writer.add_uint32("minimax-m2.expert_gating_func", 2)  # LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
     if cfg.get("shared_expert_intermediate_size"):
         writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     writer.add_head_count(cfg["num_attention_heads"])
@@ -202,13 +211,17 @@ def _metadata(writer, cfg: dict, quant: str) -> None:
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    partial = cfg.get("partial_rotary_factor") or cfg.get("rope_parameters", {}).get("partial_rotary_factor") or 1.0
+    writer.add_rope_dimension_count(int(cfg.get("rotary_dim") or head_dim * partial))
     writer.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
     writer.add_expert_used_count(cfg["num_experts_per_tok"])
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_string("general.quantization", quant)
+    if quant in _FILE_TYPES:  # llama.cpp's llama_ftype, as its converter and quantizer record it
+        writer.add_file_type(_FILE_TYPES[quant])
+    writer.add_quantization_version(2)  # GGML_QNT_VERSION
 
 
 def _tokenizer(writer, hf_dir: Path) -> None:
