@@ -55,6 +55,12 @@ from hearth.serving.server import free_port  # noqa: E402
 READ_TIMEOUT = 30.0
 
 
+def rss_mb(pid: int) -> float:
+    """Resident memory of process ``pid``, in MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
 class Server:
     """``hearth serve`` in a child process on free loopback ports."""
 
@@ -88,8 +94,7 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def rss_mb(self) -> float:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+        return rss_mb(self.proc.pid)
 
     def kv_blocks_used(self) -> float:
         """The share of KV blocks in use or kept for prefix reuse (1.0: every block holds data)."""

@@ -32,9 +32,7 @@ def hybrid_weight(arch: str, name: str, tensors: dict[str, torch.Tensor], config
     if arch not in HYBRIDS:
         return None
     layer = name.split(".")[2] if name.startswith("model.layers.") else ""
-    if name.endswith(_PLUS_ONE) and ".linear_attn." not in name:
-        return None  # (read by name as usual, then less one: see `adjusted`)
-    if ".linear_attn." not in name:
+    if ".linear_attn." not in name:  # (norms are read by name, then less one: see `adjusted`)
         return None
     keys, heads = config.linear_num_key_heads, config.linear_num_value_heads
     key_dim, value_dim = config.linear_key_head_dim, config.linear_value_head_dim
@@ -48,11 +46,10 @@ def hybrid_weight(arch: str, name: str, tensors: dict[str, torch.Tensor], config
         stored = tensors[f"blk.{layer}.ssm_dt.bias"]
     else:
         return None
-    return _untiled(arch, name, stored, keys, per_key, key_dim, value_dim)
+    return _untiled(arch, stored, keys, per_key)
 
 
-def _untiled(arch: str, name: str, stored: torch.Tensor, keys: int, per_key: int, key_dim: int,
-             value_dim: int) -> torch.Tensor:
+def _untiled(arch: str, stored: torch.Tensor, keys: int, per_key: int) -> torch.Tensor:
     if arch != "qwen35moe" or per_key == 1:
         return stored
     return stored[torch.argsort(_tiled(torch.arange(stored.shape[0]), keys, per_key, 1))]

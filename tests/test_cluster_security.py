@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench import security
+from bench.reliability import rss_mb
 from hearth.cluster.specs import DeployOptions
 from hearth.config import ServingConfig
 from hearth.serving.server import free_port
@@ -29,8 +30,7 @@ class Router:
     pid: int
 
     def rss_mb(self) -> float:
-        with open(f"/proc/{self.pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+        return rss_mb(self.pid)
 
     def log_text(self) -> str:
         """The router actor's stderr and stdout (Ray writes each worker's to files named by its pid)."""

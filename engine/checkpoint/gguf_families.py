@@ -215,8 +215,7 @@ def _qkvz(qkv: Any, z: Any, keys: int, values: int, key_dim: int, value_dim: int
 def _kv_b(k_b: Any, v_b: Any) -> Any:
     import torch  # deferred: this module's tables need no torch
 
-    heads, rank = k_b.shape[0], k_b.shape[1]
-    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, rank) if heads else k_b
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
 
 
 def gguf_name(names: Any, param: str) -> str | None:
@@ -239,19 +238,21 @@ _ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q
                  "model.norm.weight")
 
 
-def restore(architecture: str, param: str, values: Any, meta: Meta) -> Any | None:
+def restore(architecture: str, param: str, read: Callable[[], Any], meta: Meta) -> Any | None:
     """A parameter's values from the file's (float) where the converter changed them, else None.
     The hybrids (Qwen3-Next, Qwen3.5): zero-centred RMSNorm weights stored plus one, ``A_log``
     stored as ``-exp(A_log)``, and for Qwen3.5 with more value than key heads, the value heads of
-    the DeltaNet tensors reordered from grouped by key head to tiled (llama.cpp broadcasts them)."""
+    the DeltaNet tensors reordered from grouped by key head to tiled (llama.cpp broadcasts them).
+    ``read()`` decodes the file's values; it is called only for such a parameter."""
     import torch  # deferred: this module's tables need no torch
 
     if architecture not in ("qwen3next", "qwen35moe"):
         return None
     if param.endswith(_ZERO_CENTRED):
-        return values - 1
+        return read() - 1
     if ".linear_attn." not in param:
         return None
+    values = read()
     out = torch.log(-values) if param.endswith("A_log") else values
     keys, heads, key_dim, value_dim = linear_heads(meta)
     if architecture == "qwen35moe" and heads != keys:
@@ -263,10 +264,7 @@ def _untile(param: str, t: Any, keys: int, per_key: int, key_dim: int, value_dim
     """The value heads of a Qwen3.5 DeltaNet tensor back from tiled to grouped order."""
     import torch  # deferred: as above
 
-    if param.endswith("in_proj_qkv.weight"):
-        qk = 2 * keys * key_dim
-        return torch.cat([t[:qk], _grouped(t[qk:], 0, keys, per_key, value_dim)])
-    if param.endswith("conv1d.weight"):
+    if param.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # q and k rows as they are, then v
         qk = 2 * keys * key_dim
         return torch.cat([t[:qk], _grouped(t[qk:], 0, keys, per_key, value_dim)])
     if param.endswith("in_proj_z.weight"):

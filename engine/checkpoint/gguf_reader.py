@@ -291,7 +291,7 @@ def _load_dense(f: GGUFFile, name: str, param: torch.nn.Parameter, model, keep_b
     squeezed = [d for d in t.shape if d != 1] == [d for d in param.shape if d != 1]
     if not exact and not squeezed:
         raise GGUFError(f"{f.path}: tensor '{name}' has shape {list(t.shape)}, expected {list(param.shape)}")
-    restored = restore(f.architecture, param_name, t.dequantized(), f.meta) if param_name else None
+    restored = restore(f.architecture, param_name, t.dequantized, f.meta) if param_name else None
     if restored is not None:  # values the converter changed (see gguf_families.restore): decoded
         param.data.copy_(restored.reshape(param.shape))
         return
