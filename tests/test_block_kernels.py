@@ -1,7 +1,8 @@
 """The native block-quantized kernels (every decode library this CPU runs) against the torch decoders: fp32
 products on weights decoded by :func:`~hearth.engine.quant.registry.dequantize`, itself equal to
 the ``gguf`` reference. Projections for 1 to 11 tokens, and routed experts for several tokens with
-shared experts, mixed formats, padded bank rows and rows computed elsewhere."""
+shared experts, mixed formats, padded bank rows and rows computed elsewhere; prefill's routed experts
+(``experts_gemm``) for up to 70 tokens."""
 
 from __future__ import annotations
 
@@ -85,6 +86,25 @@ def test_experts_blocks_equals_decoded_experts(ops, gu_fmt, dn_fmt) -> None:
 
 
 @pytest.mark.parametrize("ops", BUILDS)
+@pytest.mark.parametrize(("gu_fmt", "dn_fmt"), [(f, f) for f in KERNEL_FORMATS] + [("q4_k", "q6_k")])
+def test_experts_gemm_equals_decoded_experts(ops, gu_fmt, dn_fmt) -> None:
+    """Prefill's routed experts (fp32 activations, any token count): experts with 1 to 40 tokens, so
+    whole and partial 16-token tiles, gate/up row counts not a multiple of the 6-row register block,
+    and pairs computed elsewhere."""
+    hidden, inter, experts = 256, 256, 5
+    gu, dn = expert_banks(_rows(gu_fmt, experts * 2 * inter, hidden, 8), _rows(dn_fmt, experts * hidden, inter, 9),
+                          experts)
+    g = torch.Generator().manual_seed(5)
+    for t in (9, 23, 70):
+        x = torch.randn(t, hidden, generator=g)
+        rows = torch.randint(0, experts, (t, 3), generator=g)
+        rows[0, 1], rows[t - 1, 2] = -1, -1  # computed elsewhere
+        weights = torch.rand(t, 3, generator=g)
+        got = ops.experts_gemm(x, gu, dn, rows, weights, gu_fmt, dn_fmt, inter)
+        _close(got, reference_experts(x, gu, dn, rows, weights, gu_fmt, dn_fmt, hidden, inter))
+
+
+@pytest.mark.parametrize("ops", BUILDS)
 def test_block_kernels_reject_what_they_cannot_read(ops) -> None:
     w = _rows("q8_0", 4, 64, 5)
     with pytest.raises(ValueError, match="linear_blocks"):
@@ -95,3 +115,7 @@ def test_block_kernels_reject_what_they_cannot_read(ops) -> None:
         ops.experts_blocks(x, gu, dn, torch.tensor([[2]]), weights, "q8_0", "q8_0", 32)
     with pytest.raises(ValueError, match="experts_blocks"):
         ops.experts_blocks(x, gu, dn, torch.tensor([[0]]), weights, "q8_0", "q8_0", 64)  # banks too small
+    with pytest.raises(ValueError, match="row out of"):
+        ops.experts_gemm(x, gu, dn, torch.tensor([[2]]), weights, "q8_0", "q8_0", 32)
+    with pytest.raises(ValueError, match="experts_gemm"):
+        ops.experts_gemm(x, gu, dn, torch.tensor([[0]]), weights, "q8_0", "q8_0", 64)  # banks too small

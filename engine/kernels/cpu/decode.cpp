@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "experts_gemm.h"
 #include "native.h"
 
 #ifndef HEARTH_DECODE_MODULE
@@ -332,6 +333,27 @@ PyObject* py_experts_blocks(PyObject*, PyObject* const* args, Py_ssize_t n) {
   return PyLong_FromLong(rc);
 }
 
+// experts_gemm(fmt_gate_up, fmt_down, x, T, H, I, gate_up, gu_stride, down, dn_stride, n_rows, rows, k,
+//              weights, out, threads): see blocks::experts_gemm_impl (experts_blocks' arguments, any T, fp32
+// activations). Returns 0, -1 for an unknown format, -2 for a row out of range.
+PyObject* py_experts_gemm(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  int64_t a[16];
+  if (!hearth::int_args(args, n, 16, a, "experts_gemm")) return nullptr;
+  int rc = -1;
+  Py_BEGIN_ALLOW_THREADS
+  hearth::blocks::by_format(static_cast<int>(a[0]), [&](auto fg) {
+    hearth::blocks::by_format(static_cast<int>(a[1]), [&](auto fd) {
+      const bool ok = hearth::blocks::experts_gemm_impl<decltype(fg), decltype(fd)>(
+          ptr<const float>(a[2]), a[3], a[4], a[5], ptr<const uint8_t>(a[6]), a[7], ptr<const uint8_t>(a[8]), a[9],
+          a[10], ptr<const int64_t>(a[11]), a[12], ptr<const float>(a[13]), ptr<float>(a[14]),
+          static_cast<int>(a[15]));
+      rc = ok ? 0 : -2;
+    });
+  });
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(rc);
+}
+
 // dequantize_blocks(fmt, w, rows, K, stride, out, threads): out fp32 [rows, K] = rows of blocks in format
 // `fmt` (row r at w + r * stride bytes) decoded. Returns 0, or -1 for an unknown format.
 PyObject* py_dequantize_blocks(PyObject*, PyObject* const* args, Py_ssize_t n) {
@@ -450,6 +472,8 @@ PyMethodDef methods[] = {
     {"linear_blocks", fastcall(py_linear_blocks), METH_FASTCALL, "fp32 x @ W^T for block-quantized W"},
     {"experts_blocks", fastcall(py_experts_blocks), METH_FASTCALL,
      "a few tokens' routed block-quantized experts, weighted and summed"},
+    {"experts_gemm", fastcall(py_experts_gemm), METH_FASTCALL,
+     "many tokens' routed block-quantized experts (fp32 activations), weighted and summed"},
     {"dequantize_blocks", fastcall(py_dequantize_blocks), METH_FASTCALL, "rows of blocks decoded to fp32"},
     {"rms_norm", fastcall(py_rms_norm), METH_FASTCALL, "weight * round(x * rsqrt(mean(x^2) + eps))"},
     {nullptr, nullptr, 0, nullptr}};
