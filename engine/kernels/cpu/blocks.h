@@ -785,6 +785,44 @@ inline void silu_gate(const float* gate_up, int64_t I, float* act) {
   for (; i < I; ++i) act[i] = silu(gate_up[i]) * gate_up[I + i];
 }
 
+// The routed (token, expert) pairs of rows [pairs] (-1: computed elsewhere) grouped by expert: order
+// holds the pairs sorted by row (stable), each group a row's run of them, at most `most` pairs a
+// group. False when a row is at or past n_rows.
+struct PairGroup { int64_t row, start; int count; };
+
+inline bool routed_groups(const int64_t* rows, int64_t pairs, int64_t n_rows, int most, std::vector<int64_t>& order,
+                          std::vector<PairGroup>& groups) {
+  order.reserve(pairs);
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (rows[p] >= n_rows) return false;
+    if (rows[p] >= 0) order.push_back(p);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return rows[a] < rows[b]; });
+  for (size_t i = 0; i < order.size(); ++i) {
+    const int64_t row = rows[order[i]];
+    if (groups.empty() || groups.back().row != row || groups.back().count == most)
+      groups.push_back({row, static_cast<int64_t>(i), 0});
+    ++groups.back().count;
+  }
+  return true;
+}
+
+// out [T, H] = for every token the k terms y[pair] * weights[pair] in order (pairs with rows < 0 left
+// out), vectorised over channels.
+inline void weighted_sum(const int64_t* rows, const float* weights, const float* y, int64_t T, int64_t k, int64_t H,
+                         float* out) {
+  for (int64_t t = 0; t < T; ++t) {
+    float* o = out + t * H;
+    std::fill(o, o + H, 0.f);
+    for (int64_t j = 0; j < k; ++j) {
+      if (rows[t * k + j] < 0) continue;
+      const float w = weights[t * k + j];
+      const float* yj = y + (t * k + j) * H;
+      for (int64_t h = 0; h < H; ++h) o[h] += yj[h] * w;
+    }
+  }
+}
+
 // The routed experts of T tokens (k each), SiLU-gated, weighted and summed in fp32:
 //   x [T, H]; pool rows[T * k] (-1: computed elsewhere); weights [T * k] fp32; out [T, H].
 // Expert `row` has gate_up rows (2I of H elements, format FG) at gu + row * gu_stride and down rows
@@ -797,20 +835,8 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
                   const float* weights, float* out, int threads, bool q8 = false) {
   const int64_t pairs = T * k;
   std::vector<int64_t> order;
-  order.reserve(pairs);
-  for (int64_t p = 0; p < pairs; ++p) {
-    if (rows[p] >= n_rows) return false;
-    if (rows[p] >= 0) order.push_back(p);
-  }
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return rows[a] < rows[b]; });
-  struct Group { int64_t row, start; int count; };
-  std::vector<Group> groups;
-  for (size_t i = 0; i < order.size(); ++i) {
-    const int64_t row = rows[order[i]];
-    if (groups.empty() || groups.back().row != row || groups.back().count == kMaxTokens)
-      groups.push_back({row, static_cast<int64_t>(i), 0});
-    ++groups.back().count;
-  }
+  std::vector<PairGroup> groups;
+  if (!routed_groups(rows, pairs, n_rows, kMaxTokens, order, groups)) return false;
   const int64_t G = static_cast<int64_t>(groups.size());
   // Every pair's rows are written before they are read (pairs computed elsewhere are never read), so
   // the scratch is left uninitialised: zeroing it cost more than the sort and grouping above.
@@ -842,7 +868,7 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
       // [rr, re) are the group's rows in this piece.
       for (int64_t r = r0; r < r1;) {
         const int64_t gi = r / R, rr = r - gi * R, re = std::min(R, r1 - gi * R);
-        const Group& g = groups[gi];
+        const PairGroup& g = groups[gi];
         const uint8_t* w = base + g.row * stride;
         float* out[kMaxTokens];  // row 0 of each pair's dst
         for (int m = 0; m < g.count; ++m) out[m] = dst + order[g.start + m] * R;
@@ -872,16 +898,7 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
   }
   pass(FD{}, dn, dn_stride, H, I, dq8, [&](int64_t p) { return arow[p]; }, [&](int64_t p) { return aq_row[p]; },
        y.get());
-  for (int64_t t = 0; t < T; ++t) {  // the k terms in order for every channel (vectorised over channels)
-    float* o = out + t * H;
-    std::fill(o, o + H, 0.f);
-    for (int64_t j = 0; j < k; ++j) {
-      if (rows[t * k + j] < 0) continue;
-      const float w = weights[t * k + j];
-      const float* yj = y.get() + (t * k + j) * H;
-      for (int64_t h = 0; h < H; ++h) o[h] += yj[h] * w;
-    }
-  }
+  weighted_sum(rows, weights, y.get(), T, k, H, out);
   return true;
 }
 

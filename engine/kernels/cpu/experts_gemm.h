@@ -13,6 +13,7 @@
 #pragma once
 
 #include <atomic>
+#include <limits>
 
 #include "blocks.h"
 
@@ -145,21 +146,11 @@ bool experts_gemm_impl(const float* x, int64_t T, int64_t H, int64_t I, const ui
                        const float* weights, float* out, int threads) {
   namespace eg = experts_gemm;
   const int64_t pairs = T * k;
-  std::vector<int64_t> order;  // the routed pairs, by expert
-  order.reserve(pairs);
-  for (int64_t p = 0; p < pairs; ++p) {
-    if (rows[p] >= n_rows) return false;
-    if (rows[p] >= 0) order.push_back(p);
-  }
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return rows[a] < rows[b]; });
-  struct Group { int64_t row, start; int count; };
-  std::vector<Group> groups;
-  for (size_t i = 0; i < order.size(); ++i) {
-    if (groups.empty() || groups.back().row != rows[order[i]])
-      groups.push_back({rows[order[i]], static_cast<int64_t>(i), 0});
-    ++groups.back().count;
-  }
-  std::stable_sort(groups.begin(), groups.end(), [](const Group& a, const Group& b) { return a.count > b.count; });
+  std::vector<int64_t> order;
+  std::vector<PairGroup> groups;
+  if (!routed_groups(rows, pairs, n_rows, std::numeric_limits<int>::max(), order, groups)) return false;
+  std::stable_sort(groups.begin(), groups.end(),
+                   [](const PairGroup& a, const PairGroup& b) { return a.count > b.count; });
   const std::unique_ptr<float[]> y(new float[pairs * H]);  // each routed pair's expert output
   const int most = groups.empty() ? 0 : groups.front().count;
   const int64_t tiles = (most + eg::kTokens - 1) / eg::kTokens;
@@ -168,7 +159,7 @@ bool experts_gemm_impl(const float* x, int64_t T, int64_t H, int64_t I, const ui
     std::vector<float> xt(tiles * H * eg::kTokens), proj(tiles * 2 * I * eg::kTokens),
         act(tiles * I * eg::kTokens), wbuf(eg::kRows * std::max(H, I)), yt(tiles * H * eg::kTokens);
     for (int64_t gi; (gi = next.fetch_add(1)) < static_cast<int64_t>(groups.size());) {
-      const Group& g = groups[gi];
+      const PairGroup& g = groups[gi];
       const int64_t* pair = order.data() + g.start;
       const int64_t gt = (g.count + eg::kTokens - 1) / eg::kTokens;
       eg::pack_tokens(g.count, H, [&](int t) { return x + (pair[t] / k) * H; }, xt.data());
@@ -191,16 +182,7 @@ bool experts_gemm_impl(const float* x, int64_t T, int64_t H, int64_t I, const ui
 #pragma omp parallel num_threads(team)
     work();
   }
-  for (int64_t t = 0; t < T; ++t) {  // the k terms in order for every channel, as experts_impl
-    float* o = out + t * H;
-    std::fill(o, o + H, 0.f);
-    for (int64_t j = 0; j < k; ++j) {
-      if (rows[t * k + j] < 0) continue;
-      const float w = weights[t * k + j];
-      const float* yj = y.get() + (t * k + j) * H;
-      for (int64_t h = 0; h < H; ++h) o[h] += yj[h] * w;
-    }
-  }
+  weighted_sum(rows, weights, y.get(), T, k, H, out);
   return true;
 }
 
