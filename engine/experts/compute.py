@@ -93,8 +93,8 @@ def _block_partial_sum(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
         return ops.experts_blocks(x, gate_up, down, rows, weights, blocks.gate_up.name, blocks.down.name, inter,
                                   blocks.int8_activations)
     # Many tokens: each expert's rows decoded a few at a time where the products read them, experts
-    # shared out whole between the threads (1.3-1.6x decoding each expert for a BLAS product at these
-    # shapes on a 2-core Zen 3; HEARTH_EXPERTS_GEMM=0 keeps the BLAS path).
+    # shared out whole between the threads (1.5-2.3x decoding each expert for a BLAS product at a ~5B
+    # layer's shapes on a 2-core Zen 3; HEARTH_EXPERTS_GEMM=0 keeps the BLAS path).
     if ops is not None and {blocks.gate_up.name, blocks.down.name} <= BLOCK_KERNELS \
             and os.environ.get("HEARTH_EXPERTS_GEMM", "1") != "0":
         return ops.experts_gemm(x, gate_up, down, rows, weights, blocks.gate_up.name, blocks.down.name, inter)

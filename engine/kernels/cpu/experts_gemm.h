@@ -1,5 +1,5 @@
 // The routed experts of a prompt's many tokens (prefill, fp32 activations), each expert's weights
-// decoded a few rows at a time into L1 and multiplied in fp32 by a register-blocked kernel, experts
+// decoded six rows at a time into a buffer the core's caches hold and multiplied in fp32 by a register-blocked kernel, experts
 // shared out whole between the threads.
 //
 // Why not decode each expert and call the BLAS: at the experts' shapes (tens of tokens, a 2048 x 1024
