@@ -116,32 +116,20 @@ class NativeKernels:
         [T, H]. ``x`` fp32 [T, H]; ``rows`` [T, k] bank rows (-1: computed elsewhere); expert ``r``'s
         gate and up rows (2I of H elements) are the first bytes of ``gate_up[r]``, its down rows (H of
         I elements) the first bytes of ``down[r]`` (uint8 banks, one expert per row)."""
-        t, hidden = x.shape
-        if x.dtype != torch.float32 or gate_up.dtype != torch.uint8 or down.dtype != torch.uint8 \
-                or gate_up.dim() != 2 or down.dim() != 2 or gate_up.stride(1) != 1 or down.stride(1) != 1 \
-                or not (gate_up.is_cpu and down.is_cpu) or gate_up.shape[0] != down.shape[0] \
-                or gate_up.shape[1] < 2 * inter * _row_bytes(gate_up_fmt, hidden) \
-                or down.shape[1] < hidden * _row_bytes(down_fmt, inter) \
-                or rows.shape[0] != t or weights.shape != rows.shape:
-            raise ValueError("experts_blocks: fp32 x [T, H], uint8 banks [rows, expert bytes] holding whole "
-                             f"{gate_up_fmt}/{down_fmt} experts, rows and weights [T, k]")
-        x = x.contiguous()
-        ids = rows.to(torch.int64).contiguous()
-        w = weights.to(torch.float32).contiguous()
-        out = x.new_empty((t, hidden))
-        rc = self._decode.experts_blocks(BLOCK_CODES[gate_up_fmt], BLOCK_CODES[down_fmt], x.data_ptr(), t, hidden,
-                                         inter, gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(),
-                                         down.stride(0), gate_up.shape[0], ids.data_ptr(), ids.shape[1],
-                                         w.data_ptr(), out.data_ptr(), torch.get_num_threads(), int(int8))
-        if rc != 0:
-            raise ValueError(f"experts_blocks: a bank row out of [0, {gate_up.shape[0]})")
-        return out
+        return self._routed("experts_blocks", x, gate_up, down, rows, weights, gate_up_fmt, down_fmt, inter,
+                            (int(int8),))
 
     def experts_gemm(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: torch.Tensor,
                      weights: torch.Tensor, gate_up_fmt: str, down_fmt: str, inter: int) -> torch.Tensor:
         """:meth:`experts_blocks` for many tokens (prefill) with fp32 activations: each routed expert's
         rows decoded a few at a time and multiplied in fp32 for all its tokens, the experts shared
         out whole between the threads. fp32 [T, H]."""
+        return self._routed("experts_gemm", x, gate_up, down, rows, weights, gate_up_fmt, down_fmt, inter, ())
+
+    def _routed(self, name: str, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: torch.Tensor,
+                weights: torch.Tensor, gate_up_fmt: str, down_fmt: str, inter: int, extra: tuple) -> torch.Tensor:
+        """The inputs of a routed-experts entry point (``name``) checked, then the call: both take the
+        same arguments, ``extra`` after them."""
         t, hidden = x.shape
         if x.dtype != torch.float32 or gate_up.dtype != torch.uint8 or down.dtype != torch.uint8 \
                 or gate_up.dim() != 2 or down.dim() != 2 or gate_up.stride(1) != 1 or down.stride(1) != 1 \
@@ -149,18 +137,18 @@ class NativeKernels:
                 or gate_up.shape[1] < 2 * inter * _row_bytes(gate_up_fmt, hidden) \
                 or down.shape[1] < hidden * _row_bytes(down_fmt, inter) \
                 or rows.shape[0] != t or weights.shape != rows.shape:
-            raise ValueError("experts_gemm: fp32 x [T, H], uint8 banks [rows, expert bytes] holding whole "
+            raise ValueError(f"{name}: fp32 x [T, H], uint8 banks [rows, expert bytes] holding whole "
                              f"{gate_up_fmt}/{down_fmt} experts, rows and weights [T, k]")
         x = x.contiguous()
         ids = rows.to(torch.int64).contiguous()
         w = weights.to(torch.float32).contiguous()
         out = x.new_empty((t, hidden))
-        rc = self._decode.experts_gemm(BLOCK_CODES[gate_up_fmt], BLOCK_CODES[down_fmt], x.data_ptr(), t, hidden,
-                                       inter, gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(),
-                                       down.stride(0), gate_up.shape[0], ids.data_ptr(), ids.shape[1],
-                                       w.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        rc = getattr(self._decode, name)(BLOCK_CODES[gate_up_fmt], BLOCK_CODES[down_fmt], x.data_ptr(), t, hidden,
+                                         inter, gate_up.data_ptr(), gate_up.stride(0), down.data_ptr(),
+                                         down.stride(0), gate_up.shape[0], ids.data_ptr(), ids.shape[1],
+                                         w.data_ptr(), out.data_ptr(), torch.get_num_threads(), *extra)
         if rc != 0:
-            raise ValueError(f"experts_gemm: a bank row out of [0, {gate_up.shape[0]})")
+            raise ValueError(f"{name}: a bank row out of [0, {gate_up.shape[0]})")
         return out
 
     def experts_decode(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: list[int],
