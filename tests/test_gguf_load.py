@@ -126,7 +126,8 @@ def test_quantized_weights_stay_in_their_blocks_and_both_paths_agree(hf_checkpoi
     decoded = routed_partial_sum(x, pool.gate_up, pool.down, rows, weights, torch.sigmoid, blocks)  # torch path
     torch_silu = routed_partial_sum(x.repeat(3, 1)[:9], pool.gate_up, pool.down, rows.repeat(3, 1),
                                     weights.repeat(3, 1), torch.nn.functional.silu, blocks)[:3]  # 9 tokens: torch
-    torch.testing.assert_close(kernel, torch_silu, rtol=1e-5, atol=1e-5)
+    # Two chained products, each within 5e-6 of its largest output (tests/test_split_activations.py).
+    assert float((kernel - torch_silu).abs().max()) <= 1e-5 * float(torch_silu.abs().max())
     assert not torch.allclose(kernel, decoded)  # a different activation gives a different result
     # The hierarchy keeps them in blocks too (tests/test_gguf_hierarchy.py runs it).
     assert LLM(path, expert_device="virtual").engine.pool.blocks is not None

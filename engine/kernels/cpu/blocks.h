@@ -697,7 +697,7 @@ void linear_impl(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   std::vector<Q8Row> qrows(use_q8 ? M : 0);
   std::vector<float> buf(kPermutesX<F> && !use_q8 ? M * K : 0);
   std::vector<const float*> rows(M);
-  if (use_q8) xq.resize(M, K, split);
+  if (use_q8) xq.resize(M, K, split, q8_top<F>(split));
   for (int64_t m = 0; m < M; ++m) {
     if (use_q8)
       xq.quantize(m, x + m * K), qrows[m] = xq.row(m);
@@ -853,7 +853,7 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
   Q8Rows xq, aq;
   std::vector<Q8Row> xq_row(gq8 ? T : 0), aq_row(dq8 ? pairs : 0);
   if (gq8) {
-    xq.resize(T, H, split);
+    xq.resize(T, H, split, q8_top<FG>(split));
     for (int64_t t = 0; t < T; ++t) xq.quantize(t, x + t * H), xq_row[t] = xq.row(t);
   }
   // One pass over every group's R rows of K elements (format F = decltype(f); row rr of the group's
@@ -888,7 +888,7 @@ bool experts_impl(const float* x, int64_t T, int64_t H, int64_t I, const uint8_t
   pass(FG{}, gu, gu_stride, 2 * I, H, gq8, [&](int64_t p) { return xrow[p / k]; },
        [&](int64_t p) { return xq_row[p / k]; }, proj.get());
   std::vector<const float*> arow(pairs);
-  if (dq8) aq.resize(pairs, I, split);
+  if (dq8) aq.resize(pairs, I, split, q8_top<FD>(split));
   for (const int64_t p : order) {
     silu_gate(proj.get() + p * 2 * I, I, act.get() + p * I);
     if (dq8)

@@ -26,7 +26,8 @@
 // One activation row quantized: q [K] int8, per 256 elements a scale d (x ~ d * q), and the sums of
 // q per 32 and per 16 elements (as floats) for the formats' offset terms. A split row (q2, q3 not
 // null) carries two more pieces: x ~ d * (q + q2 / 128 + q3 / 128^2), q2 and q3 in [-64, 64], so it
-// keeps 21 bits of each block's largest magnitude (its error at most 2.4e-7 of it) where one piece keeps 7.
+// keeps 21 bits of each block's largest magnitude (its error at most 2.4e-7 of it) where one piece
+// keeps 7. A split row for Q8_0 weights has q within 64 too (q8_top), 20 bits (4.8e-7).
 struct Q8Row {
   const int8_t* q;
   const float* d;
@@ -36,16 +37,26 @@ struct Q8Row {
   const int8_t* q3 = nullptr;
 };
 
-// A block's scale d (x ~ d * q) and its inverse, from its largest magnitude m. A block holding a NaN
-// gets d = NaN, so that every product using it is NaN, as fp32's would be (the max skips NaNs); one
-// whose largest magnitude is below 1e-30 (where 127 / m and the pieces' 128^2 * 127 / m would
-// overflow) counts as zeros.
+// A block's scale d (x ~ d * q, |q| <= top: 127 for one piece, 64 for a split row) and its inverse,
+// from its largest magnitude m. A block holding a NaN gets d = NaN, so that every product using it is
+// NaN, as fp32's would be (the max skips NaNs); one whose largest magnitude is below 1e-30 (where
+// top / m and the pieces' 128^2 * top / m would overflow) counts as zeros.
 struct Q8Scale {
   float d, inv;
 };
-inline Q8Scale q8_scale(float m, bool nan) {
+inline Q8Scale q8_scale(float m, bool nan, float top) {
   const bool zeros = !(m >= 1e-30f);
-  return {nan ? std::nanf("") : zeros ? 0.f : m / 127.0f, nan || zeros ? 0.f : 127.0f / m};
+  return {nan ? std::nanf("") : zeros ? 0.f : m / top, nan || zeros ? 0.f : top / m};
+}
+
+// The bound of the first piece's bytes of a row that meets F's weights: 127, or 64 for Q8_0's split
+// rows. Pieces within 64 let AVX2's vpmaddubsw take unsigned weight bytes up to 255 without
+// saturating (2 * 255 * 64 < 2^15), so Q8_0's bytes offset by 128 meet all three pieces with no sign
+// transfer per piece (q8_256.h). The bound depends on the format alone, so every build quantizes a
+// row to the same bytes.
+template <typename F>
+constexpr int q8_top(bool split) {
+  return split && std::is_same_v<F, Q8_0> ? 64 : 127;
 }
 
 // The bytes of a 256-element stretch of a row: one super-block, or eight 32-element blocks.
@@ -81,11 +92,13 @@ inline __m256 block_scales8(const uint8_t* blk) {
 struct Q8Rows {
   int64_t K = 0;
   bool split = false;
+  int top = 127;  // q8_top
   std::vector<int8_t> q, q2, q3;
   std::vector<float> d, sum32, sum16;
-  void resize(int64_t rows, int64_t k, bool three = false) {
+  void resize(int64_t rows, int64_t k, bool three = false, int bound = 127) {
     K = k;
     split = three;
+    top = bound;
     q.resize(rows * k);
     if (split) q2.resize(rows * k), q3.resize(rows * k);
     d.resize(rows * k / 256);
@@ -96,13 +109,13 @@ struct Q8Rows {
     return {q.data() + r * K, d.data() + r * K / 256, sum32.data() + r * K / 32, sum16.data() + r * K / 16,
             split ? q2.data() + r * K : nullptr, split ? q3.data() + r * K : nullptr};
   }
-  // Row r from x [K]: q = round(x / d) with d = max |x| / 127 per 256 (round to nearest even); split,
+  // Row r from x [K]: q = round(x / d) with d = max |x| / top per 256 (round to nearest even); split,
   // the remainders' pieces q2 = round(r1 * 128 / d), q3 = round(r2 * 128^2 / d).
   void quantize(int64_t r, const float* x) {
     for (int64_t b = 0; b < K / 256; ++b) {
       const int64_t at = r * K + 256 * b;
       float* s16 = sum16.data() + at / 16;
-      d[at / 256] = quantize_stretch(x + 256 * b, split, q.data() + at, split ? q2.data() + at : nullptr,
+      d[at / 256] = quantize_stretch(x + 256 * b, split, top, q.data() + at, split ? q2.data() + at : nullptr,
                                      split ? q3.data() + at : nullptr, s16);
       for (int g = 0; g < 8; ++g) sum32[at / 32 + g] = s16[2 * g] + s16[2 * g + 1];
     }
@@ -113,7 +126,7 @@ struct Q8Rows {
 constexpr const char* kQ8Kernel = "";
 struct Q8Row {};
 struct Q8Rows {
-  void resize(int64_t, int64_t, bool = false) {}
+  void resize(int64_t, int64_t, bool = false, int = 127) {}
   Q8Row row(int64_t) const { return {}; }
   void quantize(int64_t, const float*) {}
 };

@@ -35,25 +35,26 @@ inline __m256 transpose_sum8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-// Sixteen int32 lanes (a then b) clamped to [-127, 127] and narrowed to 16 bytes in order.
+// Sixteen int32 lanes (a then b, each within [-127, 127]) narrowed to 16 bytes in order.
 inline __m128i narrow16(__m256i a, __m256i b) {
-  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
-  a = _mm256_max_epi32(_mm256_min_epi32(a, hi), lo);
-  b = _mm256_max_epi32(_mm256_min_epi32(b, hi), lo);
   const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), _MM_SHUFFLE(3, 1, 2, 0));
   return _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
 }
 
-// x [16] rounded against the scale (inv = 1 / scale) as two clamped int32 vectors.
-inline void round16(const float* x, float inv, __m256i* c) {
-  c[0] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), _mm256_set1_ps(inv)));
-  c[1] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), _mm256_set1_ps(inv)));
-  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
-  for (int h = 0; h < 2; ++h) c[h] = _mm256_max_epi32(_mm256_min_epi32(c[h], hi), lo);
+// Eight int32 lanes clamped to [-top, top].
+inline __m256i clamp8(__m256i v, int top) {
+  return _mm256_max_epi32(_mm256_min_epi32(v, _mm256_set1_epi32(top)), _mm256_set1_epi32(-top));
+}
+
+// x [16] times inv, rounded to two int32 vectors clamped to [-top, top].
+inline void round16(const float* x, float inv, int top, __m256i* c) {
+  c[0] = clamp8(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), _mm256_set1_ps(inv))), top);
+  c[1] = clamp8(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), _mm256_set1_ps(inv))), top);
 }
 
 // One 256-element stretch x [256] quantized, as q8_512.h's (the same bytes, sums and scale).
-inline float quantize_stretch(const float* xb, bool split, int8_t* q8, int8_t* q2, int8_t* q3, float* sum16) {
+inline float quantize_stretch(const float* xb, bool split, int top, int8_t* q8, int8_t* q2, int8_t* q3,
+                              float* sum16) {
   __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int i = 0; i < 256; i += 8) {
@@ -61,21 +62,22 @@ inline float quantize_stretch(const float* xb, bool split, int8_t* q8, int8_t* q
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     amax = _mm256_max_ps(amax, _mm256_and_ps(v, abs_mask));
   }
-  const Q8Scale sc = q8_scale(hmax8(amax), _mm256_movemask_ps(nan) != 0);
+  const Q8Scale sc = q8_scale(hmax8(amax), _mm256_movemask_ps(nan) != 0, static_cast<float>(top));
   for (int i = 0; i < 256; i += 16) {
     __m256i c[2];
-    round16(xb + i, sc.inv, c);
+    round16(xb + i, sc.inv, top, c);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + i), narrow16(c[0], c[1]));
     float sum = static_cast<float>(hsum_epi32(_mm256_add_epi32(c[0], c[1])));
     if (split) {
       // Remainders against the scale the products use (d exactly; d / 128 and d / 128^2 are exact too).
+      // Each remainder is within half a step, so the clamps to 64 only guard the kernels' bound.
       __m256 r1[2], r2[2];
       __m256i c2[2], c3[2];
       for (int h = 0; h < 2; ++h) {
         r1[h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(c[h]), _mm256_set1_ps(sc.d), _mm256_loadu_ps(xb + i + 8 * h));
-        c2[h] = _mm256_cvtps_epi32(_mm256_mul_ps(r1[h], _mm256_set1_ps(128.0f * sc.inv)));
+        c2[h] = clamp8(_mm256_cvtps_epi32(_mm256_mul_ps(r1[h], _mm256_set1_ps(128.0f * sc.inv))), 64);
         r2[h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(c2[h]), _mm256_set1_ps(sc.d / 128.0f), r1[h]);
-        c3[h] = _mm256_cvtps_epi32(_mm256_mul_ps(r2[h], _mm256_set1_ps(16384.0f * sc.inv)));
+        c3[h] = clamp8(_mm256_cvtps_epi32(_mm256_mul_ps(r2[h], _mm256_set1_ps(16384.0f * sc.inv))), 64);
       }
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + i), narrow16(c2[0], c2[1]));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q3 + i), narrow16(c3[0], c3[1]));
@@ -109,8 +111,10 @@ inline __m256i activations(const int8_t* p, __m256i w) {
 
 // The int32 lanes of the weight bytes w times the activation bytes at x + at, as fp32: for one piece
 // (P = 1) the products, for a split row (P = 3) the three pieces joined in the integers as
-// 128^2 p1 + 128 p2 + p3 (at most 4 * 128 * 127 * 128^2 * 1.004 < 2^31), so the caller scales these
-// lanes by 1 / 128^2 more. Signed: w are signed bytes (Q8_0), multiplied as |w| times x with w's sign.
+// 128^2 p1 + 128 p2 + p3 (at most 4 * 255 * 64 * 128^2 * 1.008 < 2^31 for Q8_0's offset bytes, whose
+// split rows' pieces are all within 64; the other formats' bytes are at most 63), so the caller
+// scales these lanes by 1 / 128^2 more. Signed: w are signed bytes (Q8_0 in the int8 mode on AVX2,
+// whose one piece reaches 127), multiplied as |w| times x with w's sign.
 template <int P, bool Signed>
 inline __m256 piece_products(__m256i w, const Q8Row& x, int64_t at) {
   const __m256i u = Signed ? _mm256_abs_epi8(w) : w;
@@ -133,14 +137,24 @@ inline __m256 piece_products(__m256i w, const Q8Row& x, int64_t at) {
 template <int P>
 constexpr float kPieceScale = P == 3 ? 1.0f / 16384.0f : 1.0f;
 
+// Whether F's bytes are multiplied signed (|w| times the activations with w's sign) for P pieces: Q8_0's
+// one piece on AVX2, which reaches 127, where 255 * 127 twice would saturate vpmaddubsw. Elsewhere Q8_0's
+// bytes are offset by 128 (a sign-bit flip) and the offset comes back out through the activations'
+// sums per 32: one XOR per chunk instead of a sign transfer per piece.
+template <typename F, int P>
+#ifdef HEARTH_Q8_VNNI256
+constexpr bool kSigned = false;
+#else
+constexpr bool kSigned = std::is_same_v<F, Q8_0> && P == 1;
+#endif
+
 // A stretch (q8.h) as weight = q * scale + offset per 32 elements, q the byte the kernel multiplies:
 // d*sc and -dmin*m for Q4_K / Q5_K; for the 32-element formats the block's scale and -z times it, z
 // what makes their values unsigned (Q4_0: 8, its nibbles as they are; MXFP4: 12, added by the table
-// that reads its E2M1 codes as doubled integers; Q8_0: none, its bytes are multiplied signed).
+// that reads its E2M1 codes as doubled integers; Q8_0: 128, or none where its bytes are multiplied
+// signed).
 template <typename F>
-constexpr float kZero = std::is_same_v<F, Q8_0> ? 0.0f : std::is_same_v<F, Q4_0> ? 8.0f : 12.0f;
-template <typename F>
-constexpr bool kOffsets = !std::is_same_v<F, Q8_0>;
+constexpr float kZero = std::is_same_v<F, Q8_0> ? 128.0f : std::is_same_v<F, Q4_0> ? 8.0f : 12.0f;
 
 // A Q4_K / Q5_K super-block's 8 scales d*sc and offsets -dmin*m: k_fields (blocks.h) widened and scaled.
 inline void k_scales8(const uint8_t* b, __m256* scale, __m256* offset) {
@@ -169,7 +183,8 @@ inline __m256i bit_to_4(__m256i v, int s) {
 
 // The 32 weight bytes of chunk c (elements 32c .. 32c + 31) of a stretch: Q4_K's low (even c) or high
 // (odd c) nibbles of its 32 bytes for sub-blocks c - c % 2 and c + 1 - c % 2; Q5_K's the same with bit c
-// of each of its 32 high-bit bytes qh moved to bit 4; Q8_0's block c as it is (signed); Q4_0's and
+// of each of its 32 high-bit bytes qh moved to bit 4; Q8_0's block c as it is (signed; the caller
+// flips the sign bits where the bytes are offset); Q4_0's and
 // MXFP4's block c, its 16 bytes' low nibbles (elements 0-15) then high (16-31), MXFP4's codes through
 // a byte table to doubled value + 12.
 template <typename F>
@@ -248,7 +263,8 @@ inline void row_acc_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, __m256*
     return;
   }
 #endif
-  constexpr bool kSigned = std::is_same_v<F, Q8_0>;
+  constexpr bool kSignedQ = kSigned<F, P>;
+  constexpr bool kOffsets = !kSignedQ;
   __m256 acc[M], macc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), macc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < K / 256; ++b) {
@@ -263,16 +279,18 @@ inline void row_acc_k_q8(const uint8_t* row, int64_t K, const Q8Row* xs, __m256*
     for (int m = 0; m < M; ++m) accb[m][0] = accb[m][1] = _mm256_setzero_ps();
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
-      const __m256i w = chunk_bytes<F>(blk, c, qh);
+      __m256i w = chunk_bytes<F>(blk, c, qh);
+      if constexpr (std::is_same_v<F, Q8_0> && !kSignedQ)
+        w = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
       const __m256 s = _mm256_permutevar8x32_ps(sp, _mm256_set1_epi32(c));
       for (int m = 0; m < M; ++m)
         accb[m][c & 1] =
-            _mm256_fmadd_ps(piece_products<P, kSigned>(w, xs[m], 256 * b + 32 * c), s, accb[m][c & 1]);
+            _mm256_fmadd_ps(piece_products<P, kSignedQ>(w, xs[m], 256 * b + 32 * c), s, accb[m][c & 1]);
     }
     for (int m = 0; m < M; ++m) {
       const __m256 dx = _mm256_set1_ps(xs[m].d[b]);
       acc[m] = _mm256_fmadd_ps(_mm256_add_ps(accb[m][0], accb[m][1]), dx, acc[m]);
-      if constexpr (kOffsets<F>)
+      if constexpr (kOffsets)
         macc[m] = _mm256_fmadd_ps(offset, _mm256_mul_ps(_mm256_loadu_ps(xs[m].sum32 + 8 * b), dx), macc[m]);
     }
   }

@@ -4,9 +4,15 @@
 
 constexpr const char* kQ8Kernel = "avx512-vnni";  // what `hearth inspect` names
 
+// Sixteen int32 lanes clamped to [-top, top].
+inline __m512i clamp16(__m512i v, int top) {
+  return _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(top)), _mm512_set1_epi32(-top));
+}
+
 // One 256-element stretch x [256] quantized (see Q8Rows::quantize): its scale d, the bytes q (and,
 // split, q2 and q3), and the sums of the pieces per 16 elements.
-inline float quantize_stretch(const float* xb, bool split, int8_t* q8, int8_t* q2, int8_t* q3, float* sum16) {
+inline float quantize_stretch(const float* xb, bool split, int top, int8_t* q8, int8_t* q2, int8_t* q3,
+                              float* sum16) {
   __m512 amax = _mm512_setzero_ps();
   __mmask16 nan = 0;
   for (int i = 0; i < 256; i += 16) {
@@ -14,19 +20,18 @@ inline float quantize_stretch(const float* xb, bool split, int8_t* q8, int8_t* q
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
   }
-  const Q8Scale sc = q8_scale(_mm512_reduce_max_ps(amax), nan != 0);
+  const Q8Scale sc = q8_scale(_mm512_reduce_max_ps(amax), nan != 0, static_cast<float>(top));
   for (int i = 0; i < 256; i += 16) {
     const __m512 xv = _mm512_loadu_ps(xb + i);
-    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(xv, _mm512_set1_ps(sc.inv)));
-    const __m512i c = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+    const __m512i c = clamp16(_mm512_cvtps_epi32(_mm512_mul_ps(xv, _mm512_set1_ps(sc.inv))), top);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + i), _mm512_cvtepi32_epi8(c));
     float sum = static_cast<float>(_mm512_reduce_add_epi32(c));
     if (split) {
       // Remainders against the scale the products use (d exactly; d / 128 and d / 128^2 are exact too).
       const __m512 r1 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(c), _mm512_set1_ps(sc.d), xv);
-      const __m512i c2 = _mm512_cvtps_epi32(_mm512_mul_ps(r1, _mm512_set1_ps(128.0f * sc.inv)));
+      const __m512i c2 = clamp16(_mm512_cvtps_epi32(_mm512_mul_ps(r1, _mm512_set1_ps(128.0f * sc.inv))), 64);
       const __m512 r2 = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(c2), _mm512_set1_ps(sc.d / 128.0f), r1);
-      const __m512i c3 = _mm512_cvtps_epi32(_mm512_mul_ps(r2, _mm512_set1_ps(16384.0f * sc.inv)));
+      const __m512i c3 = clamp16(_mm512_cvtps_epi32(_mm512_mul_ps(r2, _mm512_set1_ps(16384.0f * sc.inv))), 64);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + i), _mm512_cvtepi32_epi8(c2));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q3 + i), _mm512_cvtepi32_epi8(c3));
       sum += static_cast<float>(_mm512_reduce_add_epi32(c2)) / 128.0f +
@@ -39,7 +44,8 @@ inline float quantize_stretch(const float* xb, bool split, int8_t* q8, int8_t* q
 
 // The int32 lanes of w (unsigned) times activation bytes at x, as fp32: for one piece (P = 1) the
 // products, for a split row (P = 3) the three pieces joined in the integers as 128^2 p1 + 128 p2 + p3
-// (at most 4 * 255 * 127 * 128^2 * 1.004 < 2^31 with Q8_0's offset weight bytes, the largest), so the
+// (at most 4 * 255 * 64 * 128^2 * 1.008 < 2^31 for Q8_0's offset weight bytes, whose split rows'
+// first piece is within 64 (q8_top); the other formats' bytes are at most 63), so the
 // caller scales these lanes by 1 / 128^2 more.
 template <int P>
 inline __m512 piece_products(__m512i w, const Q8Row& x, int64_t at) {
