@@ -71,6 +71,21 @@ def test_qwen2_moe_with_shared_experts_round_trips_through_gguf(tmp_path) -> Non
     assert_matches_transformers(out)
 
 
+@pytest.mark.parametrize("family", ["glm4_moe"])
+def test_hearth_written_files_match_transformers(tmp_path, family) -> None:
+    """A family's checkpoint written by ``hearth convert --quant q8_0`` (the layout llama.cpp's
+    converter writes: tests/test_gguf_llama_cpp.py compares them tensor by tensor) reads back
+    through the GGUF loader and matches transformers on the same file."""
+    from tests.gguf_checkpoints import dequantized_reference
+    from tests.gguf_fixtures import fixture_checkpoint, fixture_model
+
+    hf, _ = fixture_checkpoint(tmp_path / "hf", family)
+    out = write_gguf(hf, tmp_path / "m.gguf", "q8_0")
+    # (transformers does not read these architectures' GGUF files: its model of the family holds the
+    # file's weights as the gguf package decodes them)
+    assert_matches_transformers(out, dequantized_reference(out, fixture_model(tmp_path / "ref", family)))
+
+
 def test_an_unsupported_architecture_is_named(tmp_path) -> None:
     from tests.checkpoints import make_checkpoint
 

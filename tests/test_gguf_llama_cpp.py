@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.gguf_checkpoints import assert_matches_transformers
+from tests.gguf_fixtures import RECIPES
 
 LLAMA_CPP = os.environ.get("HEARTH_LLAMA_CPP")
 pytestmark = [pytest.mark.slow,
@@ -51,7 +52,7 @@ print(json.dumps(first))
 # random model's top tokens are this close it may pick either (0.12 was seen at Q4_K_M; a wrong layout
 # gives tokens far down the list)
 LLAMA_TIE = 0.15
-WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2"]  # the families hearth convert writes
+WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe"]  # the families hearth convert writes
 
 
 def _checkpoint(tmp_path, family: str):
@@ -62,7 +63,8 @@ def _checkpoint(tmp_path, family: str):
     # llama.cpp's OLMoE takes its k norm as wide as the model (OLMoE has as many KV heads as heads)
     kv_heads = 4 if family == "olmoe" else 2
     path = make_checkpoint(tmp_path / "hf", family, hidden_size=256, num_attention_heads=4,
-                           num_key_value_heads=kv_heads, head_dim=64, num_hidden_layers=2, **shape)[0]
+                           num_key_value_heads=kv_heads, head_dim=64, num_hidden_layers=2, **shape,
+                           **RECIPES.get(family, {}))[0]  # (the tokenizer each family's converter expects)
     if family == "minimax_m2":  # as shipped (transformers' config class does not write it; the converter reads it)
         import json
 

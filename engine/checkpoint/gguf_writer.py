@@ -24,13 +24,10 @@ from tqdm import tqdm
 from hearth.engine.checkpoint.common import FUSED
 from hearth.engine.checkpoint.gguf_families import gguf_name
 from hearth.engine.checkpoint.gguf_reader import permute_rope_rows
+from hearth.engine.checkpoint.gguf_write_families import WRITE_FAMILIES, WriteFamily, common_fields, nextn_layers
 from hearth.engine.models import config_architectures, family_for
 from hearth.engine.quant.registry import FORMATS, REGISTRY, quantize
 
-# Hugging Face architecture -> GGUF architecture (the gguf package's MODEL_ARCH member).
-ARCHITECTURES = {"Qwen3MoeForCausalLM": "QWEN3MOE", "Qwen2MoeForCausalLM": "QWEN2MOE",
-                 "MixtralForCausalLM": "LLAMA",  # Mixtral: llama with experts, as llama.cpp writes it
-                 "OlmoeForCausalLM": "OLMOE", "MiniMaxM2ForCausalLM": "MINIMAXM2"}
 FLOAT_TYPES = ("f32", "f16", "bf16")
 # Mixes: (base format, format of the tensors that get more bits), as the formats' modules declare them.
 MIXES = REGISTRY.mixes()
@@ -95,16 +92,18 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
         raise ConvertError(f"unknown quantization '{quant}' (known: {', '.join(QUANTS)})")
     cfg = json.loads((hf_dir / "config.json").read_text())
     archs = config_architectures(cfg)
-    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        raise ConvertError(f"{hf_dir}: GGUF writing supports {', '.join(ARCHITECTURES)}, not {archs}")
-    arch = getattr(gguf.MODEL_ARCH, ARCHITECTURES[archs[0]])
+    if len(archs) != 1 or archs[0] not in WRITE_FAMILIES:
+        raise ConvertError(f"{hf_dir}: GGUF writing supports {', '.join(WRITE_FAMILIES)}, not {archs}")
+    spec = WRITE_FAMILIES[archs[0]]
+    arch = getattr(gguf.MODEL_ARCH, spec.arch)
     family = family_for(archs)
     layers = cfg["num_hidden_layers"]
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
-    _metadata(writer, cfg, quant)
-    _tokenizer(writer, hf_dir)
-    tensors = _read_tensors(hf_dir)
-    dense, experts, fused = _sort_tensors(tensors, family, gguf.TensorNameMap(arch, layers), hf_dir)
+    _metadata(writer, cfg, quant, spec)
+    _tokenizer(writer, hf_dir, spec)
+    tensors = {name: load for name, load in _read_tensors(hf_dir).items() if spec.keeps(name, cfg)}
+    names = gguf.TensorNameMap(arch, layers + (nextn_layers(cfg) if spec.nextn else 0))
+    dense, experts, fused = _sort_tensors(tensors, family, names, hf_dir)
     stacked = _stacked_experts(tensors, experts, fused, cfg["moe_intermediate_size"] if "moe_intermediate_size" in cfg
                                else cfg["intermediate_size"])
     bar = tqdm(total=len(dense) + len(stacked), desc=f"writing {quant}", unit="t", disable=not show_progress)
@@ -119,8 +118,9 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
         router = ".ffn_gate_inp" in target
         if ".ffn_gate_inp_shexp." in target:  # the shared experts' gate [1, H] is stored as a vector
             t = t.reshape(-1)
-        _add(writer, target, t, tensor_format(target, quant, layers) if t.dim() >= 2 and not router else "f32",
-             summary)
+        for part, tp in spec.tensors(target, t, cfg):
+            _add(writer, part, tp, tensor_format(part, quant, layers) if tp.dim() >= 2 and not router else "f32",
+                 summary)
         bar.update(1)
     for (layer, part), load in sorted(stacked.items()):
         target = f"blk.{layer}.ffn_{part}_exps.weight"
@@ -188,43 +188,27 @@ def _load_one(path: Path, key: str) -> torch.Tensor:
         return handle.get_tensor(key)
 
 
+_TOKEN_KEYS = {"unk": "unknown", "pad": "padding"}  # special-token kinds whose GGUF key is spelled out
 _FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_k": 14, "q4_k_m": 15, "q5_k": 16, "q5_k_m": 17,
                "q6_k": 18, "bf16": 32, "mxfp4": 38}
 
 
-def _metadata(writer, cfg: dict, quant: str) -> None:
-    archs = config_architectures(cfg)
-    writer.add_context_length(cfg["max_position_embeddings"])
-    writer.add_embedding_length(cfg["hidden_size"])
-    writer.add_block_count(cfg["num_hidden_layers"])
-    writer.add_feed_forward_length(cfg["intermediate_size"])
-    if "moe_intermediate_size" in cfg:
-        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    elif archs == ["MiniMaxM2ForCausalLM"]:  # (its experts are intermediate_size wide; llama.cpp says so)
-        writer.add_expert_feed_forward_length(cfg["intermediate_size"])
-    if archs == ["MiniMaxM2ForCausalLM"]:  # sigmoid routing, which llama.cpp must be told
-        writer.add_uint32("minimax-m2.expert_gating_func", 2)  # LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
-    if cfg.get("shared_expert_intermediate_size"):
-        writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    writer.add_head_count(cfg["num_attention_heads"])
-    writer.add_head_count_kv(cfg["num_key_value_heads"])
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    partial = cfg.get("partial_rotary_factor") or cfg.get("rope_parameters", {}).get("partial_rotary_factor") or 1.0
-    writer.add_rope_dimension_count(int(cfg.get("rotary_dim") or head_dim * partial))
-    writer.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_expert_count(cfg.get("num_experts") or cfg["num_local_experts"])
-    writer.add_expert_used_count(cfg["num_experts_per_tok"])
-    writer.add_vocab_size(cfg["vocab_size"])
+def _metadata(writer, cfg: dict, quant: str, spec: WriteFamily) -> None:
+    import gguf  # deferred: the gguf package is needed for GGUF files only
+
+    fields = common_fields(cfg)
+    spec.fields(cfg, fields)
+    for key, value in fields.items():
+        if key == "expert_gating_func":
+            value = gguf.ExpertGatingFuncType(value)
+        getattr(writer, f"add_{key}")(value)
     writer.add_string("general.quantization", quant)
     if quant in _FILE_TYPES:  # llama.cpp's llama_ftype, as its converter and quantizer record it
         writer.add_file_type(_FILE_TYPES[quant])
     writer.add_quantization_version(2)  # GGML_QNT_VERSION
 
 
-def _tokenizer(writer, hf_dir: Path) -> None:
+def _tokenizer(writer, hf_dir: Path, family: WriteFamily) -> None:
     spec = json.loads((hf_dir / "tokenizer.json").read_text())
     if spec["model"]["type"] != "BPE":
         raise ConvertError(f"{hf_dir}: GGUF writing supports BPE tokenizers, not {spec['model']['type']}")
@@ -246,11 +230,13 @@ def _tokenizer(writer, hf_dir: Path) -> None:
     writer.add_token_merges(merges)
     config_path = hf_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    ids = {t["content"]: i for i, t in added.items()}
-    for key, add in (("eos_token", writer.add_eos_token_id), ("pad_token", writer.add_pad_token_id),
-                     ("bos_token", writer.add_bos_token_id)):
-        if isinstance(config.get(key), str) and config[key] in ids:
-            add(ids[config[key]])
+    ids = {**vocab, **{t["content"]: i for i, t in added.items()}}
+    named = {kind: config[f"{kind}_token"] for kind in ("eos", "pad", "bos")
+             if isinstance(config.get(f"{kind}_token"), str)}
+    named.update(family.special_tokens)
+    for kind, text in named.items():
+        if text in ids:
+            writer.add_uint32(f"tokenizer.ggml.{_TOKEN_KEYS.get(kind, kind)}_token_id", ids[text])
     template = hf_dir / "chat_template.jinja"
     if template.is_file():
         writer.add_chat_template(template.read_text())

@@ -1,0 +1,123 @@
+"""What ``hearth convert --quant`` writes per family, as llama.cpp's converter writes it: the GGUF
+architecture, the metadata beyond the common keys, the special tokens it names, and the tensors it
+reshapes or leaves out. Metadata are a mapping from a ``gguf.GGUFWriter`` ``add_*`` method's name
+(without ``add_``) to its value, so that a family replaces a common key rather than adding it twice."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+Fields = dict[str, Any]
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _no_fields(cfg: dict, fields: Fields) -> None:
+    """A family whose metadata are the common ones."""
+
+
+def _as_is(target: str, t: torch.Tensor, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    yield target, t
+
+
+@dataclass(frozen=True)
+class WriteFamily:
+    """One family as llama.cpp's converter writes it.
+
+    - ``arch``: the ``gguf.MODEL_ARCH`` member's name.
+    - ``fields(cfg, fields)``: changes the common metadata in place (:func:`common_fields`).
+    - ``special_tokens``: GGUF special-token kind (``bos``, ``eot``…) -> the token's text, where
+      the converter names them itself rather than taking them from ``tokenizer_config.json``.
+    - ``nextn``: multi-token-prediction layers are counted in ``block_count`` (and written).
+    - ``tensors(target, t, cfg)``: the GGUF tensors one dense tensor becomes (DeepSeek splits one).
+    - ``keeps(name, cfg)``: whether a checkpoint tensor is written at all.
+    """
+
+    arch: str
+    fields: Callable[[dict, Fields], None] = _no_fields
+    special_tokens: Mapping[str, str] = field(default_factory=dict)
+    nextn: bool = False
+    tensors: Callable[[str, torch.Tensor, dict], Iterator[tuple[str, torch.Tensor]]] = _as_is
+    keeps: Callable[[str, dict], bool] = lambda name, cfg: True
+
+
+def nextn_layers(cfg: dict) -> int:
+    """The checkpoint's multi-token-prediction layers (after the decoder's)."""
+    return int(cfg.get("num_nextn_predict_layers") or 0)
+
+
+def common_fields(cfg: dict) -> Fields:
+    """The keys every MoE decoder's file has, from its config."""
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    rope = cfg.get("rope_parameters") or {}
+    partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+    fields: Fields = dict(
+        context_length=cfg["max_position_embeddings"], embedding_length=cfg["hidden_size"],
+        block_count=cfg["num_hidden_layers"], feed_forward_length=cfg["intermediate_size"],
+        head_count=cfg["num_attention_heads"], head_count_kv=cfg["num_key_value_heads"],
+        key_length=head_dim, value_length=head_dim,
+        rope_dimension_count=int(cfg.get("rotary_dim") or head_dim * partial),
+        rope_freq_base=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+        layer_norm_rms_eps=cfg["rms_norm_eps"],
+        expert_count=cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"),
+        expert_used_count=cfg["num_experts_per_tok"], vocab_size=cfg["vocab_size"])
+    if "moe_intermediate_size" in cfg:
+        fields["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
+    if cfg.get("shared_expert_intermediate_size"):
+        fields["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
+    return fields
+
+
+def _minimax_m2(cfg: dict, fields: Fields) -> None:
+    # Its experts are intermediate_size wide, and its routing is sigmoid, which llama.cpp must be told.
+    fields["expert_feed_forward_length"] = cfg["intermediate_size"]
+    fields["expert_gating_func"] = 2  # LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+
+
+def _deepseek_router(cfg: dict, fields: Fields) -> None:
+    """The DeepSeek-style router (GLM-4.5, DeepSeek-V2/V3): shared experts, leading dense layers,
+    groups, the weights' scale and normalisation."""
+    fields.update(expert_count=cfg["n_routed_experts"], expert_shared_count=cfg.get("n_shared_experts") or 0,
+                  leading_dense_block_count=cfg.get("first_k_dense_replace") or 0)
+    if cfg.get("n_group") is not None:
+        fields["expert_group_count"] = cfg["n_group"]
+    if cfg.get("topk_group") is not None:
+        fields["expert_group_used_count"] = cfg["topk_group"]
+    if cfg.get("routed_scaling_factor") is not None:
+        fields["expert_weights_scale"] = cfg["routed_scaling_factor"]
+
+
+def _glm4_moe(cfg: dict, fields: Fields) -> None:
+    """GLM-4.5/4.6/4.7: sigmoid routing, the MTP layers counted in ``block_count``."""
+    _deepseek_router(cfg, fields)
+    fields["expert_gating_func"] = 2  # sigmoid
+    if cfg.get("norm_topk_prob") is not None:
+        fields["expert_weights_norm"] = bool(cfg["norm_topk_prob"])
+    if "num_nextn_predict_layers" in cfg:
+        fields["block_count"] += nextn_layers(cfg)
+        fields["nextn_predict_layers"] = nextn_layers(cfg)
+    fields.pop("vocab_size")
+
+
+# The tokens llama.cpp's converter names for GLM (its _set_vocab_glm).
+_GLM_TOKENS = MappingProxyType({"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>", "eom": "<|observation|>"})
+
+WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
+    "Qwen3MoeForCausalLM": WriteFamily("QWEN3MOE"),
+    "Qwen2MoeForCausalLM": WriteFamily("QWEN2MOE"),
+    "MixtralForCausalLM": WriteFamily("LLAMA"),  # Mixtral: llama with experts, as llama.cpp writes it
+    "OlmoeForCausalLM": WriteFamily("OLMOE"),
+    "MiniMaxM2ForCausalLM": WriteFamily("MINIMAXM2", _minimax_m2),
+    "Glm4MoeForCausalLM": WriteFamily("GLM4_MOE", _glm4_moe, _GLM_TOKENS, nextn=True),
+})
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a checkpoint tensor belongs to, or None."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
