@@ -52,7 +52,8 @@ print(json.dumps(first))
 # random model's top tokens are this close it may pick either (0.12 was seen at Q4_K_M; a wrong layout
 # gives tokens far down the list)
 LLAMA_TIE = 0.15
-WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe"]  # the families hearth convert writes
+# the families hearth convert writes
+WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe", "deepseek_v2", "deepseek_v3"]
 
 
 def _checkpoint(tmp_path, family: str):
@@ -61,16 +62,23 @@ def _checkpoint(tmp_path, family: str):
     shape = {"intermediate_size": 256} if family == "mixtral" else {"moe_intermediate_size": 256,
                                                                      "intermediate_size": 256}
     # llama.cpp's OLMoE takes its k norm as wide as the model (OLMoE has as many KV heads as heads)
-    kv_heads = 4 if family == "olmoe" else 2
-    path = make_checkpoint(tmp_path / "hf", family, hidden_size=256, num_attention_heads=4,
-                           num_key_value_heads=kv_heads, head_dim=64, num_hidden_layers=2, **shape,
-                           **RECIPES.get(family, {}))[0]  # (the tokenizer each family's converter expects)
-    if family == "minimax_m2":  # as shipped (transformers' config class does not write it; the converter reads it)
+    attention = {"num_key_value_heads": 4 if family == "olmoe" else 2, "head_dim": 64}
+    if family.startswith("deepseek"):
+        # Latent attention: as many KV heads as heads (the converter splits kv_b by them), the head
+        # widths its own; llama.cpp takes a V2 without a query LoRA for V2-Lite only by its 27 layers.
+        attention = {"num_key_value_heads": 4, "q_lora_rank": 32}
+    path = make_checkpoint(tmp_path / "hf", family, hidden_size=256, num_attention_heads=4, num_hidden_layers=2,
+                           **attention, **shape, **RECIPES.get(family, {}))[0]  # (recipes: each converter's tokenizer)
+    if family in SHIPPED:  # as shipped (transformers' config classes do not write these; the converter reads them)
         import json
 
         config = json.loads((path / "config.json").read_text())
-        (path / "config.json").write_text(json.dumps({**config, "scoring_func": "sigmoid"}))
+        (path / "config.json").write_text(json.dumps({**config, **SHIPPED[family]}))
     return path
+
+
+SHIPPED = {"minimax_m2": {"scoring_func": "sigmoid"}, "deepseek_v2": {"scoring_func": "softmax"},
+           "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}}
 
 
 @pytest.mark.parametrize("family", WRITTEN)
@@ -93,6 +101,7 @@ def test_hearth_writes_the_tensors_llama_cpps_converter_writes(tmp_path, family)
     assert {t.name for t in ours.tensors} == set(tensors)
     for t in ours.tensors:
         assert t.tensor_type == tensors[t.name].tensor_type, t.name
+        assert list(t.shape) == list(tensors[t.name].shape), t.name
         assert np.array_equal(np.asarray(t.data).reshape(-1), np.asarray(tensors[t.name].data).reshape(-1)), t.name
     skip = ("general.", "tokenizer.ggml.pre", "GGUF.")  # (names, sizes; the pre-tokenizer: see the converter patch)
     for key, field in ours.fields.items():

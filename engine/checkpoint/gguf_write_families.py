@@ -14,6 +14,11 @@ from typing import Any
 import torch
 
 Fields = dict[str, Any]
+
+
+class ConvertError(ValueError):
+    """A checkpoint the GGUF writer cannot convert, or an unknown quantization."""
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -70,13 +75,37 @@ def common_fields(cfg: dict) -> Fields:
         fields["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
     if cfg.get("shared_expert_intermediate_size"):
         fields["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
+    fields.update(_rope_scaling(rope))
+    score = next((cfg[k] for k in ("score_function", "scoring_func", "score_func") if cfg.get(k) is not None), None)
+    if score is not None:
+        if score not in _GATING:
+            raise ConvertError(f"router score function '{score}' has no GGUF gating type (known: {', '.join(_GATING)})")
+        fields["expert_gating_func"] = _GATING[score]
+    return fields
+
+
+_GATING = {"softmax": 1, "sigmoid": 2}  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE
+
+
+def _rope_scaling(rope: dict) -> Fields:
+    """Linear and YaRN context extension, as the converter writes them."""
+    kind, factor = rope.get("rope_type"), rope.get("factor")
+    if factor is None or kind not in ("linear", "yarn"):
+        return {}
+    fields: Fields = dict(rope_scaling_type=kind, rope_scaling_factor=factor)
+    if kind == "yarn":
+        fields["rope_scaling_orig_ctx_len"] = rope["original_max_position_embeddings"]
+        for key, name in (("extrapolation_factor", "yarn_ext_factor"), ("attention_factor", "yarn_attn_factor"),
+                          ("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if rope.get(key) is not None:
+                fields[f"rope_scaling_{name}"] = rope[key]
     return fields
 
 
 def _minimax_m2(cfg: dict, fields: Fields) -> None:
     # Its experts are intermediate_size wide, and its routing is sigmoid, which llama.cpp must be told.
     fields["expert_feed_forward_length"] = cfg["intermediate_size"]
-    fields["expert_gating_func"] = 2  # LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+    fields["expert_gating_func"] = _GATING["sigmoid"]
 
 
 def _deepseek_router(cfg: dict, fields: Fields) -> None:
@@ -95,13 +124,55 @@ def _deepseek_router(cfg: dict, fields: Fields) -> None:
 def _glm4_moe(cfg: dict, fields: Fields) -> None:
     """GLM-4.5/4.6/4.7: sigmoid routing, the MTP layers counted in ``block_count``."""
     _deepseek_router(cfg, fields)
-    fields["expert_gating_func"] = 2  # sigmoid
+    fields["expert_gating_func"] = _GATING["sigmoid"]
     if cfg.get("norm_topk_prob") is not None:
         fields["expert_weights_norm"] = bool(cfg["norm_topk_prob"])
     if "num_nextn_predict_layers" in cfg:
         fields["block_count"] += nextn_layers(cfg)
         fields["nextn_predict_layers"] = nextn_layers(cfg)
     fields.pop("vocab_size")
+
+
+def _deepseek2(cfg: dict, fields: Fields) -> None:
+    """DeepSeek-V2/V3: multi-head latent attention written as one KV head of the latent's width (the
+    per-head widths under ``*_mla``), the group-limited router, YaRN's attention scale."""
+    _deepseek_router(cfg, fields)
+    rope = cfg.get("rope_parameters") or {}
+    kv_rank, rope_dim = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    fields.update(head_count_kv=1, kv_lora_rank=kv_rank, key_length=kv_rank + rope_dim, value_length=kv_rank,
+                  key_length_mla=cfg["qk_nope_head_dim"] + rope_dim, value_length_mla=cfg["v_head_dim"],
+                  rope_dimension_count=rope_dim, layer_norm_rms_eps=cfg.get("rms_norm_eps", 1e-6))
+    if cfg.get("q_lora_rank") is not None:
+        fields["q_lora_rank"] = cfg["q_lora_rank"]
+    if cfg.get("norm_topk_prob"):
+        fields["expert_weights_norm"] = True
+    if rope.get("mscale_all_dim") is not None:  # (the converter's convention: 0.1 x mscale_all_dim)
+        fields["rope_scaling_yarn_log_mul"] = 0.1 * rope["mscale_all_dim"]
+
+
+def _deepseek3(cfg: dict, fields: Fields) -> None:
+    """DeepSeek-V3 routes by sigmoid scores whatever its config says (transformers' class does), and
+    llama.cpp takes a file without the gating key for V2's softmax."""
+    _deepseek2(cfg, fields)
+    fields["expert_gating_func"] = _GATING["sigmoid"]
+
+
+def _split_kv_b(target: str, t: torch.Tensor, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """MLA's ``kv_b_proj`` [heads * (nope + v), rank] as llama.cpp absorbs it: ``attn_k_b`` [heads,
+    rank, nope] (each head's key part transposed) and ``attn_v_b`` [heads, v, rank]."""
+    if ".attn_kv_b." not in target:
+        yield target, t
+        return
+    heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    k_b, v_b = t.view(heads, nope + v, t.shape[-1]).split([nope, v], dim=1)
+    yield target.replace(".attn_kv_b.", ".attn_k_b."), k_b.transpose(1, 2).contiguous()
+    yield target.replace(".attn_kv_b.", ".attn_v_b."), v_b.contiguous()
+
+
+def _decoder_layers_only(name: str, cfg: dict) -> bool:
+    """DeepSeek's converter leaves the MTP layers (after the decoder's) out."""
+    layer = layer_of(name)
+    return layer is None or layer < cfg["num_hidden_layers"]
 
 
 # The tokens llama.cpp's converter names for GLM (its _set_vocab_glm).
@@ -114,6 +185,8 @@ WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
     "OlmoeForCausalLM": WriteFamily("OLMOE"),
     "MiniMaxM2ForCausalLM": WriteFamily("MINIMAXM2", _minimax_m2),
     "Glm4MoeForCausalLM": WriteFamily("GLM4_MOE", _glm4_moe, _GLM_TOKENS, nextn=True),
+    "DeepseekV2ForCausalLM": WriteFamily("DEEPSEEK2", _deepseek2, tensors=_split_kv_b, keeps=_decoder_layers_only),
+    "DeepseekV3ForCausalLM": WriteFamily("DEEPSEEK2", _deepseek3, tensors=_split_kv_b, keeps=_decoder_layers_only),
 })
 
 

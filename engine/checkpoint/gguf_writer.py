@@ -24,7 +24,13 @@ from tqdm import tqdm
 from hearth.engine.checkpoint.common import FUSED
 from hearth.engine.checkpoint.gguf_families import gguf_name
 from hearth.engine.checkpoint.gguf_reader import permute_rope_rows
-from hearth.engine.checkpoint.gguf_write_families import WRITE_FAMILIES, WriteFamily, common_fields, nextn_layers
+from hearth.engine.checkpoint.gguf_write_families import (
+    WRITE_FAMILIES,
+    ConvertError,
+    WriteFamily,
+    common_fields,
+    nextn_layers,
+)
 from hearth.engine.models import config_architectures, family_for
 from hearth.engine.quant.registry import FORMATS, REGISTRY, quantize
 
@@ -35,10 +41,6 @@ MIXES = REGISTRY.mixes()
 QUANTS = (*FLOAT_TYPES, *sorted(n for n, f in FORMATS.items() if f.encode is not None), *sorted(MIXES))
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _LAYER = re.compile(r"^blk\.(\d+)\.")
-
-
-class ConvertError(ValueError):
-    """A checkpoint this writer cannot convert, or an unknown quantization."""
 
 
 @dataclass
@@ -100,7 +102,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
     layers = cfg["num_hidden_layers"]
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
     _metadata(writer, cfg, quant, spec)
-    _tokenizer(writer, hf_dir, spec)
+    _tokenizer(writer, hf_dir, spec, cfg)
     tensors = {name: load for name, load in _read_tensors(hf_dir).items() if spec.keeps(name, cfg)}
     names = gguf.TensorNameMap(arch, layers + (nextn_layers(cfg) if spec.nextn else 0))
     dense, experts, fused = _sort_tensors(tensors, family, names, hf_dir)
@@ -115,9 +117,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
             for key, n in heads.items():
                 if key in target:
                     t = permute_rope_rows(t, n)
-        router = ".ffn_gate_inp" in target
-        if ".ffn_gate_inp_shexp." in target:  # the shared experts' gate [1, H] is stored as a vector
-            t = t.reshape(-1)
+        router = ".ffn_gate_inp" in target  # (the routers and the shared experts' gate [1, H] stay f32)
         for part, tp in spec.tensors(target, t, cfg):
             _add(writer, part, tp, tensor_format(part, quant, layers) if tp.dim() >= 2 and not router else "f32",
                  summary)
@@ -201,6 +201,8 @@ def _metadata(writer, cfg: dict, quant: str, spec: WriteFamily) -> None:
     for key, value in fields.items():
         if key == "expert_gating_func":
             value = gguf.ExpertGatingFuncType(value)
+        elif key == "rope_scaling_type":
+            value = gguf.RopeScalingType(value)
         getattr(writer, f"add_{key}")(value)
     writer.add_string("general.quantization", quant)
     if quant in _FILE_TYPES:  # llama.cpp's llama_ftype, as its converter and quantizer record it
@@ -208,7 +210,7 @@ def _metadata(writer, cfg: dict, quant: str, spec: WriteFamily) -> None:
     writer.add_quantization_version(2)  # GGML_QNT_VERSION
 
 
-def _tokenizer(writer, hf_dir: Path, family: WriteFamily) -> None:
+def _tokenizer(writer, hf_dir: Path, family: WriteFamily, cfg: dict) -> None:
     spec = json.loads((hf_dir / "tokenizer.json").read_text())
     if spec["model"]["type"] != "BPE":
         raise ConvertError(f"{hf_dir}: GGUF writing supports BPE tokenizers, not {spec['model']['type']}")
@@ -231,12 +233,18 @@ def _tokenizer(writer, hf_dir: Path, family: WriteFamily) -> None:
     config_path = hf_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     ids = {**vocab, **{t["content"]: i for i, t in added.items()}}
-    named = {kind: config[f"{kind}_token"] for kind in ("eos", "pad", "bos")
-             if isinstance(config.get(f"{kind}_token"), str)}
-    named.update(family.special_tokens)
-    for kind, text in named.items():
-        if text in ids:
-            writer.add_uint32(f"tokenizer.ggml.{_TOKEN_KEYS.get(kind, kind)}_token_id", ids[text])
+    # As the converter's special vocabulary: the tokenizer config's tokens, else config.json's ids,
+    # else the tokens the family's converter names.
+    chosen = {kind: ids[config[f"{kind}_token"]] for kind in ("eos", "pad", "bos")
+              if isinstance(config.get(f"{kind}_token"), str) and config[f"{kind}_token"] in ids}
+    for kind in ("bos", "eos", "unk", "pad"):
+        if kind not in chosen and isinstance(cfg.get(f"{kind}_token_id"), int) and 0 <= cfg[f"{kind}_token_id"] < size:
+            chosen[kind] = cfg[f"{kind}_token_id"]
+    for kind, text in family.special_tokens.items():
+        if kind not in chosen and text in ids:
+            chosen[kind] = ids[text]
+    for kind, token in chosen.items():
+        writer.add_uint32(f"tokenizer.ggml.{_TOKEN_KEYS.get(kind, kind)}_token_id", token)
     template = hf_dir / "chat_template.jinja"
     if template.is_file():
         writer.add_chat_template(template.read_text())
