@@ -53,7 +53,8 @@ print(json.dumps(first))
 # gives tokens far down the list)
 LLAMA_TIE = 0.15
 # the families hearth convert writes
-WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe", "deepseek_v2", "deepseek_v3"]
+WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe", "deepseek_v2", "deepseek_v3",
+           "gpt_oss"]
 
 
 def _checkpoint(tmp_path, family: str):

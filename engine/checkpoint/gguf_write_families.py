@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from hearth.engine.ops import deinterleave
+
 Fields = dict[str, Any]
 
 
@@ -41,6 +43,8 @@ class WriteFamily:
     - ``nextn``: multi-token-prediction layers are counted in ``block_count`` (and written).
     - ``tensors(target, t, cfg)``: the GGUF tensors one dense tensor becomes (DeepSeek splits one).
     - ``keeps(name, cfg)``: whether a checkpoint tensor is written at all.
+    - ``prepare(tensors, cfg)``: the checkpoint's tensors (name -> loader) in the names and layouts
+      the writer takes (GPT-OSS's interleaved experts as the standard fused ones).
     """
 
     arch: str
@@ -49,6 +53,7 @@ class WriteFamily:
     nextn: bool = False
     tensors: Callable[[str, torch.Tensor, dict], Iterator[tuple[str, torch.Tensor]]] = _as_is
     keeps: Callable[[str, dict], bool] = lambda name, cfg: True
+    prepare: Callable[[dict, dict], dict] = lambda tensors, cfg: tensors
 
 
 def nextn_layers(cfg: dict) -> int:
@@ -175,6 +180,37 @@ def _decoder_layers_only(name: str, cfg: dict) -> bool:
     return layer is None or layer < cfg["num_hidden_layers"]
 
 
+def _gpt_oss(cfg: dict, fields: Fields) -> None:
+    """GPT-OSS: experts ``intermediate_size`` wide, the sliding window (every other layer's)."""
+    fields.update(expert_feed_forward_length=cfg["intermediate_size"], sliding_window=cfg["sliding_window"])
+    fields.pop("vocab_size")
+
+
+_GPT_OSS_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias)?$")
+
+
+def _gpt_oss_experts(tensors: dict, cfg: dict) -> dict:
+    """GPT-OSS's fused experts as the writer's standard ones: ``gate_up_proj`` [E, H, 2I] with gate
+    and up interleaved column by column -> [E, 2I, H] gate rows then up; ``down_proj`` [E, I, H] ->
+    [E, H, I]; their biases as the stacked experts' ``.bias`` (gate and up de-interleaved)."""
+    out = {}
+    for name, load in tensors.items():
+        m = _GPT_OSS_EXPERTS.match(name)
+        if m is None:
+            out[name] = load
+            continue
+        prefix, part, bias = m.groups()
+        if part == "down_proj":
+            out[prefix + ("down_proj.bias" if bias else "down_proj")] = (
+                load if bias else (lambda load=load: load().transpose(1, 2).contiguous()))
+        elif bias:
+            out[prefix + "gate_proj.bias"] = lambda load=load: load()[:, 0::2].contiguous()
+            out[prefix + "up_proj.bias"] = lambda load=load: load()[:, 1::2].contiguous()
+        else:
+            out[prefix + "gate_up_proj"] = lambda load=load: deinterleave(load().transpose(1, 2), dim=1).contiguous()
+    return out
+
+
 # The tokens llama.cpp's converter names for GLM (its _set_vocab_glm).
 _GLM_TOKENS = MappingProxyType({"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>", "eom": "<|observation|>"})
 
@@ -187,6 +223,7 @@ WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
     "Glm4MoeForCausalLM": WriteFamily("GLM4_MOE", _glm4_moe, _GLM_TOKENS, nextn=True),
     "DeepseekV2ForCausalLM": WriteFamily("DEEPSEEK2", _deepseek2, tensors=_split_kv_b, keeps=_decoder_layers_only),
     "DeepseekV3ForCausalLM": WriteFamily("DEEPSEEK2", _deepseek3, tensors=_split_kv_b, keeps=_decoder_layers_only),
+    "GptOssForCausalLM": WriteFamily("GPT_OSS", _gpt_oss, prepare=_gpt_oss_experts),
 })
 
 

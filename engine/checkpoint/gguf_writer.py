@@ -103,7 +103,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
     writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
     _metadata(writer, cfg, quant, spec)
     _tokenizer(writer, hf_dir, spec, cfg)
-    tensors = {name: load for name, load in _read_tensors(hf_dir).items() if spec.keeps(name, cfg)}
+    tensors = spec.prepare({name: load for name, load in _read_tensors(hf_dir).items() if spec.keeps(name, cfg)}, cfg)
     names = gguf.TensorNameMap(arch, layers + (nextn_layers(cfg) if spec.nextn else 0))
     dense, experts, fused = _sort_tensors(tensors, family, names, hf_dir)
     stacked = _stacked_experts(tensors, experts, fused, cfg["moe_intermediate_size"] if "moe_intermediate_size" in cfg
@@ -117,10 +117,11 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
             for key, n in heads.items():
                 if key in target:
                     t = permute_rope_rows(t, n)
-        router = ".ffn_gate_inp" in target  # (the routers and the shared experts' gate [1, H] stay f32)
+        # (norms, biases, the routers and the shared experts' gate [1, H] stay f32)
+        router = ".ffn_gate_inp" in target
         for part, tp in spec.tensors(target, t, cfg):
-            _add(writer, part, tp, tensor_format(part, quant, layers) if tp.dim() >= 2 and not router else "f32",
-                 summary)
+            matrix = tp.dim() >= 2 and not router and not part.endswith(".bias")
+            _add(writer, part, tp, tensor_format(part, quant, layers) if matrix else "f32", summary)
         bar.update(1)
     for (layer, part), load in sorted(stacked.items()):
         target = f"blk.{layer}.ffn_{part}_exps.weight"
