@@ -71,7 +71,7 @@ def test_qwen2_moe_with_shared_experts_round_trips_through_gguf(tmp_path) -> Non
     assert_matches_transformers(out)
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "qwen3_next", "qwen3_5_moe"])
 def test_hearth_written_files_match_transformers(tmp_path, family) -> None:
     """A family's checkpoint written by ``hearth convert --quant q8_0`` (the layout llama.cpp's
     converter writes: tests/test_gguf_llama_cpp.py compares them tensor by tensor) reads back
@@ -89,8 +89,8 @@ def test_hearth_written_files_match_transformers(tmp_path, family) -> None:
 def test_an_unsupported_architecture_is_named(tmp_path) -> None:
     from tests.checkpoints import make_checkpoint
 
-    hf, _ = make_checkpoint(tmp_path / "hf", "qwen3_next")
-    with pytest.raises(ConvertError, match="Qwen3NextForCausalLM"):
+    hf, _ = make_checkpoint(tmp_path / "hf", "deepseek_v4", chat_format="deepseek_v4")
+    with pytest.raises(ConvertError, match="DeepseekV4ForCausalLM"):
         write_gguf(hf, tmp_path / "m.gguf", "q8_0")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.gguf_checkpoints import assert_matches_transformers
-from tests.gguf_fixtures import RECIPES
+from tests.gguf_fixtures import CONVERTER_FLAGS, RECIPES
 
 LLAMA_CPP = os.environ.get("HEARTH_LLAMA_CPP")
 pytestmark = [pytest.mark.slow,
@@ -54,7 +54,7 @@ print(json.dumps(first))
 LLAMA_TIE = 0.15
 # the families hearth convert writes
 WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe", "deepseek_v2", "deepseek_v3",
-           "gpt_oss"]
+           "gpt_oss", "qwen3_next", "qwen3_5_moe"]
 
 
 def _checkpoint(tmp_path, family: str):
@@ -64,11 +64,18 @@ def _checkpoint(tmp_path, family: str):
                                                                      "intermediate_size": 256}
     # llama.cpp's OLMoE takes its k norm as wide as the model (OLMoE has as many KV heads as heads)
     attention = {"num_key_value_heads": 4 if family == "olmoe" else 2, "head_dim": 64}
+    if family == "qwen3_next":
+        # llama.cpp 0.3.36's Qwen3-Next parts from transformers at head widths of 32 and 64 (its first
+        # token on a 21-token prompt ranked at -5.3 by transformers against -2.6, on its own
+        # converter's file as on hearth's, which are equal tensor for tensor); at 16 they agree.
+        attention["head_dim"] = 16
     if family.startswith("deepseek"):
         # Latent attention: as many KV heads as heads (the converter splits kv_b by them), the head
         # widths its own; llama.cpp takes a V2 without a query LoRA for V2-Lite only by its 27 layers.
         attention = {"num_key_value_heads": 4, "q_lora_rank": 32}
-    path = make_checkpoint(tmp_path / "hf", family, hidden_size=256, num_attention_heads=4, num_hidden_layers=2,
+    # The hybrids attend every fourth layer: llama.cpp cannot run one with no attention layer (no KV cache).
+    layers = 4 if family in ("qwen3_next", "qwen3_5_moe") else 2
+    path = make_checkpoint(tmp_path / "hf", family, hidden_size=256, num_attention_heads=4, num_hidden_layers=layers,
                            **attention, **shape, **RECIPES.get(family, {}))[0]  # (recipes: each converter's tokenizer)
     if family in SHIPPED:  # as shipped (transformers' config classes do not write these; the converter reads them)
         import json
@@ -95,7 +102,8 @@ def test_hearth_writes_the_tensors_llama_cpps_converter_writes(tmp_path, family)
     ours = gguf.GGUFReader(write_gguf(hf, tmp_path / "hearth.gguf", "q8_0"))
     theirs_path = tmp_path / "llama.gguf"
     code = ("import sys; from pathlib import Path; from bench.peers import convert; "
-            f"convert(Path({str(hf)!r}), Path({LLAMA_CPP!r}), Path({str(theirs_path)!r}), 'q8_0')")
+            f"convert(Path({str(hf)!r}), Path({LLAMA_CPP!r}), Path({str(theirs_path)!r}), 'q8_0', "
+            f"{CONVERTER_FLAGS.get(family, ())!r})")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)
     theirs = gguf.GGUFReader(theirs_path)
     tensors = {t.name: t for t in theirs.tensors}

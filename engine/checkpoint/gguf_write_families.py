@@ -1,7 +1,8 @@
 """What ``hearth convert --quant`` writes per family, as llama.cpp's converter writes it: the GGUF
 architecture, the metadata beyond the common keys, the special tokens it names, and the tensors it
 reshapes or leaves out. Metadata are a mapping from a ``gguf.GGUFWriter`` ``add_*`` method's name
-(without ``add_``) to its value, so that a family replaces a common key rather than adding it twice."""
+(without ``add_``) to its value, so that a family replaces a common key rather than adding it twice;
+a name starting with ``.`` is a key under the architecture's prefix, written as it is (an array)."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def common_fields(cfg: dict) -> Fields:
     partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
     fields: Fields = dict(
         context_length=cfg["max_position_embeddings"], embedding_length=cfg["hidden_size"],
-        block_count=cfg["num_hidden_layers"], feed_forward_length=cfg["intermediate_size"],
+        block_count=cfg["num_hidden_layers"],
         head_count=cfg["num_attention_heads"], head_count_kv=cfg["num_key_value_heads"],
         key_length=head_dim, value_length=head_dim,
         rope_dimension_count=int(cfg.get("rotary_dim") or head_dim * partial),
@@ -76,6 +77,8 @@ def common_fields(cfg: dict) -> Fields:
         layer_norm_rms_eps=cfg["rms_norm_eps"],
         expert_count=cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"),
         expert_used_count=cfg["num_experts_per_tok"], vocab_size=cfg["vocab_size"])
+    if cfg.get("intermediate_size") is not None:
+        fields["feed_forward_length"] = cfg["intermediate_size"]
     if "moe_intermediate_size" in cfg:
         fields["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
     if cfg.get("shared_expert_intermediate_size"):
@@ -211,6 +214,91 @@ def _gpt_oss_experts(tensors: dict, cfg: dict) -> dict:
     return out
 
 
+def _hybrid(cfg: dict, fields: Fields) -> None:
+    """Qwen3-Next / Qwen3.5: the DeltaNet layers' shapes under ``ssm.*``, which layers attend (every
+    ``full_attention_interval``-th), and Qwen3.5's rotary sections (interleaved MRoPE)."""
+    fields.update(ssm_conv_kernel=cfg["linear_conv_kernel_dim"], ssm_state_size=cfg["linear_key_head_dim"],
+                  ssm_group_count=cfg["linear_num_key_heads"], ssm_time_step_rank=cfg["linear_num_value_heads"],
+                  ssm_inner_size=cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"],
+                  full_attention_interval=cfg.get("full_attention_interval", 4))
+    if cfg.get("layer_types"):  # (a key the gguf package has no method for: written as a raw array)
+        fields[".attention.recurrent_layers"] = [kind == "linear_attention" for kind in cfg["layer_types"]]
+    if config_architecture(cfg) == "Qwen3_5MoeForCausalLM":
+        rope = cfg.get("rope_parameters") or {}
+        fields["rope_dimension_sections"] = list(rope.get("mrope_section") or [11, 11, 10, 0])[:4]
+    fields.pop("vocab_size")
+
+
+_ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
+                 "model.norm.weight")
+
+
+def _hybrid_tensors(tensors: dict, cfg: dict) -> dict:
+    """The hybrids' tensors as llama.cpp's converter stores them: zero-centred RMSNorm weights plus
+    one, ``A_log`` as ``-exp(A_log)``, ``dt_bias`` as the time-step projection's bias, the depthwise
+    convolution [C, 1, K] as [C, K], Qwen3-Next's ``in_proj_qkvz`` (per key head: q, k, v, z) as
+    ``in_proj_qkv`` and ``in_proj_z`` (all heads' q, then k, then v; z), and, for Qwen3.5 with more
+    value than key heads, the value heads reordered from grouped by key head to tiled."""
+    tile = config_architecture(cfg) == "Qwen3_5MoeForCausalLM" and \
+        cfg["linear_num_value_heads"] != cfg["linear_num_key_heads"]
+    out = {}
+    for name, load in tensors.items():
+        if name.endswith("linear_attn.in_proj_qkvz.weight"):
+            base = name.removesuffix("in_proj_qkvz.weight")
+            out[base + "in_proj_qkv.weight"] = lambda load=load: _split_qkvz(load(), cfg)[0]
+            out[base + "in_proj_z.weight"] = lambda load=load: _split_qkvz(load(), cfg)[1]
+            continue
+        renamed = name.removesuffix(".dt_bias") + ".dt_proj.bias" if name.endswith(".dt_bias") else name
+        out[renamed] = lambda name=name, load=load: _hybrid_values(name, load(), cfg, tile)
+    return out
+
+
+def _hybrid_values(name: str, t: torch.Tensor, cfg: dict, tile: bool) -> torch.Tensor:
+    if ".linear_attn." in name:
+        if "conv1d" in name:
+            t = t.squeeze()
+        if tile:
+            t = _tiled(name, t, cfg)
+        if name.endswith(".A_log"):
+            t = -torch.exp(t.float())
+    elif name.endswith(_ZERO_CENTRED):
+        t = t.float() + 1
+    return t
+
+
+def _split_qkvz(t: torch.Tensor, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-Next's ``in_proj_qkvz`` [keys * (2 dk + 2 r dv), H] -> qkv [keys * (2 dk + r dv), H]
+    (every head's q, then k, then v) and z [keys * r dv, H]."""
+    keys, dk, dv = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    rv = cfg["linear_num_value_heads"] // keys * dv
+    q, k, v, z = t.reshape(keys, 2 * dk + 2 * rv, t.shape[-1]).split([dk, dk, rv, rv], dim=1)
+    flat = [part.reshape(-1, t.shape[-1]) for part in (q, k, v, z)]
+    return torch.cat(flat[:3]).contiguous(), flat[3].contiguous()
+
+
+def _tiled(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """A Qwen3.5 DeltaNet tensor's value heads from grouped by key head [keys, per_key, width] to
+    tiled [per_key, keys, width] (llama.cpp broadcasts the key heads over them)."""
+    keys, dk, dv = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    per_key = cfg["linear_num_value_heads"] // keys
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # q and k rows as they are, then v
+        qk = 2 * keys * dk
+        return torch.cat([t[:qk], _regroup(t[qk:], 0, keys, per_key, dv)])
+    if name.endswith("in_proj_z.weight"):
+        return _regroup(t, 0, keys, per_key, dv)
+    if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        return _regroup(t, 0, keys, per_key, 1)
+    if name.endswith("out_proj.weight"):
+        return _regroup(t, 1, keys, per_key, dv)
+    return t
+
+
+def _regroup(t: torch.Tensor, dim: int, keys: int, per_key: int, width: int) -> torch.Tensor:
+    shape = list(t.shape)
+    grouped = t.reshape(*shape[:dim], keys, per_key, width, *shape[dim + 1:])
+    return grouped.transpose(dim, dim + 1).contiguous().reshape(shape)
+
+
 # The tokens llama.cpp's converter names for GLM (its _set_vocab_glm).
 _GLM_TOKENS = MappingProxyType({"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>", "eom": "<|observation|>"})
 
@@ -224,7 +312,15 @@ WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
     "DeepseekV2ForCausalLM": WriteFamily("DEEPSEEK2", _deepseek2, tensors=_split_kv_b, keeps=_decoder_layers_only),
     "DeepseekV3ForCausalLM": WriteFamily("DEEPSEEK2", _deepseek3, tensors=_split_kv_b, keeps=_decoder_layers_only),
     "GptOssForCausalLM": WriteFamily("GPT_OSS", _gpt_oss, prepare=_gpt_oss_experts),
+    "Qwen3NextForCausalLM": WriteFamily("QWEN3NEXT", _hybrid, prepare=_hybrid_tensors),
+    "Qwen3_5MoeForCausalLM": WriteFamily("QWEN35MOE", _hybrid, prepare=_hybrid_tensors),
 })
+
+
+def config_architecture(cfg: dict) -> str:
+    """The config's one architecture."""
+    archs = cfg.get("architectures") or []
+    return archs[0] if archs else ""
 
 
 def layer_of(name: str) -> int | None:

@@ -117,10 +117,10 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
             for key, n in heads.items():
                 if key in target:
                     t = permute_rope_rows(t, n)
-        # (norms, biases, the routers and the shared experts' gate [1, H] stay f32)
+        # (norms, biases, the routers, the shared experts' gate [1, H] and the convolutions stay f32)
         router = ".ffn_gate_inp" in target
         for part, tp in spec.tensors(target, t, cfg):
-            matrix = tp.dim() >= 2 and not router and not part.endswith(".bias")
+            matrix = tp.dim() >= 2 and not router and not part.endswith(".bias") and ".ssm_conv1d." not in part
             _add(writer, part, tp, tensor_format(part, quant, layers) if matrix else "f32", summary)
         bar.update(1)
     for (layer, part), load in sorted(stacked.items()):
@@ -200,6 +200,9 @@ def _metadata(writer, cfg: dict, quant: str, spec: WriteFamily) -> None:
     fields = common_fields(cfg)
     spec.fields(cfg, fields)
     for key, value in fields.items():
+        if key.startswith("."):
+            writer.add_array(f"{writer.arch}{key}", value)
+            continue
         if key == "expert_gating_func":
             value = gguf.ExpertGatingFuncType(value)
         elif key == "rope_scaling_type":
