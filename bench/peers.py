@@ -48,7 +48,8 @@ from bench.common import (  # noqa: E402
 )
 
 # llama.cpp's file types (llama.h, enum llama_ftype) by the names its quantize tool takes.
-FTYPES = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q4_k_s": 14, "q5_k_m": 17, "q5_k_s": 16, "q6_k": 18}
+FTYPES = {"q8_0": 7, "q4_0": 2, "q4_k_m": 15, "q4_k_s": 14, "q5_k_m": 17, "q5_k_s": 16, "q6_k": 18,
+          "q2_k": 10, "q3_k_m": 12, "iq4_xs": 30}  # llama.cpp's llama_ftype
 
 
 # -- make ---------------------------------------------------------------------------------------

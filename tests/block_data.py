@@ -21,6 +21,12 @@ def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator, ext
         blocks[:, 0:4] = np.abs(scale.view(np.float16)).view(np.uint8)  # d and dmin
     elif name == "q6_k":
         blocks[:, 208:210] = scale[:, 0:2]
+    elif name == "q2_k":
+        blocks[:, 80:84] = np.abs(scale.view(np.float16)).view(np.uint8)  # d and dmin
+    elif name == "q3_k":
+        blocks[:, 108:110] = scale[:, 0:2]
+    elif name == "iq4_xs":
+        blocks[:, 0:2] = scale[:, 0:2]
     else:  # mxfp4: exponents near 1, and the extremes
         blocks[:, 0] = rng.integers(117, 137, size=blocks.shape[0])
         if extremes:

@@ -54,7 +54,8 @@ def test_a_toy_format_round_trips_by_name(with_toy):
     with pytest.raises(KeyError):
         registry.block_format("toy_i8x16")
     assert [f.name for f in registry.REGISTRY] == ["q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "mxfp4", "fp8_e4m3",
-                                                   "bf16", "q4_1", "q5_0", "q5_1", "iq4_nl"]
+                                                   "bf16", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_k", "q3_k",
+                                                   "iq4_xs"]
 
 
 def test_ftw_stores_and_reads_a_toy_block_weight(tmp_path, with_toy):

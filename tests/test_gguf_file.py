@@ -59,10 +59,10 @@ def test_bad_files_get_one_line_errors_naming_file_and_problem(tmp_path) -> None
     _write(tmp_path / "bert.gguf", arch="bert")
     with pytest.raises(GGUFError, match=r"bert\.gguf: GGUF architecture 'bert' is not supported"):
         GGUFFile(tmp_path / "bert.gguf")
-    q2k = np.zeros((2, 84), dtype=np.uint8)  # two Q2_K blocks of 256 elements
-    _write(tmp_path / "q2k.gguf", tensors={"blk.0.x.weight": (q2k, Q.Q2_K)})
-    with pytest.raises(GGUFError, match="tensor 'blk.0.x.weight' has type Q2_K, which hearth has no kernel for"):
-        GGUFFile(tmp_path / "q2k.gguf")
+    iq2 = np.zeros((2, 66), dtype=np.uint8)  # two IQ2_XXS blocks of 256 elements
+    _write(tmp_path / "iq2.gguf", tensors={"blk.0.x.weight": (iq2, Q.IQ2_XXS)})
+    with pytest.raises(GGUFError, match="tensor 'blk.0.x.weight' has type IQ2_XXS, which hearth has no kernel for"):
+        GGUFFile(tmp_path / "iq2.gguf")
     _write(tmp_path / "full.gguf", tensors={"blk.0.a.weight": (_quantized(64, 256, Q.Q8_0), Q.Q8_0)})
     whole = (tmp_path / "full.gguf").read_bytes()
     (tmp_path / "cut.gguf").write_bytes(whole[: len(whole) - 1000])

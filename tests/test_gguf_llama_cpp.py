@@ -33,7 +33,8 @@ def test_llama_cpp_files_match_transformers(tmp_path, family, shape) -> None:
     code = ("import sys; from pathlib import Path; sys.argv = ['convert']; from bench.peers import convert; "
             f"convert(Path({str(hf)!r}), Path({LLAMA_CPP!r}), Path({str(bf16)!r}))")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, capture_output=True)  # its own process
-    for name in ("q8_0", "q4_k_m"):
+    # (Q2_K, Q3_K_M and IQ4_XS: the low-bit experts of llama.cpp's smaller files and the Unsloth-style mixes)
+    for name in ("q8_0", "q4_k_m", "q2_k", "q3_k_m", "iq4_xs"):
         out = tmp_path / f"m-{name}.gguf"
         quantize(bf16, out, name, 2)
         assert_matches_transformers(out)

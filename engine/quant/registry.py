@@ -13,13 +13,31 @@ from __future__ import annotations
 import torch
 
 from hearth.engine.quant.block import BlockFormat, Registry
-from hearth.engine.quant.formats import bf16, fp8_e4m3, iq4_nl, mxfp4, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0
+from hearth.engine.quant.formats import (
+    bf16,
+    fp8_e4m3,
+    iq4_nl,
+    iq4_xs,
+    mxfp4,
+    q2_k,
+    q3_k,
+    q4_0,
+    q4_1,
+    q4_k,
+    q5_0,
+    q5_1,
+    q5_k,
+    q6_k,
+    q8_0,
+)
 
 REGISTRY = Registry((q8_0.FORMAT, q4_0.FORMAT, q4_k.FORMAT, q5_k.FORMAT, q6_k.FORMAT, mxfp4.FORMAT,
                      fp8_e4m3.FORMAT, bf16.FORMAT,
                      # read only, decoded at load: what llama.cpp's quantizer writes where a K format
-                     # does not fit a row (Q5_0, Q5_1, IQ4_NL), and the older Q4_1
-                     q4_1.FORMAT, q5_0.FORMAT, q5_1.FORMAT, iq4_nl.FORMAT))
+                     # does not fit a row (Q5_0, Q5_1, IQ4_NL), the older Q4_1, and the low-bit experts
+                     # of its Q2_K / Q3_K / IQ4_XS files and the Unsloth-style mixes
+                     q4_1.FORMAT, q5_0.FORMAT, q5_1.FORMAT, iq4_nl.FORMAT, q2_k.FORMAT, q3_k.FORMAT,
+                     iq4_xs.FORMAT))
 
 # GGML's formats (the ones GGUF files hold), and hearth's own layouts, by name: fixed at import.
 FORMATS = REGISTRY.ggml()
