@@ -122,6 +122,11 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "mixtral": dict(num_local_experts=8, intermediate_size=32),
     "olmoe": dict(num_experts=8, intermediate_size=32, norm_topk_prob=False),
     # Layer 0 dense; sigmoid routing over 2 groups of 4 experts with a correction bias; partial rotary.
+    # Qwen3 attention, DeepSeek-V3 routing: layer 0 dense, 2 groups of 4 experts, a shared expert;
+    # the last layer attends within a window.
+    "dots1": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
+                  first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, head_dim=16,
+                  norm_topk_prob=True, sliding_window=6, max_window_layers=2),
     "glm4_moe": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
                      first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, head_dim=16,
                      use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5),
@@ -218,6 +223,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
         DeepseekV2Config,
         DeepseekV3Config,
         DeepseekV4Config,
+        Dots1Config,
         Glm4MoeConfig,
         GptOssConfig,
         MiniMaxM2Config,
@@ -233,7 +239,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
                "qwen3_next": Qwen3NextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig, "olmoe": OlmoeConfig,
                "glm4_moe": Glm4MoeConfig, "deepseek_v3": DeepseekV3Config,
                "deepseek_v2": DeepseekV2Config, "minimax_m2": MiniMaxM2Config,
-               "gpt_oss": GptOssConfig, "deepseek_v4": DeepseekV4Config}
+               "gpt_oss": GptOssConfig, "deepseek_v4": DeepseekV4Config, "dots1": Dots1Config}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(

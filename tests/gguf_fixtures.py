@@ -11,11 +11,13 @@ from typing import Any
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gguf"
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2",
-            "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v4")
+            "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v4", "dots1")
 # make_checkpoint's arguments beyond the family: bf16 weights (the converter's bf16 file is then
 # lossless), and the tokenizer each family's converter expects.
 RECIPES: dict[str, dict[str, Any]] = {
     "glm4_moe": {"chat_format": "glm"},
+    # (no sliding-window layer, as released: the converter writes no window for dots1)
+    "dots1": {"max_window_layers": 3},
     # (llama.cpp holds GPT-OSS's SwiGLU clamp as a constant, 7.0, which every GPT-OSS checkpoint has)
     "gpt_oss": {"chat_format": "harmony", "swiglu_limit": 7.0},
     "deepseek_v4": {"chat_format": "deepseek_v4"},

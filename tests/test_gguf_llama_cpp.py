@@ -55,7 +55,7 @@ print(json.dumps(first))
 LLAMA_TIE = 0.15
 # the families hearth convert writes
 WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe", "deepseek_v2", "deepseek_v3",
-           "gpt_oss", "qwen3_next", "qwen3_5_moe"]
+           "gpt_oss", "qwen3_next", "qwen3_5_moe", "dots1"]
 
 
 def _checkpoint(tmp_path, family: str):
@@ -63,8 +63,9 @@ def _checkpoint(tmp_path, family: str):
 
     shape = {"intermediate_size": 256} if family == "mixtral" else {"moe_intermediate_size": 256,
                                                                      "intermediate_size": 256}
-    # llama.cpp's OLMoE takes its k norm as wide as the model (OLMoE has as many KV heads as heads)
-    attention = {"num_key_value_heads": 4 if family == "olmoe" else 2, "head_dim": 64}
+    # llama.cpp's OLMoE takes its k norm as wide as the model, and its dots1 takes as many KV heads as
+    # heads (as OLMoE and dots.llm1 ship)
+    attention = {"num_key_value_heads": 4 if family in ("olmoe", "dots1") else 2, "head_dim": 64}
     if family == "qwen3_next":
         # llama.cpp 0.3.36's Qwen3-Next parts from transformers at head widths of 32 and 64 (its first
         # token on a 21-token prompt ranked at -5.3 by transformers against -2.6, on its own
@@ -87,7 +88,10 @@ def _checkpoint(tmp_path, family: str):
 
 
 SHIPPED = {"minimax_m2": {"scoring_func": "sigmoid"}, "deepseek_v2": {"scoring_func": "softmax"},
-           "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}}
+           "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
+           # (the router's score function, which llama.cpp's converter reads from the config and its
+           # dots1 requires; transformers' class routes by sigmoid whatever the config says)
+           "dots1": {"scoring_func": "sigmoid"}}
 
 
 @pytest.mark.parametrize("family", WRITTEN)

@@ -83,7 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         failed = "; ".join(f"{k}: {v}" for k, v in r["failed"].items())
         print(f"{r['family']:<12} {', '.join(r['written']) or '-'}" + (f"  FAILED {failed}" if failed else ""))
-    (args.out / "MANIFEST.json").write_text(json.dumps(results, indent=1) + "\n")
+    # The manifest keeps the families not made this time (a run with --families updates their entries).
+    manifest = args.out / "MANIFEST.json"
+    made = {r["family"] for r in results}
+    kept = [r for r in json.loads(manifest.read_text()) if r["family"] not in made] if manifest.is_file() else []
+    order = {f: i for i, f in enumerate(FAMILIES)}
+    entries = sorted(kept + results, key=lambda r: order.get(r["family"], len(order)))
+    manifest.write_text(json.dumps(entries, indent=1) + "\n")
     return 0 if all(not r["failed"] for r in results) else 1
 
 

@@ -79,6 +79,12 @@ def _deepseek_router(meta: Meta) -> dict[str, Any]:
                 norm_topk_prob=bool(meta("expert_weights_norm", False)))
 
 
+def _dots1(meta: Meta, has: Has) -> dict[str, Any]:
+    """dots.llm1: Qwen3's attention with DeepSeek-V3's router and shared experts. The converter
+    writes no sliding window (the released checkpoints attend fully in every layer)."""
+    return {**common_fields(meta), **_deepseek_router(meta), "sliding_window": None}
+
+
 def _gpt_oss(meta: Meta, has: Has) -> dict[str, Any]:
     """GPT-OSS: experts ``expert_feed_forward_length`` wide, sliding and full attention alternating,
     YaRN. llama.cpp keeps the experts' SwiGLU clamp as a constant, 7.0 (every GPT-OSS checkpoint's
@@ -156,6 +162,7 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "minimax-m2": GGUFArchitecture("MiniMaxM2ForCausalLM"),
     "glm4moe": GGUFArchitecture("Glm4MoeForCausalLM", "glm4_moe", _glm4_moe),
     "gpt-oss": GGUFArchitecture("GptOssForCausalLM", "gpt_oss", _gpt_oss),
+    "dots1": GGUFArchitecture("Dots1ForCausalLM", "dots1", _dots1),
     "deepseek2": GGUFArchitecture("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek2, _deepseek2_variant),
     "qwen3next": GGUFArchitecture("Qwen3NextForCausalLM", "qwen3_next", lambda meta, has: _qwen_hybrid(meta)),
     "qwen35moe": GGUFArchitecture("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", lambda meta, has: _qwen_hybrid(meta)),

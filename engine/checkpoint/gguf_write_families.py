@@ -141,6 +141,14 @@ def _glm4_moe(cfg: dict, fields: Fields) -> None:
     fields.pop("vocab_size")
 
 
+def _dots1(cfg: dict, fields: Fields) -> None:
+    """dots.llm1: DeepSeek-V3's router on Qwen's layout; sigmoid gating written whatever the config
+    says (transformers' class routes by sigmoid, and llama.cpp refuses a dots1 file without it)."""
+    _deepseek_router(cfg, fields)
+    fields.update(expert_weights_norm=bool(cfg.get("norm_topk_prob")), expert_gating_func=_GATING["sigmoid"])
+    fields.pop("vocab_size")
+
+
 def _deepseek2(cfg: dict, fields: Fields) -> None:
     """DeepSeek-V2/V3: multi-head latent attention written as one KV head of the latent's width (the
     per-head widths under ``*_mla``), the group-limited router, YaRN's attention scale."""
@@ -312,6 +320,7 @@ WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
     "DeepseekV2ForCausalLM": WriteFamily("DEEPSEEK2", _deepseek2, tensors=_split_kv_b, keeps=_decoder_layers_only),
     "DeepseekV3ForCausalLM": WriteFamily("DEEPSEEK2", _deepseek3, tensors=_split_kv_b, keeps=_decoder_layers_only),
     "GptOssForCausalLM": WriteFamily("GPT_OSS", _gpt_oss, prepare=_gpt_oss_experts),
+    "Dots1ForCausalLM": WriteFamily("DOTS1", _dots1),
     "Qwen3NextForCausalLM": WriteFamily("QWEN3NEXT", _hybrid, prepare=_hybrid_tensors),
     "Qwen3_5MoeForCausalLM": WriteFamily("QWEN35MOE", _hybrid, prepare=_hybrid_tensors),
 })

@@ -15,6 +15,7 @@ from hearth.engine.models import (
     deepseek_v2,
     deepseek_v3,
     deepseek_v4,
+    dots1,
     glm4_moe,
     gpt_oss,
     minimax_m2,
@@ -31,7 +32,7 @@ from hearth.engine.models.decoder import MoECausalLM
 FAMILIES: tuple[ModelFamily, ...] = (
     qwen3_moe.FAMILY, qwen2_moe.FAMILY, mixtral.FAMILY, qwen3_next.FAMILY, qwen3_5_moe.FAMILY, olmoe.FAMILY,
     glm4_moe.FAMILY, deepseek_v3.FAMILY, deepseek_v2.FAMILY, minimax_m2.FAMILY,
-    gpt_oss.FAMILY, deepseek_v4.FAMILY,
+    gpt_oss.FAMILY, deepseek_v4.FAMILY, dots1.FAMILY,
 )
 
 

@@ -1,0 +1,57 @@
+"""dots.llm1 (``Dots1ForCausalLM``): Qwen3's attention (per-head q/k norms, no bias, rotary on the
+whole head) with DeepSeek-V3's feed-forward (the first ``first_k_dense_replace`` layers dense, then
+routed experts beside shared ones, sigmoid routing corrected by ``e_score_correction_bias``, grouped
+and scaled). Layers named ``sliding_attention`` in ``layer_types`` attend within ``sliding_window``."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hearth.engine.experts.contract import ExpertBackend
+from hearth.engine.layers.attention import Attention
+from hearth.engine.layers.norm import RMSNorm
+from hearth.engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields
+from hearth.engine.models.decoder import DecoderLayer, MoECausalLM
+from hearth.engine.models.glm4_moe import (
+    Glm4MoeConfig,
+    grouped_moe_block,
+    grouped_routing_fields,
+    map_grouped_name,
+)
+
+
+def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> Glm4MoeConfig:
+    kinds = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
+    window = getattr(hf, "sliding_window", None) or None
+    return Glm4MoeConfig(
+        architecture="Dots1ForCausalLM",
+        **decoder_fields(hf, model_dir, dtype),
+        **grouped_routing_fields(hf),
+        use_qk_norm=True,
+        sliding_windows=tuple(window if kind == "sliding_attention" else None for kind in kinds),
+    )
+
+
+def build(cfg: Glm4MoeConfig, experts: ExpertBackend) -> MoECausalLM:
+    norm = partial(RMSNorm, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
+
+    def layer(i: int) -> DecoderLayer:
+        attn = Attention(i, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
+                         qk_norm=norm, window=cfg.window(i))
+        return DecoderLayer(attn, grouped_moe_block(cfg, i, experts), norm(cfg.hidden_size), norm(cfg.hidden_size))
+
+    return MoECausalLM(cfg, [layer(i) for i in range(cfg.num_layers)], norm(cfg.hidden_size))
+
+
+FAMILY = ModelFamily(
+    "dots1",
+    ("Dots1ForCausalLM",),
+    parse_config,
+    build,
+    map_grouped_name,
+    COMMON_FIELDS + (("n_routed_experts", "num_local_experts"), ("moe_intermediate_size",)),
+)
