@@ -127,6 +127,11 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "dots1": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
                   first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, head_dim=16,
                   norm_topk_prob=True, sliding_window=6, max_window_layers=2),
+    # GLM-4.7-Flash: DeepSeek-V3's latent attention, GLM's routing; layer 0 dense (mlp_layer_types).
+    "glm4_moe_lite": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
+                          n_group=2, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=16,
+                          qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_key_value_heads=4,
+                          mlp_layer_types=["dense", "sparse", "sparse"]),
     "glm4_moe": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
                      first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, head_dim=16,
                      use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5),
@@ -225,6 +230,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
         DeepseekV4Config,
         Dots1Config,
         Glm4MoeConfig,
+        Glm4MoeLiteConfig,
         GptOssConfig,
         MiniMaxM2Config,
         MixtralConfig,
@@ -239,7 +245,8 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
                "qwen3_next": Qwen3NextConfig, "qwen3_5_moe": Qwen3_5MoeTextConfig, "olmoe": OlmoeConfig,
                "glm4_moe": Glm4MoeConfig, "deepseek_v3": DeepseekV3Config,
                "deepseek_v2": DeepseekV2Config, "minimax_m2": MiniMaxM2Config,
-               "gpt_oss": GptOssConfig, "deepseek_v4": DeepseekV4Config, "dots1": Dots1Config}
+               "gpt_oss": GptOssConfig, "deepseek_v4": DeepseekV4Config, "dots1": Dots1Config,
+               "glm4_moe_lite": Glm4MoeLiteConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(

@@ -11,11 +11,12 @@ from typing import Any
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gguf"
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2",
-            "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v4", "dots1")
+            "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v4", "dots1", "glm4_moe_lite")
 # make_checkpoint's arguments beyond the family: bf16 weights (the converter's bf16 file is then
 # lossless), and the tokenizer each family's converter expects.
 RECIPES: dict[str, dict[str, Any]] = {
     "glm4_moe": {"chat_format": "glm"},
+    "glm4_moe_lite": {"chat_format": "glm"},
     # (no sliding-window layer, as released: the converter writes no window for dots1)
     "dots1": {"max_window_layers": 3},
     # (llama.cpp holds GPT-OSS's SwiGLU clamp as a constant, 7.0, which every GPT-OSS checkpoint has)
@@ -33,7 +34,9 @@ RECIPES: dict[str, dict[str, Any]] = {
 # The converter's flags per family: the hybrids' checkpoints here have no MTP layers to export.
 CONVERTER_FLAGS: dict[str, tuple[str, ...]] = {"qwen3_next": ("--no-mtp",), "qwen3_5_moe": ("--no-mtp",)}
 # config.json fields a shipped checkpoint has and transformers' config class does not write.
-SHIPPED_FIELDS: dict[str, dict[str, Any]] = {"deepseek_v4": {"num_hash_layers": 1}}
+SHIPPED_FIELDS: dict[str, dict[str, Any]] = {"deepseek_v4": {"num_hash_layers": 1},
+                                             # (GLM-4.7-Flash's dense first layer, as the converter reads it)
+                                             "glm4_moe_lite": {"first_k_dense_replace": 1}}
 
 
 def fixture_checkpoint(out_dir: Path, family: str) -> tuple[Path, Any]:

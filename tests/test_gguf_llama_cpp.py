@@ -55,7 +55,7 @@ print(json.dumps(first))
 LLAMA_TIE = 0.15
 # the families hearth convert writes
 WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe", "deepseek_v2", "deepseek_v3",
-           "gpt_oss", "qwen3_next", "qwen3_5_moe", "dots1"]
+           "gpt_oss", "qwen3_next", "qwen3_5_moe", "dots1", "glm4_moe_lite"]
 
 
 def _checkpoint(tmp_path, family: str):
@@ -71,10 +71,12 @@ def _checkpoint(tmp_path, family: str):
         # token on a 21-token prompt ranked at -5.3 by transformers against -2.6, on its own
         # converter's file as on hearth's, which are equal tensor for tensor); at 16 they agree.
         attention["head_dim"] = 16
-    if family.startswith("deepseek"):
+    if family.startswith("deepseek") or family == "glm4_moe_lite":
         # Latent attention: as many KV heads as heads (the converter splits kv_b by them), the head
         # widths its own; llama.cpp takes a V2 without a query LoRA for V2-Lite only by its 27 layers.
         attention = {"num_key_value_heads": 4, "q_lora_rank": 32}
+        if family == "glm4_moe_lite":  # (its two layers: the first dense)
+            attention["mlp_layer_types"] = ["dense", "sparse"]
     # The hybrids attend every fourth layer: llama.cpp cannot run one with no attention layer (no KV cache).
     layers = 4 if family in ("qwen3_next", "qwen3_5_moe") else 2
     path = make_checkpoint(tmp_path / "hf", family, hidden_size=256, num_attention_heads=4, num_hidden_layers=layers,
@@ -91,7 +93,9 @@ SHIPPED = {"minimax_m2": {"scoring_func": "sigmoid"}, "deepseek_v2": {"scoring_f
            "deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
            # (the router's score function, which llama.cpp's converter reads from the config and its
            # dots1 requires; transformers' class routes by sigmoid whatever the config says)
-           "dots1": {"scoring_func": "sigmoid"}}
+           "dots1": {"scoring_func": "sigmoid"},
+           # (GLM-4.7-Flash's dense first layer and sigmoid routing, as the converter reads them)
+           "glm4_moe_lite": {"first_k_dense_replace": 1, "scoring_func": "sigmoid"}}
 
 
 @pytest.mark.parametrize("family", WRITTEN)

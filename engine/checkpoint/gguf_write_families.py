@@ -173,6 +173,15 @@ def _deepseek3(cfg: dict, fields: Fields) -> None:
     fields["expert_gating_func"] = _GATING["sigmoid"]
 
 
+def _glm4_moe_lite(cfg: dict, fields: Fields) -> None:
+    """GLM-4.7-Flash: DeepSeek-V3's layout as the converter writes it, the dense layers counted from
+    ``mlp_layer_types`` where the config names them."""
+    _deepseek3(cfg, fields)
+    kinds = cfg.get("mlp_layer_types")
+    if kinds:
+        fields["leading_dense_block_count"] = next((i for i, kind in enumerate(kinds) if kind == "sparse"), len(kinds))
+
+
 def _split_kv_b(target: str, t: torch.Tensor, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """MLA's ``kv_b_proj`` [heads * (nope + v), rank] as llama.cpp absorbs it: ``attn_k_b`` [heads,
     rank, nope] (each head's key part transposed) and ``attn_v_b`` [heads, v, rank]."""
@@ -321,6 +330,8 @@ WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
     "DeepseekV3ForCausalLM": WriteFamily("DEEPSEEK2", _deepseek3, tensors=_split_kv_b, keeps=_decoder_layers_only),
     "GptOssForCausalLM": WriteFamily("GPT_OSS", _gpt_oss, prepare=_gpt_oss_experts),
     "Dots1ForCausalLM": WriteFamily("DOTS1", _dots1),
+    "Glm4MoeLiteForCausalLM": WriteFamily("DEEPSEEK2", _glm4_moe_lite, _GLM_TOKENS, tensors=_split_kv_b,
+                                          keeps=_decoder_layers_only),
     "Qwen3NextForCausalLM": WriteFamily("QWEN3NEXT", _hybrid, prepare=_hybrid_tensors),
     "Qwen3_5MoeForCausalLM": WriteFamily("QWEN35MOE", _hybrid, prepare=_hybrid_tensors),
 })

@@ -17,6 +17,7 @@ from hearth.engine.models import (
     deepseek_v4,
     dots1,
     glm4_moe,
+    glm4_moe_lite,
     gpt_oss,
     minimax_m2,
     mixtral,
@@ -32,7 +33,7 @@ from hearth.engine.models.decoder import MoECausalLM
 FAMILIES: tuple[ModelFamily, ...] = (
     qwen3_moe.FAMILY, qwen2_moe.FAMILY, mixtral.FAMILY, qwen3_next.FAMILY, qwen3_5_moe.FAMILY, olmoe.FAMILY,
     glm4_moe.FAMILY, deepseek_v3.FAMILY, deepseek_v2.FAMILY, minimax_m2.FAMILY,
-    gpt_oss.FAMILY, deepseek_v4.FAMILY, dots1.FAMILY,
+    gpt_oss.FAMILY, deepseek_v4.FAMILY, dots1.FAMILY, glm4_moe_lite.FAMILY,
 )
 
 
