@@ -121,7 +121,6 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     ),
     "mixtral": dict(num_local_experts=8, intermediate_size=32),
     "olmoe": dict(num_experts=8, intermediate_size=32, norm_topk_prob=False),
-    # Layer 0 dense; sigmoid routing over 2 groups of 4 experts with a correction bias; partial rotary.
     # Qwen3 attention, DeepSeek-V3 routing: layer 0 dense, 2 groups of 4 experts, a shared expert;
     # the last layer attends within a window.
     "dots1": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
@@ -132,6 +131,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                           n_group=2, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=16,
                           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_key_value_heads=4,
                           mlp_layer_types=["dense", "sparse", "sparse"]),
+    # Layer 0 dense; sigmoid routing over 2 groups of 4 experts with a correction bias; partial rotary.
     "glm4_moe": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
                      first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, head_dim=16,
                      use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5),

@@ -115,13 +115,16 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
                          "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16}}),
         ("deepseek_v4", {"scoring_func": "sigmoid", "sliding_window": 16, "o_groups": 4, "o_lora_rank": 8,
                          "num_experts_per_tok": 3, "routed_scaling_factor": 2.5}),
+        ("dots1", {"attention_bias": True, "max_window_layers": 3, "n_group": 1, "norm_topk_prob": False}),
+        ("glm4_moe_lite", {"mlp_layer_types": ["dense", "dense", "sparse"], "rope_interleave": False}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
         "qwen2-window", "olmoe-clip-normalized", "qwen3-attention-bias", "qwen3-next-attention-bias",
         "qwen3.5-attention-bias", "olmoe-attention-bias", "glm-plain-two-dense", "deepseek-v3-no-q-lora-4-groups",
         "deepseek-v3-yarn-mscale", "deepseek-v2-greedy-q-lora", "gpt-oss-own-pattern",
-        "deepseek-v4-default-pattern-2-streams", "deepseek-v4-sigmoid-4-groups",
+        "deepseek-v4-default-pattern-2-streams", "deepseek-v4-sigmoid-4-groups", "dots1-bias-no-window",
+        "glm-flash-two-dense-half-rope",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

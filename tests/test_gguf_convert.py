@@ -138,3 +138,15 @@ def test_a_preset_falls_back_per_tensor_and_says_so(tmp_path, capsys) -> None:
     err = capsys.readouterr().err
     assert "warning: q4_k_m not honoured for" in err and "whole q4_k blocks (256 values): written as q8_0" in err
     assert "(tensors: q8_0 " in err or ", q8_0 " in err
+
+
+def test_an_mxfp4_shipped_checkpoint_is_refused_in_one_line(tmp_path) -> None:
+    """GPT-OSS as released (MXFP4 experts) is not repacked into GGUF yet: one error that says so."""
+    from tests.checkpoints import make_checkpoint
+    from tests.hf_quant_checkpoints import write_gpt_oss_mxfp4
+
+    src, model = make_checkpoint(tmp_path / "float", "gpt_oss", hidden_size=64, intermediate_size=64,
+                                 num_attention_heads=4, num_key_value_heads=2)
+    path = write_gpt_oss_mxfp4(model, src, tmp_path / "mxfp4")
+    with pytest.raises(ConvertError, match="ships its experts in MXFP4"):
+        write_gguf(path, tmp_path / "m.gguf", "q8_0")

@@ -62,10 +62,19 @@ def nextn_layers(cfg: dict) -> int:
     return int(cfg.get("num_nextn_predict_layers") or 0)
 
 
+def rope_of(cfg: dict) -> dict:
+    """The config's rotary parameters, from ``rope_parameters`` or the older ``rope_scaling`` (with
+    ``type`` for ``rope_type``), as one dict."""
+    legacy = dict(cfg.get("rope_scaling") or {})
+    if "type" in legacy:
+        legacy.setdefault("rope_type", legacy.pop("type"))
+    return {**legacy, **(cfg.get("rope_parameters") or {})}
+
+
 def common_fields(cfg: dict) -> Fields:
     """The keys every MoE decoder's file has, from its config."""
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    rope = cfg.get("rope_parameters") or {}
+    rope = rope_of(cfg)
     partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
     fields: Fields = dict(
         context_length=cfg["max_position_embeddings"], embedding_length=cfg["hidden_size"],
@@ -85,6 +94,8 @@ def common_fields(cfg: dict) -> Fields:
         fields["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
     fields.update(_rope_scaling(rope))
     score = next((cfg[k] for k in ("score_function", "scoring_func", "score_func") if cfg.get(k) is not None), None)
+    if score == "noaux_tc":  # (DeepSeek's name for its sigmoid scores with a correction bias)
+        score = "sigmoid"
     if score is not None:
         if score not in _GATING:
             raise ConvertError(f"router score function '{score}' has no GGUF gating type (known: {', '.join(_GATING)})")
@@ -92,7 +103,7 @@ def common_fields(cfg: dict) -> Fields:
     return fields
 
 
-_GATING = {"softmax": 1, "sigmoid": 2}  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE
+_GATING = MappingProxyType({"softmax": 1, "sigmoid": 2})  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE
 
 
 def _rope_scaling(rope: dict) -> Fields:
@@ -153,7 +164,7 @@ def _deepseek2(cfg: dict, fields: Fields) -> None:
     """DeepSeek-V2/V3: multi-head latent attention written as one KV head of the latent's width (the
     per-head widths under ``*_mla``), the group-limited router, YaRN's attention scale."""
     _deepseek_router(cfg, fields)
-    rope = cfg.get("rope_parameters") or {}
+    rope = rope_of(cfg)
     kv_rank, rope_dim = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
     fields.update(head_count_kv=1, kv_lora_rank=kv_rank, key_length=kv_rank + rope_dim, value_length=kv_rank,
                   key_length_mla=cfg["qk_nope_head_dim"] + rope_dim, value_length_mla=cfg["v_head_dim"],
@@ -213,6 +224,10 @@ def _gpt_oss_experts(tensors: dict, cfg: dict) -> dict:
     """GPT-OSS's fused experts as the writer's standard ones: ``gate_up_proj`` [E, H, 2I] with gate
     and up interleaved column by column -> [E, 2I, H] gate rows then up; ``down_proj`` [E, I, H] ->
     [E, H, I]; their biases as the stacked experts' ``.bias`` (gate and up de-interleaved)."""
+    packed = [name for name in tensors if name.endswith(("_blocks", "_scales"))]
+    if packed:
+        raise ConvertError(f"this checkpoint ships its experts in MXFP4 ({packed[0]}, …), which GGUF writing "
+                           "does not repack yet: serve it as it is, or convert its bf16 form")
     out = {}
     for name, load in tensors.items():
         m = _GPT_OSS_EXPERTS.match(name)
@@ -241,8 +256,8 @@ def _hybrid(cfg: dict, fields: Fields) -> None:
     if cfg.get("layer_types"):  # (a key the gguf package has no method for: written as a raw array)
         fields[".attention.recurrent_layers"] = [kind == "linear_attention" for kind in cfg["layer_types"]]
     if config_architecture(cfg) == "Qwen3_5MoeForCausalLM":
-        rope = cfg.get("rope_parameters") or {}
-        fields["rope_dimension_sections"] = list(rope.get("mrope_section") or [11, 11, 10, 0])[:4]
+        sections = list(rope_of(cfg).get("mrope_section") or [11, 11, 10, 0])[:4]
+        fields["rope_dimension_sections"] = sections + [0] * (4 - len(sections))  # (as the converter pads them)
     fields.pop("vocab_size")
 
 
@@ -261,9 +276,9 @@ def _hybrid_tensors(tensors: dict, cfg: dict) -> dict:
     out = {}
     for name, load in tensors.items():
         if name.endswith("linear_attn.in_proj_qkvz.weight"):
-            base = name.removesuffix("in_proj_qkvz.weight")
-            out[base + "in_proj_qkv.weight"] = lambda load=load: _split_qkvz(load(), cfg)[0]
-            out[base + "in_proj_z.weight"] = lambda load=load: _split_qkvz(load(), cfg)[1]
+            base, part = name.removesuffix("in_proj_qkvz.weight"), _split_once(load, cfg)
+            out[base + "in_proj_qkv.weight"] = lambda part=part: part(0)
+            out[base + "in_proj_z.weight"] = lambda part=part: part(1)
             continue
         renamed = name.removesuffix(".dt_bias") + ".dt_proj.bias" if name.endswith(".dt_bias") else name
         out[renamed] = lambda name=name, load=load: _hybrid_values(name, load(), cfg, tile)
@@ -273,7 +288,7 @@ def _hybrid_tensors(tensors: dict, cfg: dict) -> dict:
 def _hybrid_values(name: str, t: torch.Tensor, cfg: dict, tile: bool) -> torch.Tensor:
     if ".linear_attn." in name:
         if "conv1d" in name:
-            t = t.squeeze()
+            t = t.squeeze(1)  # [C, 1, K] -> [C, K]
         if tile:
             t = _tiled(name, t, cfg)
         if name.endswith(".A_log"):
@@ -281,6 +296,19 @@ def _hybrid_values(name: str, t: torch.Tensor, cfg: dict, tile: bool) -> torch.T
     elif name.endswith(_ZERO_CENTRED):
         t = t.float() + 1
     return t
+
+
+def _split_once(load: Callable[[], torch.Tensor], cfg: dict) -> Callable[[int], torch.Tensor]:
+    """part(i): part i of ``in_proj_qkvz`` split (0: qkv, 1: z), the tensor read once and each part
+    let go when taken (the writer takes both, one after the other)."""
+    held: dict[int, torch.Tensor] = {}
+
+    def part(i: int) -> torch.Tensor:
+        if not held:
+            held.update(enumerate(_split_qkvz(load(), cfg)))
+        return held.pop(i)
+
+    return part
 
 
 def _split_qkvz(t: torch.Tensor, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:

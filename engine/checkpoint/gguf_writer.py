@@ -15,6 +15,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -189,7 +190,12 @@ def _load_one(path: Path, key: str) -> torch.Tensor:
         return handle.get_tensor(key)
 
 
-_TOKEN_KEYS = {"unk": "unknown", "pad": "padding"}  # special-token kinds whose GGUF key is spelled out
+_TOKEN_KEYS = MappingProxyType({"unk": "unknown", "pad": "padding"})  # kinds whose GGUF key is spelled out
+
+
+def _token_text(value) -> str | None:
+    """A tokenizer config's special token: its text, whether written as a string or as an AddedToken."""
+    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
 _FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_k": 14, "q4_k_m": 15, "q5_k": 16, "q5_k_m": 17,
                "q6_k": 18, "bf16": 32, "mxfp4": 38}
 
@@ -236,11 +242,11 @@ def _tokenizer(writer, hf_dir: Path, family: WriteFamily, cfg: dict) -> None:
     writer.add_token_merges(merges)
     config_path = hf_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    ids = {**vocab, **{t["content"]: i for i, t in added.items()}}
+    ids = {t["content"]: i for i, t in added.items()}  # (the converter names special tokens among the added ones)
     # As the converter's special vocabulary: the tokenizer config's tokens, else config.json's ids,
     # else the tokens the family's converter names.
-    chosen = {kind: ids[config[f"{kind}_token"]] for kind in ("eos", "pad", "bos")
-              if isinstance(config.get(f"{kind}_token"), str) and config[f"{kind}_token"] in ids}
+    named = {kind: _token_text(config.get(f"{kind}_token")) for kind in ("bos", "eos", "unk", "pad")}
+    chosen = {kind: ids[text] for kind, text in named.items() if text in ids}
     for kind in ("bos", "eos", "unk", "pad"):
         if kind not in chosen and isinstance(cfg.get(f"{kind}_token_id"), int) and 0 <= cfg[f"{kind}_token_id"] < size:
             chosen[kind] = cfg[f"{kind}_token_id"]

@@ -1,7 +1,8 @@
-"""dots.llm1 (``Dots1ForCausalLM``): Qwen3's attention (per-head q/k norms, no bias, rotary on the
-whole head) with DeepSeek-V3's feed-forward (the first ``first_k_dense_replace`` layers dense, then
-routed experts beside shared ones, sigmoid routing corrected by ``e_score_correction_bias``, grouped
-and scaled). Layers named ``sliding_attention`` in ``layer_types`` attend within ``sliding_window``."""
+"""dots.llm1 (``Dots1ForCausalLM``): Qwen3's attention (per-head q/k norms, projection biases where
+``attention_bias``, rotary on the whole head) with DeepSeek-V3's feed-forward (the first
+``first_k_dense_replace`` layers dense, then routed experts beside shared ones, sigmoid routing corrected by
+``e_score_correction_bias``, grouped and scaled). Layers named ``sliding_attention`` in ``layer_types`` attend
+within ``sliding_window``."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> Glm4MoeConfig:
         architecture="Dots1ForCausalLM",
         **decoder_fields(hf, model_dir, dtype),
         **grouped_routing_fields(hf),
+        attention_bias=bool(getattr(hf, "attention_bias", False)),
         use_qk_norm=True,
         sliding_windows=tuple(window if kind == "sliding_attention" else None for kind in kinds),
     )
@@ -41,7 +43,8 @@ def build(cfg: Glm4MoeConfig, experts: ExpertBackend) -> MoECausalLM:
 
     def layer(i: int) -> DecoderLayer:
         attn = Attention(i, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
-                         qk_norm=norm, window=cfg.window(i))
+                         bias=cfg.attention_bias, out_bias=cfg.attention_bias, qk_norm=norm,
+                         window=cfg.window(i))
         return DecoderLayer(attn, grouped_moe_block(cfg, i, experts), norm(cfg.hidden_size), norm(cfg.hidden_size))
 
     return MoECausalLM(cfg, [layer(i) for i in range(cfg.num_layers)], norm(cfg.hidden_size))

@@ -526,8 +526,9 @@ inline void rows_dot(const uint8_t* row, int64_t K, const float* const* xs, int 
 }
 
 // fp32 activations meeting a format with a VNNI kernel (kQ8: the GGML formats) go through that kernel split into three
-// int8 pieces (Q8Rows::quantize, split): about 21 bits of each 256-element block's largest magnitude,
-// an error near 1e-6 of a product's largest output where the fp32 kernels' is 2e-7, and the products
+// int8 pieces (Q8Rows::quantize, split): about 21 bits of each 256-element block's largest magnitude
+// (20 for Q8_0's rows, q8_top), an error near 1e-6 of a product's largest output (Q8_0: 2e-6) where
+// the fp32 kernels' is 2e-7, and the products
 // at the int8 kernels' instruction count (a Q4_K_M decode step 5.9 -> 4.7 ms). On by default;
 // HEARTH_SPLIT_ACTIVATIONS=0 keeps the fp32 kernels (read once per process).
 inline bool split_activations() {

@@ -10,8 +10,10 @@
 // integer instruction covers 32 or 64 weights; the fp32 kernels take a conversion and a multiply-add
 // per 8 or 16).
 // The kernels come in two widths: q8_512.h (AVX-512 VNNI, 64 bytes a vpdpbusd) and q8_256.h (every
-// other x86-64 build: AVX-VNNI's vpdpbusd on 32 bytes, or AVX2's vpmaddubsw + vpmaddwd). Both give
-// the same integers, so a token's products differ between them only in fp32 summation order.
+// other x86-64 build: AVX-VNNI's vpdpbusd on 32 bytes, or AVX2's vpmaddubsw + vpmaddwd). They
+// quantize a row to the same bytes and multiply the same integers, so a token's products differ
+// between them only in fp32 rounding: the summation order, and for Q8_0's one piece on AVX2 (signed
+// bytes, no offset) the offset the others take out in fp32.
 // Included by blocks.h inside hearth::blocks.
 #pragma once
 

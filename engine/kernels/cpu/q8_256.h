@@ -1,10 +1,11 @@
 // q8.h's kernels 256 bits wide, for every x86-64 build without AVX-512 VNNI: 32 weight bytes (one
 // 32-element block or sub-block, a "chunk") meet 32 activation bytes, summed in fours into 8 int32
 // lanes, by AVX-VNNI's vpdpbusd where the build has it and otherwise by AVX2's vpmaddubsw (pairs into
-// int16) and vpmaddwd (pairs of those into int32). vpmaddubsw saturates at 2^15, so no weight byte the
-// kernels multiply may exceed 128 in magnitude: Q8_0 multiplies |w| with the activations carrying w's
-// sign (vpsignb), the others' unsigned bytes are at most 63 (Q6_K). Both instruction sets then give
-// the same integers. Included by q8.h inside hearth::blocks.
+// int16) and vpmaddwd (pairs of those into int32). vpmaddubsw saturates at 2^15: the formats' unsigned
+// bytes are at most 63 (Q6_K); Q8_0's bytes offset by 128 (up to 255) meet only activation bytes
+// within 64 (a split row's pieces, q8_top), and Q8_0's one piece (the int8 mode, up to 127) is
+// multiplied as |w| with the activations carrying w's sign (vpsignb, kSigned). Included by q8.h inside
+// hearth::blocks.
 #pragma once
 
 #if defined(__AVXVNNI__)
