@@ -241,7 +241,8 @@ def gguf_name(names: Any, param: str) -> str | None:
     return f"{target}.{suffix}" if target is not None else None
 
 
-_ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
+# RMSNorm weights the hybrids centre on zero (the converter stores them plus one).
+ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
                  "model.norm.weight")
 
 
@@ -255,7 +256,7 @@ def restore(architecture: str, param: str, read: Callable[[], Any], meta: Meta) 
 
     if architecture not in ("qwen3next", "qwen35moe"):
         return None
-    if param.endswith(_ZERO_CENTRED):
+    if param.endswith(ZERO_CENTRED):
         return read() - 1
     if ".linear_attn." not in param:
         return None
@@ -263,29 +264,30 @@ def restore(architecture: str, param: str, read: Callable[[], Any], meta: Meta) 
     out = torch.log(-values) if param.endswith("A_log") else values
     keys, heads, key_dim, value_dim = linear_heads(meta)
     if architecture == "qwen35moe" and heads != keys:
-        out = _untile(param, out, keys, heads // keys, key_dim, value_dim)
+        out = reorder_value_heads(param, out, keys, heads // keys, key_dim, value_dim, to_tiled=False)
     return out if out is not values else None
 
 
-def _untile(param: str, t: Any, keys: int, per_key: int, key_dim: int, value_dim: int) -> Any:
-    """The value heads of a Qwen3.5 DeltaNet tensor back from tiled to grouped order."""
-    import torch  # deferred: as above
+def reorder_value_heads(param: str, t: Any, keys: int, per_key: int, key_dim: int, value_dim: int, *,
+                        to_tiled: bool) -> Any:
+    """The value heads of a Qwen3.5 DeltaNet tensor between grouped by key head [keys, per_key, width]
+    (transformers') and tiled [per_key, keys, width] (llama.cpp's, which broadcasts the key heads):
+    ``to_tiled`` as the converter writes them, else back."""
+    import torch  # deferred: this module's tables need no torch
+
+    def swap(x: Any, dim: int, width: int) -> Any:
+        outer, inner = (keys, per_key) if to_tiled else (per_key, keys)
+        shape = list(x.shape)
+        split = x.reshape(*shape[:dim], outer, inner, width, *shape[dim + 1:])
+        return split.transpose(dim, dim + 1).reshape(shape)
 
     if param.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # q and k rows as they are, then v
         qk = 2 * keys * key_dim
-        return torch.cat([t[:qk], _grouped(t[qk:], 0, keys, per_key, value_dim)])
+        return torch.cat([t[:qk], swap(t[qk:], 0, value_dim)])
     if param.endswith("in_proj_z.weight"):
-        return _grouped(t, 0, keys, per_key, value_dim)
+        return swap(t, 0, value_dim)
     if param.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
-        return _grouped(t, 0, keys, per_key, 1)
+        return swap(t, 0, 1)
     if param.endswith("out_proj.weight"):
-        return _grouped(t, 1, keys, per_key, value_dim)
+        return swap(t, 1, value_dim)
     return t
-
-
-def _grouped(t: Any, dim: int, keys: int, per_key: int, width: int) -> Any:
-    """Undo the converter's reorder along ``dim``: tiled [per_key, keys, width] back to grouped
-    [keys, per_key, width]."""
-    shape = list(t.shape)
-    tiled = t.reshape(*shape[:dim], per_key, keys, width, *shape[dim + 1:])
-    return tiled.transpose(dim, dim + 1).reshape(shape)

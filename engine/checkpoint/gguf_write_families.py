@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+from hearth.engine.checkpoint.common import LAYER
+from hearth.engine.checkpoint.gguf_families import ZERO_CENTRED, reorder_value_heads
+from hearth.engine.config import config_architectures, parse_rope
 from hearth.engine.ops import deinterleave
 
 Fields = dict[str, Any]
@@ -22,7 +25,6 @@ Fields = dict[str, Any]
 class ConvertError(ValueError):
     """A checkpoint the GGUF writer cannot convert, or an unknown quantization."""
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _no_fields(cfg: dict, fields: Fields) -> None:
@@ -63,12 +65,10 @@ def nextn_layers(cfg: dict) -> int:
 
 
 def rope_of(cfg: dict) -> dict:
-    """The config's rotary parameters, from ``rope_parameters`` or the older ``rope_scaling`` (with
-    ``type`` for ``rope_type``), as one dict."""
-    legacy = dict(cfg.get("rope_scaling") or {})
-    if "type" in legacy:
-        legacy.setdefault("rope_type", legacy.pop("type"))
-    return {**legacy, **(cfg.get("rope_parameters") or {})}
+    """The config's rotary parameters (``rope_parameters`` or the older ``rope_scaling``, as the loader
+    reads them) as one dict with ``rope_type`` and ``rope_theta``."""
+    rope = parse_rope(cfg)
+    return {**rope.params, "rope_type": rope.rope_type, "rope_theta": rope.theta}
 
 
 def common_fields(cfg: dict) -> Fields:
@@ -82,7 +82,7 @@ def common_fields(cfg: dict) -> Fields:
         head_count=cfg["num_attention_heads"], head_count_kv=cfg["num_key_value_heads"],
         key_length=head_dim, value_length=head_dim,
         rope_dimension_count=int(cfg.get("rotary_dim") or head_dim * partial),
-        rope_freq_base=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+        rope_freq_base=rope["rope_theta"],
         layer_norm_rms_eps=cfg["rms_norm_eps"],
         expert_count=cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"),
         expert_used_count=cfg["num_experts_per_tok"], vocab_size=cfg["vocab_size"])
@@ -255,14 +255,10 @@ def _hybrid(cfg: dict, fields: Fields) -> None:
                   full_attention_interval=cfg.get("full_attention_interval", 4))
     if cfg.get("layer_types"):  # (a key the gguf package has no method for: written as a raw array)
         fields[".attention.recurrent_layers"] = [kind == "linear_attention" for kind in cfg["layer_types"]]
-    if config_architecture(cfg) == "Qwen3_5MoeForCausalLM":
+    if config_architectures(cfg) == ["Qwen3_5MoeForCausalLM"]:
         sections = list(rope_of(cfg).get("mrope_section") or [11, 11, 10, 0])[:4]
         fields["rope_dimension_sections"] = sections + [0] * (4 - len(sections))  # (as the converter pads them)
     fields.pop("vocab_size")
-
-
-_ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
-                 "model.norm.weight")
 
 
 def _hybrid_tensors(tensors: dict, cfg: dict) -> dict:
@@ -271,7 +267,7 @@ def _hybrid_tensors(tensors: dict, cfg: dict) -> dict:
     convolution [C, 1, K] as [C, K], Qwen3-Next's ``in_proj_qkvz`` (per key head: q, k, v, z) as
     ``in_proj_qkv`` and ``in_proj_z`` (all heads' q, then k, then v; z), and, for Qwen3.5 with more
     value than key heads, the value heads reordered from grouped by key head to tiled."""
-    tile = config_architecture(cfg) == "Qwen3_5MoeForCausalLM" and \
+    tile = config_architectures(cfg) == ["Qwen3_5MoeForCausalLM"] and \
         cfg["linear_num_value_heads"] != cfg["linear_num_key_heads"]
     out = {}
     for name, load in tensors.items():
@@ -293,7 +289,7 @@ def _hybrid_values(name: str, t: torch.Tensor, cfg: dict, tile: bool) -> torch.T
             t = _tiled(name, t, cfg)
         if name.endswith(".A_log"):
             t = -torch.exp(t.float())
-    elif name.endswith(_ZERO_CENTRED):
+    elif name.endswith(ZERO_CENTRED):
         t = t.float() + 1
     return t
 
@@ -322,26 +318,10 @@ def _split_qkvz(t: torch.Tensor, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _tiled(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
-    """A Qwen3.5 DeltaNet tensor's value heads from grouped by key head [keys, per_key, width] to
-    tiled [per_key, keys, width] (llama.cpp broadcasts the key heads over them)."""
-    keys, dk, dv = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
-    per_key = cfg["linear_num_value_heads"] // keys
-    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):  # q and k rows as they are, then v
-        qk = 2 * keys * dk
-        return torch.cat([t[:qk], _regroup(t[qk:], 0, keys, per_key, dv)])
-    if name.endswith("in_proj_z.weight"):
-        return _regroup(t, 0, keys, per_key, dv)
-    if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
-        return _regroup(t, 0, keys, per_key, 1)
-    if name.endswith("out_proj.weight"):
-        return _regroup(t, 1, keys, per_key, dv)
-    return t
-
-
-def _regroup(t: torch.Tensor, dim: int, keys: int, per_key: int, width: int) -> torch.Tensor:
-    shape = list(t.shape)
-    grouped = t.reshape(*shape[:dim], keys, per_key, width, *shape[dim + 1:])
-    return grouped.transpose(dim, dim + 1).contiguous().reshape(shape)
+    """A Qwen3.5 DeltaNet tensor's value heads tiled, as the converter writes them."""
+    keys = cfg["linear_num_key_heads"]
+    return reorder_value_heads(name, t, keys, cfg["linear_num_value_heads"] // keys, cfg["linear_key_head_dim"],
+                               cfg["linear_value_head_dim"], to_tiled=True)
 
 
 # The tokens llama.cpp's converter names for GLM (its _set_vocab_glm).
@@ -365,13 +345,7 @@ WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
 })
 
 
-def config_architecture(cfg: dict) -> str:
-    """The config's one architecture."""
-    archs = cfg.get("architectures") or []
-    return archs[0] if archs else ""
-
-
 def layer_of(name: str) -> int | None:
     """The decoder layer a checkpoint tensor belongs to, or None."""
-    m = _LAYER.match(name)
+    m = LAYER.match(name)
     return int(m.group(1)) if m else None

@@ -2,27 +2,17 @@
 ``attention_bias``, rotary on the whole head) with DeepSeek-V3's feed-forward (the first
 ``first_k_dense_replace`` layers dense, then routed experts beside shared ones, sigmoid routing corrected by
 ``e_score_correction_bias``, grouped and scaled). Layers named ``sliding_attention`` in ``layer_types`` attend
-within ``sliding_window``."""
+within ``sliding_window``. Computed by GLM-4.5's network (``glm4_moe.build``)."""
 
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hearth.engine.experts.contract import ExpertBackend
-from hearth.engine.layers.attention import Attention
-from hearth.engine.layers.norm import RMSNorm
 from hearth.engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields
-from hearth.engine.models.decoder import DecoderLayer, MoECausalLM
-from hearth.engine.models.glm4_moe import (
-    Glm4MoeConfig,
-    grouped_moe_block,
-    grouped_routing_fields,
-    map_grouped_name,
-)
+from hearth.engine.models.glm4_moe import Glm4MoeConfig, build, grouped_routing_fields, map_grouped_name
 
 
 def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> Glm4MoeConfig:
@@ -33,21 +23,10 @@ def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> Glm4MoeConfig:
         **decoder_fields(hf, model_dir, dtype),
         **grouped_routing_fields(hf),
         attention_bias=bool(getattr(hf, "attention_bias", False)),
+        out_bias=bool(getattr(hf, "attention_bias", False)),
         use_qk_norm=True,
         sliding_windows=tuple(window if kind == "sliding_attention" else None for kind in kinds),
     )
-
-
-def build(cfg: Glm4MoeConfig, experts: ExpertBackend) -> MoECausalLM:
-    norm = partial(RMSNorm, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
-
-    def layer(i: int) -> DecoderLayer:
-        attn = Attention(i, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
-                         bias=cfg.attention_bias, out_bias=cfg.attention_bias, qk_norm=norm,
-                         window=cfg.window(i))
-        return DecoderLayer(attn, grouped_moe_block(cfg, i, experts), norm(cfg.hidden_size), norm(cfg.hidden_size))
-
-    return MoECausalLM(cfg, [layer(i) for i in range(cfg.num_layers)], norm(cfg.hidden_size))
 
 
 FAMILY = ModelFamily(

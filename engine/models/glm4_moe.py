@@ -41,7 +41,8 @@ class GroupedRoutingConfig(ModelConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class Glm4MoeConfig(GroupedRoutingConfig):
-    attention_bias: bool = False
+    attention_bias: bool = False  # on the q/k/v projections
+    out_bias: bool = False  # on the output projection (dots.llm1's attention_bias covers it too)
     use_qk_norm: bool = False
 
 
@@ -98,7 +99,8 @@ def build(cfg: Glm4MoeConfig, experts: ExpertBackend) -> MoECausalLM:
 
     def layer(i: int) -> DecoderLayer:
         attn = Attention(i, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
-                         bias=cfg.attention_bias, qk_norm=norm if cfg.use_qk_norm else None)
+                         bias=cfg.attention_bias, out_bias=cfg.out_bias, qk_norm=norm if cfg.use_qk_norm else None,
+                         window=cfg.window(i))
         return DecoderLayer(attn, grouped_moe_block(cfg, i, experts), norm(cfg.hidden_size), norm(cfg.hidden_size))
 
     return MoECausalLM(cfg, [layer(i) for i in range(cfg.num_layers)], norm(cfg.hidden_size))
