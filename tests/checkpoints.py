@@ -121,6 +121,13 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     ),
     "mixtral": dict(num_local_experts=8, intermediate_size=32),
     "olmoe": dict(num_experts=8, intermediate_size=32, norm_topk_prob=False),
+    # Mixtral's layout with Granite's four scalars (the embeddings, each residual branch, the
+    # attention scores and the logits); the shared form adds an ungated shared expert.
+    "granitemoe": dict(num_local_experts=8, intermediate_size=32, embedding_multiplier=12.0, residual_multiplier=0.22,
+                       attention_multiplier=0.2, logits_scaling=6.0),
+    "granitemoe_shared": dict(num_local_experts=8, intermediate_size=32, shared_intermediate_size=48,
+                              embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.2,
+                              logits_scaling=6.0),
     # Qwen3 attention, DeepSeek-V3 routing: layer 0 dense, 2 groups of 4 experts, a shared expert;
     # the last layer attends within a window.
     "dots1": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
@@ -232,6 +239,8 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
         Glm4MoeConfig,
         Glm4MoeLiteConfig,
         GptOssConfig,
+        GraniteMoeConfig,
+        GraniteMoeSharedConfig,
         MiniMaxM2Config,
         MixtralConfig,
         OlmoeConfig,
@@ -246,7 +255,8 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
                "glm4_moe": Glm4MoeConfig, "deepseek_v3": DeepseekV3Config,
                "deepseek_v2": DeepseekV2Config, "minimax_m2": MiniMaxM2Config,
                "gpt_oss": GptOssConfig, "deepseek_v4": DeepseekV4Config, "dots1": Dots1Config,
-               "glm4_moe_lite": Glm4MoeLiteConfig}
+               "glm4_moe_lite": Glm4MoeLiteConfig, "granitemoe": GraniteMoeConfig,
+               "granitemoe_shared": GraniteMoeSharedConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(

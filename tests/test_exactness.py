@@ -117,6 +117,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
                          "num_experts_per_tok": 3, "routed_scaling_factor": 2.5}),
         ("dots1", {"attention_bias": True, "max_window_layers": 3, "n_group": 1, "norm_topk_prob": False}),
         ("glm4_moe_lite", {"mlp_layer_types": ["dense", "dense", "sparse"], "rope_interleave": False}),
+        ("granitemoe", {"attention_bias": True, "num_experts_per_tok": 3}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -124,7 +125,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "qwen3.5-attention-bias", "olmoe-attention-bias", "glm-plain-two-dense", "deepseek-v3-no-q-lora-4-groups",
         "deepseek-v3-yarn-mscale", "deepseek-v2-greedy-q-lora", "gpt-oss-own-pattern",
         "deepseek-v4-default-pattern-2-streams", "deepseek-v4-sigmoid-4-groups", "dots1-bias-no-window",
-        "glm-flash-two-dense-half-rope",
+        "glm-flash-two-dense-half-rope", "granite-no-shared-bias-top3",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 # Tensors no family computes with: rotary caches, multi-token-prediction heads, vision and audio towers.
 _UNUSED = re.compile(r"rotary_emb\.inv_freq$|^(model\.)?(mtp|visual|vision_tower|vision_model|multi_modal_projector"
                      r"|audio_tower)\.")
+_FUSED_GATE_UP = re.compile(r"^(.+)\.gate_up_proj\.weight$")
 _BIASED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$")
 _BIASED_PARTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
@@ -281,7 +282,8 @@ def _load_one(name, canonical, f, cfg, params, pool, progress: _Progress, quant=
         if canonical == "lm_head.weight" and cfg.tie_word_embeddings:
             return  # tied: the embedding is the output projection
         if canonical not in params:
-            progress.stray.append(name)
+            if not _load_fused_gate_up(name, canonical, f, params, progress):
+                progress.stray.append(name)
             return
         dst = params[canonical]
         if _check_shape(name, tuple(f.get_slice(name).get_shape()), tuple(dst.shape), progress.errors):
@@ -293,6 +295,27 @@ def _load_one(name, canonical, f, cfg, params, pool, progress: _Progress, quant=
         raise
     except Exception as exc:  # a short read inside the data region surfaces here
         raise CheckpointError(f"cannot read tensor '{name}' (truncated or corrupt file?): {exc}") from exc
+
+
+def _load_fused_gate_up(name: str, canonical: str, f, params: dict, progress: _Progress) -> bool:
+    """A dense gated MLP's gate and up rows stored as one tensor [2I, H] (Granite's
+    ``shared_mlp.input_linear``, mapped to ``….gate_up_proj.weight``): the halves into its
+    ``gate_proj`` and ``up_proj``. False where ``canonical`` is no such tensor."""
+    match = _FUSED_GATE_UP.match(canonical)
+    if match is None:
+        return False
+    targets = [f"{match.group(1)}.{part}.weight" for part in ("gate_proj", "up_proj")]
+    if not all(t in params for t in targets):
+        return False
+    gate, up = (params[t] for t in targets)
+    if _check_shape(name, tuple(f.get_slice(name).get_shape()), (gate.shape[0] + up.shape[0], gate.shape[1]),
+                    progress.errors):
+        _float_tensor(name, f)
+        fused = f.get_tensor(name)
+        gate.data.copy_(fused[: gate.shape[0]])
+        up.data.copy_(fused[gate.shape[0]:])
+        progress.params.difference_update(targets)
+    return True
 
 
 def _report(progress: _Progress) -> None:

@@ -44,11 +44,11 @@ LAYER_FIELDS = (
     *(f"o.{f}" for f in _PROJ), "k_cache", "v_cache", "post_norm", "post_eps", "mlp",
     *(f"router.{f}" for f in _PROJ), "n_experts", "top_k", "normalize", "weights_fp32",
     "gate_up", "gu_stride", "down", "dn_stride", "n_rows", "row_base", "inter", "gu_fmt", "dn_fmt",
-    *(f"{p}.{f}" for p in ("gate", "up", "down_proj") for f in _PROJ), "shared_gate", "act_q8",
+    *(f"{p}.{f}" for p in ("gate", "up", "down_proj") for f in _PROJ), "shared_gate", "act_q8", "residual",
 )
 STEP_FIELDS = ("tokens", "cos", "sin", "rope_width", "slots", "ctx_len", "first_slot", "table", "table_stride",
                "block_size")
-_DOUBLES = frozenset({"in_eps", "scale", "qk_eps", "post_eps"})
+_DOUBLES = frozenset({"in_eps", "scale", "qk_eps", "post_eps", "residual"})
 
 
 def _pack(values: dict[str, int | float], names: tuple[str, ...]) -> torch.Tensor:
@@ -152,6 +152,7 @@ class NativeLayers:
         except _Unsupported:
             fields |= self._no_mlp()
         fields["act_q8"] = int(_int8_activations(layer))
+        fields["residual"] = float(getattr(layer, "residual_scale", 1.0))
         return _pack(fields, LAYER_FIELDS), fields["mlp"] != 0
 
     def _attention_fields(self, layer) -> dict[str, int | float]:

@@ -19,6 +19,7 @@ from hearth.engine.models import (
     glm4_moe,
     glm4_moe_lite,
     gpt_oss,
+    granitemoe,
     minimax_m2,
     mixtral,
     olmoe,
@@ -33,7 +34,7 @@ from hearth.engine.models.decoder import MoECausalLM
 FAMILIES: tuple[ModelFamily, ...] = (
     qwen3_moe.FAMILY, qwen2_moe.FAMILY, mixtral.FAMILY, qwen3_next.FAMILY, qwen3_5_moe.FAMILY, olmoe.FAMILY,
     glm4_moe.FAMILY, deepseek_v3.FAMILY, deepseek_v2.FAMILY, minimax_m2.FAMILY,
-    gpt_oss.FAMILY, deepseek_v4.FAMILY, dots1.FAMILY, glm4_moe_lite.FAMILY,
+    gpt_oss.FAMILY, deepseek_v4.FAMILY, dots1.FAMILY, glm4_moe_lite.FAMILY, granitemoe.FAMILY,
 )
 
 

@@ -25,20 +25,31 @@ from hearth.engine.ops import linear
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: ``h + mixer(norm(h))``, then ``h + mlp(norm(h))``. The mixer (attention,
     or a hybrid's gated DeltaNet) is registered under its checkpoint name (``self_attn``,
-    ``linear_attn``); mixer and mlp are called with the forward pass's :class:`LayerContext`."""
+    ``linear_attn``); mixer and mlp are called with the forward pass's :class:`LayerContext`.
+    ``residual_scale`` multiplies each branch before its residual add (Granite's ``residual_multiplier``)."""
 
     def __init__(self, mixer: nn.Module, mlp: nn.Module, input_layernorm: nn.Module,
-                 post_attention_layernorm: nn.Module) -> None:
+                 post_attention_layernorm: nn.Module, residual_scale: float = 1.0) -> None:
         super().__init__()
         self.input_layernorm = input_layernorm
         self.add_module(mixer.checkpoint_name, mixer)
         object.__setattr__(self, "_mixer", mixer)  # the same module, not registered twice
         self.post_attention_layernorm = post_attention_layernorm
         self.mlp = mlp
+        self.residual_scale = residual_scale
 
     def forward(self, h: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
-        h = h + self._mixer(self.input_layernorm(h), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h), ctx)
+        h = self.add_branch(h, self._mixer(self.input_layernorm(h), ctx))
+        return self.feed_forward(h, ctx)
+
+    def feed_forward(self, h: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        """The second half: ``h`` plus the feed-forward of its norm."""
+        return self.add_branch(h, self.mlp(self.post_attention_layernorm(h), ctx))
+
+    def add_branch(self, h: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        """The residual add, the branch scaled first where the family scales it (in the model dtype, as
+        transformers rounds it)."""
+        return h + branch if self.residual_scale == 1.0 else h + branch * self.residual_scale
 
 
 class DecoderModel(nn.Module):
@@ -53,11 +64,15 @@ class DecoderModel(nn.Module):
 
 
 class MoECausalLM(nn.Module):
-    """A decoder-only MoE language model over a flattened batch and a paged KV cache."""
+    """A decoder-only MoE language model over a flattened batch and a paged KV cache. ``embedding_scale``
+    multiplies the token embeddings and ``logits_divisor`` divides the logits (Granite's
+    ``embedding_multiplier`` and ``logits_scaling``; 1 elsewhere)."""
 
-    def __init__(self, cfg: ModelConfig, layers: list[DecoderLayer], norm: nn.Module) -> None:
+    def __init__(self, cfg: ModelConfig, layers: list[DecoderLayer], norm: nn.Module, *,
+                 embedding_scale: float = 1.0, logits_divisor: float = 1.0) -> None:
         super().__init__()
         self.config = cfg
+        self.embedding_scale, self.logits_divisor = embedding_scale, logits_divisor
         self.model = DecoderModel(cfg, layers, norm)
         self.lm_head = Projection(cfg.hidden_size, cfg.vocab_size, False, cfg.dtype)
         if cfg.tie_word_embeddings:
@@ -92,7 +107,7 @@ class MoECausalLM(nn.Module):
             raise ValueError(f"{self.config.architecture} has linear-attention layers: forward needs a state pool")
         if self.config.layer_range is not None:
             return self._forward_stage(batch, kv, states, hidden)
-        h = self.model.embed_tokens(batch.token_ids)  # [T, H]
+        h = self._embed(batch.token_ids)  # [T, H]
         rope_dtype = torch.float32 if self.config.rope_in_fp32 else h.dtype
         ctx = LayerContext(batch, kv, states, self.model.rotary(batch.positions, rope_dtype))
         native = self.native_layers(kv) if h.is_cpu and not isinstance(batch, StaticBatch) else None
@@ -100,7 +115,16 @@ class MoECausalLM(nn.Module):
         if step is None or not native.run_all(h, step):  # layer by layer, natively where each can
             h = self._run_layers(h, ctx, range(len(self.model.layers)), native, step)
         h = self.model.norm(h.index_select(0, batch.logits_indices))
-        return linear(h, self.lm_head.weight).float()
+        return self._logits(h)
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(token_ids)
+        return h if self.embedding_scale == 1.0 else h * self.embedding_scale
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the final hidden states, divided in the model dtype where the family divides."""
+        logits = linear(h, self.lm_head.weight)
+        return (logits if self.logits_divisor == 1.0 else logits / self.logits_divisor).float()
 
     def _run_layers(self, h: torch.Tensor, ctx: LayerContext, indices: range, native: NativeLayers | None,
                     step) -> torch.Tensor:
@@ -111,7 +135,7 @@ class MoECausalLM(nn.Module):
             if ran is None:
                 h = layer(h, ctx)
             elif not ran:  # attention ran natively; the feed-forward is the module's
-                h = h + layer.mlp(layer.post_attention_layernorm(h), ctx)
+                h = layer.feed_forward(h, ctx)
         return h
 
     def _forward_stage(self, batch: ForwardBatch, kv: PagedKVCache, states: RecurrentStatePool | None,
@@ -121,7 +145,7 @@ class MoECausalLM(nn.Module):
         if first > 0 and hidden is None:
             raise ValueError(f"pipeline stage [{first}, {end}) needs the previous stage's hidden states")
         # The native layers work in place: never on the caller's tensor (another stage's, or Ray's buffer).
-        h = self.model.embed_tokens(batch.token_ids) if first == 0 else hidden.clone()  # [T, H]
+        h = self._embed(batch.token_ids) if first == 0 else hidden.clone()  # [T, H]
         rope_dtype = torch.float32 if self.config.rope_in_fp32 else h.dtype
         ctx = LayerContext(batch, kv, states, self.model.rotary(batch.positions, rope_dtype))
         native = self.native_layers(kv) if h.is_cpu and isinstance(batch, ForwardBatch) else None
@@ -130,5 +154,5 @@ class MoECausalLM(nn.Module):
         if end < self.config.num_layers:
             return h
         h = self.model.norm(h.index_select(0, batch.logits_indices))
-        return linear(h, self.lm_head.weight).float()
+        return self._logits(h)
 

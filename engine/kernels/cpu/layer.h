@@ -50,6 +50,7 @@ struct LayerDesc {
   Proj gate, up, down_proj;  // the shared expert (mlp 1; gate.w == 0: none) or the dense MLP (mlp 2)
   int64_t shared_gate;       // [1, hidden] sigmoid gate of the shared expert, or 0
   int64_t act_q8;            // the int8-activation mode for the block formats that have its kernel
+  double residual;           // each branch's scale before its residual add (1: none; Granite's multiplier)
 };
 
 // One decode step: token t is the last of a sequence holding ctx_len[t] tokens after the step, whose
@@ -337,8 +338,13 @@ void moe(const LayerDesc& d, const T* x, int64_t M, const int64_t* rows, const f
 }
 
 template <typename T>
-void add_into(T* h, const T* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) h[i] = from_float<T>(to_float(h[i]) + to_float(y[i]));
+void add_into(T* h, const T* y, int64_t n, double scale) {
+  const float s = static_cast<float>(scale);  // (torch multiplies by a Python float in the tensor's type)
+  if (s == 1.0f) {
+    for (int64_t i = 0; i < n; ++i) h[i] = from_float<T>(to_float(h[i]) + to_float(y[i]));
+  } else {  // the branch scaled and rounded to T first, as the module path's tensor is
+    for (int64_t i = 0; i < n; ++i) h[i] = from_float<T>(to_float(h[i]) + round_to<T>(to_float(y[i]) * s));
+  }
 }
 
 // The attention's first half on h [tokens, hidden]: the input norm, the q/k/v projections, the q/k
@@ -385,7 +391,7 @@ void post_attention(const LayerDesc& d, const StepDesc& s, T* h, const T* attn, 
   const int64_t M = s.tokens, H = d.hidden;
   std::vector<T> y(M * H);
   project(d.o, attn, M, y.data(), threads, d.act_q8 != 0);
-  add_into(h, y.data(), M * H);
+  add_into(h, y.data(), M * H, d.residual);
   if (d.mlp == 0) return;
   rms_norm_impl<T>(h, M, H, ptr<const T>(d.post_norm), static_cast<float>(d.post_eps), xn, threads);
   if (d.mlp == 1) project(d.router, xn, M, logits, threads);
@@ -404,7 +410,7 @@ void feed_forward(const LayerDesc& d, const StepDesc& s, T* h, const T* xn, cons
     gated_mlp<T>(d, xn, M, y.data(), threads);
   else
     return;
-  add_into(h, y.data(), M * H);
+  add_into(h, y.data(), M * H, d.residual);
 }
 
 // The layer's decode step on h [tokens, hidden] (updated in place), attention and routing included.
