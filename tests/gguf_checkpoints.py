@@ -68,6 +68,11 @@ def dequantized_reference(path: Path, model: Any) -> Any:
     names = gguf.TensorNameMap(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), layers)
     tensors = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32").copy())
                for t in reader.tensors}
+    if arch == "granitemoe":  # llama's q/k rows in the interleaved rotary order, put back by transformers' own code
+        from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+        processor = LlamaTensorProcessor(config=model.config.to_dict())
+        tensors = {n: torch.from_numpy(processor.process(t.numpy(), n).weights.copy()) for n, t in tensors.items()}
     model = model.float()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -82,7 +87,11 @@ def _file_weight(name: str, shape: tuple[int, ...], tensors: dict[str, torch.Ten
     """The file's tensor for transformers' parameter ``name`` of ``shape``. Experts: transformers'
     fused ``gate_up_proj`` [E, 2I, H] (gate rows, then up), or GPT-OSS's [E, H, 2I] with gate and up
     interleaved column by column (its biases likewise) and ``down_proj`` [E, I, H]."""
-    if ".mlp.experts." in name:
+    layer = name.split(".")[2] if name.startswith("model.layers.") else None
+    granite = _granite_weight(name, layer, tensors)
+    if granite is not None:
+        return granite
+    if ".mlp.experts." in name or ".block_sparse_moe.experts." in name:
         layer, part = name.split(".")[2], name.rsplit(".", 1)[1]
         kind = "bias" if part.endswith("_bias") else "weight"
         gate, up, down = (tensors.get(f"blk.{layer}.ffn_{p}_exps.{kind}") for p in ("gate", "up", "down"))
@@ -105,6 +114,18 @@ def _file_weight(name: str, shape: tuple[int, ...], tensors: dict[str, torch.Ten
         k_b, v_b = (tensors[target.replace("kv_b", part) + ".weight"] for part in ("k_b", "v_b"))
         return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
     return tensors[f"{target}.{suffix}"]
+
+
+def _granite_weight(name: str, layer: str | None, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Granite MoE's names that llama.cpp's table does not hold as transformers has them in memory: the
+    router, and the shared expert's gate and up rows (one tensor in transformers, two in the file)."""
+    if name.endswith(".block_sparse_moe.router.weight"):
+        return tensors[f"blk.{layer}.ffn_gate_inp.weight"]
+    if name.endswith(".shared_mlp.input_linear.weight"):
+        return torch.cat([tensors[f"blk.{layer}.ffn_{p}_shexp.weight"] for p in ("gate", "up")])
+    if name.endswith(".shared_mlp.output_linear.weight"):
+        return tensors[f"blk.{layer}.ffn_down_shexp.weight"]
+    return None
 
 
 _MIXTRAL_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",

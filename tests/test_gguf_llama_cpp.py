@@ -55,13 +55,13 @@ print(json.dumps(first))
 LLAMA_TIE = 0.15
 # the families hearth convert writes
 WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe", "deepseek_v2", "deepseek_v3",
-           "gpt_oss", "qwen3_next", "qwen3_5_moe", "dots1", "glm4_moe_lite"]
+           "gpt_oss", "qwen3_next", "qwen3_5_moe", "dots1", "granitemoe_shared", "glm4_moe_lite"]
 
 
 def _checkpoint(tmp_path, family: str):
     from tests.checkpoints import make_checkpoint
 
-    shape = {"intermediate_size": 256} if family == "mixtral" else {"moe_intermediate_size": 256,
+    shape = {"intermediate_size": 256} if family in ("mixtral", "granitemoe_shared") else {"moe_intermediate_size": 256,
                                                                      "intermediate_size": 256}
     # llama.cpp's OLMoE takes its k norm as wide as the model, and its dots1 takes as many KV heads as
     # heads (as OLMoE and dots.llm1 ship)

@@ -85,6 +85,25 @@ def _dots1(meta: Meta, has: Has) -> dict[str, Any]:
     return {**common_fields(meta), **_deepseek_router(meta), "sliding_window": None}
 
 
+def _granitemoe(meta: Meta, has: Has) -> dict[str, Any]:
+    """Granite MoE: Mixtral's layout (experts ``feed_forward_length`` wide) with Granite's four scalars,
+    which the converter writes only where they are set (transformers' defaults are 1)."""
+    fields = {**common_fields(meta), "num_local_experts": int(meta("expert_count"))}
+    scalars = (("embedding_multiplier", "embedding_scale"), ("residual_multiplier", "residual_scale"),
+               ("attention_multiplier", "attention.scale"), ("logits_scaling", "logit_scale"))
+    fields |= {name: float(meta(key)) for name, key in scalars if meta(key) is not None}
+    if meta("expert_shared_feed_forward_length") is not None:
+        fields["shared_intermediate_size"] = int(meta("expert_shared_feed_forward_length"))
+    return fields
+
+
+def _granitemoe_variant(meta: Meta, has: Has) -> tuple[str, str]:
+    """One GGUF architecture for both Granite MoE classes: the shared form has shared-expert tensors."""
+    if has("blk.0.ffn_up_shexp.weight"):
+        return "granitemoeshared", "GraniteMoeSharedForCausalLM"
+    return "granitemoe", "GraniteMoeForCausalLM"
+
+
 def _gpt_oss(meta: Meta, has: Has) -> dict[str, Any]:
     """GPT-OSS: experts ``expert_feed_forward_length`` wide, sliding and full attention alternating,
     YaRN. llama.cpp keeps the experts' SwiGLU clamp as a constant, 7.0 (every GPT-OSS checkpoint's
@@ -163,10 +182,16 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "glm4moe": GGUFArchitecture("Glm4MoeForCausalLM", "glm4_moe", _glm4_moe),
     "gpt-oss": GGUFArchitecture("GptOssForCausalLM", "gpt_oss", _gpt_oss),
     "dots1": GGUFArchitecture("Dots1ForCausalLM", "dots1", _dots1),
+    "granitemoe": GGUFArchitecture("GraniteMoeForCausalLM", "granitemoe", _granitemoe, _granitemoe_variant),
     "deepseek2": GGUFArchitecture("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek2, _deepseek2_variant),
     "qwen3next": GGUFArchitecture("Qwen3NextForCausalLM", "qwen3_next", lambda meta, has: _qwen_hybrid(meta)),
     "qwen35moe": GGUFArchitecture("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", lambda meta, has: _qwen_hybrid(meta)),
 })
+
+
+# The architectures whose q/k rows the converter writes in llama.cpp's rotary order (LlamaModel's
+# permutation: each head's two halves interleaved).
+ROPE_PERMUTED = frozenset({"llama", "granitemoe"})
 
 
 def metadata_config(architecture: str, meta: Meta, has: Has, vocab_size: int,

@@ -38,7 +38,13 @@ from hearth.engine import hugepages
 from hearth.engine.checkpoint import common
 from hearth.engine.checkpoint.gguf_experts import expert_blocks, expert_tensors, fill_experts
 from hearth.engine.checkpoint.gguf_families import ARCHITECTURES as GGUF_ARCHITECTURES
-from hearth.engine.checkpoint.gguf_families import composed_tensors, gguf_name, metadata_config, restore
+from hearth.engine.checkpoint.gguf_families import (
+    ROPE_PERMUTED,
+    composed_tensors,
+    gguf_name,
+    metadata_config,
+    restore,
+)
 from hearth.engine.checkpoint.gguf_tensors import (
     GGUFError,
     GGUFTensor,
@@ -280,10 +286,11 @@ def _load_dense(f: GGUFFile, name: str, param: torch.nn.Parameter, model, keep_b
                 param_name: str = "") -> None:
     """One non-expert tensor into its parameter: a 2-D weight in a block format with a kernel
     replaces the parameter by its blocks (uint8 [rows, row bytes], tagged ``block_format``); the
-    rest is decoded into the parameter. GGUF ``llama`` files keep q/k rows in the interleaved
-    rotary order: they are put back in the Hugging Face order (rows of blocks move as a whole)."""
+    rest is decoded into the parameter. GGUF ``llama`` and ``granitemoe`` files keep q/k rows in the
+    interleaved rotary order: they are put back in the Hugging Face order (rows of blocks move as a
+    whole)."""
     t = f.tensors[name]
-    heads = {".attn_q.": cfg.num_heads, ".attn_k.": cfg.num_kv_heads} if f.architecture == "llama" else {}
+    heads = {".attn_q.": cfg.num_heads, ".attn_k.": cfg.num_kv_heads} if f.architecture in ROPE_PERMUTED else {}
     unpermute = next((n for key, n in heads.items() if key in name), None)
     reorder = (lambda x: unpermute_rope_rows(x, unpermute)) if unpermute else (lambda x: x)
     exact = tuple(t.shape) == tuple(param.shape)

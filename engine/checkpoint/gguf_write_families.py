@@ -160,6 +160,35 @@ def _dots1(cfg: dict, fields: Fields) -> None:
     fields.pop("vocab_size")
 
 
+def _granitemoe(cfg: dict, fields: Fields) -> None:
+    """Granite MoE: its four scalars under the converter's names (each only where set), the shared
+    expert's width."""
+    for key, name in (("attention_multiplier", "attention_scale"), ("embedding_multiplier", "embedding_scale"),
+                      ("residual_multiplier", "residual_scale"), ("logits_scaling", "logit_scale")):
+        if cfg.get(key):
+            fields[name] = cfg[key]
+    if cfg.get("shared_intermediate_size"):
+        fields["expert_shared_feed_forward_length"] = cfg["shared_intermediate_size"]
+
+
+_GRANITE_SHARED = re.compile(r"^(model\.layers\.\d+)\.shared_mlp\.input_linear\.weight$")
+
+
+def _granite_shared(tensors: dict, cfg: dict) -> dict:
+    """The shared expert's fused gate/up rows as its gate and up (the converter splits them too)."""
+    out = {}
+    for name, load in tensors.items():
+        m = _GRANITE_SHARED.match(name)
+        if m is None:
+            out[name] = load
+            continue
+        half = cfg["shared_intermediate_size"]
+        for i, part in enumerate(("gate_proj", "up_proj")):
+            out[f"{m.group(1)}.mlp.shared_expert.{part}.weight"] = \
+                lambda load=load, lo=i * half, hi=(i + 1) * half: load()[lo:hi].contiguous()
+    return out
+
+
 def _deepseek2(cfg: dict, fields: Fields) -> None:
     """DeepSeek-V2/V3: multi-head latent attention written as one KV head of the latent's width (the
     per-head widths under ``*_mla``), the group-limited router, YaRN's attention scale."""
@@ -338,6 +367,8 @@ WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
     "DeepseekV3ForCausalLM": WriteFamily("DEEPSEEK2", _deepseek3, tensors=_split_kv_b, keeps=_decoder_layers_only),
     "GptOssForCausalLM": WriteFamily("GPT_OSS", _gpt_oss, prepare=_gpt_oss_experts),
     "Dots1ForCausalLM": WriteFamily("DOTS1", _dots1),
+    "GraniteMoeForCausalLM": WriteFamily("GRANITE_MOE", _granitemoe),
+    "GraniteMoeSharedForCausalLM": WriteFamily("GRANITE_MOE", _granitemoe, prepare=_granite_shared),
     "Glm4MoeLiteForCausalLM": WriteFamily("DEEPSEEK2", _glm4_moe_lite, _GLM_TOKENS, tensors=_split_kv_b,
                                           keeps=_decoder_layers_only),
     "Qwen3NextForCausalLM": WriteFamily("QWEN3NEXT", _hybrid, prepare=_hybrid_tensors),

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from hearth.engine.checkpoint.common import FUSED
-from hearth.engine.checkpoint.gguf_families import gguf_name
+from hearth.engine.checkpoint.gguf_families import ROPE_PERMUTED, gguf_name
 from hearth.engine.checkpoint.gguf_reader import permute_rope_rows
 from hearth.engine.checkpoint.gguf_write_families import (
     WRITE_FAMILIES,
@@ -114,7 +114,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
     heads = {".attn_q.": cfg["num_attention_heads"], ".attn_k.": cfg["num_key_value_heads"]}
     for target, name in dense:
         t = tensors[name]()
-        if arch == gguf.MODEL_ARCH.LLAMA:
+        if gguf.MODEL_ARCH_NAMES[arch] in ROPE_PERMUTED:
             for key, n in heads.items():
                 if key in target:
                     t = permute_rope_rows(t, n)
