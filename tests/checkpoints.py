@@ -121,6 +121,9 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     ),
     "mixtral": dict(num_local_experts=8, intermediate_size=32),
     "olmoe": dict(num_experts=8, intermediate_size=32, norm_topk_prob=False),
+    # ERNIE-4.5: interleaved rotary, layer 0 dense, a softmax gate with a correction bias, a shared expert.
+    "ernie4_5_moe": dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32, intermediate_size=96,
+                         moe_num_shared_experts=1, moe_layer_start_index=1, head_dim=16),
     # Mixtral's layout with Granite's four scalars (the embeddings, each residual branch, the
     # attention scores and the logits); the shared form adds an ungated shared expert.
     "granitemoe": dict(num_local_experts=8, intermediate_size=32, embedding_multiplier=12.0, residual_multiplier=0.22,
@@ -236,6 +239,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
         DeepseekV3Config,
         DeepseekV4Config,
         Dots1Config,
+        Ernie4_5_MoeConfig,
         Glm4MoeConfig,
         Glm4MoeLiteConfig,
         GptOssConfig,
@@ -256,7 +260,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
                "deepseek_v2": DeepseekV2Config, "minimax_m2": MiniMaxM2Config,
                "gpt_oss": GptOssConfig, "deepseek_v4": DeepseekV4Config, "dots1": Dots1Config,
                "glm4_moe_lite": Glm4MoeLiteConfig, "granitemoe": GraniteMoeConfig,
-               "granitemoe_shared": GraniteMoeSharedConfig}
+               "granitemoe_shared": GraniteMoeSharedConfig, "ernie4_5_moe": Ernie4_5_MoeConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(

@@ -118,6 +118,8 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         ("dots1", {"attention_bias": True, "max_window_layers": 3, "n_group": 1, "norm_topk_prob": False}),
         ("glm4_moe_lite", {"mlp_layer_types": ["dense", "dense", "sparse"], "rope_interleave": False}),
         ("granitemoe", {"attention_bias": True, "num_experts_per_tok": 3}),
+        ("ernie4_5_moe", {"moe_layer_start_index": 0, "moe_layer_interval": 2, "moe_num_shared_experts": 0,
+                          "tie_word_embeddings": True}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -125,7 +127,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "qwen3.5-attention-bias", "olmoe-attention-bias", "glm-plain-two-dense", "deepseek-v3-no-q-lora-4-groups",
         "deepseek-v3-yarn-mscale", "deepseek-v2-greedy-q-lora", "gpt-oss-own-pattern",
         "deepseek-v4-default-pattern-2-streams", "deepseek-v4-sigmoid-4-groups", "dots1-bias-no-window",
-        "glm-flash-two-dense-half-rope", "granite-no-shared-bias-top3",
+        "glm-flash-two-dense-half-rope", "granite-no-shared-bias-top3", "ernie-every-second-no-shared-tied",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

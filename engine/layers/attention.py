@@ -12,7 +12,7 @@ from hearth.engine import hugepages
 from hearth.engine.layers.batch import LayerContext, SequenceSlice, StaticBatch
 from hearth.engine.layers.linear import Projection
 from hearth.engine.layers.rope import apply_rotary
-from hearth.engine.ops import linear
+from hearth.engine.ops import deinterleave, linear
 
 
 def step_mask(batch, index: int, seq: SequenceSlice, window: int | None, device: torch.device | str,
@@ -112,6 +112,9 @@ class Attention(nn.Module):
         self.q_norm = qk_norm(head_dim) if qk_norm is not None else None
         self.k_norm = qk_norm(head_dim) if qk_norm is not None else None
         self.scale = head_dim**-0.5
+        # Rotary on interleaved pairs (ERNIE-4.5): q and k de-interleaved first, so the half-split
+        # rotation turns the same pairs; q.k is unchanged by the common channel order.
+        self.interleaved_rope = False
 
     def _fuse_qkv(self, h: int, q_out: int, kv_out: int, bias: bool, dtype: torch.dtype) -> None:
         """Back q/k/v_proj by one [q + 2kv, H] matrix (one GEMM instead of three); the per-projection
@@ -179,7 +182,10 @@ class Attention(nn.Module):
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = self.norm_heads(q, k)
-        q, k = apply_rotary(q, *ctx.rope), apply_rotary(k, *ctx.rope)
+        if self.interleaved_rope:
+            q, k = deinterleave(q), deinterleave(k)
+        # (rotary tables in fp32 turn q and k in fp32; they go on in the model dtype)
+        q, k = apply_rotary(q, *ctx.rope).to(x.dtype), apply_rotary(k, *ctx.rope).to(x.dtype)
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
         if isinstance(batch, StaticBatch):

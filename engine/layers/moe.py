@@ -60,12 +60,14 @@ class GroupedTopKRouter(nn.Module):
     made on the scores plus ``e_score_correction_bias`` (where the family has one), first of the
     ``topk_group`` best of ``n_group`` expert groups (a group scored by the sum of its two best, or
     by its best: ``group_score`` "top2" or "max"), then of the top k inside them; the k weights are
-    the plain scores, renormalised where ``normalize``, times ``scaling``. Weights stay fp32.
-    ``logits_in_fp32`` False: the gate's product in the model dtype, then scored in fp32."""
+    the plain scores, renormalised where ``normalize``, times ``scaling``. Weights stay fp32 unless
+    ``weights_dtype`` rounds them (ERNIE-4.5: to the model dtype). ``logits_in_fp32`` False: the gate's
+    product in the model dtype, then scored in fp32."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype, *, scoring: str = "sigmoid",
                  correction_bias: bool = True, n_group: int = 1, topk_group: int = 1, group_score: str = "top2",
-                 normalize: bool = True, scaling: float = 1.0, logits_in_fp32: bool = True) -> None:
+                 normalize: bool = True, scaling: float = 1.0, logits_in_fp32: bool = True,
+                 weights_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         if scoring not in ("sigmoid", "softmax") or group_score not in ("top2", "max"):
             raise ValueError(f"routing: scoring {scoring!r} / group score {group_score!r} unknown")
@@ -77,6 +79,7 @@ class GroupedTopKRouter(nn.Module):
         self.top_k, self.scoring, self.normalize, self.scaling = top_k, scoring, normalize, scaling
         self.n_group, self.topk_group, self.group_score = max(n_group, 1), topk_group, group_score
         self.logits_in_fp32 = logits_in_fp32  # False: the gate's product in the model dtype (MiniMax-M2)
+        self.weights_dtype = weights_dtype
         self._weight_fp32: torch.Tensor | None = None  # made on first use (after loading), kept
 
     def fp32_weight(self) -> torch.Tensor:
@@ -89,7 +92,7 @@ class GroupedTopKRouter(nn.Module):
         return self._weight_fp32
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] fp32)."""
+        """x: [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] in ``weights_dtype``)."""
         logits = (torch.nn.functional.linear(x.float(), self.fp32_weight()) if self.logits_in_fp32
                   else linear(x, self.weight).float())  # [T, E]
         scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(dim=-1)
@@ -107,7 +110,7 @@ class GroupedTopKRouter(nn.Module):
         weights = scores.gather(1, ids) if self.e_score_correction_bias is not None else choice.gather(1, ids)
         if self.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, weights * self.scaling
+        return ids, (weights * self.scaling).to(self.weights_dtype)
 
 
 _SCORES = {"sqrtsoftplus": lambda x: torch.nn.functional.softplus(x).sqrt(), "sigmoid": torch.sigmoid}
