@@ -233,6 +233,22 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384, chat_format: str = "ch
     return fast
 
 
+def write_sentencepiece(out_dir: Path, vocab_size: int = 300) -> Path:
+    """A SentencePiece BPE model trained on the built-in corpus, saved as ``tokenizer.model`` (ids 0-2:
+    unk, bos, eos): what a checkpoint shipping a SentencePiece tokenizer holds."""
+    import io
+
+    import sentencepiece as spm  # deferred: needed only for the checkpoints that ship one
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(_CORPUS.splitlines() * 4), model_writer=model,
+                                   vocab_size=vocab_size, model_type="bpe", hard_vocab_limit=False, minloglevel=2,
+                                   unk_id=0, bos_id=1, eos_id=2, pad_id=-1)
+    path = Path(out_dir) / "tokenizer.model"
+    path.write_bytes(model.getvalue())
+    return path
+
+
 def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
     from transformers import (
         DeepseekV2Config,

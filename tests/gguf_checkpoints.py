@@ -88,9 +88,9 @@ def _file_weight(name: str, shape: tuple[int, ...], tensors: dict[str, torch.Ten
     fused ``gate_up_proj`` [E, 2I, H] (gate rows, then up), or GPT-OSS's [E, H, 2I] with gate and up
     interleaved column by column (its biases likewise) and ``down_proj`` [E, I, H]."""
     layer = name.split(".")[2] if name.startswith("model.layers.") else None
-    granite = _granite_weight(name, layer, tensors)
-    if granite is not None:
-        return granite
+    special = _special_weight(name, layer, tensors)
+    if special is not None:
+        return special
     if ".mlp.experts." in name or ".block_sparse_moe.experts." in name:
         layer, part = name.split(".")[2], name.rsplit(".", 1)[1]
         kind = "bias" if part.endswith("_bias") else "weight"
@@ -116,9 +116,12 @@ def _file_weight(name: str, shape: tuple[int, ...], tensors: dict[str, torch.Ten
     return tensors[f"{target}.{suffix}"]
 
 
-def _granite_weight(name: str, layer: str | None, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """Granite MoE's names that llama.cpp's table does not hold as transformers has them in memory: the
-    router, and the shared expert's gate and up rows (one tensor in transformers, two in the file)."""
+def _special_weight(name: str, layer: str | None, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Names that llama.cpp's table does not hold as transformers has them in memory: Granite MoE's
+    router and its shared expert's gate and up rows (one tensor in transformers, two in the file),
+    ERNIE-4.5's correction bias (a parameter of the router's ``moe_statics``)."""
+    if name.endswith(".mlp.gate.moe_statics.e_score_correction_bias"):
+        return tensors[f"blk.{layer}.exp_probs_b.bias"]
     if name.endswith(".block_sparse_moe.router.weight"):
         return tensors[f"blk.{layer}.ffn_gate_inp.weight"]
     if name.endswith(".shared_mlp.input_linear.weight"):

@@ -11,7 +11,8 @@ from typing import Any
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gguf"
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2",
-            "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v4", "dots1", "glm4_moe_lite", "granitemoe_shared")
+            "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v4", "dots1", "glm4_moe_lite", "granitemoe_shared",
+            "ernie4_5_moe")
 # make_checkpoint's arguments beyond the family: bf16 weights (the converter's bf16 file is then
 # lossless), and the tokenizer each family's converter expects.
 RECIPES: dict[str, dict[str, Any]] = {
@@ -39,11 +40,18 @@ SHIPPED_FIELDS: dict[str, dict[str, Any]] = {"deepseek_v4": {"num_hash_layers": 
                                              "glm4_moe_lite": {"first_k_dense_replace": 1}}
 
 
+# Families whose converter reads a SentencePiece ``tokenizer.model`` only (as they ship one): the
+# fixture checkpoint gets one beside its tokenizer.json (the tests prompt with token ids).
+SENTENCEPIECE = ("ernie4_5_moe",)
+
+
 def fixture_checkpoint(out_dir: Path, family: str) -> tuple[Path, Any]:
     """The checkpoint ``family``'s fixtures were made from (its directory, the transformers model)."""
-    from tests.checkpoints import make_checkpoint
+    from tests.checkpoints import make_checkpoint, write_sentencepiece
 
     path, model = make_checkpoint(out_dir, family, dtype="bfloat16", seed=0, **RECIPES.get(family, {}))
+    if family in SENTENCEPIECE:
+        write_sentencepiece(path)
     if family in SHIPPED_FIELDS:
         config = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**config, **SHIPPED_FIELDS[family]}, indent=2))

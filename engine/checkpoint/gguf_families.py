@@ -85,6 +85,18 @@ def _dots1(meta: Meta, has: Has) -> dict[str, Any]:
     return {**common_fields(meta), **_deepseek_router(meta), "sliding_window": None}
 
 
+def _ernie4_5_moe(meta: Meta, has: Has) -> dict[str, Any]:
+    """ERNIE-4.5 MoE under the original config's names (transformers maps ``num_experts`` and
+    ``num_experts_per_tok`` onto them): the leading dense layers, the MoE step, the shared experts."""
+    fields = {**common_fields(meta), "moe_num_experts": int(meta("expert_count")),
+              "moe_k": int(meta("expert_used_count")), "moe_intermediate_size": int(meta("expert_feed_forward_length")),
+              "moe_layer_start_index": int(meta("leading_dense_block_count", 0) or 0),
+              "moe_layer_interval": int(meta("interleave_moe_layer_step", 1) or 1),
+              "moe_num_shared_experts": int(meta("expert_shared_count", 0) or 0)}
+    fields.pop("num_experts_per_tok")
+    return fields
+
+
 def _granitemoe(meta: Meta, has: Has) -> dict[str, Any]:
     """Granite MoE: Mixtral's layout (experts ``feed_forward_length`` wide) with Granite's four scalars,
     which the converter writes only where they are set (transformers' defaults are 1)."""
@@ -182,6 +194,7 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "glm4moe": GGUFArchitecture("Glm4MoeForCausalLM", "glm4_moe", _glm4_moe),
     "gpt-oss": GGUFArchitecture("GptOssForCausalLM", "gpt_oss", _gpt_oss),
     "dots1": GGUFArchitecture("Dots1ForCausalLM", "dots1", _dots1),
+    "ernie4_5-moe": GGUFArchitecture("Ernie4_5_MoeForCausalLM", "ernie4_5_moe", _ernie4_5_moe),
     "granitemoe": GGUFArchitecture("GraniteMoeForCausalLM", "granitemoe", _granitemoe, _granitemoe_variant),
     "deepseek2": GGUFArchitecture("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek2, _deepseek2_variant),
     "qwen3next": GGUFArchitecture("Qwen3NextForCausalLM", "qwen3_next", lambda meta, has: _qwen_hybrid(meta)),
