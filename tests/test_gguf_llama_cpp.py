@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.gguf_checkpoints import assert_matches_transformers
-from tests.gguf_fixtures import CONVERTER_FLAGS, RECIPES
+from tests.gguf_fixtures import CONVERTER_FLAGS, RECIPES, SENTENCEPIECE
 
 LLAMA_CPP = os.environ.get("HEARTH_LLAMA_CPP")
 pytestmark = [pytest.mark.slow,
@@ -55,11 +55,12 @@ print(json.dumps(first))
 LLAMA_TIE = 0.15
 # the families hearth convert writes
 WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe", "deepseek_v2", "deepseek_v3",
-           "gpt_oss", "qwen3_next", "qwen3_5_moe", "dots1", "granitemoe_shared", "glm4_moe_lite"]
+           "gpt_oss", "qwen3_next", "qwen3_5_moe", "dots1", "granitemoe_shared", "glm4_moe_lite",
+           "ernie4_5_moe"]
 
 
 def _checkpoint(tmp_path, family: str):
-    from tests.checkpoints import make_checkpoint
+    from tests.checkpoints import make_checkpoint, write_sentencepiece
 
     shape = {"intermediate_size": 256} if family in ("mixtral", "granitemoe_shared") else {"moe_intermediate_size": 256,
                                                                      "intermediate_size": 256}
@@ -77,10 +78,14 @@ def _checkpoint(tmp_path, family: str):
         attention = {"num_key_value_heads": 4, "q_lora_rank": 32}
         if family == "glm4_moe_lite":  # (its two layers: the first dense)
             attention["mlp_layer_types"] = ["dense", "sparse"]
+    if family == "ernie4_5_moe":  # (its converter writes the shared experts' width as intermediate_size / KV heads)
+        shape["intermediate_size"] = 2 * 256
     # The hybrids attend every fourth layer: llama.cpp cannot run one with no attention layer (no KV cache).
     layers = 4 if family in ("qwen3_next", "qwen3_5_moe") else 2
     path = make_checkpoint(tmp_path / "hf", family, hidden_size=256, num_attention_heads=4, num_hidden_layers=layers,
                            **attention, **shape, **RECIPES.get(family, {}))[0]  # (recipes: each converter's tokenizer)
+    if family in SENTENCEPIECE:  # (its converter reads tokenizer.model only)
+        write_sentencepiece(path)
     if family in SHIPPED:  # as shipped (transformers' config classes do not write these; the converter reads them)
         import json
 

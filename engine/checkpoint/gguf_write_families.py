@@ -48,6 +48,8 @@ class WriteFamily:
     - ``keeps(name, cfg)``: whether a checkpoint tensor is written at all.
     - ``prepare(tensors, cfg)``: the checkpoint's tensors (name -> loader) in the names and layouts
       the writer takes (GPT-OSS's interleaved experts as the standard fused ones).
+    - ``vocab``: the tokenizer as written: "bpe" (``tokenizer.json``) or "spm" (``tokenizer.model``,
+      as the converter writes ERNIE's, with its ``add_prefix_space``).
     """
 
     arch: str
@@ -57,6 +59,7 @@ class WriteFamily:
     tensors: Callable[[str, torch.Tensor, dict], Iterator[tuple[str, torch.Tensor]]] = _as_is
     keeps: Callable[[str, dict], bool] = lambda name, cfg: True
     prepare: Callable[[dict, dict], dict] = lambda tensors, cfg: tensors
+    vocab: str = "bpe"
 
 
 def nextn_layers(cfg: dict) -> int:
@@ -84,8 +87,9 @@ def common_fields(cfg: dict) -> Fields:
         rope_dimension_count=int(cfg.get("rotary_dim") or head_dim * partial),
         rope_freq_base=rope["rope_theta"],
         layer_norm_rms_eps=cfg["rms_norm_eps"],
-        expert_count=cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"),
-        expert_used_count=cfg["num_experts_per_tok"], vocab_size=cfg["vocab_size"])
+        expert_count=next((cfg[k] for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+                           if cfg.get(k)), None),
+        expert_used_count=cfg.get("num_experts_per_tok") or cfg["moe_k"], vocab_size=cfg["vocab_size"])
     if cfg.get("intermediate_size") is not None:
         fields["feed_forward_length"] = cfg["intermediate_size"]
     if "moe_intermediate_size" in cfg:
@@ -157,6 +161,19 @@ def _dots1(cfg: dict, fields: Fields) -> None:
     says (transformers' class routes by sigmoid, and llama.cpp refuses a dots1 file without it)."""
     _deepseek_router(cfg, fields)
     fields.update(expert_weights_norm=bool(cfg.get("norm_topk_prob")), expert_gating_func=_GATING["sigmoid"])
+    fields.pop("vocab_size")
+
+
+def _ernie4_5_moe(cfg: dict, fields: Fields) -> None:
+    """ERNIE-4.5 MoE: its experts and layers under the original config's names; the shared experts'
+    width written as the converter computes it (``intermediate_size`` over the KV heads)."""
+    fields.update(interleave_moe_layer_step=cfg.get("moe_layer_interval") or 1,
+                  leading_dense_block_count=cfg.get("moe_layer_start_index") or 0)
+    shared = cfg.get("moe_num_shared_experts")
+    if shared is not None:
+        fields["expert_shared_count"] = shared
+        if shared > 0:
+            fields["expert_shared_feed_forward_length"] = cfg["intermediate_size"] // cfg["num_key_value_heads"]
     fields.pop("vocab_size")
 
 
@@ -238,6 +255,11 @@ def _decoder_layers_only(name: str, cfg: dict) -> bool:
     """DeepSeek's converter leaves the MTP layers (after the decoder's) out."""
     layer = layer_of(name)
     return layer is None or layer < cfg["num_hidden_layers"]
+
+
+def _no_ernie_mtp(name: str, cfg: dict) -> bool:
+    """ERNIE's converter leaves its multi-token-prediction parts (``model.mtp_*``) out."""
+    return not name.startswith("model.mtp_")
 
 
 def _gpt_oss(cfg: dict, fields: Fields) -> None:
@@ -367,6 +389,7 @@ WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
     "DeepseekV3ForCausalLM": WriteFamily("DEEPSEEK2", _deepseek3, tensors=_split_kv_b, keeps=_decoder_layers_only),
     "GptOssForCausalLM": WriteFamily("GPT_OSS", _gpt_oss, prepare=_gpt_oss_experts),
     "Dots1ForCausalLM": WriteFamily("DOTS1", _dots1),
+    "Ernie4_5_MoeForCausalLM": WriteFamily("ERNIE4_5_MOE", _ernie4_5_moe, keeps=_no_ernie_mtp, vocab="spm"),
     "GraniteMoeForCausalLM": WriteFamily("GRANITE_MOE", _granitemoe),
     "GraniteMoeSharedForCausalLM": WriteFamily("GRANITE_MOE", _granitemoe, prepare=_granite_shared),
     "Glm4MoeLiteForCausalLM": WriteFamily("DEEPSEEK2", _glm4_moe_lite, _GLM_TOKENS, tensors=_split_kv_b,

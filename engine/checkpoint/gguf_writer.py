@@ -25,6 +25,7 @@ from tqdm import tqdm
 from hearth.engine.checkpoint.common import FUSED
 from hearth.engine.checkpoint.gguf_families import ROPE_PERMUTED, gguf_name
 from hearth.engine.checkpoint.gguf_reader import permute_rope_rows
+from hearth.engine.checkpoint.gguf_spm import write_sentencepiece
 from hearth.engine.checkpoint.gguf_write_families import (
     WRITE_FAMILIES,
     ConvertError,
@@ -221,6 +222,13 @@ def _metadata(writer, cfg: dict, quant: str, spec: WriteFamily) -> None:
 
 
 def _tokenizer(writer, hf_dir: Path, family: WriteFamily, cfg: dict) -> None:
+    if family.vocab == "spm":
+        write_sentencepiece(writer, hf_dir, cfg)
+        config_path = hf_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        if "add_prefix_space" in config:
+            writer.add_add_space_prefix(config["add_prefix_space"])
+        return
     spec = json.loads((hf_dir / "tokenizer.json").read_text())
     if spec["model"]["type"] != "BPE":
         raise ConvertError(f"{hf_dir}: GGUF writing supports BPE tokenizers, not {spec['model']['type']}")

@@ -45,8 +45,9 @@ from hearth.engine.ops import deinterleave
 log = logging.getLogger(__name__)
 
 # Tensors no family computes with: rotary caches, multi-token-prediction heads, vision and audio towers.
-_UNUSED = re.compile(r"rotary_emb\.inv_freq$|^(model\.)?(mtp|visual|vision_tower|vision_model|multi_modal_projector"
-                     r"|audio_tower)\.")
+# (ERNIE-4.5 names its multi-token-prediction parts mtp_block, mtp_emb_norm, mtp_hidden_norm, mtp_linear_proj)
+_UNUSED = re.compile(r"rotary_emb\.inv_freq$|^(model\.)?(mtp|mtp_[a-z_]+|visual|vision_tower|vision_model"
+                     r"|multi_modal_projector|audio_tower)\.")
 _FUSED_GATE_UP = re.compile(r"^(.+)\.gate_up_proj\.weight$")
 _BIASED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$")
 _BIASED_PARTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
