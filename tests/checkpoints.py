@@ -124,6 +124,12 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     # ERNIE-4.5: interleaved rotary, layer 0 dense, a softmax gate with a correction bias, a shared expert.
     "ernie4_5_moe": dict(moe_num_experts=8, moe_k=2, moe_intermediate_size=32, intermediate_size=96,
                          moe_num_shared_experts=1, moe_layer_start_index=1, head_dim=16),
+    # EXAONE-MoE: Qwen3 attention, layers 0-1 in a window and layer 2 global without rotary, layer 0
+    # dense, DeepSeek-V3 routing over 2 groups of 4 experts with a shared expert.
+    "exaone_moe": dict(num_experts=8, moe_intermediate_size=32, intermediate_size=96, num_shared_experts=1,
+                       n_group=2, topk_group=1, routed_scaling_factor=2.5, head_dim=16, sliding_window=6,
+                       layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                       mlp_layer_types=["dense", "sparse", "sparse"]),
     # Mixtral's layout with Granite's four scalars (the embeddings, each residual branch, the
     # attention scores and the logits); the shared form adds an ungated shared expert.
     "granitemoe": dict(num_local_experts=8, intermediate_size=32, embedding_multiplier=12.0, residual_multiplier=0.22,
@@ -256,6 +262,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
         DeepseekV4Config,
         Dots1Config,
         Ernie4_5_MoeConfig,
+        ExaoneMoeConfig,
         Glm4MoeConfig,
         Glm4MoeLiteConfig,
         GptOssConfig,
@@ -276,7 +283,8 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
                "deepseek_v2": DeepseekV2Config, "minimax_m2": MiniMaxM2Config,
                "gpt_oss": GptOssConfig, "deepseek_v4": DeepseekV4Config, "dots1": Dots1Config,
                "glm4_moe_lite": Glm4MoeLiteConfig, "granitemoe": GraniteMoeConfig,
-               "granitemoe_shared": GraniteMoeSharedConfig, "ernie4_5_moe": Ernie4_5_MoeConfig}
+               "granitemoe_shared": GraniteMoeSharedConfig, "ernie4_5_moe": Ernie4_5_MoeConfig,
+               "exaone_moe": ExaoneMoeConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(

@@ -30,6 +30,13 @@ def test_fp32_logits_match_transformers(checkpoint, family, layout):
             assert max_rel_error(a, b) <= 1e-4, f"step {step}"
 
 
+# Checkpoints whose default seed meets a near-tie in the routing, which the half-precision check
+# (ties in the logits only) cannot see: EXAONE-MoE's seed 0 picks experts whose scores are 3e-5 apart
+# in its second MoE layer at step 19 of the third prompt (bf16), and the two sides' rounding of the
+# hidden state, a few ulps apart until then, chooses differently there.
+HALF_CHECKPOINTS = {"exaone_moe": {"seed": 1}}
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_half_precision_greedy_tokens_match_transformers(checkpoint, family, dtype):
@@ -38,7 +45,7 @@ def test_half_precision_greedy_tokens_match_transformers(checkpoint, family, dty
     if family == "deepseek_v4" and dtype == "float16":
         pytest.skip("transformers' DeepSeek-V4 does not run in fp16: the projections it keeps in fp32 there "
                     "(compressor, indexer) meet fp16 activations")
-    path, _ = checkpoint(family, "per_expert", dtype)
+    path, _ = checkpoint(family, "per_expert", dtype, **HALF_CHECKPOINTS.get(family, {}))
     ref = reference(path, getattr(torch, dtype))
     llm = LLM(path)
     for prompt in PROMPTS:
@@ -120,6 +127,8 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         ("granitemoe", {"attention_bias": True, "num_experts_per_tok": 3}),
         ("ernie4_5_moe", {"moe_layer_start_index": 0, "moe_layer_interval": 2, "moe_num_shared_experts": 0,
                           "tie_word_embeddings": True}),
+        ("exaone_moe", {"n_group": 1, "num_shared_experts": 2, "mlp_layer_types": ["sparse"] * 3,
+                        "layer_types": ["full_attention", "sliding_attention", "full_attention"]}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -128,6 +137,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "deepseek-v3-yarn-mscale", "deepseek-v2-greedy-q-lora", "gpt-oss-own-pattern",
         "deepseek-v4-default-pattern-2-streams", "deepseek-v4-sigmoid-4-groups", "dots1-bias-no-window",
         "glm-flash-two-dense-half-rope", "granite-no-shared-bias-top3", "ernie-every-second-no-shared-tied",
+        "exaone-all-sparse-two-shared-nope-first",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

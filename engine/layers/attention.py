@@ -115,6 +115,7 @@ class Attention(nn.Module):
         # Rotary on interleaved pairs (ERNIE-4.5): q and k de-interleaved first, so the half-split
         # rotation turns the same pairs; q.k is unchanged by the common channel order.
         self.interleaved_rope = False
+        self.use_rope = True  # False: no rotary at all (EXAONE-MoE's global layers)
 
     def _fuse_qkv(self, h: int, q_out: int, kv_out: int, bias: bool, dtype: torch.dtype) -> None:
         """Back q/k/v_proj by one [q + 2kv, H] matrix (one GEMM instead of three); the per-projection
@@ -184,8 +185,8 @@ class Attention(nn.Module):
         q, k = self.norm_heads(q, k)
         if self.interleaved_rope:
             q, k = deinterleave(q), deinterleave(k)
-        # (rotary tables in fp32 turn q and k in fp32; they go on in the model dtype)
-        q, k = apply_rotary(q, *ctx.rope).to(x.dtype), apply_rotary(k, *ctx.rope).to(x.dtype)
+        if self.use_rope:  # (rotary tables in fp32 turn q and k in fp32; they go on in the model dtype)
+            q, k = apply_rotary(q, *ctx.rope).to(x.dtype), apply_rotary(k, *ctx.rope).to(x.dtype)
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
         if isinstance(batch, StaticBatch):

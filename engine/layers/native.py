@@ -159,8 +159,8 @@ class NativeLayers:
         attn = getattr(layer, "_mixer", None)
         if type(attn) is not Attention or attn.head_dim > 1024:
             raise _Unsupported("a mixer other than Attention")
-        if attn.interleaved_rope:  # (the native layer turns halves, not pairs)
-            raise _Unsupported("rotary on interleaved pairs")
+        if attn.interleaved_rope or not attn.use_rope:  # (the native layer turns halves, in every layer)
+            raise _Unsupported("rotary on interleaved pairs, or none")
         cache_k, cache_v = self.kv.keys[attn.layer_idx], self.kv.values[attn.layer_idx]
         if cache_k.dtype != self.dtype or not cache_k.is_cpu:
             raise _Unsupported("a KV cache elsewhere")

@@ -17,6 +17,7 @@ from hearth.engine.models import (
     deepseek_v4,
     dots1,
     ernie4_5_moe,
+    exaone_moe,
     glm4_moe,
     glm4_moe_lite,
     gpt_oss,
@@ -36,7 +37,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     qwen3_moe.FAMILY, qwen2_moe.FAMILY, mixtral.FAMILY, qwen3_next.FAMILY, qwen3_5_moe.FAMILY, olmoe.FAMILY,
     glm4_moe.FAMILY, deepseek_v3.FAMILY, deepseek_v2.FAMILY, minimax_m2.FAMILY,
     gpt_oss.FAMILY, deepseek_v4.FAMILY, dots1.FAMILY, glm4_moe_lite.FAMILY, granitemoe.FAMILY,
-    ernie4_5_moe.FAMILY,
+    ernie4_5_moe.FAMILY, exaone_moe.FAMILY,
 )
 
 

@@ -44,6 +44,7 @@ class Glm4MoeConfig(GroupedRoutingConfig):
     attention_bias: bool = False  # on the q/k/v projections
     out_bias: bool = False  # on the output projection (dots.llm1's attention_bias covers it too)
     use_qk_norm: bool = False
+    nope_layers: tuple[bool, ...] = ()  # per layer: no rotary (EXAONE-MoE's global layers; empty: none)
 
 
 def grouped_routing_fields(hf: Any) -> dict[str, Any]:
@@ -101,6 +102,7 @@ def build(cfg: Glm4MoeConfig, experts: ExpertBackend) -> MoECausalLM:
         attn = Attention(i, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
                          bias=cfg.attention_bias, out_bias=cfg.out_bias, qk_norm=norm if cfg.use_qk_norm else None,
                          window=cfg.window(i))
+        attn.use_rope = not (cfg.nope_layers and cfg.nope_layers[i])
         return DecoderLayer(attn, grouped_moe_block(cfg, i, experts), norm(cfg.hidden_size), norm(cfg.hidden_size))
 
     return MoECausalLM(cfg, [layer(i) for i in range(cfg.num_layers)], norm(cfg.hidden_size))
