@@ -97,6 +97,26 @@ def _ernie4_5_moe(meta: Meta, has: Has) -> dict[str, Any]:
     return fields
 
 
+def _exaone_moe(meta: Meta, has: Has) -> dict[str, Any]:
+    """EXAONE-MoE: DeepSeek-V3's router (groups, correction bias, scaled weights), leading dense layers,
+    sliding-window layers by the pattern (the others turn no rotary)."""
+    fields = {**common_fields(meta), "num_experts": int(meta("expert_count")),
+              "moe_intermediate_size": int(meta("expert_feed_forward_length")),
+              "num_shared_experts": int(meta("expert_shared_count", 0) or 0),
+              "routed_scaling_factor": float(meta("expert_weights_scale", 1.0)),
+              "norm_topk_prob": bool(meta("expert_weights_norm", True)),
+              "n_group": int(meta("expert_group_count", 1) or 1),
+              "topk_group": int(meta("expert_group_used_count", 1) or 1)}
+    n, dense = fields["num_hidden_layers"], int(meta("leading_dense_block_count", 0) or 0)
+    fields |= {"first_k_dense_replace": dense,
+               "mlp_layer_types": ["dense" if i < dense else "sparse" for i in range(n)]}
+    if meta("attention.sliding_window") is not None:
+        pattern = list(meta("attention.sliding_window_pattern", [True] * n))[:n]
+        fields |= {"sliding_window": int(meta("attention.sliding_window")),
+                   "layer_types": ["sliding_attention" if p else "full_attention" for p in pattern]}
+    return fields
+
+
 def _granitemoe(meta: Meta, has: Has) -> dict[str, Any]:
     """Granite MoE: Mixtral's layout (experts ``feed_forward_length`` wide) with Granite's four scalars,
     which the converter writes only where they are set (transformers' defaults are 1)."""
@@ -195,6 +215,7 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "gpt-oss": GGUFArchitecture("GptOssForCausalLM", "gpt_oss", _gpt_oss),
     "dots1": GGUFArchitecture("Dots1ForCausalLM", "dots1", _dots1),
     "ernie4_5-moe": GGUFArchitecture("Ernie4_5_MoeForCausalLM", "ernie4_5_moe", _ernie4_5_moe),
+    "exaone-moe": GGUFArchitecture("ExaoneMoeForCausalLM", "exaone_moe", _exaone_moe),
     "granitemoe": GGUFArchitecture("GraniteMoeForCausalLM", "granitemoe", _granitemoe, _granitemoe_variant),
     "deepseek2": GGUFArchitecture("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek2, _deepseek2_variant),
     "qwen3next": GGUFArchitecture("Qwen3NextForCausalLM", "qwen3_next", lambda meta, has: _qwen_hybrid(meta)),

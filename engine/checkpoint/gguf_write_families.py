@@ -177,6 +177,26 @@ def _ernie4_5_moe(cfg: dict, fields: Fields) -> None:
     fields.pop("vocab_size")
 
 
+def _exaone_moe(cfg: dict, fields: Fields) -> None:
+    """EXAONE-MoE: the window and its per-layer pattern, the shared experts, the router's groups and
+    its weights' scale and normalisation, the leading dense layers, no rope scaling."""
+    if cfg.get("sliding_window") is not None:
+        fields["sliding_window"] = cfg["sliding_window"]
+        if cfg.get("layer_types"):
+            fields["sliding_window_pattern"] = [kind == "sliding_attention" for kind in cfg["layer_types"]]
+    for key, name in (("n_group", "expert_group_count"), ("topk_group", "expert_group_used_count")):
+        if cfg.get(key) is not None:
+            fields[name] = cfg[key]
+    shared = cfg["num_shared_experts"]
+    fields.update(expert_feed_forward_length=cfg["moe_intermediate_size"], expert_shared_count=shared,
+                  expert_shared_feed_forward_length=cfg["moe_intermediate_size"] * shared,
+                  expert_weights_scale=cfg["routed_scaling_factor"], expert_weights_norm=cfg["norm_topk_prob"],
+                  leading_dense_block_count=cfg.get("first_k_dense_replace", cfg.get("first_last_k_dense_replace", 0)),
+                  nextn_predict_layers=nextn_layers(cfg), rope_scaling_type="none",
+                  # (the converter writes no gating function, and llama.cpp 0.3.36 refuses a file without one)
+                  expert_gating_func=_GATING["sigmoid"])
+
+
 def _granitemoe(cfg: dict, fields: Fields) -> None:
     """Granite MoE: its four scalars under the converter's names (each only where set), the shared
     expert's width."""
@@ -390,6 +410,7 @@ WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
     "GptOssForCausalLM": WriteFamily("GPT_OSS", _gpt_oss, prepare=_gpt_oss_experts),
     "Dots1ForCausalLM": WriteFamily("DOTS1", _dots1),
     "Ernie4_5_MoeForCausalLM": WriteFamily("ERNIE4_5_MOE", _ernie4_5_moe, keeps=_no_ernie_mtp, vocab="spm"),
+    "ExaoneMoeForCausalLM": WriteFamily("EXAONE_MOE", _exaone_moe, nextn=True),
     "GraniteMoeForCausalLM": WriteFamily("GRANITE_MOE", _granitemoe),
     "GraniteMoeSharedForCausalLM": WriteFamily("GRANITE_MOE", _granitemoe, prepare=_granite_shared),
     "Glm4MoeLiteForCausalLM": WriteFamily("DEEPSEEK2", _glm4_moe_lite, _GLM_TOKENS, tensors=_split_kv_b,
