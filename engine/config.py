@@ -38,13 +38,15 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class LinearAttentionConfig:
-    """Shape of the gated DeltaNet (linear attention) layers of a hybrid model."""
+    """Shape of the recurrent layers of a hybrid model: gated DeltaNet (linear attention), or LFM2's
+    short convolution (no heads: its state is the convolution's history of ``channels`` only)."""
 
     num_key_heads: int
     num_value_heads: int
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    channels: int = 0  # the convolution's channels where they are not q, k and v (LFM2: hidden)
 
     @property
     def key_dim(self) -> int:
@@ -56,8 +58,8 @@ class LinearAttentionConfig:
 
     @property
     def conv_dim(self) -> int:
-        """Channels of the short causal convolution (q, k and v together)."""
-        return 2 * self.key_dim + self.value_dim
+        """Channels of the short causal convolution (q, k and v together, or ``channels``)."""
+        return self.channels or 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -130,6 +130,10 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                        n_group=2, topk_group=1, routed_scaling_factor=2.5, head_dim=16, sliding_window=6,
                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                        mlp_layer_types=["dense", "sparse", "sparse"]),
+    # LFM2-MoE: convolution layers 0 and 2 around attention layer 1, layer 0 dense, sigmoid routing
+    # with an expert bias (3 layers: the third a convolution).
+    "lfm2_moe": dict(num_experts=8, moe_intermediate_size=32, intermediate_size=96, num_dense_layers=1,
+                     layer_types=["conv", "full_attention", "conv"], routed_scaling_factor=1.5),
     # Mixtral's layout with Granite's four scalars (the embeddings, each residual branch, the
     # attention scores and the logits); the shared form adds an ungated shared expert.
     "granitemoe": dict(num_local_experts=8, intermediate_size=32, embedding_multiplier=12.0, residual_multiplier=0.22,
@@ -268,6 +272,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
         GptOssConfig,
         GraniteMoeConfig,
         GraniteMoeSharedConfig,
+        Lfm2MoeConfig,
         MiniMaxM2Config,
         MixtralConfig,
         OlmoeConfig,
@@ -284,7 +289,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
                "gpt_oss": GptOssConfig, "deepseek_v4": DeepseekV4Config, "dots1": Dots1Config,
                "glm4_moe_lite": Glm4MoeLiteConfig, "granitemoe": GraniteMoeConfig,
                "granitemoe_shared": GraniteMoeSharedConfig, "ernie4_5_moe": Ernie4_5_MoeConfig,
-               "exaone_moe": ExaoneMoeConfig}
+               "exaone_moe": ExaoneMoeConfig, "lfm2_moe": Lfm2MoeConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(
@@ -320,7 +325,7 @@ def build_hf_model(family: str, vocab_size: int = 384, eos_id: int = 2, seed: in
             if name.endswith((".position_bias", ".base", ".hc_base")):  # DeepSeek-V4's, zero at init
                 param.normal_(0.0, 0.5)
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # large enough to change the choice of experts
+            if name.endswith(("e_score_correction_bias", ".expert_bias")):  # enough to change the choice of experts
                 buffer.normal_(0.0, 0.3)
             if name.endswith("tid2eid"):  # DeepSeek-V4's hash routing: k distinct experts per token
                 buffer.copy_(torch.rand(buffer.shape[0], cfg.n_routed_experts).argsort(dim=-1)[:, : buffer.shape[1]])

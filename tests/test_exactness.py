@@ -180,7 +180,7 @@ def test_fp32_prefill_logits_at_every_position(checkpoint, family):
 
 
 @pytest.mark.parametrize("chunk", [50, 64])
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "lfm2_moe"])
 def test_hybrid_chunked_prefill_matches_transformers(checkpoint, family, chunk):
     """Gated DeltaNet prefill in chunks that do and do not align with its 64-token inner chunks
     (the recurrent state carried across engine steps), then decode."""

@@ -118,30 +118,36 @@ _SCORES = {"sqrtsoftplus": lambda x: torch.nn.functional.softplus(x).sqrt(), "si
 
 class ScoredTopKRouter(nn.Module):
     """DeepSeek-V4's routing, in the model dtype: scores ``sqrt(softplus(logits))`` (or sigmoid), the
-    top k of scores plus ``e_score_correction_bias`` (fp32), their plain scores renormalised and
-    times ``scaling``. :class:`HashRouter` picks the experts from the token instead."""
+    top k of scores plus ``e_score_correction_bias`` (fp32; none where ``correction_bias`` is False),
+    their plain scores renormalised (``normalize``; ``eps`` added to the sum) and times ``scaling``.
+    LFM2-MoE routes the same way with sigmoid scores. :class:`HashRouter` picks the experts from the
+    token instead."""
 
     reads_tokens = False
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype, *, scoring: str,
-                 scaling: float) -> None:
+                 scaling: float, correction_bias: bool = True, normalize: bool = True, eps: float = 1e-20) -> None:
         super().__init__()
         if scoring not in _SCORES:
             raise ValueError(f"routing: scoring {scoring!r} unknown ({', '.join(_SCORES)})")
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
-                                                    requires_grad=False)
+        self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                     requires_grad=False) if correction_bias else None)
         self.top_k, self.score, self.scaling = top_k, _SCORES[scoring], scaling
+        self.normalize, self.eps = normalize, eps
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] in the model dtype)."""
         scores = self.score(linear(x, self.weight))  # [T, E]
-        ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        ids = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
         return ids, self.weigh(scores, ids)
 
     def weigh(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         weights = scores.gather(1, ids)
-        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scaling
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + self.eps)
+        return weights * self.scaling
 
 
 class HashRouter(ScoredTopKRouter):
@@ -152,8 +158,7 @@ class HashRouter(ScoredTopKRouter):
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype, *, scoring: str,
                  scaling: float, vocab_size: int) -> None:
-        super().__init__(hidden, num_experts, top_k, dtype, scoring=scoring, scaling=scaling)
-        del self.e_score_correction_bias
+        super().__init__(hidden, num_experts, top_k, dtype, scoring=scoring, scaling=scaling, correction_bias=False)
         self.tid2eid = nn.Parameter(torch.zeros(vocab_size, top_k, dtype=torch.int64), requires_grad=False)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ from hearth.engine.models import (
     glm4_moe_lite,
     gpt_oss,
     granitemoe,
+    lfm2_moe,
     minimax_m2,
     mixtral,
     olmoe,
@@ -37,7 +38,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     qwen3_moe.FAMILY, qwen2_moe.FAMILY, mixtral.FAMILY, qwen3_next.FAMILY, qwen3_5_moe.FAMILY, olmoe.FAMILY,
     glm4_moe.FAMILY, deepseek_v3.FAMILY, deepseek_v2.FAMILY, minimax_m2.FAMILY,
     gpt_oss.FAMILY, deepseek_v4.FAMILY, dots1.FAMILY, glm4_moe_lite.FAMILY, granitemoe.FAMILY,
-    ernie4_5_moe.FAMILY, exaone_moe.FAMILY,
+    ernie4_5_moe.FAMILY, exaone_moe.FAMILY, lfm2_moe.FAMILY,
 )
 
 
