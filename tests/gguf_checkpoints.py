@@ -91,7 +91,7 @@ def _file_weight(name: str, shape: tuple[int, ...], tensors: dict[str, torch.Ten
     special = _special_weight(name, layer, tensors)
     if special is not None:
         return special
-    if ".mlp.experts." in name or ".block_sparse_moe.experts." in name:
+    if any(f".{part}.experts." in name for part in ("mlp", "block_sparse_moe", "feed_forward")):
         layer, part = name.split(".")[2], name.rsplit(".", 1)[1]
         kind = "bias" if part.endswith("_bias") else "weight"
         gate, up, down = (tensors.get(f"blk.{layer}.ffn_{p}_exps.{kind}") for p in ("gate", "up", "down"))

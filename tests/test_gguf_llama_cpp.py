@@ -56,7 +56,7 @@ LLAMA_TIE = 0.15
 # the families hearth convert writes
 WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe", "deepseek_v2", "deepseek_v3",
            "gpt_oss", "qwen3_next", "qwen3_5_moe", "dots1", "granitemoe_shared", "glm4_moe_lite",
-           "ernie4_5_moe", "exaone_moe"]
+           "ernie4_5_moe", "exaone_moe", "lfm2_moe"]
 
 
 def _checkpoint(tmp_path, family: str):
@@ -80,6 +80,8 @@ def _checkpoint(tmp_path, family: str):
             attention["mlp_layer_types"] = ["dense", "sparse"]
     if family == "ernie4_5_moe":  # (its converter writes the shared experts' width as intermediate_size / KV heads)
         shape["intermediate_size"] = 2 * 256
+    if family == "lfm2_moe":  # (two layers: a dense convolution, then MoE attention)
+        attention |= {"layer_types": ["conv", "full_attention"]}
     if family == "exaone_moe":  # (two layers: a dense one in a window, then a global MoE one)
         attention |= {"layer_types": ["sliding_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"]}
     # The hybrids attend every fourth layer: llama.cpp cannot run one with no attention layer (no KV cache).

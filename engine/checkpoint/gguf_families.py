@@ -35,7 +35,8 @@ def common_fields(meta: Meta) -> dict[str, Any]:
         hidden_size=int(meta("embedding_length")),
         num_hidden_layers=int(meta("block_count")) - int(meta("nextn_predict_layers", 0) or 0),
         num_attention_heads=heads,
-        num_key_value_heads=int(meta("attention.head_count_kv", heads)),
+        # (a list where layers differ: LFM2's convolution layers have none)
+        num_key_value_heads=max(_as_list(meta("attention.head_count_kv", heads))),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(meta("context_length")),
         rope_parameters={"rope_type": "default", "rope_theta": float(meta("rope.freq_base", 10000.0))},
@@ -46,6 +47,26 @@ def common_fields(meta: Meta) -> dict[str, Any]:
     if meta("attention.key_length") is not None:
         fields["head_dim"] = int(meta("attention.key_length"))
     return fields
+
+
+def _as_list(value: Any) -> list[int]:
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def _lfm2_moe(meta: Meta, has: Has) -> dict[str, Any]:
+    """LFM2-MoE: the layers without KV heads are its short convolutions; leading dense layers; the
+    router's bias where the file has one (the converter writes no scale or normalisation flag: LFM2's
+    routed weights are renormalised and unscaled)."""
+    fields = common_fields(meta)
+    n = fields["num_hidden_layers"]
+    kv = _as_list(meta("attention.head_count_kv"))
+    kv = kv * n if len(kv) == 1 else kv
+    return {**fields, "norm_eps": fields["rms_norm_eps"], "num_experts": int(meta("expert_count")),
+            "moe_intermediate_size": int(meta("expert_feed_forward_length")),
+            "num_dense_layers": int(meta("leading_dense_block_count", 0) or 0),
+            "conv_L_cache": int(meta("shortconv.l_cache")),
+            "layer_types": ["full_attention" if heads else "conv" for heads in kv[:n]],
+            "use_expert_bias": any(has(f"blk.{i}.exp_probs_b.bias") for i in range(n))}
 
 
 def _olmoe(meta: Meta, has: Has) -> dict[str, Any]:
@@ -216,6 +237,7 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "dots1": GGUFArchitecture("Dots1ForCausalLM", "dots1", _dots1),
     "ernie4_5-moe": GGUFArchitecture("Ernie4_5_MoeForCausalLM", "ernie4_5_moe", _ernie4_5_moe),
     "exaone-moe": GGUFArchitecture("ExaoneMoeForCausalLM", "exaone_moe", _exaone_moe),
+    "lfm2moe": GGUFArchitecture("Lfm2MoeForCausalLM", "lfm2_moe", _lfm2_moe),
     "granitemoe": GGUFArchitecture("GraniteMoeForCausalLM", "granitemoe", _granitemoe, _granitemoe_variant),
     "deepseek2": GGUFArchitecture("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek2, _deepseek2_variant),
     "qwen3next": GGUFArchitecture("Qwen3NextForCausalLM", "qwen3_next", lambda meta, has: _qwen_hybrid(meta)),
@@ -295,6 +317,8 @@ def gguf_name(names: Any, param: str) -> str | None:
         return f"blk.{layer}.ssm_a" if param.endswith("A_log") else f"blk.{layer}.ssm_dt.bias"
     base, suffix = param.rsplit(".", 1)
     target = names.get_name(base)
+    if target is None and base == "model.norm":  # (LFM2's final norm: llama.cpp names it by its checkpoint name)
+        target = names.get_name("model.embedding_norm")
     if target is None and names.get_name(param) is not None:  # a bare parameter (GPT-OSS's sinks)
         return f"{names.get_name(param)}.weight"
     return f"{target}.{suffix}" if target is not None else None

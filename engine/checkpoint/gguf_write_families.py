@@ -86,7 +86,7 @@ def common_fields(cfg: dict) -> Fields:
         key_length=head_dim, value_length=head_dim,
         rope_dimension_count=int(cfg.get("rotary_dim") or head_dim * partial),
         rope_freq_base=rope["rope_theta"],
-        layer_norm_rms_eps=cfg["rms_norm_eps"],
+        layer_norm_rms_eps=cfg["rms_norm_eps"] if "rms_norm_eps" in cfg else cfg["norm_eps"],
         expert_count=next((cfg[k] for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
                            if cfg.get(k)), None),
         expert_used_count=cfg.get("num_experts_per_tok") or cfg["moe_k"], vocab_size=cfg["vocab_size"])
@@ -195,6 +195,21 @@ def _exaone_moe(cfg: dict, fields: Fields) -> None:
                   nextn_predict_layers=nextn_layers(cfg), rope_scaling_type="none",
                   # (the converter writes no gating function, and llama.cpp 0.3.36 refuses a file without one)
                   expert_gating_func=_GATING["sigmoid"])
+
+
+def _lfm2_moe(cfg: dict, fields: Fields) -> None:
+    """LFM2-MoE: KV heads per layer (none on its convolution layers), the convolution's taps, the
+    experts' width, leading dense layers, sigmoid gating."""
+    fields.update(head_count_kv=[cfg["num_key_value_heads"] if kind == "full_attention" else 0
+                                 for kind in cfg["layer_types"]],
+                  expert_feed_forward_length=cfg["moe_intermediate_size"],
+                  leading_dense_block_count=cfg["num_dense_layers"], expert_gating_func=_GATING["sigmoid"],
+                  shortconv_l_cache=cfg["conv_L_cache"])
+
+
+def _squeezed_conv(target: str, t: torch.Tensor, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """LFM2's convolution weights [H, 1, L] written [H, L], as the converter writes them."""
+    yield target, t.squeeze(1) if ".shortconv.conv." in target else t
 
 
 def _granitemoe(cfg: dict, fields: Fields) -> None:
@@ -411,6 +426,7 @@ WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
     "Dots1ForCausalLM": WriteFamily("DOTS1", _dots1),
     "Ernie4_5_MoeForCausalLM": WriteFamily("ERNIE4_5_MOE", _ernie4_5_moe, keeps=_no_ernie_mtp, vocab="spm"),
     "ExaoneMoeForCausalLM": WriteFamily("EXAONE_MOE", _exaone_moe, nextn=True),
+    "Lfm2MoeForCausalLM": WriteFamily("LFM2MOE", _lfm2_moe, tensors=_squeezed_conv),
     "GraniteMoeForCausalLM": WriteFamily("GRANITE_MOE", _granitemoe),
     "GraniteMoeSharedForCausalLM": WriteFamily("GRANITE_MOE", _granitemoe, prepare=_granite_shared),
     "Glm4MoeLiteForCausalLM": WriteFamily("DEEPSEEK2", _glm4_moe_lite, _GLM_TOKENS, tensors=_split_kv_b,
