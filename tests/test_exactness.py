@@ -129,6 +129,8 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
                           "tie_word_embeddings": True}),
         ("exaone_moe", {"n_group": 1, "num_shared_experts": 2, "mlp_layer_types": ["sparse"] * 3,
                         "layer_types": ["full_attention", "sliding_attention", "full_attention"]}),
+        ("granitemoehybrid", {"num_local_experts": 0, "position_embedding_type": "rope", "mamba_n_groups": 1,
+                              "mamba_conv_bias": False, "attention_bias": True}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -137,7 +139,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "deepseek-v3-yarn-mscale", "deepseek-v2-greedy-q-lora", "gpt-oss-own-pattern",
         "deepseek-v4-default-pattern-2-streams", "deepseek-v4-sigmoid-4-groups", "dots1-bias-no-window",
         "glm-flash-two-dense-half-rope", "granite-no-shared-bias-top3", "ernie-every-second-no-shared-tied",
-        "exaone-all-sparse-two-shared-nope-first",
+        "exaone-all-sparse-two-shared-nope-first", "granite4-dense-rope-one-group",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):
@@ -180,7 +182,7 @@ def test_fp32_prefill_logits_at_every_position(checkpoint, family):
 
 
 @pytest.mark.parametrize("chunk", [50, 64])
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "lfm2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "lfm2_moe", "granitemoehybrid"])
 def test_hybrid_chunked_prefill_matches_transformers(checkpoint, family, chunk):
     """Gated DeltaNet prefill in chunks that do and do not align with its 64-token inner chunks
     (the recurrent state carried across engine steps), then decode."""

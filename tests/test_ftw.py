@@ -25,7 +25,8 @@ def assert_same_weights(a, b) -> None:
 
 @pytest.mark.parametrize("family,layout", [("qwen3_moe", "per_expert"), ("qwen2_moe", "fused"),
                                            ("mixtral", "per_expert"), ("granitemoe_shared", "per_expert"),
-                                           ("ernie4_5_moe", "fused")])
+                                           ("ernie4_5_moe", "fused"),
+                                           ("granitemoehybrid", "per_expert")])
 def test_round_trip_is_bit_exact(checkpoint, tmp_path, family, layout):
     src, _ = checkpoint(family, layout)
     convert(src, tmp_path / "ftw", shard_bytes=64 << 10)  # tiny shards: banks span several

@@ -169,7 +169,7 @@ def test_step_mode_is_the_untuned_per_step_table(checkpoint):
     llm.engine.close()
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "lfm2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "lfm2_moe", "granitemoehybrid"])
 def test_hybrid_models_through_the_hierarchy(checkpoint, family):
     """Hybrid (DeltaNet + attention) models: experts through the cache with a split, a batch of
     four with chunked prefill, against the plain engine (fp32)."""

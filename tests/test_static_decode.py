@@ -106,7 +106,7 @@ def test_cpu_share_through_the_ring(checkpoint, plain, mode) -> None:
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "lfm2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "lfm2_moe", "granitemoehybrid"])
 def test_hybrid_models_in_static_steps(checkpoint, family) -> None:
     """Hybrid models (gated DeltaNet + gated attention): each row's convolution window and recurrent
     state advance in its state slot inside the fixed-shape step; eager and compiled steps give the

@@ -22,6 +22,7 @@ from hearth.engine.models import (
     glm4_moe_lite,
     gpt_oss,
     granitemoe,
+    granitemoehybrid,
     lfm2_moe,
     minimax_m2,
     mixtral,
@@ -39,6 +40,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     glm4_moe.FAMILY, deepseek_v3.FAMILY, deepseek_v2.FAMILY, minimax_m2.FAMILY,
     gpt_oss.FAMILY, deepseek_v4.FAMILY, dots1.FAMILY, glm4_moe_lite.FAMILY, granitemoe.FAMILY,
     ernie4_5_moe.FAMILY, exaone_moe.FAMILY, lfm2_moe.FAMILY,
+    granitemoehybrid.FAMILY,
 )
 
 
