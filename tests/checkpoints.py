@@ -134,12 +134,12 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     # with an expert bias (3 layers: the third a convolution).
     "lfm2_moe": dict(num_experts=8, moe_intermediate_size=32, intermediate_size=96, num_dense_layers=1,
                      layer_types=["conv", "full_attention", "conv"], routed_scaling_factor=1.5),
-    # Granite 4: Mamba-2 layers 0 and 2 (4 heads of 16 channels, B and C in 2 groups of 16) around attention
+    # Granite 4: Mamba-2 layers 0 and 2 (4 heads of 32 channels, B and C in 2 groups of 16) around attention
     # layer 1 without rotary; Granite's scalars, 8 experts beside the shared MLP.
     "granitemoehybrid": dict(num_local_experts=8, intermediate_size=32, shared_intermediate_size=48,
                              embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.2,
-                             logits_scaling=6.0, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
-                             mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=8,
+                             logits_scaling=6.0, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16,
+                             mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
                              layer_types=["linear_attention", "attention", "linear_attention"]),
     # Mixtral's layout with Granite's four scalars (the embeddings, each residual branch, the
     # attention scores and the logits); the shared form adds an ungated shared expert.

@@ -12,7 +12,7 @@ from typing import Any
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gguf"
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2",
             "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v4", "dots1", "glm4_moe_lite", "granitemoe_shared",
-            "ernie4_5_moe", "exaone_moe", "lfm2_moe")
+            "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid")
 # make_checkpoint's arguments beyond the family: bf16 weights (the converter's bf16 file is then
 # lossless), and the tokenizer each family's converter expects.
 RECIPES: dict[str, dict[str, Any]] = {
@@ -39,7 +39,9 @@ CONVERTER_FLAGS: dict[str, tuple[str, ...]] = {"qwen3_next": ("--no-mtp",), "qwe
 # config.json fields a shipped checkpoint has and transformers' config class does not write.
 SHIPPED_FIELDS: dict[str, dict[str, Any]] = {"deepseek_v4": {"num_hash_layers": 1},
                                              # (GLM-4.7-Flash's dense first layer, as the converter reads it)
-                                             "glm4_moe_lite": {"first_k_dense_replace": 1}}
+                                             "glm4_moe_lite": {"first_k_dense_replace": 1},
+                                             # (Granite 4's own names for its layers, which the converter reads)
+                                             "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba"]}}
 
 
 # Families whose converter reads a SentencePiece ``tokenizer.model`` only (as they ship one): the

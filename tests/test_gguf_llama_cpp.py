@@ -56,7 +56,7 @@ LLAMA_TIE = 0.15
 # the families hearth convert writes
 WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe", "deepseek_v2", "deepseek_v3",
            "gpt_oss", "qwen3_next", "qwen3_5_moe", "dots1", "granitemoe_shared", "glm4_moe_lite",
-           "ernie4_5_moe", "exaone_moe", "lfm2_moe"]
+           "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid"]
 
 
 def _checkpoint(tmp_path, family: str):
@@ -80,6 +80,9 @@ def _checkpoint(tmp_path, family: str):
             attention["mlp_layer_types"] = ["dense", "sparse"]
     if family == "ernie4_5_moe":  # (its converter writes the shared experts' width as intermediate_size / KV heads)
         shape["intermediate_size"] = 2 * 256
+    if family == "granitemoehybrid":  # (a Mamba-2 layer, then attention; llama.cpp takes an SSM twice as wide)
+        attention |= {"layer_types": ["linear_attention", "attention"], "mamba_n_heads": 8, "mamba_d_head": 64}
+        shape = {"intermediate_size": 256}
     if family == "lfm2_moe":  # (two layers: a dense convolution, then MoE attention)
         attention |= {"layer_types": ["conv", "full_attention"]}
     if family == "exaone_moe":  # (two layers: a dense one in a window, then a global MoE one)
@@ -104,7 +107,9 @@ SHIPPED = {"minimax_m2": {"scoring_func": "sigmoid"}, "deepseek_v2": {"scoring_f
            # dots1 requires; transformers' class routes by sigmoid whatever the config says)
            "dots1": {"scoring_func": "sigmoid"},
            # (GLM-4.7-Flash's dense first layer and sigmoid routing, as the converter reads them)
-           "glm4_moe_lite": {"first_k_dense_replace": 1, "scoring_func": "sigmoid"}}
+           "glm4_moe_lite": {"first_k_dense_replace": 1, "scoring_func": "sigmoid"},
+           # (Granite 4's own names for its layers, which the converter reads)
+           "granitemoehybrid": {"layer_types": ["mamba", "attention"]}}
 
 
 @pytest.mark.parametrize("family", WRITTEN)

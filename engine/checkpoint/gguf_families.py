@@ -141,13 +141,30 @@ def _exaone_moe(meta: Meta, has: Has) -> dict[str, Any]:
 def _granitemoe(meta: Meta, has: Has) -> dict[str, Any]:
     """Granite MoE: Mixtral's layout (experts ``feed_forward_length`` wide) with Granite's four scalars,
     which the converter writes only where they are set (transformers' defaults are 1)."""
-    fields = {**common_fields(meta), "num_local_experts": int(meta("expert_count"))}
+    fields = {**common_fields(meta), "num_local_experts": int(meta("expert_count", 0) or 0)}
     scalars = (("embedding_multiplier", "embedding_scale"), ("residual_multiplier", "residual_scale"),
                ("attention_multiplier", "attention.scale"), ("logits_scaling", "logit_scale"))
     fields |= {name: float(meta(key)) for name, key in scalars if meta(key) is not None}
     if meta("expert_shared_feed_forward_length") is not None:
         fields["shared_intermediate_size"] = int(meta("expert_shared_feed_forward_length"))
     return fields
+
+
+def _granitehybrid(meta: Meta, has: Has) -> dict[str, Any]:
+    """Granite 4: Granite MoE's fields, the Mamba-2 shapes under ``ssm.*`` (heads as the time-step rank),
+    the layers without KV heads its Mamba layers; rotary only where the converter flags it (its
+    ``rope.scaling.finetuned``: the released models have none)."""
+    fields = _granitemoe(meta, has)
+    n, heads, inner = fields["num_hidden_layers"], int(meta("ssm.time_step_rank")), int(meta("ssm.inner_size"))
+    kv = _as_list(meta("attention.head_count_kv"))
+    kv = kv * n if len(kv) == 1 else kv
+    fields.setdefault("num_local_experts", 0)
+    mamba = {"mamba_n_heads": heads, "mamba_d_head": inner // heads, "mamba_d_state": int(meta("ssm.state_size")),
+             "mamba_n_groups": int(meta("ssm.group_count")), "mamba_d_conv": int(meta("ssm.conv_kernel")),
+             "mamba_expand": inner // fields["hidden_size"],
+             "mamba_conv_bias": any(has(f"blk.{i}.ssm_conv1d.bias") for i in range(n))}
+    return {**fields, **mamba, "layer_types": ["attention" if h else "linear_attention" for h in kv[:n]],
+            "position_embedding_type": "rope" if meta("rope.scaling.finetuned") else None}
 
 
 def _granitemoe_variant(meta: Meta, has: Has) -> tuple[str, str]:
@@ -238,6 +255,7 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "ernie4_5-moe": GGUFArchitecture("Ernie4_5_MoeForCausalLM", "ernie4_5_moe", _ernie4_5_moe),
     "exaone-moe": GGUFArchitecture("ExaoneMoeForCausalLM", "exaone_moe", _exaone_moe),
     "lfm2moe": GGUFArchitecture("Lfm2MoeForCausalLM", "lfm2_moe", _lfm2_moe),
+    "granitehybrid": GGUFArchitecture("GraniteMoeHybridForCausalLM", "granitemoehybrid", _granitehybrid),
     "granitemoe": GGUFArchitecture("GraniteMoeForCausalLM", "granitemoe", _granitemoe, _granitemoe_variant),
     "deepseek2": GGUFArchitecture("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek2, _deepseek2_variant),
     "qwen3next": GGUFArchitecture("Qwen3NextForCausalLM", "qwen3_next", lambda meta, has: _qwen_hybrid(meta)),
@@ -247,7 +265,7 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
 
 # The architectures whose q/k rows the converter writes in llama.cpp's rotary order (LlamaModel's
 # permutation: each head's two halves interleaved).
-ROPE_PERMUTED = frozenset({"llama", "granitemoe"})
+ROPE_PERMUTED = frozenset({"llama", "granitemoe", "granitehybrid"})
 
 
 def metadata_config(architecture: str, meta: Meta, has: Has, vocab_size: int,
@@ -312,9 +330,9 @@ def gguf_name(names: Any, param: str) -> str | None:
     ``e_score_correction_bias`` is the ``.bias`` of ``e_score_correction`` (``exp_probs_b.bias``)."""
     if param.endswith("e_score_correction_bias"):
         param = param[: -len("_bias")] + ".bias"
-    if param.endswith((".linear_attn.A_log", ".linear_attn.dt_bias")):  # the hybrids' bare parameters
-        layer = param.split(".")[2]
-        return f"blk.{layer}.ssm_a" if param.endswith("A_log") else f"blk.{layer}.ssm_dt.bias"
+    if param.endswith((".linear_attn.A_log", ".linear_attn.dt_bias", ".mamba.A_log", ".mamba.dt_bias", ".mamba.D")):
+        layer, name = param.split(".")[2], param.rsplit(".", 1)[1]  # the hybrids' bare parameters
+        return {"A_log": f"blk.{layer}.ssm_a", "D": f"blk.{layer}.ssm_d"}.get(name, f"blk.{layer}.ssm_dt.bias")
     base, suffix = param.rsplit(".", 1)
     target = names.get_name(base)
     if target is None and base == "model.norm":  # (LFM2's final norm: llama.cpp names it by its checkpoint name)
@@ -337,6 +355,10 @@ def restore(architecture: str, param: str, read: Callable[[], Any], meta: Meta) 
     ``read()`` decodes the file's values; it is called only for such a parameter."""
     import torch  # deferred: this module's tables need no torch
 
+    if architecture == "granitehybrid":
+        if param.endswith(".mamba.A_log"):
+            return torch.log(-read()).reshape(-1)
+        return read().reshape(-1) if param.endswith(".mamba.norm.weight") else None
     if architecture not in ("qwen3next", "qwen35moe"):
         return None
     if param.endswith(ZERO_CENTRED):

@@ -296,12 +296,12 @@ def _load_dense(f: GGUFFile, name: str, param: torch.nn.Parameter, model, keep_b
     exact = tuple(t.shape) == tuple(param.shape)
     # the converter drops unit dimensions: a [1, H] gate stored as [H], a [C, 1, K] convolution as [C, K]
     squeezed = [d for d in t.shape if d != 1] == [d for d in param.shape if d != 1]
+    restored = restore(f.architecture, param_name, t.dequantized, f.meta) if param_name else None
+    if restored is not None and restored.numel() == param.numel():  # values or shapes the converter changed
+        param.data.copy_(restored.reshape(param.shape))  # (see gguf_families.restore): decoded
+        return
     if not exact and not squeezed:
         raise GGUFError(f"{f.path}: tensor '{name}' has shape {list(t.shape)}, expected {list(param.shape)}")
-    restored = restore(f.architecture, param_name, t.dequantized, f.meta) if param_name else None
-    if restored is not None:  # values the converter changed (see gguf_families.restore): decoded
-        param.data.copy_(restored.reshape(param.shape))
-        return
     fmt = kernel_format(t) if keep_blocks and param.dim() == 2 and exact else None
     if fmt is None:
         param.data.copy_(reorder(t.dequantized().reshape(param.shape)))

@@ -212,6 +212,36 @@ def _squeezed_conv(target: str, t: torch.Tensor, cfg: dict) -> Iterator[tuple[st
     yield target, t.squeeze(1) if ".shortconv.conv." in target else t
 
 
+def _granitehybrid(cfg: dict, fields: Fields) -> None:
+    """Granite 4: Granite MoE's keys, the Mamba-2 shapes under ``ssm.*`` (the heads as the time-step
+    rank), KV heads only on the attention layers, rotary flagged by ``rope.scaling.finetuned`` (a
+    model without it written with a 2^20 context, as the converter writes it)."""
+    _granitemoe(cfg, fields)
+    kinds, heads = cfg["layer_types"], cfg["mamba_n_heads"]
+    use_rope = cfg.get("position_embedding_type") == "rope" or "mamba" not in kinds and "linear_attention" not in kinds
+    fields.update(ssm_conv_kernel=cfg["mamba_d_conv"], ssm_state_size=cfg["mamba_d_state"],
+                  ssm_group_count=cfg["mamba_n_groups"], ssm_inner_size=heads * cfg["mamba_d_head"],
+                  ssm_time_step_rank=heads, rope_scaling_finetuned=use_rope,
+                  head_count_kv=[cfg["num_key_value_heads"] if kind in ("attention", "full_attention") else 0
+                                 for kind in kinds])
+    if not use_rope:
+        fields["context_length"] = 2**20
+
+
+def _mamba2_tensors(target: str, t: torch.Tensor, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Mamba-2's parameters as the converter stores them: A as -exp(A_log) and D as [heads, 1], the
+    gated norm as [groups, inner / groups], the convolution [C, K]."""
+    if target.endswith(".ssm_a"):
+        t = -torch.exp(t.float()).reshape(-1, 1)
+    elif target.endswith(".ssm_d"):
+        t = t.reshape(-1, 1)
+    elif target.endswith(".ssm_norm.weight"):
+        t = t.reshape(cfg["mamba_n_groups"], -1)
+    elif ".ssm_conv1d.weight" in target:
+        t = t.squeeze(1)
+    yield target, t
+
+
 def _granitemoe(cfg: dict, fields: Fields) -> None:
     """Granite MoE: its four scalars under the converter's names (each only where set), the shared
     expert's width."""
@@ -427,6 +457,8 @@ WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
     "Ernie4_5_MoeForCausalLM": WriteFamily("ERNIE4_5_MOE", _ernie4_5_moe, keeps=_no_ernie_mtp, vocab="spm"),
     "ExaoneMoeForCausalLM": WriteFamily("EXAONE_MOE", _exaone_moe, nextn=True),
     "Lfm2MoeForCausalLM": WriteFamily("LFM2MOE", _lfm2_moe, tensors=_squeezed_conv),
+    "GraniteMoeHybridForCausalLM": WriteFamily("GRANITE_HYBRID", _granitehybrid, tensors=_mamba2_tensors,
+                                               prepare=_granite_shared),
     "GraniteMoeForCausalLM": WriteFamily("GRANITE_MOE", _granitemoe),
     "GraniteMoeSharedForCausalLM": WriteFamily("GRANITE_MOE", _granitemoe, prepare=_granite_shared),
     "Glm4MoeLiteForCausalLM": WriteFamily("DEEPSEEK2", _glm4_moe_lite, _GLM_TOKENS, tensors=_split_kv_b,

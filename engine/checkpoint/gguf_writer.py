@@ -37,8 +37,9 @@ from hearth.engine.models import config_architectures, family_for
 from hearth.engine.quant.registry import FORMATS, REGISTRY, quantize
 
 FLOAT_TYPES = ("f32", "f16", "bf16")
-# The convolutions the converter keeps in f32 (the hybrids' DeltaNet, LFM2's short convolution).
-_CONVOLUTIONS = re.compile(r"\.(ssm_conv1d|shortconv\.conv)\.")
+# What the converter keeps in f32 beyond the 1-D tensors: the convolutions (the hybrids' DeltaNet,
+# LFM2's short convolution) and Mamba-2's A, D and gated norm (stored 2-D).
+_KEPT_F32 = re.compile(r"\.(ssm_conv1d|shortconv\.conv)\.|\.ssm_(a|d|norm\.weight)$")
 # Mixes: (base format, format of the tensors that get more bits), as the formats' modules declare them.
 MIXES = REGISTRY.mixes()
 # What it can write: the formats with an encoder.
@@ -124,7 +125,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
         # (norms, biases, the routers, the shared experts' gate [1, H] and the convolutions stay f32)
         router = ".ffn_gate_inp" in target
         for part, tp in spec.tensors(target, t, cfg):
-            matrix = tp.dim() >= 2 and not router and not part.endswith(".bias") and not _CONVOLUTIONS.search(part)
+            matrix = tp.dim() >= 2 and not router and not part.endswith(".bias") and not _KEPT_F32.search(part)
             _add(writer, part, tp, tensor_format(part, quant, layers) if matrix else "f32", summary)
         bar.update(1)
     for (layer, part), load in sorted(stacked.items()):
