@@ -141,6 +141,11 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                              logits_scaling=6.0, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16,
                              mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
                              layer_types=["linear_attention", "attention", "linear_attention"]),
+    # AfMoE: gated attention, layers 0-1 in a window and layer 2 global without rotary, sandwich norms,
+    # layer 0 dense, sigmoid routing with an expert bias and a scale, a shared expert, muP embeddings.
+    "afmoe": dict(num_experts=8, moe_intermediate_size=32, intermediate_size=96, num_dense_layers=1,
+                  num_shared_experts=1, route_scale=2.0, head_dim=16, sliding_window=6, global_attn_every_n_layers=3,
+                  mup_enabled=True),
     # Mixtral's layout with Granite's four scalars (the embeddings, each residual branch, the
     # attention scores and the logits); the shared form adds an ungated shared expert.
     "granitemoe": dict(num_local_experts=8, intermediate_size=32, embedding_multiplier=12.0, residual_multiplier=0.22,
@@ -268,6 +273,7 @@ def write_sentencepiece(out_dir: Path, vocab_size: int = 300) -> Path:
 
 def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
     from transformers import (
+        AfmoeConfig,
         DeepseekV2Config,
         DeepseekV3Config,
         DeepseekV4Config,
@@ -298,7 +304,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
                "glm4_moe_lite": Glm4MoeLiteConfig, "granitemoe": GraniteMoeConfig,
                "granitemoe_shared": GraniteMoeSharedConfig, "ernie4_5_moe": Ernie4_5_MoeConfig,
                "exaone_moe": ExaoneMoeConfig, "lfm2_moe": Lfm2MoeConfig,
-               "granitemoehybrid": GraniteMoeHybridConfig}
+               "granitemoehybrid": GraniteMoeHybridConfig, "afmoe": AfmoeConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(

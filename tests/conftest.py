@@ -10,7 +10,8 @@ from tests.checkpoints import make_checkpoint
 FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "olmoe", "glm4_moe", "deepseek_v3",
             "deepseek_v2", "minimax_m2", "gpt_oss", "deepseek_v4", "dots1",
             "glm4_moe_lite", "granitemoe_shared", "ernie4_5_moe",
-            "exaone_moe", "lfm2_moe", "granitemoehybrid"]
+            "exaone_moe", "lfm2_moe", "granitemoehybrid",
+            "afmoe"]
 
 
 @pytest.fixture(scope="session")

@@ -119,13 +119,14 @@ def _file_weight(name: str, shape: tuple[int, ...], tensors: dict[str, torch.Ten
 def _special_weight(name: str, layer: str | None, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """Names that llama.cpp's table does not hold as transformers has them in memory: Granite MoE's
     router and its shared expert's gate and up rows (one tensor in transformers, two in the file),
-    ERNIE-4.5's correction bias (a parameter of the router's ``moe_statics``), Mamba-2's A, D and dt bias."""
+    ERNIE-4.5's and AfMoE's correction biases (parameters, of the router's ``moe_statics`` and of the MoE
+    block), Mamba-2's A, D and dt bias."""
     if ".mamba." in name and name.rsplit(".", 1)[1] in ("A_log", "D", "dt_bias"):  # Mamba-2's bare parameters
         part = name.rsplit(".", 1)[1]
         names = {"A_log": f"blk.{layer}.ssm_a", "D": f"blk.{layer}.ssm_d"}
         stored = tensors[names.get(part, f"blk.{layer}.ssm_dt.bias")]
         return torch.log(-stored) if part == "A_log" else stored  # (the converter stores A = -exp(A_log))
-    if name.endswith(".mlp.gate.moe_statics.e_score_correction_bias"):
+    if name.endswith((".mlp.gate.moe_statics.e_score_correction_bias", ".mlp.expert_bias")):
         return tensors[f"blk.{layer}.exp_probs_b.bias"]
     if name.endswith(".block_sparse_moe.router.weight"):
         return tensors[f"blk.{layer}.ffn_gate_inp.weight"]

@@ -12,12 +12,15 @@ from typing import Any
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gguf"
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2",
             "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v4", "dots1", "glm4_moe_lite", "granitemoe_shared",
-            "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid")
+            "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid",
+            "afmoe")
 # make_checkpoint's arguments beyond the family: bf16 weights (the converter's bf16 file is then
 # lossless), and the tokenizer each family's converter expects.
 RECIPES: dict[str, dict[str, Any]] = {
     "glm4_moe": {"chat_format": "glm"},
     "glm4_moe_lite": {"chat_format": "glm"},
+    # (llama.cpp takes every fourth layer global and always scales by muP: four layers, the last global)
+    "afmoe": {"num_hidden_layers": 4, "global_attn_every_n_layers": 4, "mup_enabled": True},
     # (the converter writes no routed scale and maps no output head: LFM2 ships unscaled and tied)
     "lfm2_moe": {"routed_scaling_factor": 1.0, "tie_word_embeddings": True},
     # (no sliding-window layer, as released: the converter writes no window for dots1)

@@ -131,6 +131,8 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
                         "layer_types": ["full_attention", "sliding_attention", "full_attention"]}),
         ("granitemoehybrid", {"num_local_experts": 0, "position_embedding_type": "rope", "mamba_n_groups": 1,
                               "mamba_conv_bias": False, "attention_bias": True}),
+        ("afmoe", {"num_shared_experts": 0, "mup_enabled": False, "num_dense_layers": 0,
+                   "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -140,6 +142,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "deepseek-v4-default-pattern-2-streams", "deepseek-v4-sigmoid-4-groups", "dots1-bias-no-window",
         "glm-flash-two-dense-half-rope", "granite-no-shared-bias-top3", "ernie-every-second-no-shared-tied",
         "exaone-all-sparse-two-shared-nope-first", "granite4-dense-rope-one-group",
+        "afmoe-no-shared-no-mup-global-first",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

@@ -74,7 +74,7 @@ def test_qwen2_moe_with_shared_experts_round_trips_through_gguf(tmp_path) -> Non
 @pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "qwen3_next", "qwen3_5_moe",
                                     "dots1", "granitemoe", "granitemoe_shared", "glm4_moe_lite",
                                     "ernie4_5_moe", "exaone_moe", "lfm2_moe",
-                                    "granitemoehybrid"])
+                                    "granitemoehybrid", "afmoe"])
 def test_hearth_written_files_match_transformers(tmp_path, family) -> None:
     """A family's checkpoint written by ``hearth convert --quant q8_0`` (the layout llama.cpp's
     converter writes: tests/test_gguf_llama_cpp.py compares them tensor by tensor) reads back
@@ -87,6 +87,15 @@ def test_hearth_written_files_match_transformers(tmp_path, family) -> None:
     # (transformers does not read these architectures' GGUF files: its model of the family holds the
     # file's weights as the gguf package decodes them)
     assert_matches_transformers(out, dequantized_reference(out, fixture_model(tmp_path / "ref", family)))
+
+
+def test_an_afmoe_checkpoint_without_mup_is_refused(tmp_path) -> None:
+    """llama.cpp's AfMoE always scales the embeddings by muP; a GGUF file cannot carry a model without it."""
+    from tests.checkpoints import make_checkpoint
+
+    hf, _ = make_checkpoint(tmp_path / "hf", "afmoe", mup_enabled=False)
+    with pytest.raises(ConvertError, match="mup_enabled=false"):
+        write_gguf(hf, tmp_path / "m.gguf", "q8_0")
 
 
 def test_an_unsupported_architecture_is_named(tmp_path) -> None:

@@ -56,7 +56,7 @@ LLAMA_TIE = 0.15
 # the families hearth convert writes
 WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe", "deepseek_v2", "deepseek_v3",
            "gpt_oss", "qwen3_next", "qwen3_5_moe", "dots1", "granitemoe_shared", "glm4_moe_lite",
-           "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid"]
+           "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid", "afmoe"]
 
 
 def _checkpoint(tmp_path, family: str):
@@ -89,8 +89,10 @@ def _checkpoint(tmp_path, family: str):
         attention |= {"layer_types": ["sliding_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"]}
     # The hybrids attend every fourth layer: llama.cpp cannot run one with no attention layer (no KV cache).
     layers = 4 if family in ("qwen3_next", "qwen3_5_moe") else 2
+    # (AfMoE's recipe: two sliding layers here, llama.cpp taking every fourth layer global)
+    recipe = {k: v for k, v in RECIPES.get(family, {}).items() if k != "num_hidden_layers"}
     path = make_checkpoint(tmp_path / "hf", family, hidden_size=256, num_attention_heads=4, num_hidden_layers=layers,
-                           **attention, **shape, **RECIPES.get(family, {}))[0]  # (recipes: each converter's tokenizer)
+                           **attention, **shape, **recipe)[0]  # (recipes: each converter's tokenizer)
     if family in SENTENCEPIECE:  # (its converter reads tokenizer.model only)
         write_sentencepiece(path)
     if family in SHIPPED:  # as shipped (transformers' config classes do not write these; the converter reads them)

@@ -138,6 +138,23 @@ def _exaone_moe(meta: Meta, has: Has) -> dict[str, Any]:
     return fields
 
 
+def _afmoe(meta: Meta, has: Has) -> dict[str, Any]:
+    """AfMoE: the experts, shared experts, leading dense layers and routed scale; sliding layers by the
+    file's pattern or, as llama.cpp assumes, every fourth layer global (those turn no rotary); muP's
+    embedding scale always, as llama.cpp applies it (the file has no key for it)."""
+    fields = {**common_fields(meta), "num_experts": int(meta("expert_count")),
+              "moe_intermediate_size": int(meta("expert_feed_forward_length")),
+              "num_shared_experts": int(meta("expert_shared_count", 0) or 0),
+              "num_dense_layers": int(meta("leading_dense_block_count", 0) or 0),
+              "route_scale": float(meta("expert_weights_scale", 1.0) or 1.0), "mup_enabled": True}
+    n = fields["num_hidden_layers"]
+    if meta("attention.sliding_window") is not None:
+        pattern = meta("attention.sliding_window_pattern") or [bool((i + 1) % 4) for i in range(n)]
+        fields |= {"sliding_window": int(meta("attention.sliding_window")),
+                   "layer_types": ["sliding_attention" if p else "full_attention" for p in list(pattern)[:n]]}
+    return fields
+
+
 def _granitemoe(meta: Meta, has: Has) -> dict[str, Any]:
     """Granite MoE: Mixtral's layout (experts ``feed_forward_length`` wide) with Granite's four scalars,
     which the converter writes only where they are set (transformers' defaults are 1)."""
@@ -256,6 +273,7 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "exaone-moe": GGUFArchitecture("ExaoneMoeForCausalLM", "exaone_moe", _exaone_moe),
     "lfm2moe": GGUFArchitecture("Lfm2MoeForCausalLM", "lfm2_moe", _lfm2_moe),
     "granitehybrid": GGUFArchitecture("GraniteMoeHybridForCausalLM", "granitemoehybrid", _granitehybrid),
+    "afmoe": GGUFArchitecture("AfmoeForCausalLM", "afmoe", _afmoe),
     "granitemoe": GGUFArchitecture("GraniteMoeForCausalLM", "granitemoe", _granitemoe, _granitemoe_variant),
     "deepseek2": GGUFArchitecture("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek2, _deepseek2_variant),
     "qwen3next": GGUFArchitecture("Qwen3NextForCausalLM", "qwen3_next", lambda meta, has: _qwen_hybrid(meta)),

@@ -242,6 +242,21 @@ def _mamba2_tensors(target: str, t: torch.Tensor, cfg: dict) -> Iterator[tuple[s
     yield target, t
 
 
+def _afmoe(cfg: dict, fields: Fields) -> None:
+    """AfMoE: shared experts, the experts' width, leading dense layers, the routed weights' scale (and
+    normalisation where the config names it), the window. llama.cpp scales the embeddings by muP's
+    sqrt(hidden) whatever the file says, so a checkpoint without muP is refused."""
+    if not cfg.get("mup_enabled"):
+        raise ConvertError("AfmoeForCausalLM with mup_enabled=false: llama.cpp's afmoe always scales the "
+                           "embeddings by sqrt(hidden_size), and a GGUF file has no key to say otherwise")
+    for key, name in (("num_shared_experts", "expert_shared_count"), ("moe_intermediate_size",
+                      "expert_feed_forward_length"), ("num_dense_layers", "leading_dense_block_count"),
+                      ("route_norm", "expert_weights_norm"), ("route_scale", "expert_weights_scale"),
+                      ("sliding_window", "sliding_window")):
+        if cfg.get(key) is not None:
+            fields[name] = cfg[key]
+
+
 def _granitemoe(cfg: dict, fields: Fields) -> None:
     """Granite MoE: its four scalars under the converter's names (each only where set), the shared
     expert's width."""
@@ -460,6 +475,7 @@ WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
     "GraniteMoeHybridForCausalLM": WriteFamily("GRANITE_HYBRID", _granitehybrid, tensors=_mamba2_tensors,
                                                prepare=_granite_shared),
     "GraniteMoeForCausalLM": WriteFamily("GRANITE_MOE", _granitemoe),
+    "AfmoeForCausalLM": WriteFamily("AFMOE", _afmoe),
     "GraniteMoeSharedForCausalLM": WriteFamily("GRANITE_MOE", _granitemoe, prepare=_granite_shared),
     "Glm4MoeLiteForCausalLM": WriteFamily("DEEPSEEK2", _glm4_moe_lite, _GLM_TOKENS, tensors=_split_kv_b,
                                           keeps=_decoder_layers_only),

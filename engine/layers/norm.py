@@ -33,6 +33,20 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.normalized_shape, eps=self.eps).to(x.dtype)
 
 
+class Fp32ScaledRMSNorm(nn.Module):
+    """RMSNorm scaled in fp32 and cast once at the end (``(weight * norm(x)).to(dtype)``, AfMoE's
+    order), its weight held in fp32 (transformers keeps it so in every dtype)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32), requires_grad=False)
+        self.eps = eps
+        self.normalized_shape = (size,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.weight * F.rms_norm(x.float(), self.normalized_shape, eps=self.eps)).to(x.dtype)
+
+
 class ZeroCenteredRMSNorm(nn.Module):
     """RMSNorm whose stored weight is centred on zero: scales by ``1 + weight``, in fp32, and casts
     once at the end (Qwen3-Next / Qwen3.5 order)."""
