@@ -146,6 +146,8 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "afmoe": dict(num_experts=8, moe_intermediate_size=32, intermediate_size=96, num_dense_layers=1,
                   num_shared_experts=1, route_scale=2.0, head_dim=16, sliding_window=6, global_attn_every_n_layers=3,
                   mup_enabled=True),
+    # FlexOlmo: OLMo-2's post-norms and whole-projection q/k norms, OLMoE's router.
+    "flex_olmo": dict(num_experts=8, intermediate_size=32, norm_topk_prob=False, pad_token_id=None),
     # Mixtral's layout with Granite's four scalars (the embeddings, each residual branch, the
     # attention scores and the logits); the shared form adds an ungated shared expert.
     "granitemoe": dict(num_local_experts=8, intermediate_size=32, embedding_multiplier=12.0, residual_multiplier=0.22,
@@ -280,6 +282,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
         Dots1Config,
         Ernie4_5_MoeConfig,
         ExaoneMoeConfig,
+        FlexOlmoConfig,
         Glm4MoeConfig,
         Glm4MoeLiteConfig,
         GptOssConfig,
@@ -304,7 +307,8 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
                "glm4_moe_lite": Glm4MoeLiteConfig, "granitemoe": GraniteMoeConfig,
                "granitemoe_shared": GraniteMoeSharedConfig, "ernie4_5_moe": Ernie4_5_MoeConfig,
                "exaone_moe": ExaoneMoeConfig, "lfm2_moe": Lfm2MoeConfig,
-               "granitemoehybrid": GraniteMoeHybridConfig, "afmoe": AfmoeConfig}
+               "granitemoehybrid": GraniteMoeHybridConfig, "afmoe": AfmoeConfig,
+               "flex_olmo": FlexOlmoConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(

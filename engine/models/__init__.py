@@ -19,6 +19,7 @@ from hearth.engine.models import (
     dots1,
     ernie4_5_moe,
     exaone_moe,
+    flex_olmo,
     glm4_moe,
     glm4_moe_lite,
     gpt_oss,
@@ -41,7 +42,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     glm4_moe.FAMILY, deepseek_v3.FAMILY, deepseek_v2.FAMILY, minimax_m2.FAMILY,
     gpt_oss.FAMILY, deepseek_v4.FAMILY, dots1.FAMILY, glm4_moe_lite.FAMILY, granitemoe.FAMILY,
     ernie4_5_moe.FAMILY, exaone_moe.FAMILY, lfm2_moe.FAMILY,
-    granitemoehybrid.FAMILY, afmoe.FAMILY,
+    granitemoehybrid.FAMILY, afmoe.FAMILY, flex_olmo.FAMILY,
 )
 
 
