@@ -1,8 +1,8 @@
 """FlexOlmo (``FlexOlmoForCausalLM``): OLMo-2's layer order, its norms after each part rather than
 before (``post_attention_layernorm`` on the attention's output, ``post_feedforward_layernorm`` on the
-feed-forward's), q/k norms over each whole projection, every norm scaled in fp32 and cast once;
-OLMoE's softmax top-k router (renormalised where ``norm_topk_prob``) over experts ``intermediate_size``
-wide. llama.cpp has no converter for it: no GGUF file of it exists to read."""
+feed-forward's), q/k norms over each whole projection, every norm's weight in the model dtype
+scaling in fp32 and cast once, rotary in fp32; OLMoE's softmax top-k router (renormalised where
+``norm_topk_prob``) over experts ``intermediate_size`` wide. llama.cpp has no converter for it: no GGUF file of it exists to read."""
 
 from __future__ import annotations
 
@@ -47,12 +47,13 @@ def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> OlmoeConfig:
         intermediate_size=hf.intermediate_size, num_experts=hf.num_experts, top_k=hf.num_experts_per_tok,
         moe_intermediate_size=hf.intermediate_size, norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
         moe_layers=(True,) * hf.num_hidden_layers,
+        rope_in_fp32=True,  # (OLMo-2's rotary tables stay fp32: q and k turn in fp32, then round)
     )
 
 
 def build(cfg: OlmoeConfig, experts: ExpertBackend) -> MoECausalLM:
     h, dt = cfg.hidden_size, cfg.dtype
-    norm = partial(Fp32ScaledRMSNorm, eps=cfg.rms_norm_eps, dtype=dt)
+    norm = partial(Fp32ScaledRMSNorm, eps=cfg.rms_norm_eps, dtype=dt, weight_dtype=dt)  # (weights in the model dtype)
 
     def layer(i: int) -> DecoderLayer:
         attn = ProjectionNormAttention(i, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dt, norm=norm,
