@@ -35,17 +35,16 @@ class RMSNorm(nn.Module):
 
 class Fp32ScaledRMSNorm(nn.Module):
     """RMSNorm scaled in fp32 and cast once at the end (``(weight * norm(x)).to(dtype)``, AfMoE's
-    order). Its weight is held in fp32 (AfMoE: transformers keeps it so in every dtype) unless
-    ``weight_dtype`` says otherwise (OLMo-2's weight is rounded to the model dtype, then scales in fp32)."""
+    order), its weight held in fp32 (transformers keeps it so in every dtype)."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, weight_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=weight_dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32), requires_grad=False)
         self.eps = eps
         self.normalized_shape = (size,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.weight.float() * F.rms_norm(x.float(), self.normalized_shape, eps=self.eps)).to(x.dtype)
+        return (self.weight * F.rms_norm(x.float(), self.normalized_shape, eps=self.eps)).to(x.dtype)
 
 
 class ZeroCenteredRMSNorm(nn.Module):

@@ -2,7 +2,8 @@
 before (``post_attention_layernorm`` on the attention's output, ``post_feedforward_layernorm`` on the
 feed-forward's), q/k norms over each whole projection, every norm's weight in the model dtype
 scaling in fp32 and cast once, rotary in fp32; OLMoE's softmax top-k router (renormalised where
-``norm_topk_prob``) over experts ``intermediate_size`` wide. llama.cpp has no converter for it: no GGUF file of it exists to read."""
+``norm_topk_prob``) over experts ``intermediate_size`` wide. llama.cpp has no converter for it: no
+GGUF file of it exists to read."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from hearth.engine.experts.contract import ExpertBackend
 from hearth.engine.layers.attention import ProjectionNormAttention
 from hearth.engine.layers.batch import LayerContext
 from hearth.engine.layers.moe import MoEBlock, TopKRouter
-from hearth.engine.layers.norm import Fp32ScaledRMSNorm
+from hearth.engine.layers.norm import RMSNormScaledInFp32
 from hearth.engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields
 from hearth.engine.models.decoder import DecoderLayer, MoECausalLM
 from hearth.engine.models.olmoe import OlmoeConfig
@@ -53,7 +54,7 @@ def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> OlmoeConfig:
 
 def build(cfg: OlmoeConfig, experts: ExpertBackend) -> MoECausalLM:
     h, dt = cfg.hidden_size, cfg.dtype
-    norm = partial(Fp32ScaledRMSNorm, eps=cfg.rms_norm_eps, dtype=dt, weight_dtype=dt)  # (weights in the model dtype)
+    norm = partial(RMSNormScaledInFp32, eps=cfg.rms_norm_eps, dtype=dt)
 
     def layer(i: int) -> DecoderLayer:
         attn = ProjectionNormAttention(i, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dt, norm=norm,
