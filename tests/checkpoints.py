@@ -148,6 +148,12 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                   mup_enabled=True),
     # FlexOlmo: OLMo-2's post-norms and whole-projection q/k norms, OLMoE's router.
     "flex_olmo": dict(num_experts=8, intermediate_size=32, norm_topk_prob=False, pad_token_id=None),
+    # Cohere2-MoE: parallel blocks over a LayerNorm, layer 0 dense (rotary, full attention), layers 1-2
+    # in a window with rotary and layer 3 global without, top-k-then-softmax routing, one shared
+    # expert averaged in, logits scaled.
+    "cohere2_moe": dict(num_experts=8, intermediate_size=32, prefix_dense_intermediate_size=96, num_hidden_layers=4,
+                        num_shared_experts=1, first_k_dense_replace=1, sliding_window=6, sliding_window_pattern=3,
+                        logit_scale=0.25, head_dim=16, pad_token_id=None, bos_token_id=None),
     # Mixtral's layout with Granite's four scalars (the embeddings, each residual branch, the
     # attention scores and the logits); the shared form adds an ungated shared expert.
     "granitemoe": dict(num_local_experts=8, intermediate_size=32, embedding_multiplier=12.0, residual_multiplier=0.22,
@@ -276,6 +282,7 @@ def write_sentencepiece(out_dir: Path, vocab_size: int = 300) -> Path:
 def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
     from transformers import (
         AfmoeConfig,
+        Cohere2MoeConfig,
         DeepseekV2Config,
         DeepseekV3Config,
         DeepseekV4Config,
@@ -308,7 +315,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
                "granitemoe_shared": GraniteMoeSharedConfig, "ernie4_5_moe": Ernie4_5_MoeConfig,
                "exaone_moe": ExaoneMoeConfig, "lfm2_moe": Lfm2MoeConfig,
                "granitemoehybrid": GraniteMoeHybridConfig, "afmoe": AfmoeConfig,
-               "flex_olmo": FlexOlmoConfig}
+               "flex_olmo": FlexOlmoConfig, "cohere2_moe": Cohere2MoeConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(

@@ -133,6 +133,9 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
                               "mamba_conv_bias": False, "attention_bias": True}),
         ("afmoe", {"num_shared_experts": 0, "mup_enabled": False, "num_dense_layers": 0,
                    "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]}),
+        ("cohere2_moe", {"rms_norm_eps": 1e-5, "expert_selection_fn": "sigmoid", "num_experts_per_tok": 3,
+                         "shared_expert_combination_strategy": "sum", "prefix_dense_sliding_window_pattern": 2,
+                         "first_k_dense_replace": 2, "attention_bias": True, "tie_word_embeddings": True}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -142,7 +145,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "deepseek-v4-default-pattern-2-streams", "deepseek-v4-sigmoid-4-groups", "dots1-bias-no-window",
         "glm-flash-two-dense-half-rope", "granite-no-shared-bias-top3", "ernie-every-second-no-shared-tied",
         "exaone-all-sparse-two-shared-nope-first", "granite4-dense-rope-one-group",
-        "afmoe-no-shared-no-mup-global-first",
+        "afmoe-no-shared-no-mup-global-first", "cohere-rms-sigmoid-top3-sum-two-dense-bias-tied",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

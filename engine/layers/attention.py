@@ -116,6 +116,8 @@ class Attention(nn.Module):
         # rotation turns the same pairs; q.k is unchanged by the common channel order.
         self.interleaved_rope = False
         self.use_rope = True  # False: no rotary at all (EXAONE-MoE's global layers)
+        # Rotate in fp32 over the model-dtype tables, then round (Cohere2-MoE's order).
+        self.rotate_in_fp32 = False
 
     def _fuse_qkv(self, h: int, q_out: int, kv_out: int, bias: bool, dtype: torch.dtype) -> None:
         """Back q/k/v_proj by one [q + 2kv, H] matrix (one GEMM instead of three); the per-projection
@@ -185,8 +187,8 @@ class Attention(nn.Module):
         q, k = self.norm_heads(q, k)
         if self.interleaved_rope:
             q, k = deinterleave(q), deinterleave(k)
-        if self.use_rope:  # (rotary tables in fp32 turn q and k in fp32; they go on in the model dtype)
-            q, k = apply_rotary(q, *ctx.rope).to(x.dtype), apply_rotary(k, *ctx.rope).to(x.dtype)
+        if self.use_rope:
+            q, k = self.rotate(q, k, ctx.rope, x.dtype)
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
         if isinstance(batch, StaticBatch):
@@ -194,6 +196,14 @@ class Attention(nn.Module):
         else:
             out = self.attend(q, batch, k_cache, v_cache)
         return self.project_out(out.reshape(t, self.num_heads * self.head_dim), extra)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k turned by the rotary tables, in ``dtype`` (fp32 tables turn them in fp32, as does
+        ``rotate_in_fp32``; they go on in the model dtype)."""
+        if self.rotate_in_fp32:
+            q, k, rope = q.float(), k.float(), (rope[0].float(), rope[1].float())
+        return apply_rotary(q, *rope).to(dtype), apply_rotary(k, *rope).to(dtype)
 
     def attend_static(self, q: torch.Tensor, batch: StaticBatch, k_cache: torch.Tensor,
                       v_cache: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,28 @@ class TopKSoftmaxRouter(nn.Module):
         return ids, torch.softmax(top, dim=1, dtype=top.dtype)
 
 
+class TopKThenScoreRouter(nn.Module):
+    """Cohere2-MoE's routing: the top k of the gate's logits first, then their scores, a softmax over
+    those k in fp32 or their sigmoids in the model dtype (renormalised where ``normalize``); the
+    weights in the model dtype."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype, *, scoring: str,
+                 normalize: bool) -> None:
+        super().__init__()
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"expert selection '{scoring}' is not supported (softmax, sigmoid are)")
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
+        self.top_k, self.scoring, self.normalize = top_k, scoring, normalize
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] in the model dtype)."""
+        top, ids = torch.topk(linear(x, self.weight), self.top_k, dim=-1)
+        if self.scoring == "softmax":
+            return ids, torch.softmax(top, dim=-1, dtype=torch.float32).to(x.dtype)
+        weights = torch.sigmoid(top)
+        return ids, (weights / weights.sum(dim=-1, keepdim=True) if self.normalize else weights).to(x.dtype)
+
+
 class GroupedTopKRouter(nn.Module):
     """DeepSeek-style routing, all in fp32: sigmoid (or softmax) scores over the experts; the choice
     made on the scores plus ``e_score_correction_bias`` (where the family has one), first of the
@@ -168,7 +190,8 @@ class HashRouter(ScoredTopKRouter):
 
 class MoEBlock(nn.Module):
     """Routed experts (through the backend, by global id ``layer * E + expert``) plus an optional
-    shared expert, scaled by the sigmoid of ``shared_expert_gate`` when there is one."""
+    shared expert, scaled by the sigmoid of ``shared_expert_gate`` when there is one, or averaged with
+    the routed output where ``shared_average`` (Cohere2-MoE's "average" strategy)."""
 
     def __init__(self, layer_idx: int, num_experts: int, router: nn.Module, backend: ExpertBackend,
                  shared_expert: nn.Module | None = None, shared_expert_gate: Projection | None = None) -> None:
@@ -179,6 +202,7 @@ class MoEBlock(nn.Module):
         self.backend = backend
         self.shared_expert = shared_expert
         self.shared_expert_gate = shared_expert_gate
+        self.shared_average = False
 
     def forward(self, x: torch.Tensor, ctx: LayerContext | None = None) -> torch.Tensor:
         ids, weights = self.gate(x, ctx.batch.token_ids) if getattr(self.gate, "reads_tokens", False) else self.gate(x)
@@ -191,4 +215,4 @@ class MoEBlock(nn.Module):
         shared = self.shared_expert(x)
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * shared
-        return out + shared
+        return (out + shared) / 2 if self.shared_average else out + shared

@@ -157,6 +157,8 @@ class NativeLayers:
 
     def _attention_fields(self, layer) -> dict[str, int | float]:
         attn = getattr(layer, "_mixer", None)
+        if not getattr(layer, "native_order", False):
+            raise _Unsupported("a layer in another order than the pre-norm one")
         if type(attn) is not Attention or attn.head_dim > 1024:
             raise _Unsupported("a mixer other than Attention")
         if attn.interleaved_rope or not attn.use_rope:  # (the native layer turns halves, in every layer)

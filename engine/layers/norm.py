@@ -76,6 +76,20 @@ class GatedRMSNorm(nn.Module):
         return (normed * F.silu(gate.float())).to(x.dtype)
 
 
+class LayerNormScaledInFp32(nn.Module):
+    """LayerNorm without a bias, in fp32, its weight scaling before the one cast back (Cohere's)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.normalized_shape = (size,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.layer_norm(x.float(), self.normalized_shape, eps=self.eps)
+        return (self.weight.float() * normed).to(x.dtype)
+
+
 class RMSNormScaledInFp32(RMSNorm):
     """RMSNorm whose weight scales the fp32 normalised value before the one cast back (GPT-OSS's
     order; :class:`RMSNorm` casts first, then scales)."""

@@ -13,6 +13,7 @@ from hearth.engine.config import ModelConfig, config_architectures
 from hearth.engine.experts.contract import ExpertBackend
 from hearth.engine.models import (
     afmoe,
+    cohere2_moe,
     deepseek_v2,
     deepseek_v3,
     deepseek_v4,
@@ -42,7 +43,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     glm4_moe.FAMILY, deepseek_v3.FAMILY, deepseek_v2.FAMILY, minimax_m2.FAMILY,
     gpt_oss.FAMILY, deepseek_v4.FAMILY, dots1.FAMILY, glm4_moe_lite.FAMILY, granitemoe.FAMILY,
     ernie4_5_moe.FAMILY, exaone_moe.FAMILY, lfm2_moe.FAMILY,
-    granitemoehybrid.FAMILY, afmoe.FAMILY, flex_olmo.FAMILY,
+    granitemoehybrid.FAMILY, afmoe.FAMILY, flex_olmo.FAMILY, cohere2_moe.FAMILY,
 )
 
 

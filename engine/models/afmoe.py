@@ -65,6 +65,8 @@ class SandwichDecoderLayer(DecoderLayer):
     """``h + post_attn(mixer(in(h)))``, then ``h + post_mlp(mlp(pre_mlp(h)))``: here the checkpoint's
     ``post_attention_layernorm`` norms the attention's output, ``pre_mlp_layernorm`` the feed-forward's input."""
 
+    native_order = False
+
     def __init__(self, mixer: nn.Module, mlp: nn.Module, norm) -> None:
         super().__init__(mixer, mlp, norm(), norm())
         self.pre_mlp_layernorm, self.post_mlp_layernorm = norm(), norm()

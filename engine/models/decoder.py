@@ -26,7 +26,11 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: ``h + mixer(norm(h))``, then ``h + mlp(norm(h))``. The mixer (attention,
     or a hybrid's gated DeltaNet) is registered under its checkpoint name (``self_attn``,
     ``linear_attn``); mixer and mlp are called with the forward pass's :class:`LayerContext`.
-    ``residual_scale`` multiplies each branch before its residual add (Granite's ``residual_multiplier``)."""
+    ``residual_scale`` multiplies each branch before its residual add (Granite's ``residual_multiplier``).
+    A subclass that computes another order sets ``native_order`` False: the native decode layer
+    (layers/native.py) computes this one only."""
+
+    native_order = True
 
     def __init__(self, mixer: nn.Module, mlp: nn.Module, input_layernorm: nn.Module,
                  post_attention_layernorm: nn.Module, residual_scale: float = 1.0) -> None:
@@ -66,13 +70,14 @@ class DecoderModel(nn.Module):
 class MoECausalLM(nn.Module):
     """A decoder-only MoE language model over a flattened batch and a paged KV cache. ``embedding_scale``
     multiplies the token embeddings and ``logits_divisor`` divides the logits (Granite's
-    ``embedding_multiplier`` and ``logits_scaling``; 1 elsewhere)."""
+    ``embedding_multiplier`` and ``logits_scaling``; 1 elsewhere); ``logits_scale`` multiplies them
+    (Cohere's ``logit_scale``)."""
 
     def __init__(self, cfg: ModelConfig, layers: list[DecoderLayer], norm: nn.Module, *,
-                 embedding_scale: float = 1.0, logits_divisor: float = 1.0) -> None:
+                 embedding_scale: float = 1.0, logits_divisor: float = 1.0, logits_scale: float = 1.0) -> None:
         super().__init__()
         self.config = cfg
-        self.embedding_scale, self.logits_divisor = embedding_scale, logits_divisor
+        self.embedding_scale, self.logits_divisor, self.logits_scale = embedding_scale, logits_divisor, logits_scale
         self.model = DecoderModel(cfg, layers, norm)
         self.lm_head = Projection(cfg.hidden_size, cfg.vocab_size, False, cfg.dtype)
         if cfg.tie_word_embeddings:
@@ -122,8 +127,10 @@ class MoECausalLM(nn.Module):
         return h if self.embedding_scale == 1.0 else h * self.embedding_scale
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of the final hidden states, divided in the model dtype where the family divides."""
+        """fp32 logits of the final hidden states, scaled in the model dtype where the family scales them."""
         logits = linear(h, self.lm_head.weight)
+        if self.logits_scale != 1.0:
+            logits = logits * self.logits_scale
         return (logits if self.logits_divisor == 1.0 else logits / self.logits_divisor).float()
 
     def _run_layers(self, h: torch.Tensor, ctx: LayerContext, indices: range, native: NativeLayers | None,

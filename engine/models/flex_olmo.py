@@ -27,6 +27,8 @@ from hearth.engine.models.olmoe import OlmoeConfig
 class PostNormDecoderLayer(DecoderLayer):
     """``h + post_attn(mixer(h))``, then ``h + post_ff(mlp(h))``: OLMo-2's order, no norm before either part."""
 
+    native_order = False
+
     def __init__(self, mixer: nn.Module, mlp: nn.Module, norm) -> None:
         super().__init__(mixer, mlp, nn.Identity(), norm())
         del self.input_layernorm  # (the checkpoint has none)
