@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hearth.engine import LLM, SamplingParams
+from hearth.engine.checkpoint.gguf_families import tensor_name_map
 from hearth.engine.checkpoint.gguf_writer import write_gguf
 
 __all__ = ["assert_matches_transformers", "dequantized_reference", "reference", "write_gguf"]
@@ -65,7 +66,7 @@ def dequantized_reference(path: Path, model: Any) -> Any:
     reader = gguf.GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
     layers = int(reader.fields[f"{arch}.block_count"].contents())
-    names = gguf.TensorNameMap(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), layers)
+    names = tensor_name_map(arch, layers)
     tensors = {t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32").copy())
                for t in reader.tensors}
     if arch in ("granitemoe", "granitehybrid"):  # llama's q/k rows in rotary order, put back by transformers' code

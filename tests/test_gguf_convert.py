@@ -74,7 +74,7 @@ def test_qwen2_moe_with_shared_experts_round_trips_through_gguf(tmp_path) -> Non
 @pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "qwen3_next", "qwen3_5_moe",
                                     "dots1", "granitemoe", "granitemoe_shared", "glm4_moe_lite",
                                     "ernie4_5_moe", "exaone_moe", "lfm2_moe",
-                                    "granitemoehybrid", "afmoe"])
+                                    "granitemoehybrid", "afmoe", "cohere2_moe"])
 def test_hearth_written_files_match_transformers(tmp_path, family) -> None:
     """A family's checkpoint written by ``hearth convert --quant q8_0`` (the layout llama.cpp's
     converter writes: tests/test_gguf_llama_cpp.py compares them tensor by tensor) reads back
@@ -95,6 +95,21 @@ def test_an_afmoe_checkpoint_without_mup_is_refused(tmp_path) -> None:
 
     hf, _ = make_checkpoint(tmp_path / "hf", "afmoe", mup_enabled=False)
     with pytest.raises(ConvertError, match="mup_enabled=false"):
+        write_gguf(hf, tmp_path / "m.gguf", "q8_0")
+
+
+@pytest.mark.parametrize(("overrides", "reason"), [
+    ({"shared_expert_combination_strategy": "sum"}, "averages them"),
+    ({"attention_bias": True}, "attention biases"),
+    ({"prefix_dense_sliding_window_pattern": 2}, "every leading dense layer"),
+], ids=["sum", "bias", "dense-pattern"])
+def test_a_cohere2_moe_checkpoint_llama_cpp_cannot_compute_is_refused(tmp_path, overrides, reason) -> None:
+    """llama.cpp's Cohere2-MoE averages the shared experts in, has no biases and turns the rotary on
+    every leading dense layer: a checkpoint that does otherwise is refused with the reason."""
+    from tests.checkpoints import make_checkpoint
+
+    hf, _ = make_checkpoint(tmp_path / "hf", "cohere2_moe", **overrides)
+    with pytest.raises(ConvertError, match=reason):
         write_gguf(hf, tmp_path / "m.gguf", "q8_0")
 
 

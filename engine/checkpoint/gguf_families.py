@@ -37,11 +37,14 @@ def common_fields(meta: Meta) -> dict[str, Any]:
         num_attention_heads=heads,
         # (a list where layers differ: LFM2's convolution layers have none)
         num_key_value_heads=max(_as_list(meta("attention.head_count_kv", heads))),
-        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(meta("context_length")),
         rope_parameters={"rope_type": "default", "rope_theta": float(meta("rope.freq_base", 10000.0))},
         num_experts_per_tok=int(meta("expert_used_count")),
     )
+    if meta("attention.layer_norm_rms_epsilon") is not None:
+        fields["rms_norm_eps"] = float(meta("attention.layer_norm_rms_epsilon"))
+    else:  # (a LayerNorm: Cohere's)
+        fields["layer_norm_eps"] = float(meta("attention.layer_norm_epsilon"))
     if meta("feed_forward_length") is not None:
         fields["intermediate_size"] = int(meta("feed_forward_length"))
     if meta("attention.key_length") is not None:
@@ -136,6 +139,27 @@ def _exaone_moe(meta: Meta, has: Has) -> dict[str, Any]:
         fields |= {"sliding_window": int(meta("attention.sliding_window")),
                    "layer_types": ["sliding_attention" if p else "full_attention" for p in pattern]}
     return fields
+
+
+def _cohere2moe(meta: Meta, has: Has) -> dict[str, Any]:
+    """Cohere2-MoE: the experts' and the dense layers' widths, shared experts (averaged: llama.cpp
+    knows no other way), the gating (sigmoid where the file names none, as llama.cpp takes it), the
+    window's pattern, the logit scale. llama.cpp turns the rotary on the leading dense layers, which
+    transformers does with ``prefix_dense_sliding_window_pattern`` 1."""
+    n_ff = meta("feed_forward_length")
+    fields = {**common_fields(meta), "num_experts": int(meta("expert_count")),
+              "intermediate_size": int(meta("expert_feed_forward_length") or n_ff),
+              "prefix_dense_intermediate_size": int(n_ff),
+              "num_shared_experts": int(meta("expert_shared_count", 0) or 0),
+              "shared_expert_combination_strategy": "average", "prefix_dense_sliding_window_pattern": 1,
+              "expert_selection_fn": "softmax" if int(meta("expert_gating_func", 2) or 2) == 1 else "sigmoid",
+              "norm_topk_prob": bool(meta("expert_weights_norm", False)),
+              "logit_scale": float(meta("logit_scale", 1.0))}
+    n, dense = fields["num_hidden_layers"], int(meta("leading_dense_block_count", 0) or 0)
+    pattern = list(meta("attention.sliding_window_pattern", [False] * n))[:n]
+    return fields | {"mlp_layer_types": ["dense" if i < dense else "sparse" for i in range(n)],
+                     "sliding_window": int(meta("attention.sliding_window", 0) or 0) or None,
+                     "layer_types": ["sliding_attention" if p else "full_attention" for p in pattern]}
 
 
 def _afmoe(meta: Meta, has: Has) -> dict[str, Any]:
@@ -274,6 +298,7 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "lfm2moe": GGUFArchitecture("Lfm2MoeForCausalLM", "lfm2_moe", _lfm2_moe),
     "granitehybrid": GGUFArchitecture("GraniteMoeHybridForCausalLM", "granitemoehybrid", _granitehybrid),
     "afmoe": GGUFArchitecture("AfmoeForCausalLM", "afmoe", _afmoe),
+    "cohere2moe": GGUFArchitecture("Cohere2MoeForCausalLM", "cohere2_moe", _cohere2moe),
     "granitemoe": GGUFArchitecture("GraniteMoeForCausalLM", "granitemoe", _granitemoe, _granitemoe_variant),
     "deepseek2": GGUFArchitecture("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek2, _deepseek2_variant),
     "qwen3next": GGUFArchitecture("Qwen3NextForCausalLM", "qwen3_next", lambda meta, has: _qwen_hybrid(meta)),
@@ -283,6 +308,31 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
 
 # The architectures whose q/k rows the converter writes in llama.cpp's rotary order (LlamaModel's
 # permutation: each head's two halves interleaved).
+# Architectures llama.cpp's converter writes that the released gguf package does not list yet:
+# member name -> (the GGUF name, a listed architecture whose tensor kinds cover theirs). llama.cpp's
+# tensor names are one table for all; an architecture only selects from it.
+UNLISTED = MappingProxyType({"COHERE2MOE": ("cohere2moe", "DOTS1")})
+
+
+def arch_name(member: str) -> str:
+    """The GGUF name of ``gguf.MODEL_ARCH`` member ``member`` (or of an :data:`UNLISTED` one)."""
+    import gguf  # deferred: the gguf package is needed for GGUF files only
+
+    return UNLISTED[member][0] if member in UNLISTED else gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, member)]
+
+
+def tensor_name_map(architecture: str, layers: int) -> Any:
+    """llama.cpp's tensor-name table (``gguf.TensorNameMap``) for the GGUF ``architecture`` name."""
+    import gguf  # deferred: the gguf package is needed for GGUF files only
+
+    stand_in = {name: listed for name, listed in UNLISTED.values()}.get(architecture)
+    member = getattr(gguf.MODEL_ARCH, stand_in) if stand_in else \
+        next((m for m, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture), None)
+    if member is None:
+        raise ValueError(f"the gguf package knows no architecture '{architecture}'")
+    return gguf.TensorNameMap(member, layers)
+
+
 ROPE_PERMUTED = frozenset({"llama", "granitemoe", "granitehybrid"})
 
 

@@ -44,6 +44,7 @@ from hearth.engine.checkpoint.gguf_families import (
     gguf_name,
     metadata_config,
     restore,
+    tensor_name_map,
 )
 from hearth.engine.checkpoint.gguf_tensors import (
     GGUFError,
@@ -264,10 +265,8 @@ def _layer_of(name: str) -> int:
 def _dense_tensors(f: GGUFFile, cfg, model) -> tuple[set[str], dict[str, tuple[str, torch.nn.Parameter]]]:
     """(every non-expert tensor name the whole model reads, this stage's: GGUF name -> parameter),
     the names from llama.cpp's own table (see :func:`gguf_families.gguf_name`)."""
-    import gguf  # deferred: the gguf package is needed for GGUF files only
 
-    arch = next(member for member, name in gguf.MODEL_ARCH_NAMES.items() if name == f.architecture)
-    names = gguf.TensorNameMap(arch, cfg.num_layers)
+    names = tensor_name_map(f.architecture, cfg.num_layers)
     known: set[str] = set()  # (a pipeline stage loads its own of them)
     expected: dict[str, tuple[str, torch.nn.Parameter]] = {}  # GGUF name -> (the model's name, parameter)
     for name, param in model.named_parameters(remove_duplicate=False):

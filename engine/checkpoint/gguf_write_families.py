@@ -8,127 +8,31 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
 
 import torch
 
 from hearth.engine.checkpoint.common import LAYER
 from hearth.engine.checkpoint.gguf_families import ZERO_CENTRED, reorder_value_heads
-from hearth.engine.config import config_architectures, parse_rope
+from hearth.engine.checkpoint.gguf_write_common import (
+    GATING,
+    ConvertError,
+    Fields,
+    WriteFamily,
+    common_fields,
+    nextn_layers,
+    rope_of,
+)
+from hearth.engine.config import config_architectures
 from hearth.engine.ops import deinterleave
 
-Fields = dict[str, Any]
-
-
-class ConvertError(ValueError):
-    """A checkpoint the GGUF writer cannot convert, or an unknown quantization."""
-
-
-
-def _no_fields(cfg: dict, fields: Fields) -> None:
-    """A family whose metadata are the common ones."""
-
-
-def _as_is(target: str, t: torch.Tensor, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    yield target, t
-
-
-@dataclass(frozen=True)
-class WriteFamily:
-    """One family as llama.cpp's converter writes it.
-
-    - ``arch``: the ``gguf.MODEL_ARCH`` member's name.
-    - ``fields(cfg, fields)``: changes the common metadata in place (:func:`common_fields`).
-    - ``special_tokens``: GGUF special-token kind (``bos``, ``eot``…) -> the token's text, where
-      the converter names them itself rather than taking them from ``tokenizer_config.json``.
-    - ``nextn``: multi-token-prediction layers are counted in ``block_count`` (and written).
-    - ``tensors(target, t, cfg)``: the GGUF tensors one dense tensor becomes (DeepSeek splits one).
-    - ``keeps(name, cfg)``: whether a checkpoint tensor is written at all.
-    - ``prepare(tensors, cfg)``: the checkpoint's tensors (name -> loader) in the names and layouts
-      the writer takes (GPT-OSS's interleaved experts as the standard fused ones).
-    - ``vocab``: the tokenizer as written: "bpe" (``tokenizer.json``) or "spm" (``tokenizer.model``,
-      as the converter writes ERNIE's, with its ``add_prefix_space``).
-    """
-
-    arch: str
-    fields: Callable[[dict, Fields], None] = _no_fields
-    special_tokens: Mapping[str, str] = field(default_factory=dict)
-    nextn: bool = False
-    tensors: Callable[[str, torch.Tensor, dict], Iterator[tuple[str, torch.Tensor]]] = _as_is
-    keeps: Callable[[str, dict], bool] = lambda name, cfg: True
-    prepare: Callable[[dict, dict], dict] = lambda tensors, cfg: tensors
-    vocab: str = "bpe"
-
-
-def nextn_layers(cfg: dict) -> int:
-    """The checkpoint's multi-token-prediction layers (after the decoder's)."""
-    return int(cfg.get("num_nextn_predict_layers") or 0)
-
-
-def rope_of(cfg: dict) -> dict:
-    """The config's rotary parameters (``rope_parameters`` or the older ``rope_scaling``, as the loader
-    reads them) as one dict with ``rope_type`` and ``rope_theta``."""
-    rope = parse_rope(cfg)
-    return {**rope.params, "rope_type": rope.rope_type, "rope_theta": rope.theta}
-
-
-def common_fields(cfg: dict) -> Fields:
-    """The keys every MoE decoder's file has, from its config."""
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    rope = rope_of(cfg)
-    partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
-    fields: Fields = dict(
-        context_length=cfg["max_position_embeddings"], embedding_length=cfg["hidden_size"],
-        block_count=cfg["num_hidden_layers"],
-        head_count=cfg["num_attention_heads"], head_count_kv=cfg["num_key_value_heads"],
-        key_length=head_dim, value_length=head_dim,
-        rope_dimension_count=int(cfg.get("rotary_dim") or head_dim * partial),
-        rope_freq_base=rope["rope_theta"],
-        layer_norm_rms_eps=cfg["rms_norm_eps"] if "rms_norm_eps" in cfg else cfg["norm_eps"],
-        expert_count=next((cfg[k] for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-                           if cfg.get(k)), None),
-        expert_used_count=cfg.get("num_experts_per_tok") or cfg["moe_k"], vocab_size=cfg["vocab_size"])
-    if cfg.get("intermediate_size") is not None:
-        fields["feed_forward_length"] = cfg["intermediate_size"]
-    if "moe_intermediate_size" in cfg:
-        fields["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
-    if cfg.get("shared_expert_intermediate_size"):
-        fields["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
-    fields.update(_rope_scaling(rope))
-    score = next((cfg[k] for k in ("score_function", "scoring_func", "score_func") if cfg.get(k) is not None), None)
-    if score == "noaux_tc":  # (DeepSeek's name for its sigmoid scores with a correction bias)
-        score = "sigmoid"
-    if score is not None:
-        if score not in _GATING:
-            raise ConvertError(f"router score function '{score}' has no GGUF gating type (known: {', '.join(_GATING)})")
-        fields["expert_gating_func"] = _GATING[score]
-    return fields
-
-
-_GATING = MappingProxyType({"softmax": 1, "sigmoid": 2})  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE
-
-
-def _rope_scaling(rope: dict) -> Fields:
-    """Linear and YaRN context extension, as the converter writes them."""
-    kind, factor = rope.get("rope_type"), rope.get("factor")
-    if factor is None or kind not in ("linear", "yarn"):
-        return {}
-    fields: Fields = dict(rope_scaling_type=kind, rope_scaling_factor=factor)
-    if kind == "yarn":
-        fields["rope_scaling_orig_ctx_len"] = rope["original_max_position_embeddings"]
-        for key, name in (("extrapolation_factor", "yarn_ext_factor"), ("attention_factor", "yarn_attn_factor"),
-                          ("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
-            if rope.get(key) is not None:
-                fields[f"rope_scaling_{name}"] = rope[key]
-    return fields
+__all__ = ["WRITE_FAMILIES", "ConvertError", "WriteFamily", "common_fields", "layer_of", "nextn_layers"]
 
 
 def _minimax_m2(cfg: dict, fields: Fields) -> None:
     # Its experts are intermediate_size wide, and its routing is sigmoid, which llama.cpp must be told.
     fields["expert_feed_forward_length"] = cfg["intermediate_size"]
-    fields["expert_gating_func"] = _GATING["sigmoid"]
+    fields["expert_gating_func"] = GATING["sigmoid"]
 
 
 def _deepseek_router(cfg: dict, fields: Fields) -> None:
@@ -147,7 +51,7 @@ def _deepseek_router(cfg: dict, fields: Fields) -> None:
 def _glm4_moe(cfg: dict, fields: Fields) -> None:
     """GLM-4.5/4.6/4.7: sigmoid routing, the MTP layers counted in ``block_count``."""
     _deepseek_router(cfg, fields)
-    fields["expert_gating_func"] = _GATING["sigmoid"]
+    fields["expert_gating_func"] = GATING["sigmoid"]
     if cfg.get("norm_topk_prob") is not None:
         fields["expert_weights_norm"] = bool(cfg["norm_topk_prob"])
     if "num_nextn_predict_layers" in cfg:
@@ -160,7 +64,7 @@ def _dots1(cfg: dict, fields: Fields) -> None:
     """dots.llm1: DeepSeek-V3's router on Qwen's layout; sigmoid gating written whatever the config
     says (transformers' class routes by sigmoid, and llama.cpp refuses a dots1 file without it)."""
     _deepseek_router(cfg, fields)
-    fields.update(expert_weights_norm=bool(cfg.get("norm_topk_prob")), expert_gating_func=_GATING["sigmoid"])
+    fields.update(expert_weights_norm=bool(cfg.get("norm_topk_prob")), expert_gating_func=GATING["sigmoid"])
     fields.pop("vocab_size")
 
 
@@ -194,7 +98,7 @@ def _exaone_moe(cfg: dict, fields: Fields) -> None:
                   leading_dense_block_count=cfg.get("first_k_dense_replace", cfg.get("first_last_k_dense_replace", 0)),
                   nextn_predict_layers=nextn_layers(cfg), rope_scaling_type="none",
                   # (the converter writes no gating function, and llama.cpp 0.3.36 refuses a file without one)
-                  expert_gating_func=_GATING["sigmoid"])
+                  expert_gating_func=GATING["sigmoid"])
 
 
 def _lfm2_moe(cfg: dict, fields: Fields) -> None:
@@ -203,7 +107,7 @@ def _lfm2_moe(cfg: dict, fields: Fields) -> None:
     fields.update(head_count_kv=[cfg["num_key_value_heads"] if kind == "full_attention" else 0
                                  for kind in cfg["layer_types"]],
                   expert_feed_forward_length=cfg["moe_intermediate_size"],
-                  leading_dense_block_count=cfg["num_dense_layers"], expert_gating_func=_GATING["sigmoid"],
+                  leading_dense_block_count=cfg["num_dense_layers"], expert_gating_func=GATING["sigmoid"],
                   shortconv_l_cache=cfg["conv_L_cache"])
 
 
@@ -257,6 +161,32 @@ def _afmoe(cfg: dict, fields: Fields) -> None:
             fields[name] = cfg[key]
 
 
+def _cohere2moe(cfg: dict, fields: Fields) -> None:
+    """Cohere2-MoE: the logit scale, the window and its pattern, the experts' width (the dense layers'
+    is ``feed_forward_length``), the leading dense layers, the weights' normalisation, shared experts.
+    llama.cpp averages shared experts in, drops biases and turns the rotary on every leading dense
+    layer: a checkpoint that differs is refused."""
+    dense_kinds = cfg.get("mlp_layer_types") or ["sparse"] * cfg["num_hidden_layers"]
+    dense = next((i for i, kind in enumerate(dense_kinds) if kind != "dense"), len(dense_kinds))
+    if cfg.get("num_shared_experts") and cfg.get("shared_expert_combination_strategy", "average") != "average":
+        raise ConvertError("Cohere2MoeForCausalLM summing its shared experts: llama.cpp's cohere2moe averages them")
+    if cfg.get("attention_bias"):
+        raise ConvertError("Cohere2MoeForCausalLM with attention biases: llama.cpp's cohere2moe has none")
+    if dense and cfg.get("prefix_dense_sliding_window_pattern", 1) != 1:
+        raise ConvertError("Cohere2MoeForCausalLM with prefix_dense_sliding_window_pattern != 1: llama.cpp's "
+                           "cohere2moe turns the rotary on every leading dense layer")
+    fields.update(logit_scale=cfg["logit_scale"], sliding_window=cfg["sliding_window"],
+                  sliding_window_pattern=[kind == "sliding_attention" for kind in cfg["layer_types"]],
+                  expert_feed_forward_length=cfg["intermediate_size"], leading_dense_block_count=dense,
+                  expert_weights_norm=cfg.get("norm_topk_prob", False), rope_dimension_count=cfg["head_dim"],
+                  rope_scaling_type="none")
+    if cfg.get("prefix_dense_intermediate_size"):
+        fields["feed_forward_length"] = cfg["prefix_dense_intermediate_size"]
+    if cfg.get("num_shared_experts"):
+        fields.update(expert_shared_count=cfg["num_shared_experts"],
+                      expert_shared_feed_forward_length=cfg["intermediate_size"] * cfg["num_shared_experts"])
+
+
 def _granitemoe(cfg: dict, fields: Fields) -> None:
     """Granite MoE: its four scalars under the converter's names (each only where set), the shared
     expert's width."""
@@ -307,7 +237,7 @@ def _deepseek3(cfg: dict, fields: Fields) -> None:
     """DeepSeek-V3 routes by sigmoid scores whatever its config says (transformers' class does), and
     llama.cpp takes a file without the gating key for V2's softmax."""
     _deepseek2(cfg, fields)
-    fields["expert_gating_func"] = _GATING["sigmoid"]
+    fields["expert_gating_func"] = GATING["sigmoid"]
 
 
 def _glm4_moe_lite(cfg: dict, fields: Fields) -> None:
@@ -476,6 +406,7 @@ WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
                                                prepare=_granite_shared),
     "GraniteMoeForCausalLM": WriteFamily("GRANITE_MOE", _granitemoe),
     "AfmoeForCausalLM": WriteFamily("AFMOE", _afmoe),
+    "Cohere2MoeForCausalLM": WriteFamily("COHERE2MOE", _cohere2moe),
     "GraniteMoeSharedForCausalLM": WriteFamily("GRANITE_MOE", _granitemoe, prepare=_granite_shared),
     "Glm4MoeLiteForCausalLM": WriteFamily("DEEPSEEK2", _glm4_moe_lite, _GLM_TOKENS, tensors=_split_kv_b,
                                           keeps=_decoder_layers_only),

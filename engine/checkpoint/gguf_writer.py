@@ -23,7 +23,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from hearth.engine.checkpoint.common import FUSED
-from hearth.engine.checkpoint.gguf_families import ROPE_PERMUTED, gguf_name
+from hearth.engine.checkpoint.gguf_families import ROPE_PERMUTED, arch_name, gguf_name, tensor_name_map
 from hearth.engine.checkpoint.gguf_reader import permute_rope_rows
 from hearth.engine.checkpoint.gguf_spm import write_sentencepiece
 from hearth.engine.checkpoint.gguf_write_families import (
@@ -102,14 +102,14 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
     if len(archs) != 1 or archs[0] not in WRITE_FAMILIES:
         raise ConvertError(f"{hf_dir}: GGUF writing supports {', '.join(WRITE_FAMILIES)}, not {archs}")
     spec = WRITE_FAMILIES[archs[0]]
-    arch = getattr(gguf.MODEL_ARCH, spec.arch)
+    arch = arch_name(spec.arch)
     family = family_for(archs)
     layers = cfg["num_hidden_layers"]
-    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[arch])
+    writer = gguf.GGUFWriter(str(out), arch)
     _metadata(writer, cfg, quant, spec)
     _tokenizer(writer, hf_dir, spec, cfg)
     tensors = spec.prepare({name: load for name, load in _read_tensors(hf_dir).items() if spec.keeps(name, cfg)}, cfg)
-    names = gguf.TensorNameMap(arch, layers + (nextn_layers(cfg) if spec.nextn else 0))
+    names = tensor_name_map(arch, layers + (nextn_layers(cfg) if spec.nextn else 0))
     dense, experts, fused = _sort_tensors(tensors, family, names, hf_dir)
     stacked = _stacked_experts(tensors, experts, fused, cfg["moe_intermediate_size"] if "moe_intermediate_size" in cfg
                                else cfg["intermediate_size"])
@@ -118,7 +118,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
     heads = {".attn_q.": cfg["num_attention_heads"], ".attn_k.": cfg["num_key_value_heads"]}
     for target, name in dense:
         t = tensors[name]()
-        if gguf.MODEL_ARCH_NAMES[arch] in ROPE_PERMUTED:
+        if arch in ROPE_PERMUTED:
             for key, n in heads.items():
                 if key in target:
                     t = permute_rope_rows(t, n)
