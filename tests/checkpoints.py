@@ -154,6 +154,8 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "cohere2_moe": dict(num_experts=8, intermediate_size=32, prefix_dense_intermediate_size=96, num_hidden_layers=4,
                         num_shared_experts=1, first_k_dense_replace=1, sliding_window=6, sliding_window_pattern=3,
                         logit_scale=0.25, head_dim=16, pad_token_id=None, bos_token_id=None),
+    # Phi-3.5-MoE: Mixtral's layout with biased LayerNorms, attention and output head; SparseMixer routing.
+    "phimoe": dict(num_local_experts=8, intermediate_size=32, attention_bias=True, lm_head_bias=True),
     # Mixtral's layout with Granite's four scalars (the embeddings, each residual branch, the
     # attention scores and the logits); the shared form adds an ungated shared expert.
     "granitemoe": dict(num_local_experts=8, intermediate_size=32, embedding_multiplier=12.0, residual_multiplier=0.22,
@@ -300,6 +302,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
         MiniMaxM2Config,
         MixtralConfig,
         OlmoeConfig,
+        PhimoeConfig,
         Qwen2MoeConfig,
         Qwen3_5MoeTextConfig,
         Qwen3MoeConfig,
@@ -315,7 +318,8 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
                "granitemoe_shared": GraniteMoeSharedConfig, "ernie4_5_moe": Ernie4_5_MoeConfig,
                "exaone_moe": ExaoneMoeConfig, "lfm2_moe": Lfm2MoeConfig,
                "granitemoehybrid": GraniteMoeHybridConfig, "afmoe": AfmoeConfig,
-               "flex_olmo": FlexOlmoConfig, "cohere2_moe": Cohere2MoeConfig}
+               "flex_olmo": FlexOlmoConfig, "cohere2_moe": Cohere2MoeConfig,
+               "phimoe": PhimoeConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(

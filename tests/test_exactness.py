@@ -136,6 +136,12 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         ("cohere2_moe", {"rms_norm_eps": 1e-5, "expert_selection_fn": "sigmoid", "num_experts_per_tok": 3,
                          "shared_expert_combination_strategy": "sum", "prefix_dense_sliding_window_pattern": 2,
                          "first_k_dense_replace": 2, "attention_bias": True, "tie_word_embeddings": True}),
+        ("phimoe", {"attention_bias": False, "lm_head_bias": False, "router_jitter_noise": 0.5, "sliding_window": 8,
+                    "max_position_embeddings": 131072,
+                    "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "short_mscale": 1.1,
+                                        "long_mscale": 1.3, "original_max_position_embeddings": 4096,
+                                        "short_factor": [1.0 + i / 8 for i in range(8)],
+                                        "long_factor": [2.0 + i for i in range(8)]}}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -146,6 +152,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "glm-flash-two-dense-half-rope", "granite-no-shared-bias-top3", "ernie-every-second-no-shared-tied",
         "exaone-all-sparse-two-shared-nope-first", "granite4-dense-rope-one-group",
         "afmoe-no-shared-no-mup-global-first", "cohere-rms-sigmoid-top3-sum-two-dense-bias-tied",
+        "phimoe-no-bias-wide-jitter-window-longrope",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

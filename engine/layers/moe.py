@@ -77,6 +77,31 @@ class TopKThenScoreRouter(nn.Module):
         return ids, (weights / weights.sum(dim=-1, keepdim=True) if self.normalize else weights).to(x.dtype)
 
 
+class SparseMixerRouter(nn.Module):
+    """Phi-3.5-MoE's routing at inference (SparseMixer), in the model dtype, always two experts: the
+    best logit, weighted by a softmax over the experts whose logits lie within ``2 * jitter_eps``
+    (relative) of it; then the best of the others, weighted the same way among the rest."""
+
+    top_k = 2
+
+    def __init__(self, hidden: int, num_experts: int, dtype: torch.dtype, *, jitter_eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
+        self.jitter_eps = jitter_eps
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] -> (topk_ids [T, 2] int64, topk_weights [T, 2] in the model dtype)."""
+        scores = linear(x, self.weight)  # [T, E]
+        masked, ids, weights = scores, [], []
+        for _ in range(2):
+            best, idx = masked.max(dim=-1, keepdim=True)
+            far = (best - scores) / scores.abs().clamp(min=best) > 2 * self.jitter_eps
+            weights.append(torch.softmax(masked.masked_fill(far, float("-inf")), dim=-1).gather(-1, idx))
+            ids.append(idx)
+            masked = masked.scatter(-1, idx, float("-inf"))
+        return torch.cat(ids, dim=-1), torch.cat(weights, dim=-1)
+
+
 class GroupedTopKRouter(nn.Module):
     """DeepSeek-style routing, all in fp32: sigmoid (or softmax) scores over the experts; the choice
     made on the scores plus ``e_score_correction_bias`` (where the family has one), first of the

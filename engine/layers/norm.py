@@ -90,6 +90,20 @@ class LayerNormScaledInFp32(nn.Module):
         return (self.weight.float() * normed).to(x.dtype)
 
 
+class BiasedLayerNorm(nn.Module):
+    """``nn.LayerNorm`` with weight and bias in the model dtype (Phi-3.5-MoE's)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.normalized_shape = (size,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
 class RMSNormScaledInFp32(RMSNorm):
     """RMSNorm whose weight scales the fp32 normalised value before the one cast back (GPT-OSS's
     order; :class:`RMSNorm` casts first, then scales)."""

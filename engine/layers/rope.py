@@ -1,6 +1,8 @@
 """Rotary position embeddings, including the checkpoint's rope scaling.
 
-Supported ``rope_type`` values: ``default``, ``linear``, ``llama3`` and ``yarn``.
+Supported ``rope_type`` values: ``default``, ``linear``, ``llama3``, ``yarn`` and ``longrope``
+(Phi's: per-channel factors and a cos/sin scale, short ones up to ``original_max_position_embeddings``
+and long ones past it, chosen by each token's position as LongRoPE and llama.cpp do).
 """
 
 from __future__ import annotations
@@ -59,6 +61,20 @@ def _yarn(theta: float, dim: int, p: dict, max_pos: int) -> tuple[torch.Tensor, 
     return inv_freq, float(attention_factor)
 
 
+def _longrope(theta: float, dim: int, p: dict, max_pos: int, which: str) -> tuple[torch.Tensor, float]:
+    """LongRoPE's ``which`` ("short" or "long") frequencies, ``1 / (factor_i * theta^(2i/dim))``, and
+    its scale: ``{which}_mscale`` where the config gives one (Phi-3.5-MoE), else ``attention_factor``,
+    else sqrt(1 + ln(s) / ln(original)) for the extension s = max / original."""
+    orig = p["original_max_position_embeddings"]
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (torch.tensor(p[f"{which}_factor"], dtype=torch.float32) * theta**shape)
+    scale = p.get(f"{which}_mscale") or p.get("attention_factor")
+    if scale is None:
+        factor = p.get("factor") or max_pos / orig
+        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return inv_freq, float(scale)
+
+
 def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] and the cos/sin scale for the checkpoint's rope type."""
     return inverse_frequencies(cfg.rope, rotary_dim(cfg), cfg.max_position_embeddings)
@@ -74,7 +90,9 @@ def inverse_frequencies(rope: RopeConfig, dim: int, max_positions: int) -> tuple
         return _llama3(_base_inv_freq(rope.theta, dim), rope.params), 1.0
     if rope.rope_type == "yarn":
         return _yarn(rope.theta, dim, rope.params, max_positions)
-    raise ConfigError(f"rope_type '{rope.rope_type}' is not supported (default, linear, llama3, yarn are)")
+    if rope.rope_type == "longrope":
+        return _longrope(rope.theta, dim, rope.params, max_positions, "short")
+    raise ConfigError(f"rope_type '{rope.rope_type}' is not supported (default, linear, llama3, yarn, longrope are)")
 
 
 def rotary_dim(cfg: ModelConfig) -> int:
@@ -92,17 +110,35 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Computes cos/sin for arbitrary (non-contiguous) positions of a flattened batch."""
+    """Computes cos/sin for arbitrary (non-contiguous) positions of a flattened batch. LongRoPE's
+    tokens at ``original_max_position_embeddings`` and past it take the long frequencies and scale
+    (both tables computed, then chosen per token: no branch on the data, so a captured graph holds)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         inv_freq, self.scale = rope_frequencies(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.switch_at: int | None = None
+        if cfg.rope.rope_type == "longrope":
+            long, self.long_scale = _longrope(cfg.rope.theta, rotary_dim(cfg), cfg.rope.params,
+                                              cfg.max_position_embeddings, "long")
+            self.register_buffer("long_inv_freq", long, persistent=False)
+            self.switch_at = int(cfg.rope.params["original_max_position_embeddings"])
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+        cos, sin = _table(positions, self.inv_freq, self.scale, dtype)
+        if self.switch_at is None:
+            return cos, sin
+        long_cos, long_sin = _table(positions, self.long_inv_freq, self.long_scale, dtype)
+        beyond = (positions >= self.switch_at)[:, None]
+        return torch.where(beyond, long_cos, cos), torch.where(beyond, long_sin, sin)
+
+
+def _table(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float,
+           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions[:, None].float() * inv_freq[None, :]  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

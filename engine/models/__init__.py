@@ -30,6 +30,7 @@ from hearth.engine.models import (
     minimax_m2,
     mixtral,
     olmoe,
+    phimoe,
     qwen2_moe,
     qwen3_5_moe,
     qwen3_moe,
@@ -44,6 +45,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     gpt_oss.FAMILY, deepseek_v4.FAMILY, dots1.FAMILY, glm4_moe_lite.FAMILY, granitemoe.FAMILY,
     ernie4_5_moe.FAMILY, exaone_moe.FAMILY, lfm2_moe.FAMILY,
     granitemoehybrid.FAMILY, afmoe.FAMILY, flex_olmo.FAMILY, cohere2_moe.FAMILY,
+    phimoe.FAMILY,
 )
 
 

@@ -71,15 +71,16 @@ class MoECausalLM(nn.Module):
     """A decoder-only MoE language model over a flattened batch and a paged KV cache. ``embedding_scale``
     multiplies the token embeddings and ``logits_divisor`` divides the logits (Granite's
     ``embedding_multiplier`` and ``logits_scaling``; 1 elsewhere); ``logits_scale`` multiplies them
-    (Cohere's ``logit_scale``)."""
+    (Cohere's ``logit_scale``); ``lm_head_bias`` gives the output head a bias (Phi-3.5-MoE's)."""
 
     def __init__(self, cfg: ModelConfig, layers: list[DecoderLayer], norm: nn.Module, *,
-                 embedding_scale: float = 1.0, logits_divisor: float = 1.0, logits_scale: float = 1.0) -> None:
+                 embedding_scale: float = 1.0, logits_divisor: float = 1.0, logits_scale: float = 1.0,
+                 lm_head_bias: bool = False) -> None:
         super().__init__()
         self.config = cfg
         self.embedding_scale, self.logits_divisor, self.logits_scale = embedding_scale, logits_divisor, logits_scale
         self.model = DecoderModel(cfg, layers, norm)
-        self.lm_head = Projection(cfg.hidden_size, cfg.vocab_size, False, cfg.dtype)
+        self.lm_head = Projection(cfg.hidden_size, cfg.vocab_size, lm_head_bias, cfg.dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.requires_grad_(False)
@@ -128,7 +129,7 @@ class MoECausalLM(nn.Module):
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the final hidden states, scaled in the model dtype where the family scales them."""
-        logits = linear(h, self.lm_head.weight)
+        logits = linear(h, self.lm_head.weight, self.lm_head.bias)
         if self.logits_scale != 1.0:
             logits = logits * self.logits_scale
         return (logits if self.logits_divisor == 1.0 else logits / self.logits_divisor).float()
