@@ -156,6 +156,10 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                         logit_scale=0.25, head_dim=16, pad_token_id=None, bos_token_id=None),
     # Phi-3.5-MoE: Mixtral's layout with biased LayerNorms, attention and output head; SparseMixer routing.
     "phimoe": dict(num_local_experts=8, intermediate_size=32, attention_bias=True, lm_head_bias=True),
+    # HunYuan-MoE: q/k norms after the rotary, an fp32 softmax gate, a shared MLP in every layer, NTK alpha.
+    "hunyuan_v1_moe": dict(num_experts=8, moe_topk=2, intermediate_size=32, head_dim=16,
+                           rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0,
+                                            "factor": 1.0}),
     # Mixtral's layout with Granite's four scalars (the embeddings, each residual branch, the
     # attention scores and the logits); the shared form adds an ungated shared expert.
     "granitemoe": dict(num_local_experts=8, intermediate_size=32, embedding_multiplier=12.0, residual_multiplier=0.22,
@@ -298,6 +302,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
         GraniteMoeConfig,
         GraniteMoeHybridConfig,
         GraniteMoeSharedConfig,
+        HunYuanMoEV1Config,
         Lfm2MoeConfig,
         MiniMaxM2Config,
         MixtralConfig,
@@ -319,7 +324,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
                "exaone_moe": ExaoneMoeConfig, "lfm2_moe": Lfm2MoeConfig,
                "granitemoehybrid": GraniteMoeHybridConfig, "afmoe": AfmoeConfig,
                "flex_olmo": FlexOlmoConfig, "cohere2_moe": Cohere2MoeConfig,
-               "phimoe": PhimoeConfig}
+               "phimoe": PhimoeConfig, "hunyuan_v1_moe": HunYuanMoEV1Config}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(

@@ -142,6 +142,8 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
                                         "long_mscale": 1.3, "original_max_position_embeddings": 4096,
                                         "short_factor": [1.0 + i / 8 for i in range(8)],
                                         "long_factor": [2.0 + i for i in range(8)]}}),
+        ("hunyuan_v1_moe", {"attention_bias": True, "moe_topk": [3, 3, 3], "num_key_value_heads": 4,
+                            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -152,7 +154,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "glm-flash-two-dense-half-rope", "granite-no-shared-bias-top3", "ernie-every-second-no-shared-tied",
         "exaone-all-sparse-two-shared-nope-first", "granite4-dense-rope-one-group",
         "afmoe-no-shared-no-mup-global-first", "cohere-rms-sigmoid-top3-sum-two-dense-bias-tied",
-        "phimoe-no-bias-wide-jitter-window-longrope",
+        "phimoe-no-bias-wide-jitter-window-longrope", "hunyuan-bias-top3-per-layer-mha-plain-rope",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

@@ -118,6 +118,7 @@ class Attention(nn.Module):
         self.use_rope = True  # False: no rotary at all (EXAONE-MoE's global layers)
         # Rotate in fp32 over the model-dtype tables, then round (Cohere2-MoE's order).
         self.rotate_in_fp32 = False
+        self.norm_after_rope = False  # the q/k norms after the rotary, not before (HunYuan's order)
 
     def _fuse_qkv(self, h: int, q_out: int, kv_out: int, bias: bool, dtype: torch.dtype) -> None:
         """Back q/k/v_proj by one [q + 2kv, H] matrix (one GEMM instead of three); the per-projection
@@ -184,11 +185,14 @@ class Attention(nn.Module):
         q, extra = self.split_query(q)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = self.norm_heads(q, k)
+        if not self.norm_after_rope:
+            q, k = self.norm_heads(q, k)
         if self.interleaved_rope:
             q, k = deinterleave(q), deinterleave(k)
         if self.use_rope:
             q, k = self.rotate(q, k, ctx.rope, x.dtype)
+        if self.norm_after_rope:
+            q, k = self.norm_heads(q, k)
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
         if isinstance(batch, StaticBatch):

@@ -2,7 +2,8 @@
 
 Supported ``rope_type`` values: ``default``, ``linear``, ``llama3``, ``yarn`` and ``longrope``
 (Phi's: per-channel factors and a cos/sin scale, short ones up to ``original_max_position_embeddings``
-and long ones past it, chosen by each token's position as LongRoPE and llama.cpp do).
+and long ones past it, chosen by each token's position as LongRoPE and llama.cpp do), and ``dynamic``
+with HunYuan's fixed ``alpha``.
 """
 
 from __future__ import annotations
@@ -92,7 +93,11 @@ def inverse_frequencies(rope: RopeConfig, dim: int, max_positions: int) -> tuple
         return _yarn(rope.theta, dim, rope.params, max_positions)
     if rope.rope_type == "longrope":
         return _longrope(rope.theta, dim, rope.params, max_positions, "short")
-    raise ConfigError(f"rope_type '{rope.rope_type}' is not supported (default, linear, llama3, yarn, longrope are)")
+    if rope.rope_type == "dynamic" and rope.params.get("alpha"):
+        # HunYuan's NTK-alpha: a fixed, larger base theta * alpha^(d / (d - 2)), the same at every length.
+        return _base_inv_freq(rope.theta * rope.params["alpha"] ** (dim / (dim - 2)), dim), 1.0
+    raise ConfigError(f"rope_type '{rope.rope_type}' is not supported (default, linear, llama3, yarn, longrope, "
+                      "and dynamic with a fixed alpha are)")
 
 
 def rotary_dim(cfg: ModelConfig) -> int:
