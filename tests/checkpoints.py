@@ -160,6 +160,11 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "hunyuan_v1_moe": dict(num_experts=8, moe_topk=2, intermediate_size=32, head_dim=16,
                            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0,
                                             "factor": 1.0}),
+    # Granite MoE with sliding windows on layers 1-2, sinks per head, layer 2 without rotary.
+    "granitemoe_swa": dict(num_local_experts=8, intermediate_size=32, embedding_multiplier=12.0,
+                           residual_multiplier=0.22, attention_multiplier=0.2, logits_scaling=6.0, sliding_window=6,
+                           layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                           layer_rope_theta=[10000.0, 10000.0, 0]),
     # Mixtral's layout with Granite's four scalars (the embeddings, each residual branch, the
     # attention scores and the logits); the shared form adds an ungated shared expert.
     "granitemoe": dict(num_local_experts=8, intermediate_size=32, embedding_multiplier=12.0, residual_multiplier=0.22,
@@ -302,6 +307,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
         GraniteMoeConfig,
         GraniteMoeHybridConfig,
         GraniteMoeSharedConfig,
+        GraniteMoeSWAConfig,
         HunYuanMoEV1Config,
         Lfm2MoeConfig,
         MiniMaxM2Config,
@@ -324,7 +330,8 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
                "exaone_moe": ExaoneMoeConfig, "lfm2_moe": Lfm2MoeConfig,
                "granitemoehybrid": GraniteMoeHybridConfig, "afmoe": AfmoeConfig,
                "flex_olmo": FlexOlmoConfig, "cohere2_moe": Cohere2MoeConfig,
-               "phimoe": PhimoeConfig, "hunyuan_v1_moe": HunYuanMoEV1Config}
+               "phimoe": PhimoeConfig, "hunyuan_v1_moe": HunYuanMoEV1Config,
+               "granitemoe_swa": GraniteMoeSWAConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(

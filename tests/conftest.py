@@ -11,7 +11,8 @@ FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "o
             "deepseek_v2", "minimax_m2", "gpt_oss", "deepseek_v4", "dots1",
             "glm4_moe_lite", "granitemoe_shared", "ernie4_5_moe",
             "exaone_moe", "lfm2_moe", "granitemoehybrid",
-            "afmoe", "flex_olmo", "cohere2_moe", "phimoe", "hunyuan_v1_moe"]
+            "afmoe", "flex_olmo", "cohere2_moe", "phimoe", "hunyuan_v1_moe",
+            "granitemoe_swa"]
 
 
 @pytest.fixture(scope="session")

@@ -144,6 +144,8 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
                                         "long_factor": [2.0 + i for i in range(8)]}}),
         ("hunyuan_v1_moe", {"attention_bias": True, "moe_topk": [3, 3, 3], "num_key_value_heads": 4,
                             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+        ("granitemoe_swa", {"shared_intermediate_size": 48, "attention_bias": True, "layer_rope_theta": None,
+                            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -155,6 +157,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "exaone-all-sparse-two-shared-nope-first", "granite4-dense-rope-one-group",
         "afmoe-no-shared-no-mup-global-first", "cohere-rms-sigmoid-top3-sum-two-dense-bias-tied",
         "phimoe-no-bias-wide-jitter-window-longrope", "hunyuan-bias-top3-per-layer-mha-plain-rope",
+        "granite-swa-shared-bias-all-rope-sliding-first",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

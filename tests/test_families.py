@@ -96,13 +96,23 @@ def test_latent_attention_caches_the_latent_and_rotary_key(checkpoint) -> None:
 
 
 @pytest.mark.parametrize("family, what", [("deepseek_v3", "latent attention"), ("gpt_oss", "attention sinks"),
-                                          ("deepseek_v4", "compressed attention")])
+                                          ("deepseek_v4", "compressed attention"),
+                                          ("granitemoe_swa", "attention sinks")])
 def test_fixed_shape_steps_refuse_what_they_do_not_run(checkpoint, family, what) -> None:
     from hearth.config import ConfigError
 
     path, _ = checkpoint(family, **OVERRIDES)
     with pytest.raises(ConfigError, match=what):
         LLM(path, static_decode="eager")
+
+
+def test_a_granite_swa_rotary_base_of_its_own_per_layer_is_refused(checkpoint) -> None:
+    """Layers turn by rope_theta or not at all (0); another base on some layer is named, not run wrong."""
+    from hearth.config import ConfigError
+
+    path, _ = checkpoint("granitemoe_swa", layer_rope_theta=[10000.0, 500000.0, 0])
+    with pytest.raises(ConfigError, match="rotary bases other than 0 and rope_theta"):
+        LLM(path)
 
 
 @pytest.mark.parametrize("options", [{"prefill_chunk": 5, "block_size": 6, "checkpoint_interval": 60},

@@ -346,9 +346,24 @@ class SinkAttention(Attention):
             mask = step_mask(batch, index, seq, self.window, q.device, explicit=True)
             if mask is not None:
                 scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-            sinks = self.sinks.view(-1, 1, 1).expand(-1, seq.query_len, 1).to(scores.dtype)
-            logits = torch.cat((scores, sinks), dim=-1)
-            logits = logits - logits.max(dim=-1, keepdim=True).values
-            probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
-            out[rows] = torch.matmul(probs.to(vals.dtype), vals.transpose(0, 1)).transpose(0, 1)  # [Q, heads, D]
+            out[rows] = self.weigh(scores, vals).transpose(0, 1)  # [Q, heads, D]
         return out
+
+    def weigh(self, scores: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+        """Masked scores [heads, Q, ctx] and values [ctx, heads, D] -> [heads, Q, D]: the sink one more
+        logit of the softmax, its probability dropped."""
+        sinks = self.sinks.view(-1, 1, 1).expand(-1, scores.shape[1], 1).to(scores.dtype)
+        logits = torch.cat((scores, sinks), dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+        return torch.matmul(probs.to(vals.dtype), vals.transpose(0, 1))
+
+
+class SigmoidSinkAttention(SinkAttention):
+    """The same sink computed as GraniteSWA's eager path does: the plain softmax (in fp32, rounded)
+    times ``sigmoid(logsumexp(scores) - sink)`` in fp32, so low precision matches it."""
+
+    def weigh(self, scores: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+        scale = (torch.logsumexp(scores, dim=-1) - self.sinks.view(-1, 1)).float().sigmoid()  # [heads, Q]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vals.dtype)
+        return torch.matmul(probs, vals.transpose(0, 1)) * scale.unsqueeze(-1).to(vals.dtype)

@@ -25,6 +25,7 @@ from hearth.engine.models import (
     glm4_moe_lite,
     gpt_oss,
     granitemoe,
+    granitemoe_swa,
     granitemoehybrid,
     hunyuan_v1_moe,
     lfm2_moe,
@@ -46,7 +47,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     gpt_oss.FAMILY, deepseek_v4.FAMILY, dots1.FAMILY, glm4_moe_lite.FAMILY, granitemoe.FAMILY,
     ernie4_5_moe.FAMILY, exaone_moe.FAMILY, lfm2_moe.FAMILY,
     granitemoehybrid.FAMILY, afmoe.FAMILY, flex_olmo.FAMILY, cohere2_moe.FAMILY,
-    phimoe.FAMILY, hunyuan_v1_moe.FAMILY,
+    phimoe.FAMILY, hunyuan_v1_moe.FAMILY, granitemoe_swa.FAMILY,
 )
 
 
