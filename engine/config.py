@@ -103,6 +103,8 @@ class ModelConfig:
     rope_in_fp32: bool = False
     # Experts with biases on gate/up and down (GPT-OSS): kept in each bank row's last column.
     expert_bias: bool = False
+    # Fused expert tensors stored [E, H, 2I] and [E, I, H] rather than [E, 2I, H] and [E, H, I] (Llama 4).
+    experts_transposed: bool = False
     # A pipeline stage's layers [first, end): only these are loaded, cached and run (None: all).
     layer_range: tuple[int, int] | None = None
 

@@ -165,6 +165,11 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                            residual_multiplier=0.22, attention_multiplier=0.2, logits_scaling=6.0, sliding_window=6,
                            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
                            layer_rope_theta=[10000.0, 10000.0, 0]),
+    # Llama 4: layers 0-2 turn (interleaved pairs) and attend in chunks of 6, layer 3 has no rotary and
+    # scales its queries by position; layers 1 and 3 MoE (sigmoid top-1, inputs scaled, a shared expert).
+    "llama4": dict(num_local_experts=8, num_experts_per_tok=1, intermediate_size=32, intermediate_size_mlp=96,
+                   num_hidden_layers=4, interleave_moe_layer_step=2, head_dim=16, attention_chunk_size=6,
+                   floor_scale=4, attn_scale=0.5, pad_token_id=None),
     # Mixtral's layout with Granite's four scalars (the embeddings, each residual branch, the
     # attention scores and the logits); the shared form adds an ungated shared expert.
     "granitemoe": dict(num_local_experts=8, intermediate_size=32, embedding_multiplier=12.0, residual_multiplier=0.22,
@@ -310,6 +315,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
         GraniteMoeSWAConfig,
         HunYuanMoEV1Config,
         Lfm2MoeConfig,
+        Llama4TextConfig,
         MiniMaxM2Config,
         MixtralConfig,
         OlmoeConfig,
@@ -331,7 +337,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
                "granitemoehybrid": GraniteMoeHybridConfig, "afmoe": AfmoeConfig,
                "flex_olmo": FlexOlmoConfig, "cohere2_moe": Cohere2MoeConfig,
                "phimoe": PhimoeConfig, "hunyuan_v1_moe": HunYuanMoEV1Config,
-               "granitemoe_swa": GraniteMoeSWAConfig}
+               "granitemoe_swa": GraniteMoeSWAConfig, "llama4": Llama4TextConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(

@@ -146,6 +146,8 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
                             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
         ("granitemoe_swa", {"shared_intermediate_size": 48, "attention_bias": True, "layer_rope_theta": None,
                             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+        ("llama4", {"use_qk_norm": False, "attn_temperature_tuning": False, "num_experts_per_tok": 3,
+                    "interleave_moe_layer_step": 1, "attention_bias": True, "no_rope_layers": [0, 1, 1, 1]}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -157,7 +159,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "exaone-all-sparse-two-shared-nope-first", "granite4-dense-rope-one-group",
         "afmoe-no-shared-no-mup-global-first", "cohere-rms-sigmoid-top3-sum-two-dense-bias-tied",
         "phimoe-no-bias-wide-jitter-window-longrope", "hunyuan-bias-top3-per-layer-mha-plain-rope",
-        "granite-swa-shared-bias-all-rope-sliding-first",
+        "granite-swa-shared-bias-all-rope-sliding-first", "llama4-plain-top3-all-moe-bias-nope-first",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

@@ -97,7 +97,7 @@ def test_latent_attention_caches_the_latent_and_rotary_key(checkpoint) -> None:
 
 @pytest.mark.parametrize("family, what", [("deepseek_v3", "latent attention"), ("gpt_oss", "attention sinks"),
                                           ("deepseek_v4", "compressed attention"),
-                                          ("granitemoe_swa", "attention sinks")])
+                                          ("granitemoe_swa", "attention sinks"), ("llama4", "chunked attention")])
 def test_fixed_shape_steps_refuse_what_they_do_not_run(checkpoint, family, what) -> None:
     from hearth.config import ConfigError
 
@@ -163,3 +163,31 @@ def test_deepseek_v4_cache_holds_window_and_compressor_columns(checkpoint) -> No
     for i, kind in enumerate(cfg.attention_kinds):
         assert kv.keys[i].shape[1:] == (1, d) and kv.values[i].shape[1:] == (1, widths[kind])
     assert summarize(cfg).kv_bytes_per_token == sum(d + widths[k] for k in cfg.attention_kinds) * 4
+
+
+def test_a_llama4_multimodal_checkpoint_serves_its_language_model(solo, tmp_path) -> None:
+    """Llama 4 ships as Llama4ForConditionalGeneration: the text config under ``text_config``, the
+    language model's tensors under ``language_model.``, beside a vision tower that is not read."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path, refs = solo("llama4")
+    out = tmp_path / "multimodal"
+    shutil.copytree(path, out)
+    text = json.loads((out / "config.json").read_text())
+    config = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "text_config": text}
+    (out / "config.json").write_text(json.dumps(config))
+    for file in out.glob("*.safetensors"):
+        tensors = {f"language_model.{name}": t for name, t in load_file(file).items()}
+        save_file(tensors | {"vision_model.patch_embedding.weight": torch.zeros(4, 4)}, file)
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {f"language_model.{k}": v for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data))
+    llm = LLM(out)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(STEPS))] == [tokens for tokens, _ in refs]
+    llm.close()

@@ -135,10 +135,13 @@ def _load_expert(name: str, canonical: str, f, cfg: ModelConfig, pool: ExpertPoo
         return True
     part = fused.group(2)
     expected = (n_exp, 2 * i, h) if part == "gate_up_proj" else (n_exp, h, i)
+    if cfg.experts_transposed:
+        expected = (expected[0], expected[2], expected[1])
     if _check_shape(name, shape, expected, progress.errors):
         _float_tensor(name, f)
         dst = pool.gate_up if part == "gate_up_proj" else pool.down
-        dst[base : base + n_exp].copy_(f.get_tensor(name))
+        t = f.get_tensor(name)
+        dst[base : base + n_exp].copy_(t.transpose(1, 2) if cfg.experts_transposed else t)
         parts = ("gate_proj", "up_proj") if part == "gate_up_proj" else ("down_proj",)
         for e in range(n_exp):
             for p in parts:

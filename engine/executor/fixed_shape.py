@@ -25,7 +25,7 @@ import hearth.engine.executor.graph_ops  # noqa: F401 - registers torch.ops.hear
 from hearth.config import ConfigError
 from hearth.engine.cache.kv_pages import PagedKVCache
 from hearth.engine.cache.state_slots import RecurrentStatePool
-from hearth.engine.layers.attention import SinkAttention
+from hearth.engine.layers.attention import ChunkedAttention, SinkAttention
 from hearth.engine.layers.batch import StaticBatch
 from hearth.engine.layers.compressed_attention import CompressedAttention
 from hearth.engine.layers.mla import LatentAttention
@@ -158,7 +158,7 @@ class StaticDecoder:
             raise ValueError(f"{model.config.architecture} has linear-attention layers: static steps need its "
                              "state pool")
         unsupported = {"latent attention": LatentAttention, "attention sinks": SinkAttention,
-                       "compressed attention": CompressedAttention}
+                       "compressed attention": CompressedAttention, "chunked attention": ChunkedAttention}
         for what, kind in unsupported.items():
             if any(isinstance(m, kind) for m in model.modules()):
                 raise ConfigError(f"--static-decode: fixed-shape steps do not run {model.config.architecture}'s "

@@ -119,6 +119,8 @@ class Attention(nn.Module):
         # Rotate in fp32 over the model-dtype tables, then round (Cohere2-MoE's order).
         self.rotate_in_fp32 = False
         self.norm_after_rope = False  # the q/k norms after the rotary, not before (HunYuan's order)
+        # q [T, heads, D] and the tokens' positions -> q scaled by position (Llama 4's NoPE layers)
+        self.query_scale: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def _fuse_qkv(self, h: int, q_out: int, kv_out: int, bias: bool, dtype: torch.dtype) -> None:
         """Back q/k/v_proj by one [q + 2kv, H] matrix (one GEMM instead of three); the per-projection
@@ -193,6 +195,8 @@ class Attention(nn.Module):
             q, k = self.rotate(q, k, ctx.rope, x.dtype)
         if self.norm_after_rope:
             q, k = self.norm_heads(q, k)
+        if self.query_scale is not None:
+            q = self.query_scale(q, batch.positions)
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
         if isinstance(batch, StaticBatch):
@@ -367,3 +371,32 @@ class SigmoidSinkAttention(SinkAttention):
         scale = (torch.logsumexp(scores, dim=-1) - self.sinks.view(-1, 1)).float().sigmoid()  # [heads, Q]
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vals.dtype)
         return torch.matmul(probs, vals.transpose(0, 1)) * scale.unsqueeze(-1).to(vals.dtype)
+
+
+class ChunkedAttention(Attention):
+    """Attention whose queries see only the keys of their own ``chunk``-token block (and before them
+    in it: Llama 4's chunked layers); with ``chunk`` None it is plain causal attention."""
+
+    def __init__(self, *args, chunk: int | None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.chunk = chunk
+
+    def attend_static(self, q, batch, k_cache, v_cache):
+        raise NotImplementedError("fixed-shape decode steps do not run chunked attention yet")
+
+    def attend(self, q: torch.Tensor, batch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        if self.chunk is None:
+            return super().attend(q, batch, k_cache, v_cache)
+        out = torch.empty_like(q)
+        for seq in batch.sequences:
+            rows = slice(seq.query_start, seq.query_start + seq.query_len)
+            keys = gather_context(k_cache, seq, batch.block_size)  # [ctx, kv_heads, D]
+            vals = gather_context(v_cache, seq, batch.block_size)
+            q_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len, device=q.device)[:, None]
+            k_pos = torch.arange(seq.context_len, device=q.device)[None, :]
+            mask = (k_pos <= q_pos) & (k_pos // self.chunk == q_pos // self.chunk)  # [Q, ctx]
+            o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None],
+                                               vals.transpose(0, 1)[None], attn_mask=mask, scale=self.scale,
+                                               enable_gqa=self.num_heads != self.num_kv_heads)
+            out[rows] = o[0].transpose(0, 1)
+        return out

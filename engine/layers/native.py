@@ -161,7 +161,8 @@ class NativeLayers:
             raise _Unsupported("a layer in another order than the pre-norm one")
         if type(attn) is not Attention or attn.head_dim > 1024:
             raise _Unsupported("a mixer other than Attention")
-        if attn.interleaved_rope or not attn.use_rope or attn.norm_after_rope or attn.rotate_in_fp32:
+        if attn.interleaved_rope or not attn.use_rope or attn.norm_after_rope or attn.rotate_in_fp32 or \
+                attn.query_scale is not None:
             raise _Unsupported("rotary on interleaved pairs, or none, or q/k norms after it")  # (it turns halves)
         cache_k, cache_v = self.kv.keys[attn.layer_idx], self.kv.values[attn.layer_idx]
         if cache_k.dtype != self.dtype or not cache_k.is_cpu:

@@ -29,6 +29,7 @@ from hearth.engine.models import (
     granitemoehybrid,
     hunyuan_v1_moe,
     lfm2_moe,
+    llama4,
     minimax_m2,
     mixtral,
     olmoe,
@@ -47,7 +48,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     gpt_oss.FAMILY, deepseek_v4.FAMILY, dots1.FAMILY, glm4_moe_lite.FAMILY, granitemoe.FAMILY,
     ernie4_5_moe.FAMILY, exaone_moe.FAMILY, lfm2_moe.FAMILY,
     granitemoehybrid.FAMILY, afmoe.FAMILY, flex_olmo.FAMILY, cohere2_moe.FAMILY,
-    phimoe.FAMILY, hunyuan_v1_moe.FAMILY, granitemoe_swa.FAMILY,
+    phimoe.FAMILY, hunyuan_v1_moe.FAMILY, granitemoe_swa.FAMILY, llama4.FAMILY,
 )
 
 
