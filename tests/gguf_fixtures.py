@@ -13,13 +13,17 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gguf"
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2",
             "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v4", "dots1", "glm4_moe_lite", "granitemoe_shared",
             "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid",
-            "afmoe", "cohere2_moe")
+            "afmoe", "cohere2_moe", "llama4")
 # make_checkpoint's arguments beyond the family: bf16 weights (the converter's bf16 file is then
 # lossless), and the tokenizer each family's converter expects.
 RECIPES: dict[str, dict[str, Any]] = {
     "glm4_moe": {"chat_format": "glm"},
     "glm4_moe_lite": {"chat_format": "glm"},
     # (llama.cpp takes every fourth layer global and always scales by muP: four layers, the last global)
+    # (llama.cpp's constants: chunks of 8192, floor 8192, scale 0.1; llama3 rotary, written as rope_freqs)
+    "llama4": {"attention_chunk_size": 8192, "floor_scale": 8192, "attn_scale": 0.1,
+               "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
     "afmoe": {"num_hidden_layers": 4, "global_attn_every_n_layers": 4, "mup_enabled": True},
     # (the converter writes no routed scale and maps no output head: LFM2 ships unscaled and tied)
     "lfm2_moe": {"routed_scaling_factor": 1.0, "tie_word_embeddings": True},

@@ -74,7 +74,7 @@ def test_qwen2_moe_with_shared_experts_round_trips_through_gguf(tmp_path) -> Non
 @pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "qwen3_next", "qwen3_5_moe",
                                     "dots1", "granitemoe", "granitemoe_shared", "glm4_moe_lite",
                                     "ernie4_5_moe", "exaone_moe", "lfm2_moe",
-                                    "granitemoehybrid", "afmoe", "cohere2_moe"])
+                                    "granitemoehybrid", "afmoe", "cohere2_moe", "llama4"])
 def test_hearth_written_files_match_transformers(tmp_path, family) -> None:
     """A family's checkpoint written by ``hearth convert --quant q8_0`` (the layout llama.cpp's
     converter writes: tests/test_gguf_llama_cpp.py compares them tensor by tensor) reads back
@@ -110,6 +110,15 @@ def test_a_cohere2_moe_checkpoint_llama_cpp_cannot_compute_is_refused(tmp_path, 
 
     hf, _ = make_checkpoint(tmp_path / "hf", "cohere2_moe", **overrides)
     with pytest.raises(ConvertError, match=reason):
+        write_gguf(hf, tmp_path / "m.gguf", "q8_0")
+
+
+def test_a_llama4_checkpoint_off_llama_cpp_constants_is_refused(tmp_path) -> None:
+    """llama.cpp's Llama 4 holds the chunk size (8192), the NoPE step and the query scaling as constants."""
+    from tests.checkpoints import make_checkpoint
+
+    hf, _ = make_checkpoint(tmp_path / "hf", "llama4")  # (chunks of 6 tokens, floor 4)
+    with pytest.raises(ConvertError, match="attention_chunk_size"):
         write_gguf(hf, tmp_path / "m.gguf", "q8_0")
 
 

@@ -56,7 +56,7 @@ LLAMA_TIE = 0.15
 # the families hearth convert writes
 WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe", "deepseek_v2", "deepseek_v3",
            "gpt_oss", "qwen3_next", "qwen3_5_moe", "dots1", "granitemoe_shared", "glm4_moe_lite",
-           "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid", "afmoe", "cohere2_moe"]
+           "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid", "afmoe", "cohere2_moe", "llama4"]
 
 
 def _checkpoint(tmp_path, family: str):
@@ -88,7 +88,9 @@ def _checkpoint(tmp_path, family: str):
     if family == "exaone_moe":  # (two layers: a dense one in a window, then a global MoE one)
         attention |= {"layer_types": ["sliding_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"]}
     # The hybrids attend every fourth layer: llama.cpp cannot run one with no attention layer (no KV cache).
-    layers = 4 if family in ("qwen3_next", "qwen3_5_moe") else 2
+    # llama.cpp's Llama 4 needs its fourth, global layer (with two chunked layers only it stops on an
+    # unallocated buffer).
+    layers = 4 if family in ("qwen3_next", "qwen3_5_moe", "llama4") else 2
     # (AfMoE's recipe: two sliding layers here, llama.cpp taking every fourth layer global)
     recipe = {k: v for k, v in RECIPES.get(family, {}).items() if k != "num_hidden_layers"}
     path = make_checkpoint(tmp_path / "hf", family, hidden_size=256, num_attention_heads=4, num_hidden_layers=layers,

@@ -162,6 +162,23 @@ def _cohere2moe(meta: Meta, has: Has) -> dict[str, Any]:
                      "layer_types": ["sliding_attention" if p else "full_attention" for p in pattern]}
 
 
+def _llama4(meta: Meta, has: Has) -> dict[str, Any]:
+    """Llama 4: the experts' and the dense layers' widths, the MoE layers' step, and what llama.cpp
+    holds as constants: chunks of 8192 tokens on the rotary layers, every fourth layer global without
+    rotary and its queries scaled (floor 8192, scale 0.1), q/k norms unless 128 experts (Maverick); a
+    window of 0 turns chunks and NoPE layers off."""
+    fields = {**common_fields(meta), "num_local_experts": int(meta("expert_count")),
+              "intermediate_size": int(meta("expert_feed_forward_length")),
+              "intermediate_size_mlp": int(meta("feed_forward_length")),
+              "interleave_moe_layer_step": int(meta("interleave_moe_layer_step", 1) or 1),
+              "use_qk_norm": int(meta("expert_count")) != 128, "attention_chunk_size": 8192, "floor_scale": 8192,
+              "attn_scale": 0.1, "attn_temperature_tuning": True, "no_rope_layer_interval": 4}
+    if meta("attention.sliding_window") is not None and int(meta("attention.sliding_window")) == 0:
+        n = fields["num_hidden_layers"]
+        fields |= {"no_rope_layers": [1] * n, "layer_types": ["full_attention"] * n}
+    return fields
+
+
 def _afmoe(meta: Meta, has: Has) -> dict[str, Any]:
     """AfMoE: the experts, shared experts, leading dense layers and routed scale; sliding layers by the
     file's pattern or, as llama.cpp assumes, every fourth layer global (those turn no rotary); muP's
@@ -298,6 +315,7 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "lfm2moe": GGUFArchitecture("Lfm2MoeForCausalLM", "lfm2_moe", _lfm2_moe),
     "granitehybrid": GGUFArchitecture("GraniteMoeHybridForCausalLM", "granitemoehybrid", _granitehybrid),
     "afmoe": GGUFArchitecture("AfmoeForCausalLM", "afmoe", _afmoe),
+    "llama4": GGUFArchitecture("Llama4ForCausalLM", "llama4_text", _llama4),
     "cohere2moe": GGUFArchitecture("Cohere2MoeForCausalLM", "cohere2_moe", _cohere2moe),
     "granitemoe": GGUFArchitecture("GraniteMoeForCausalLM", "granitemoe", _granitemoe, _granitemoe_variant),
     "deepseek2": GGUFArchitecture("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek2, _deepseek2_variant),

@@ -147,6 +147,10 @@ def unpermute_rope_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 
+# The rotary frequencies' divisors llama.cpp's converter writes for llama3-style scaling.
+ROPE_FACTORS = "rope_freqs.weight"
+
+
 def is_gguf(path: str | Path) -> bool:
     return Path(path).suffix == ".gguf" and Path(path).is_file()
 
@@ -162,6 +166,9 @@ def gguf_hf_config(f: GGUFFile) -> Any:
     if shared is not None:
         hf.shared_expert_intermediate_size = int(shared)
     hf.tie_word_embeddings = "output.weight" not in f.tensors
+    if ROPE_FACTORS in f.tensors:  # (llama3-style scaling, as the converter writes it: per-channel divisors)
+        factors = [float(v) for v in f.tensors[ROPE_FACTORS].dequantized().flatten()]
+        hf.rope_parameters = {**(hf.rope_parameters or {}), "freq_factors": factors}
     if GGUF_ARCHITECTURES[f.architecture].model_type is None:  # (hearth's own mapping names the class)
         hf.architectures = [ARCHITECTURES[f.architecture]]
     if f.architecture == "llama":  # transformers reads a llama; with experts it is a Mixtral
@@ -220,6 +227,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
     _compose(f)
     known, expected = _dense_tensors(f, cfg, model)
+    known.add(ROPE_FACTORS)  # (read into the config: see gguf_hf_config)
     known |= set(expert_tensors(cfg, [layer for layer, moe in enumerate(cfg.moe_layers) if moe]))
     experts = expert_tensors(cfg, cfg.moe_layer_ids)
     beyond = [n for n in f.tensors if n not in known and _layer_of(n) >= cfg.num_layers]

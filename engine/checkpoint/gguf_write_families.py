@@ -6,6 +6,7 @@ a name starting with ``.`` is a key under the architecture's prefix, written as 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
@@ -185,6 +186,49 @@ def _cohere2moe(cfg: dict, fields: Fields) -> None:
     if cfg.get("num_shared_experts"):
         fields.update(expert_shared_count=cfg["num_shared_experts"],
                       expert_shared_feed_forward_length=cfg["intermediate_size"] * cfg["num_shared_experts"])
+
+
+def _llama4(cfg: dict, fields: Fields) -> None:
+    """Llama 4: the dense layers' width as ``feed_forward_length``, the experts' as the expert one,
+    the MoE layers' step; a window of 0 where every layer is global. llama.cpp holds the chunk size,
+    the NoPE step and the query scaling as constants: a checkpoint with other values is refused."""
+    kinds = cfg.get("layer_types") or []
+    if kinds and all(kind == "full_attention" for kind in kinds):
+        fields["sliding_window"] = 0
+    else:
+        wanted = {"attention_chunk_size": 8192, "floor_scale": 8192, "attn_scale": 0.1, "no_rope_layer_interval": 4}
+        off = {k: cfg.get(k) for k, v in wanted.items() if cfg.get(k, v) != v}
+        if off or not cfg.get("attn_temperature_tuning", True):
+            raise ConvertError(f"Llama4ForCausalLM with {off or 'attn_temperature_tuning=false'}: llama.cpp's llama4 "
+                               f"holds {wanted} and temperature tuning as constants")
+    fields.update(feed_forward_length=cfg["intermediate_size_mlp"], expert_feed_forward_length=cfg["intermediate_size"],
+                  interleave_moe_layer_step=cfg.get("interleave_moe_layer_step", 1))
+
+
+def _llama4_tensors(tensors: dict, cfg: dict) -> dict:
+    """Llama 4's fused experts in the standard orientation ([E, 2I, H], [E, H, I]), and llama3-style
+    rotary scaling as the per-channel divisors the converter writes (``rope_freqs``)."""
+    out = {name: (lambda load=load: load().transpose(1, 2).contiguous()) if name.endswith(
+        ("experts.gate_up_proj", "experts.down_proj")) else load for name, load in tensors.items()}
+    rope = rope_of(cfg)
+    if rope.get("rope_type") == "llama3":
+        out = {"rope.freqs": lambda: llama3_divisors(rope, cfg["head_dim"]), **out}
+    return out
+
+
+def llama3_divisors(rope: dict, dim: int) -> torch.Tensor:
+    """llama3 scaling as divisors of the base frequencies (1 for short wavelengths, ``factor`` for long
+    ones, a blend between), as llama.cpp's converter computes them."""
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    out = []
+    for freq in freqs:  # (0-d fp32 tensors: the converter's arithmetic, to the bit)
+        wavelen = 2 * math.pi / freq
+        smooth = (old / wavelen - low) / (high - low)
+        out.append(1.0 if wavelen < old / high else factor if wavelen > old / low else
+                   float(1 / ((1 - smooth) / factor + smooth)))
+    return torch.tensor(out, dtype=torch.float32)
 
 
 def _granitemoe(cfg: dict, fields: Fields) -> None:
@@ -407,6 +451,7 @@ WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
     "GraniteMoeForCausalLM": WriteFamily("GRANITE_MOE", _granitemoe),
     "AfmoeForCausalLM": WriteFamily("AFMOE", _afmoe),
     "Cohere2MoeForCausalLM": WriteFamily("COHERE2MOE", _cohere2moe),
+    "Llama4ForCausalLM": WriteFamily("LLAMA4", _llama4, prepare=_llama4_tensors),
     "GraniteMoeSharedForCausalLM": WriteFamily("GRANITE_MOE", _granitemoe, prepare=_granite_shared),
     "Glm4MoeLiteForCausalLM": WriteFamily("DEEPSEEK2", _glm4_moe_lite, _GLM_TOKENS, tensors=_split_kv_b,
                                           keeps=_decoder_layers_only),

@@ -83,6 +83,8 @@ def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 
 def inverse_frequencies(rope: RopeConfig, dim: int, max_positions: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [dim/2] and the cos/sin scale of ``rope`` over ``dim`` rotating channels."""
+    if rope.params.get("freq_factors"):  # (a GGUF file's rope_freqs: divisors per channel pair, llama.cpp's form)
+        return _base_inv_freq(rope.theta, dim) / torch.tensor(rope.params["freq_factors"], dtype=torch.float32), 1.0
     if rope.rope_type == "default":
         return _base_inv_freq(rope.theta, dim), 1.0
     if rope.rope_type == "linear":
