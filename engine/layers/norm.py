@@ -1,5 +1,5 @@
-"""RMSNorm, computed in fp32 and cast back exactly as the reference implementations do
-(natively where the CPU kernels are available)."""
+"""The norms (RMSNorm and its variants, LayerNorms), computed in fp32 and cast back exactly as the
+reference implementations do (RMSNorm natively where the CPU kernels are available)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,19 @@ from torch import nn
 from hearth.engine.kernels.cpu import cpu_decode_ops
 
 
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm over the last dimension."""
+class WeightedNorm(nn.Module):
+    """What every norm here holds: a weight over the last dimension (ones, in ``dtype``), its eps and
+    the normalised shape."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.eps = eps
         self.normalized_shape = (size,)
+
+
+class RMSNorm(WeightedNorm):
+    """Root-mean-square layer norm over the last dimension."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x * rsqrt(mean(x^2) + eps) in fp32, cast back, then scaled: the reference's order.
@@ -62,43 +67,30 @@ class ZeroCenteredRMSNorm(nn.Module):
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
-class GatedRMSNorm(nn.Module):
+class GatedRMSNorm(WeightedNorm):
     """RMSNorm then a SiLU gate: ``weight * norm(x) * silu(gate)`` (the DeltaNet output norm)."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
-        self.eps = eps
-        self.normalized_shape = (size,)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         normed = self.weight * F.rms_norm(x.float(), self.normalized_shape, eps=self.eps).to(x.dtype)
         return (normed * F.silu(gate.float())).to(x.dtype)
 
 
-class LayerNormScaledInFp32(nn.Module):
+class LayerNormScaledInFp32(WeightedNorm):
     """LayerNorm without a bias, in fp32, its weight scaling before the one cast back (Cohere's)."""
 
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
-        self.eps = eps
-        self.normalized_shape = (size,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.layer_norm(x.float(), self.normalized_shape, eps=self.eps)
         return (self.weight.float() * normed).to(x.dtype)
 
 
-class BiasedLayerNorm(nn.Module):
+class BiasedLayerNorm(WeightedNorm):
     """``nn.LayerNorm`` with weight and bias in the model dtype (Phi-3.5-MoE's)."""
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        super().__init__(size, eps, dtype)
         self.bias = nn.Parameter(torch.zeros(size, dtype=dtype), requires_grad=False)
-        self.eps = eps
-        self.normalized_shape = (size,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
