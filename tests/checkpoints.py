@@ -170,6 +170,9 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama4": dict(num_local_experts=8, num_experts_per_tok=1, intermediate_size=32, intermediate_size_mlp=96,
                    num_hidden_layers=4, interleave_moe_layer_step=2, head_dim=16, attention_chunk_size=6,
                    floor_scale=4, attn_scale=0.5, pad_token_id=None),
+    # JetMoE: attention experts (a query and an output projection each, 2 KV heads of 16) and SwiGLU
+    # experts, both top-2 of 8 with biases.
+    "jetmoe": dict(num_local_experts=8, intermediate_size=32, kv_channels=16, pad_token_id=None),
     # Mixtral's layout with Granite's four scalars (the embeddings, each residual branch, the
     # attention scores and the logits); the shared form adds an ungated shared expert.
     "granitemoe": dict(num_local_experts=8, intermediate_size=32, embedding_multiplier=12.0, residual_multiplier=0.22,
@@ -314,6 +317,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
         GraniteMoeSharedConfig,
         GraniteMoeSWAConfig,
         HunYuanMoEV1Config,
+        JetMoeConfig,
         Lfm2MoeConfig,
         Llama4TextConfig,
         MiniMaxM2Config,
@@ -337,7 +341,8 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
                "granitemoehybrid": GraniteMoeHybridConfig, "afmoe": AfmoeConfig,
                "flex_olmo": FlexOlmoConfig, "cohere2_moe": Cohere2MoeConfig,
                "phimoe": PhimoeConfig, "hunyuan_v1_moe": HunYuanMoEV1Config,
-               "granitemoe_swa": GraniteMoeSWAConfig, "llama4": Llama4TextConfig}
+               "granitemoe_swa": GraniteMoeSWAConfig, "llama4": Llama4TextConfig,
+               "jetmoe": JetMoeConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(

@@ -148,6 +148,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
                             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
         ("llama4", {"use_qk_norm": False, "attn_temperature_tuning": False, "num_experts_per_tok": 3,
                     "interleave_moe_layer_step": 1, "attention_bias": True, "no_rope_layers": [0, 1, 1, 1]}),
+        ("jetmoe", {"num_experts_per_tok": 3, "num_key_value_heads": 4, "tie_word_embeddings": True}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -160,6 +161,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "afmoe-no-shared-no-mup-global-first", "cohere-rms-sigmoid-top3-sum-two-dense-bias-tied",
         "phimoe-no-bias-wide-jitter-window-longrope", "hunyuan-bias-top3-per-layer-mha-plain-rope",
         "granite-swa-shared-bias-all-rope-sliding-first", "llama4-plain-top3-all-moe-bias-nope-first",
+        "jetmoe-top3-four-kv-heads-tied",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

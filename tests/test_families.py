@@ -97,7 +97,8 @@ def test_latent_attention_caches_the_latent_and_rotary_key(checkpoint) -> None:
 
 @pytest.mark.parametrize("family, what", [("deepseek_v3", "latent attention"), ("gpt_oss", "attention sinks"),
                                           ("deepseek_v4", "compressed attention"),
-                                          ("granitemoe_swa", "attention sinks"), ("llama4", "chunked attention")])
+                                          ("granitemoe_swa", "attention sinks"), ("llama4", "chunked attention"),
+                                          ("jetmoe", "mixture of attention heads")])
 def test_fixed_shape_steps_refuse_what_they_do_not_run(checkpoint, family, what) -> None:
     from hearth.config import ConfigError
 

@@ -159,6 +159,8 @@ class StaticDecoder:
                              "state pool")
         unsupported = {"latent attention": LatentAttention, "attention sinks": SinkAttention,
                        "compressed attention": CompressedAttention, "chunked attention": ChunkedAttention}
+        # (and what a family's own layer says it cannot do in a fixed shape)
+        unsupported |= {what: type(m) for m in model.modules() if (what := getattr(m, "fixed_shape_refusal", None))}
         for what, kind in unsupported.items():
             if any(isinstance(m, kind) for m in model.modules()):
                 raise ConfigError(f"--static-decode: fixed-shape steps do not run {model.config.architecture}'s "

@@ -28,6 +28,7 @@ from hearth.engine.models import (
     granitemoe_swa,
     granitemoehybrid,
     hunyuan_v1_moe,
+    jetmoe,
     lfm2_moe,
     llama4,
     minimax_m2,
@@ -49,6 +50,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ernie4_5_moe.FAMILY, exaone_moe.FAMILY, lfm2_moe.FAMILY,
     granitemoehybrid.FAMILY, afmoe.FAMILY, flex_olmo.FAMILY, cohere2_moe.FAMILY,
     phimoe.FAMILY, hunyuan_v1_moe.FAMILY, granitemoe_swa.FAMILY, llama4.FAMILY,
+    jetmoe.FAMILY,
 )
 
 
