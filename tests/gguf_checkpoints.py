@@ -79,12 +79,14 @@ def dequantized_reference(path: Path, model: Any) -> Any:
         for name, param in model.named_parameters():
             value = hybrid_weight(arch, name, tensors, model.config)
             if value is None:
-                value = adjusted(arch, name, _file_weight(name, tuple(param.shape), tensors, names), model.config)
+                value = adjusted(arch, name, _file_weight(name, tuple(param.shape), tensors, names, arch == "llama4"),
+                                 model.config)
             param.copy_(value.reshape(param.shape))
     return model.eval()
 
 
-def _file_weight(name: str, shape: tuple[int, ...], tensors: dict[str, torch.Tensor], names: Any) -> torch.Tensor:
+def _file_weight(name: str, shape: tuple[int, ...], tensors: dict[str, torch.Tensor], names: Any,
+                 transposed: bool = False) -> torch.Tensor:
     """The file's tensor for transformers' parameter ``name`` of ``shape``. Experts: transformers'
     fused ``gate_up_proj`` [E, 2I, H] (gate rows, then up), or GPT-OSS's [E, H, 2I] with gate and up
     interleaved column by column (its biases likewise) and ``down_proj`` [E, I, H], or Llama 4's
@@ -98,7 +100,7 @@ def _file_weight(name: str, shape: tuple[int, ...], tensors: dict[str, torch.Ten
         kind = "bias" if part.endswith("_bias") else "weight"
         gate, up, down = (tensors.get(f"blk.{layer}.ffn_{p}_exps.{kind}") for p in ("gate", "up", "down"))
         gpt_oss = f"blk.{layer}.ffn_gate_exps.bias" in tensors  # (the experts with biases)
-        if ".feed_forward.experts." in name:  # Llama 4's, transposed: [E, H, 2I] and [E, I, H]
+        if transposed:  # Llama 4's: [E, H, 2I] and [E, I, H]
             return (down if part.startswith("down") else torch.cat([gate, up], 1)).transpose(1, 2)
         if part.startswith("down"):
             return down.transpose(1, 2) if gpt_oss and kind == "weight" else down
