@@ -231,8 +231,7 @@ def test_config_field_with_a_default_is_optional(checkpoint, tmp_path):
 
 def test_unsupported_rope_type_is_named(ckpt):
     cfg = json.loads((ckpt / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 2.0,
-                              "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}  # (no fixed alpha)
     (ckpt / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="rope_type 'longrope' is not supported"):
+    with pytest.raises(ConfigError, match="rope_type 'dynamic' is not supported"):
         load_model(ckpt)

@@ -332,13 +332,6 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
 UNLISTED = MappingProxyType({"COHERE2MOE": ("cohere2moe", "DOTS1")})
 
 
-def arch_name(member: str) -> str:
-    """The GGUF name of ``gguf.MODEL_ARCH`` member ``member`` (or of an :data:`UNLISTED` one)."""
-    import gguf  # deferred: the gguf package is needed for GGUF files only
-
-    return UNLISTED[member][0] if member in UNLISTED else gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, member)]
-
-
 def tensor_name_map(architecture: str, layers: int) -> Any:
     """llama.cpp's tensor-name table (``gguf.TensorNameMap``) for the GGUF ``architecture`` name."""
     import gguf  # deferred: the gguf package is needed for GGUF files only

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from hearth.engine.checkpoint.common import FUSED
-from hearth.engine.checkpoint.gguf_families import ROPE_PERMUTED, arch_name, gguf_name, tensor_name_map
+from hearth.engine.checkpoint.gguf_families import ROPE_PERMUTED, UNLISTED, gguf_name, tensor_name_map
 from hearth.engine.checkpoint.gguf_reader import permute_rope_rows
 from hearth.engine.checkpoint.gguf_spm import write_sentencepiece
 from hearth.engine.checkpoint.gguf_write_families import (
@@ -102,7 +102,9 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
     if len(archs) != 1 or archs[0] not in WRITE_FAMILIES:
         raise ConvertError(f"{hf_dir}: GGUF writing supports {', '.join(WRITE_FAMILIES)}, not {archs}")
     spec = WRITE_FAMILIES[archs[0]]
-    arch = arch_name(spec.arch)
+    # (the GGUF name of the gguf.MODEL_ARCH member, or of one the released package does not list yet)
+    arch = UNLISTED[spec.arch][0] if spec.arch in UNLISTED else \
+        gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, spec.arch)]
     family = family_for(archs)
     layers = cfg["num_hidden_layers"]
     writer = gguf.GGUFWriter(str(out), arch)
