@@ -384,17 +384,24 @@ class ChunkedAttention(Attention):
     def attend_static(self, q, batch, k_cache, v_cache):
         raise NotImplementedError("fixed-shape decode steps do not run chunked attention yet")
 
+    def _chunk_mask(self, batch, index: int, seq: SequenceSlice, device) -> torch.Tensor:
+        """[Q, ctx]: each query's own chunk, up to itself; made once per step and shared by the layers."""
+        key = (index, ("chunk", self.chunk), True)
+        if key not in batch.masks:
+            q_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len, device=device)[:, None]
+            k_pos = torch.arange(seq.context_len, device=device)[None, :]
+            batch.masks[key] = (k_pos <= q_pos) & (k_pos // self.chunk == q_pos // self.chunk)
+        return batch.masks[key]
+
     def attend(self, q: torch.Tensor, batch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         if self.chunk is None:
             return super().attend(q, batch, k_cache, v_cache)
         out = torch.empty_like(q)
-        for seq in batch.sequences:
+        for index, seq in enumerate(batch.sequences):
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             keys = gather_context(k_cache, seq, batch.block_size)  # [ctx, kv_heads, D]
             vals = gather_context(v_cache, seq, batch.block_size)
-            q_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len, device=q.device)[:, None]
-            k_pos = torch.arange(seq.context_len, device=q.device)[None, :]
-            mask = (k_pos <= q_pos) & (k_pos // self.chunk == q_pos // self.chunk)  # [Q, ctx]
+            mask = self._chunk_mask(batch, index, seq, q.device)
             o = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                                vals.transpose(0, 1)[None], attn_mask=mask, scale=self.scale,
                                                enable_gqa=self.num_heads != self.num_kv_heads)

@@ -42,9 +42,9 @@ class ForwardBatch:
     sequences: list[SequenceSlice]
     logits_indices: torch.Tensor  # [B'] rows whose logits are needed (last token of a sampled sequence)
     block_size: int
-    # Attention masks by (sequence index, window, explicit causal), built by the first layer that needs one and
-    # reused by the others: they depend only on the sequence's positions.
-    masks: dict[tuple[int, int | None, bool], torch.Tensor | None] = field(default_factory=dict)
+    # Attention masks by (sequence index, window or ("chunk", size), explicit causal), built by the first layer
+    # that needs one and reused by the others: they depend only on the sequence's positions.
+    masks: dict[tuple[int, int | tuple[str, int] | None, bool], torch.Tensor | None] = field(default_factory=dict)
     # Snapshots requested by ``SequenceSlice.captures``: (sequence index, offset) -> layer -> (conv, state).
     captured: dict[tuple[int, int], dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     # What the expert hierarchy was told about this step (None: the plain backend, decode rules).

@@ -32,6 +32,17 @@ def same_name(name: str) -> str:
     return name
 
 
+def renaming(pairs: tuple[tuple[str, str], ...]) -> Callable[[str], str]:
+    """The name map that replaces each ``(old, new)`` substring, in order."""
+
+    def map_name(name: str) -> str:
+        for old, new in pairs:
+            name = name.replace(old, new)
+        return name
+
+    return map_name
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """One family: how to read its config, how to build its network, and its checkpoint names.

@@ -16,6 +16,7 @@ up) and ``output_linear`` [E, H, I] as IBM ships them (transformers 5 renames th
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -62,13 +63,16 @@ def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> GraniteMoeConf
     )
 
 
-def build(cfg: GraniteMoeConfig, experts: ExpertBackend) -> MoECausalLM:
+def build(cfg: GraniteMoeConfig, experts: ExpertBackend,
+          attention: Callable[[int], Attention] | None = None) -> MoECausalLM:
+    """Granite MoE's network; ``attention(layer)`` builds another attention (Granite MoE SWA's)."""
     norm = partial(RMSNorm, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
     h, dt = cfg.hidden_size, cfg.dtype
 
     def layer(i: int) -> DecoderLayer:
-        attn = Attention(i, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dt, bias=cfg.attention_bias,
-                         out_bias=cfg.attention_bias)
+        attn = attention(i) if attention is not None else Attention(
+            i, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dt, bias=cfg.attention_bias,
+            out_bias=cfg.attention_bias)
         attn.scale = cfg.attention_multiplier
         router = TopKRouter(h, cfg.num_experts, cfg.top_k, dt, normalize=True)
         shared = GatedMLP(h, cfg.shared_intermediate_size, cfg.hidden_act, dt) if cfg.shared_intermediate_size \

@@ -6,7 +6,6 @@ layer, 0 for a layer without rotary (``layer_rope_theta``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +14,9 @@ import torch
 from hearth.engine.config import ConfigError
 from hearth.engine.experts.contract import ExpertBackend
 from hearth.engine.layers.attention import SigmoidSinkAttention
-from hearth.engine.layers.mlp import GatedMLP
-from hearth.engine.layers.moe import MoEBlock, TopKRouter
-from hearth.engine.layers.norm import RMSNorm
 from hearth.engine.models import granitemoe
 from hearth.engine.models.base import ModelFamily
-from hearth.engine.models.decoder import DecoderLayer, MoECausalLM
+from hearth.engine.models.decoder import MoECausalLM
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,21 +40,13 @@ def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> GraniteMoeSWAC
 
 
 def build(cfg: GraniteMoeSWAConfig, experts: ExpertBackend) -> MoECausalLM:
-    norm = partial(RMSNorm, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
-    h, dt = cfg.hidden_size, cfg.dtype
+    def attention(i: int) -> SigmoidSinkAttention:
+        attn = SigmoidSinkAttention(i, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype,
+                                    bias=cfg.attention_bias, out_bias=cfg.attention_bias, window=cfg.window(i))
+        attn.use_rope = not cfg.nope_layers[i]
+        return attn
 
-    def layer(i: int) -> DecoderLayer:
-        attn = SigmoidSinkAttention(i, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dt, bias=cfg.attention_bias,
-                                    out_bias=cfg.attention_bias, window=cfg.window(i))
-        attn.scale, attn.use_rope = cfg.attention_multiplier, not cfg.nope_layers[i]
-        router = TopKRouter(h, cfg.num_experts, cfg.top_k, dt, normalize=True)
-        shared = GatedMLP(h, cfg.shared_intermediate_size, cfg.hidden_act, dt) if cfg.shared_intermediate_size \
-            else None
-        return DecoderLayer(attn, MoEBlock(i, cfg.num_experts, router, experts, shared), norm(h), norm(h),
-                            residual_scale=cfg.residual_multiplier)
-
-    return MoECausalLM(cfg, [layer(i) for i in range(cfg.num_layers)], norm(h),
-                       embedding_scale=cfg.embedding_multiplier, logits_divisor=cfg.logits_scaling)
+    return granitemoe.build(cfg, experts, attention)
 
 
 FAMILY = ModelFamily(

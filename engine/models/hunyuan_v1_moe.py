@@ -18,7 +18,7 @@ from hearth.engine.layers.attention import Attention
 from hearth.engine.layers.mlp import GatedMLP
 from hearth.engine.layers.moe import GroupedTopKRouter, MoEBlock
 from hearth.engine.layers.norm import RMSNorm
-from hearth.engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields
+from hearth.engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields, renaming
 from hearth.engine.models.decoder import DecoderLayer, MoECausalLM
 
 
@@ -65,14 +65,9 @@ def build(cfg: HunYuanMoeConfig, experts: ExpertBackend) -> MoECausalLM:
     return MoECausalLM(cfg, [layer(i) for i in range(cfg.num_layers)], norm(h))
 
 
-_NAMES = ((".self_attn.query_layernorm.", ".self_attn.q_norm."), (".self_attn.key_layernorm.", ".self_attn.k_norm."),
-          (".mlp.gate.wg.", ".mlp.gate."), (".mlp.shared_mlp.", ".mlp.shared_expert."))
-
-
-def map_name(name: str) -> str:
-    for old, new in _NAMES:
-        name = name.replace(old, new)
-    return name
+map_name = renaming(((".self_attn.query_layernorm.", ".self_attn.q_norm."),
+                     (".self_attn.key_layernorm.", ".self_attn.k_norm."), (".mlp.gate.wg.", ".mlp.gate."),
+                     (".mlp.shared_mlp.", ".mlp.shared_expert.")))
 
 
 FAMILY = ModelFamily(

@@ -22,7 +22,7 @@ from hearth.engine.layers.batch import LayerContext, StaticBatch
 from hearth.engine.layers.linear import Projection
 from hearth.engine.layers.moe import MoEBlock, TopKThenScoreRouter
 from hearth.engine.layers.norm import RMSNorm
-from hearth.engine.models.base import ModelFamily, decoder_fields
+from hearth.engine.models.base import ModelFamily, decoder_fields, renaming
 from hearth.engine.models.decoder import DecoderLayer, MoECausalLM
 from hearth.engine.ops import linear
 
@@ -66,18 +66,20 @@ class MixtureOfAttention(Attention):
     def adopt_block_weights(self) -> None:
         """No q/k/v to fuse: ``kv_proj`` is one projection already."""
 
-    def _per_expert(self, x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, out: int) -> torch.Tensor:
-        """x [T, k, in] through each row's expert of ``weight`` [E, out, in] -> [T, k, out]."""
-        y = x.new_empty(*ids.shape, out)
-        for e in ids.unique().tolist():
-            rows = ids == e
-            y[rows] = linear(x[rows], weight[e])
+    @staticmethod
+    def _per_expert(x: torch.Tensor, rows: list[tuple[int, torch.Tensor]], weight: torch.Tensor,
+                    out: int) -> torch.Tensor:
+        """x [T, k, in] through each (expert, its [T, k] rows) of ``weight`` [E, out, in] -> [T, k, out]."""
+        y = x.new_empty(*x.shape[:2], out)
+        for e, chosen in rows:
+            y[chosen] = linear(x[chosen], weight[e])
         return y
 
     def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:  # x: [T, H]
         t, batch, d, kvh, k = x.shape[0], ctx.batch, self.head_dim, self.num_kv_heads, self.top_k
         ids, gates = self.experts.router.layer(x)  # [T, k]
-        q = self._per_expert(x[:, None].expand(t, k, -1), ids, self.experts.input_linear.weight, kvh * d)
+        rows = [(e, ids == e) for e in ids.unique().tolist()]  # (found once: q and o share them)
+        q = self._per_expert(x[:, None].expand(t, k, -1), rows, self.experts.input_linear.weight, kvh * d)
         key, value = linear(x, self.kv_proj.weight).view(t, 2, kvh, d).unbind(1)
         q, key = self.rotate(q.view(t, k * kvh, d), key, ctx.rope, x.dtype)
         ctx.kv.keys[self.layer_idx].index_copy_(0, batch.slot_mapping, key)
@@ -86,7 +88,7 @@ class MixtureOfAttention(Attention):
         attend = self.attend_static if isinstance(batch, StaticBatch) else self.attend
         out = attend(q, batch, ctx.kv.keys[self.layer_idx], ctx.kv.values[self.layer_idx])
         out = out.view(t, kvh, k, d).transpose(1, 2).reshape(t, k, kvh * d)  # back by expert
-        o = self._per_expert(out, ids, self.experts.output_linear.weight, x.shape[1]) * gates[..., None]
+        o = self._per_expert(out, rows, self.experts.output_linear.weight, x.shape[1]) * gates[..., None]
         return o.sum(dim=1) + self.experts.bias
 
 
@@ -126,14 +128,8 @@ def build(cfg: JetMoeConfig, experts: ExpertBackend) -> MoECausalLM:
     return MoECausalLM(cfg, [layer(i) for i in range(cfg.num_layers)], RMSNorm(h, cfg.rms_norm_eps, dt))
 
 
-_NAMES = ((".mlp.router.layer.", ".mlp.gate."), (".mlp.input_linear.weight", ".mlp.experts.gate_up_proj"),
-          (".mlp.output_linear.weight", ".mlp.experts.down_proj"))
-
-
-def map_name(name: str) -> str:
-    for old, new in _NAMES:
-        name = name.replace(old, new)
-    return name
+map_name = renaming(((".mlp.router.layer.", ".mlp.gate."), (".mlp.input_linear.weight", ".mlp.experts.gate_up_proj"),
+                     (".mlp.output_linear.weight", ".mlp.experts.down_proj")))
 
 
 FAMILY = ModelFamily(
