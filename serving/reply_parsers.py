@@ -273,6 +273,8 @@ ARCHITECTURE_TOOL_PARSERS = {
     "DeepseekV2ForCausalLM": "deepseek",
     "GptOssForCausalLM": "harmony",
     "DeepseekV4ForCausalLM": "deepseek_v4",
+    "DeepseekV32ForCausalLM": "deepseek_v32",
+    "GlmMoeDsaForCausalLM": "glm45",
 }
 
 

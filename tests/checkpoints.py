@@ -194,6 +194,18 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "glm4_moe": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
                      first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, head_dim=16,
                      use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5),
+    # DeepSeek-V3's shape with sparse attention: each query keeps the indexer's best 6 tokens, so
+    # every prompt past 6 tokens takes the sparse path (8 index heads: exact score ties stay rare).
+    "deepseek_v32": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
+                         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                         num_key_value_heads=4, index_topk=6, index_head_dim=16, index_n_heads=8),
+    # GLM-5: the same with the indexer's rotary on pairs, and layer 1 reusing layer 0's selection.
+    "glm_moe_dsa": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+                        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                        num_key_value_heads=4, index_topk=6, index_head_dim=16, index_n_heads=8,
+                        indexer_types=["full", "shared", "full"]),
     # MLA with a low-rank query; layer 0 dense; 2 groups of 4 experts, one group chosen.
     "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
                         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=32,
@@ -305,12 +317,14 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
         DeepseekV2Config,
         DeepseekV3Config,
         DeepseekV4Config,
+        DeepseekV32Config,
         Dots1Config,
         Ernie4_5_MoeConfig,
         ExaoneMoeConfig,
         FlexOlmoConfig,
         Glm4MoeConfig,
         Glm4MoeLiteConfig,
+        GlmMoeDsaConfig,
         GptOssConfig,
         GraniteMoeConfig,
         GraniteMoeHybridConfig,
@@ -342,7 +356,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
                "flex_olmo": FlexOlmoConfig, "cohere2_moe": Cohere2MoeConfig,
                "phimoe": PhimoeConfig, "hunyuan_v1_moe": HunYuanMoEV1Config,
                "granitemoe_swa": GraniteMoeSWAConfig, "llama4": Llama4TextConfig,
-               "jetmoe": JetMoeConfig}
+               "jetmoe": JetMoeConfig, "deepseek_v32": DeepseekV32Config, "glm_moe_dsa": GlmMoeDsaConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(

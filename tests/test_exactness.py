@@ -149,6 +149,12 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         ("llama4", {"use_qk_norm": False, "attn_temperature_tuning": False, "num_experts_per_tok": 3,
                     "interleave_moe_layer_step": 1, "attention_bias": True, "no_rope_layers": [0, 1, 1, 1]}),
         ("jetmoe", {"num_experts_per_tok": 3, "num_key_value_heads": 4, "tie_word_embeddings": True}),
+        ("deepseek_v32", {"index_topk": 3, "index_n_heads": 4, "first_k_dense_replace": 2, "attention_bias": True,
+                          "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                              "original_max_position_embeddings": 1024, "mscale": 1.0,
+                                              "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
+        ("glm_moe_dsa", {"num_hidden_layers": 4, "indexer_types": None, "index_topk_freq": 2,
+                         "index_skip_topk_offset": 1, "index_head_dim": 24, "n_group": 2}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -161,7 +167,8 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "afmoe-no-shared-no-mup-global-first", "cohere-rms-sigmoid-top3-sum-two-dense-bias-tied",
         "phimoe-no-bias-wide-jitter-window-longrope", "hunyuan-bias-top3-per-layer-mha-plain-rope",
         "granite-swa-shared-bias-all-rope-sliding-first", "llama4-plain-top3-all-moe-bias-nope-first",
-        "jetmoe-top3-four-kv-heads-tied",
+        "jetmoe-top3-four-kv-heads-tied", "deepseek-v3.2-top3-two-dense-bias-yarn",
+        "glm5-every-second-indexer-wider-keys-two-groups",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

@@ -60,7 +60,7 @@ def test_too_big_for_the_whole_cluster_says_how_short() -> None:
     ("qwen3_moe", 1, 1, False), ("qwen3_moe", 2, 2, False), ("deepseek_v3", 2, 1, False), ("deepseek_v3", 2, 2, False),
     ("gpt_oss", 1, 2, False), ("glm4_moe", 1, 1, False), ("qwen3_moe", 1, 2, True), ("deepseek_v3", 2, 1, True),
     ("qwen3_next", 1, 1, False), ("qwen3_next", 2, 2, False), ("qwen3_5_moe", 3, 2, True),
-    ("deepseek_v4", 1, 2, False), ("deepseek_v4", 2, 1, True)])
+    ("deepseek_v4", 1, 2, False), ("deepseek_v4", 2, 1, True), ("glm_moe_dsa", 2, 1, False)])
 def test_two_stages_give_one_engines_tokens_and_logits(checkpoint, family, cut, micro, hierarchy) -> None:
     """A model split into two engines, each loading only its layers (and their experts and KV cache):
     the first schedules, embeds and samples; the second runs the rest and the head. Staggered

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hearth.engine.layers.attention import gather_context, step_mask
-from hearth.engine.layers.batch import LayerContext, StaticBatch
+from hearth.engine.layers.batch import LayerContext, SequenceSlice, StaticBatch
 from hearth.engine.layers.linear import Projection
 from hearth.engine.layers.norm import RMSNorm
 from hearth.engine.layers.rope import apply_rotary
@@ -79,8 +79,8 @@ class LatentAttention(nn.Module):
         t, batch = x.shape[0], ctx.batch
         if isinstance(batch, StaticBatch):
             raise NotImplementedError("fixed-shape decode steps do not run latent attention yet")
-        q = linear(x, self.q_proj.weight) if not self.q_lora else linear(
-            self.q_a_layernorm(linear(x, self.q_a_proj.weight, self.q_a_proj.bias)), self.q_b_proj.weight)
+        q_res = self.q_a_layernorm(linear(x, self.q_a_proj.weight, self.q_a_proj.bias)) if self.q_lora else None
+        q = linear(x, self.q_proj.weight) if not self.q_lora else linear(q_res, self.q_b_proj.weight)
         q = q.view(t, self.num_heads, self.nope + self.rope)
         q_pass, q_rot = q.split([self.nope, self.rope], dim=-1)
         compressed = linear(x, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias)  # [T, rank + rope]
@@ -92,16 +92,29 @@ class LatentAttention(nn.Module):
             if self.rope_style == "interleaved":
                 q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
             q_rot, k_rot = apply_rotary(q_rot, *ctx.rope), apply_rotary(k_rot, *ctx.rope)
-        latents, rot_keys = ctx.kv.keys[self.layer_idx], ctx.kv.values[self.layer_idx]  # [slots, 1, rank|rope]
+        latents, rot_keys = ctx.kv.keys[self.layer_idx], ctx.kv.values[self.layer_idx]  # [slots, 1, rank|rope(+)]
         latents.index_copy_(0, batch.slot_mapping, latent)
-        rot_keys.index_copy_(0, batch.slot_mapping, k_rot.contiguous())
+        rot_keys.index_copy_(0, batch.slot_mapping, self.cache_row(k_rot, x, ctx).contiguous())
         q = torch.cat((q_pass, q_rot), dim=-1)  # [T, heads, nope + rope]
         out = q.new_empty(t, self.num_heads, self.v_dim)
         for index, seq in enumerate(batch.sequences):
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
-            context = (gather_context(latents, seq, batch.block_size), gather_context(rot_keys, seq, batch.block_size))
-            out[rows] = self._attend(q[rows], *context, step_mask(batch, index, seq, None, x.device))
+            latent_ctx, values_ctx = (gather_context(latents, seq, batch.block_size),
+                                      gather_context(rot_keys, seq, batch.block_size))
+            mask = self.sequence_mask(ctx, index, seq, values_ctx, rows, q_res, x)
+            out[rows] = self._attend(q[rows], latent_ctx, values_ctx[..., : self.rope], mask)
         return linear(out.reshape(t, self.num_heads * self.v_dim), self.o_proj.weight, self.o_proj.bias)
+
+    def cache_row(self, k_rot: torch.Tensor, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        """What the cache's values keep of each new token: the rotary key [T, 1, rope] (a subclass
+        may append its own columns)."""
+        return k_rot
+
+    def sequence_mask(self, ctx: LayerContext, index: int, seq: SequenceSlice, values: torch.Tensor, rows: slice,
+                      q_res: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+        """The attention mask of the step's ``index``-th sequence (None: plain causal); ``values`` are
+        its cached value rows [ctx, 1, width], ``rows`` its queries' rows of ``q_res`` and ``x``."""
+        return step_mask(ctx.batch, index, seq, None, x.device)
 
     def _attend(self, q: torch.Tensor, latents: torch.Tensor, rot_keys: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:

@@ -17,12 +17,14 @@ from hearth.engine.models import (
     deepseek_v2,
     deepseek_v3,
     deepseek_v4,
+    deepseek_v32,
     dots1,
     ernie4_5_moe,
     exaone_moe,
     flex_olmo,
     glm4_moe,
     glm4_moe_lite,
+    glm_moe_dsa,
     gpt_oss,
     granitemoe,
     granitemoe_swa,
@@ -50,7 +52,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ernie4_5_moe.FAMILY, exaone_moe.FAMILY, lfm2_moe.FAMILY,
     granitemoehybrid.FAMILY, afmoe.FAMILY, flex_olmo.FAMILY, cohere2_moe.FAMILY,
     phimoe.FAMILY, hunyuan_v1_moe.FAMILY, granitemoe_swa.FAMILY, llama4.FAMILY,
-    jetmoe.FAMILY,
+    jetmoe.FAMILY, deepseek_v32.FAMILY, glm_moe_dsa.FAMILY,
 )
 
 

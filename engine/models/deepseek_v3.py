@@ -6,6 +6,7 @@ experts and sigmoid routing corrected by ``e_score_correction_bias`` over expert
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -62,21 +63,26 @@ def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> DeepseekConfig
     )
 
 
-def latent_attention(cfg: DeepseekConfig, i: int) -> LatentAttention:
+def latent_attention(cfg: DeepseekConfig, i: int, cls: type[LatentAttention] = LatentAttention,
+                     **extra: Any) -> LatentAttention:
+    """Layer ``i``'s latent attention (``cls``, with ``extra`` keyword arguments: DSA's indexer)."""
     m = cfg.mla
     scale = yarn_softmax_scale(m.qk_nope_head_dim + m.qk_rope_head_dim, cfg.rope.rope_type, cfg.rope.params)
-    return LatentAttention(i, cfg.hidden_size, cfg.num_heads, cfg.dtype, q_lora_rank=m.q_lora_rank,
-                           kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
-                           qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, bias=m.bias,
-                           rope_style=m.rope_style, softmax_scale=scale)
+    return cls(i, cfg.hidden_size, cfg.num_heads, cfg.dtype, q_lora_rank=m.q_lora_rank,
+               kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+               qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim, bias=m.bias,
+               rope_style=m.rope_style, softmax_scale=scale, **extra)
 
 
-def build(cfg: DeepseekConfig, experts: ExpertBackend) -> MoECausalLM:
-    """DeepSeek-V3's network, and V2's (which differs only in its config's choices)."""
+def build(cfg: DeepseekConfig, experts: ExpertBackend,
+          attention: Callable[[int], LatentAttention] | None = None) -> MoECausalLM:
+    """DeepSeek-V3's network, and V2's (which differs only in its config's choices); ``attention(layer)``
+    builds another latent attention (DeepSeek-V3.2's sparse one)."""
     norm = partial(RMSNorm, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
+    attention = attention or partial(latent_attention, cfg)
 
     def layer(i: int) -> DecoderLayer:
-        return DecoderLayer(latent_attention(cfg, i), grouped_moe_block(cfg, i, experts), norm(cfg.hidden_size),
+        return DecoderLayer(attention(i), grouped_moe_block(cfg, i, experts), norm(cfg.hidden_size),
                             norm(cfg.hidden_size))
 
     return MoECausalLM(cfg, [layer(i) for i in range(cfg.num_layers)], norm(cfg.hidden_size))
