@@ -195,16 +195,17 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                      first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, head_dim=16,
                      use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5),
     # DeepSeek-V3's shape with sparse attention: each query keeps the indexer's best 6 tokens, so
-    # every prompt past 6 tokens takes the sparse path (8 index heads: exact score ties stay rare).
+    # every prompt past 6 tokens takes the sparse path (16 index heads: a token scores exactly 0, all
+    # heads negative, once in 65536, so exact ties that either side may break its own way stay rare).
     "deepseek_v32": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
                          first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
                          q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                         num_key_value_heads=4, index_topk=6, index_head_dim=16, index_n_heads=8),
+                         num_key_value_heads=4, index_topk=6, index_head_dim=16, index_n_heads=16),
     # GLM-5: the same with the indexer's rotary on pairs, and layer 1 reusing layer 0's selection.
     "glm_moe_dsa": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
                         first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
                         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                        num_key_value_heads=4, index_topk=6, index_head_dim=16, index_n_heads=8,
+                        num_key_value_heads=4, index_topk=6, index_head_dim=16, index_n_heads=16,
                         indexer_types=["full", "shared", "full"]),
     # MLA with a low-rank query; layer 0 dense; 2 groups of 4 experts, one group chosen.
     "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
@@ -292,6 +293,20 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384, chat_format: str = "ch
                                                                                           CHATML_TEMPLATE)
     fast.save_pretrained(str(out_dir))
     return fast
+
+
+def write_gpt2_files(out_dir: Path) -> None:
+    """The checkpoint's byte-level BPE tokenizer as GPT-2's ``vocab.json`` + ``merges.txt`` (same ids),
+    adding ``<|endoftext|>`` as BOS, in place of ``tokenizer.json``."""
+    out = Path(out_dir)
+    model = json.loads((out / "tokenizer.json").read_text())["model"]
+    (out / "vocab.json").write_text(json.dumps(model["vocab"]))
+    merges = [" ".join(m) if isinstance(m, list) else m for m in model["merges"]]
+    (out / "merges.txt").write_text("\n".join(["#version: 0.2", *merges]) + "\n")
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="GPT2Tokenizer", add_bos_token=True, bos_token="<|endoftext|>")
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    (out / "tokenizer.json").unlink()
 
 
 def write_sentencepiece(out_dir: Path, vocab_size: int = 300) -> Path:

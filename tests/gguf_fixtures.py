@@ -13,12 +13,13 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gguf"
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2",
             "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v4", "dots1", "glm4_moe_lite", "granitemoe_shared",
             "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid",
-            "afmoe", "cohere2_moe", "llama4")
+            "afmoe", "cohere2_moe", "llama4", "deepseek_v32", "glm_moe_dsa")
 # make_checkpoint's arguments beyond the family: bf16 weights (the converter's bf16 file is then
 # lossless), and the tokenizer each family's converter expects.
 RECIPES: dict[str, dict[str, Any]] = {
     "glm4_moe": {"chat_format": "glm"},
     "glm4_moe_lite": {"chat_format": "glm"},
+    "glm_moe_dsa": {"chat_format": "glm"},
     # (llama.cpp takes every fourth layer global and always scales by muP: four layers, the last global)
     # (llama.cpp's constants: chunks of 8192, floor 8192, scale 0.1; llama3 rotary, written as rope_freqs)
     "llama4": {"attention_chunk_size": 8192, "floor_scale": 8192, "attn_scale": 0.1,
@@ -45,6 +46,8 @@ RECIPES: dict[str, dict[str, Any]] = {
 CONVERTER_FLAGS: dict[str, tuple[str, ...]] = {"qwen3_next": ("--no-mtp",), "qwen3_5_moe": ("--no-mtp",)}
 # config.json fields a shipped checkpoint has and transformers' config class does not write.
 SHIPPED_FIELDS: dict[str, dict[str, Any]] = {"deepseek_v4": {"num_hash_layers": 1},
+                                             # (DeepSeek-V3.2's router as its config.json names it)
+                                             "deepseek_v32": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
                                              # (GLM-4.7-Flash's dense first layer, as the converter reads it)
                                              "glm4_moe_lite": {"first_k_dense_replace": 1},
                                              # (Granite 4's own names for its layers, which the converter reads)
@@ -54,15 +57,20 @@ SHIPPED_FIELDS: dict[str, dict[str, Any]] = {"deepseek_v4": {"num_hash_layers": 
 # Families whose converter reads a SentencePiece ``tokenizer.model`` only (as they ship one): the
 # fixture checkpoint gets one beside its tokenizer.json (the tests prompt with token ids).
 SENTENCEPIECE = ("ernie4_5_moe",)
+# Families whose converter insists that the tokenizer adds a BOS token (DeepSeek-V3.2's ships so), which
+# transformers 5 reads only from vocabulary files, not from tokenizer.json: GPT-2's files instead.
+ADDS_BOS = ("deepseek_v32",)
 
 
 def fixture_checkpoint(out_dir: Path, family: str) -> tuple[Path, Any]:
     """The checkpoint ``family``'s fixtures were made from (its directory, the transformers model)."""
-    from tests.checkpoints import make_checkpoint, write_sentencepiece
+    from tests.checkpoints import make_checkpoint, write_gpt2_files, write_sentencepiece
 
     path, model = make_checkpoint(out_dir, family, dtype="bfloat16", seed=0, **RECIPES.get(family, {}))
     if family in SENTENCEPIECE:
         write_sentencepiece(path)
+    if family in ADDS_BOS:
+        write_gpt2_files(path)
     if family in SHIPPED_FIELDS:
         config = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**config, **SHIPPED_FIELDS[family]}, indent=2))

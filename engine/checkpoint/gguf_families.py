@@ -284,6 +284,23 @@ def _deepseek2(meta: Meta, has: Has) -> dict[str, Any]:
     return fields
 
 
+def _sparse_deepseek(meta: Meta, has: Has) -> dict[str, Any]:
+    """DeepSeek-V3.2 and GLM-5: DeepSeek-V3's fields (their routers always sigmoid with a correction
+    bias), the indexer's shape, the dense leading layers as ``mlp_layer_types``, and GLM-5's
+    indexer layers (``attention.indexer.types``: True where a layer runs its own)."""
+    fields = _deepseek2(meta, has)
+    fields.pop("topk_method")
+    n, dense = fields["num_hidden_layers"], fields["first_k_dense_replace"]
+    fields.update(index_n_heads=int(meta("attention.indexer.head_count")),
+                  index_head_dim=int(meta("attention.indexer.key_length")),
+                  index_topk=int(meta("attention.indexer.top_k")),
+                  mlp_layer_types=["dense" if i < dense else "sparse" for i in range(n)])
+    types = meta("attention.indexer.types")
+    if types is not None:
+        fields["indexer_types"] = ["full" if own else "shared" for own in list(types)[:n]]
+    return fields
+
+
 def _qwen_hybrid(meta: Meta) -> dict[str, Any]:
     """Qwen3-Next and Qwen3.5-MoE: gated DeltaNet layers (``attention.recurrent_layers``) between
     gated attention ones, partial rotary, routed and shared experts."""
@@ -319,6 +336,8 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "cohere2moe": GGUFArchitecture("Cohere2MoeForCausalLM", "cohere2_moe", _cohere2moe),
     "granitemoe": GGUFArchitecture("GraniteMoeForCausalLM", "granitemoe", _granitemoe, _granitemoe_variant),
     "deepseek2": GGUFArchitecture("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek2, _deepseek2_variant),
+    "deepseek32": GGUFArchitecture("DeepseekV32ForCausalLM", "deepseek_v32", _sparse_deepseek),
+    "glm-dsa": GGUFArchitecture("GlmMoeDsaForCausalLM", "glm_moe_dsa", _sparse_deepseek),
     "qwen3next": GGUFArchitecture("Qwen3NextForCausalLM", "qwen3_next", lambda meta, has: _qwen_hybrid(meta)),
     "qwen35moe": GGUFArchitecture("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", lambda meta, has: _qwen_hybrid(meta)),
 })
@@ -329,7 +348,7 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
 # Architectures llama.cpp's converter writes that the released gguf package does not list yet:
 # member name -> (the GGUF name, a listed architecture whose tensor kinds cover theirs). llama.cpp's
 # tensor names are one table for all; an architecture only selects from it.
-UNLISTED = MappingProxyType({"COHERE2MOE": ("cohere2moe", "DOTS1")})
+UNLISTED = MappingProxyType({"COHERE2MOE": ("cohere2moe", "DOTS1"), "DEEPSEEK32": ("deepseek32", "GLM_DSA")})
 
 
 def tensor_name_map(architecture: str, layers: int) -> Any:
@@ -345,6 +364,8 @@ def tensor_name_map(architecture: str, layers: int) -> Any:
 
 
 ROPE_PERMUTED = frozenset({"llama", "granitemoe", "granitehybrid"})
+# The architectures with DeepSeek's latent attention (``kv_b`` split into ``attn_k_b`` / ``attn_v_b``).
+LATENT = frozenset({"deepseek2", "deepseek32", "glm-dsa"})
 
 
 def metadata_config(architecture: str, meta: Meta, has: Has, vocab_size: int,
@@ -371,7 +392,7 @@ def composed_tensors(architecture: str, names: set[str], meta: Meta) -> dict[str
     out: dict[str, tuple[tuple[str, ...], Callable]] = {}
     layers = int(meta("block_count", 0) or 0)
     for layer in range(layers):
-        if architecture == "deepseek2":
+        if architecture in LATENT:
             parts = (f"blk.{layer}.attn_k_b.weight", f"blk.{layer}.attn_v_b.weight")
             if all(part in names for part in parts):
                 out[f"blk.{layer}.attn_kv_b.weight"] = (parts, _kv_b)
