@@ -166,24 +166,33 @@ def test_deepseek_v4_cache_holds_window_and_compressor_columns(checkpoint) -> No
     assert summarize(cfg).kv_bytes_per_token == sum(d + widths[k] for k in cfg.attention_kinds) * 4
 
 
-def test_a_llama4_multimodal_checkpoint_serves_its_language_model(solo, tmp_path) -> None:
-    """Llama 4 ships as Llama4ForConditionalGeneration: the text config under ``text_config``, the
-    language model's tensors under ``language_model.``, beside a vision tower that is not read."""
+# (family, the multimodal class, its model_type, a vision tensor it ships beside the language model)
+MULTIMODAL = [("llama4", "Llama4ForConditionalGeneration", "llama4", "vision_model.patch_embedding.weight"),
+              ("deepseek_v3", "KimiK25ForConditionalGeneration", "kimi_k25", "mm_projector.proj.0.weight")]
+
+
+@pytest.mark.parametrize("family, architecture, model_type, vision", MULTIMODAL, ids=[m[1] for m in MULTIMODAL])
+def test_a_multimodal_checkpoint_serves_its_language_model(solo, tmp_path, family, architecture, model_type,
+                                                           vision) -> None:
+    """Llama 4 ships as Llama4ForConditionalGeneration, Kimi-K2.5 as Kimi_K25ForConditionalGeneration:
+    the text config under ``text_config``, the language model's tensors under a prefix
+    (``language_model.``: ``language_model.model.layers…``, ``language_model.lm_head``), beside vision
+    parts that are not read. The tokens are the text model's own."""
     import json
     import shutil
 
     import torch
     from safetensors.torch import load_file, save_file
 
-    path, refs = solo("llama4")
+    path, refs = solo(family)
     out = tmp_path / "multimodal"
     shutil.copytree(path, out)
     text = json.loads((out / "config.json").read_text())
-    config = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "text_config": text}
+    config = {"architectures": [architecture], "model_type": model_type, "text_config": text}
     (out / "config.json").write_text(json.dumps(config))
     for file in out.glob("*.safetensors"):
         tensors = {f"language_model.{name}": t for name, t in load_file(file).items()}
-        save_file(tensors | {"vision_model.patch_embedding.weight": torch.zeros(4, 4)}, file)
+        save_file(tensors | {vision: torch.zeros(4, 4)}, file)
     index = out / "model.safetensors.index.json"
     if index.exists():
         data = json.loads(index.read_text())
@@ -192,3 +201,12 @@ def test_a_llama4_multimodal_checkpoint_serves_its_language_model(solo, tmp_path
     llm = LLM(out)
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy(STEPS))] == [tokens for tokens, _ in refs]
     llm.close()
+
+
+def test_kimi_k25_reads_transformers_saved_names_too() -> None:
+    from hearth.engine.models import kimi_k25
+
+    assert kimi_k25.map_name("model.language_model.layers.1.mlp.shared_experts.up_proj.weight") == \
+        "model.layers.1.mlp.shared_expert.up_proj.weight"
+    assert kimi_k25.map_name("language_model.lm_head.weight") == kimi_k25.map_name("lm_head.weight") == "lm_head.weight"
+    assert kimi_k25.map_name("model.vision_tower.patch_embed.proj.weight") == ""

@@ -4,6 +4,7 @@ match transformers on the same file. Opt-in: set HEARTH_LLAMA_CPP to a llama.cpp
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.gguf_checkpoints import assert_matches_transformers
-from tests.gguf_fixtures import CONVERTER_FLAGS, RECIPES, SENTENCEPIECE
+from tests.gguf_fixtures import ADDS_BOS, CONVERTER_FLAGS, RECIPES, SENTENCEPIECE
 
 LLAMA_CPP = os.environ.get("HEARTH_LLAMA_CPP")
 pytestmark = [pytest.mark.slow,
@@ -56,11 +57,12 @@ LLAMA_TIE = 0.15
 # the families hearth convert writes
 WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe", "deepseek_v2", "deepseek_v3",
            "gpt_oss", "qwen3_next", "qwen3_5_moe", "dots1", "granitemoe_shared", "glm4_moe_lite",
-           "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid", "afmoe", "cohere2_moe", "llama4"]
+           "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid", "afmoe", "cohere2_moe", "llama4",
+           "deepseek_v32", "glm_moe_dsa"]
 
 
 def _checkpoint(tmp_path, family: str):
-    from tests.checkpoints import make_checkpoint, write_sentencepiece
+    from tests.checkpoints import make_checkpoint, write_gpt2_files, write_sentencepiece
 
     shape = {"intermediate_size": 256} if family in ("mixtral", "granitemoe_shared") else {"moe_intermediate_size": 256,
                                                                      "intermediate_size": 256}
@@ -72,12 +74,16 @@ def _checkpoint(tmp_path, family: str):
         # token on a 21-token prompt ranked at -5.3 by transformers against -2.6, on its own
         # converter's file as on hearth's, which are equal tensor for tensor); at 16 they agree.
         attention["head_dim"] = 16
-    if family.startswith("deepseek") or family == "glm4_moe_lite":
+    if family.startswith("deepseek") or family in ("glm4_moe_lite", "glm_moe_dsa"):
         # Latent attention: as many KV heads as heads (the converter splits kv_b by them), the head
         # widths its own; llama.cpp takes a V2 without a query LoRA for V2-Lite only by its 27 layers.
         attention = {"num_key_value_heads": 4, "q_lora_rank": 32}
         if family == "glm4_moe_lite":  # (its two layers: the first dense)
             attention["mlp_layer_types"] = ["dense", "sparse"]
+        if family in ("deepseek_v32", "glm_moe_dsa"):  # (llama.cpp's indexer turns its keys by a Hadamard
+            attention["index_head_dim"] = 64              # matrix of at least 64; GLM-5's second layer reuses
+        if family == "glm_moe_dsa":                       # the first's selection)
+            attention["indexer_types"] = ["full", "shared"]
     if family == "ernie4_5_moe":  # (its converter writes the shared experts' width as intermediate_size / KV heads)
         shape["intermediate_size"] = 2 * 256
     if family == "granitemoehybrid":  # (a Mamba-2 layer, then attention; llama.cpp takes an SSM twice as wide)
@@ -97,9 +103,9 @@ def _checkpoint(tmp_path, family: str):
                            **attention, **shape, **recipe)[0]  # (recipes: each converter's tokenizer)
     if family in SENTENCEPIECE:  # (its converter reads tokenizer.model only)
         write_sentencepiece(path)
+    if family in ADDS_BOS:  # (its converter insists on a tokenizer that adds BOS: see tests/gguf_fixtures.py)
+        write_gpt2_files(path)
     if family in SHIPPED:  # as shipped (transformers' config classes do not write these; the converter reads them)
-        import json
-
         config = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**config, **SHIPPED[family]}))
     return path
@@ -112,6 +118,8 @@ SHIPPED = {"minimax_m2": {"scoring_func": "sigmoid"}, "deepseek_v2": {"scoring_f
            "dots1": {"scoring_func": "sigmoid"},
            # (GLM-4.7-Flash's dense first layer and sigmoid routing, as the converter reads them)
            "glm4_moe_lite": {"first_k_dense_replace": 1, "scoring_func": "sigmoid"},
+           "deepseek_v32": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
+           "glm_moe_dsa": {"scoring_func": "sigmoid"},
            # (Granite 4's own names for its layers, which the converter reads)
            "granitemoehybrid": {"layer_types": ["mamba", "attention"]}}
 
@@ -153,8 +161,6 @@ def test_llama_cpp_runs_hearth_written_files(tmp_path, family, quant) -> None:
     not compared: on random tiny models llama.cpp's int8 activations break ties a few tokens on,
     and its own choices then change with its batch size and KV cache type.)"""
     pytest.importorskip("llama_cpp")
-    import json
-
     from hearth.engine import LLM, SamplingParams
     from hearth.engine.checkpoint.gguf_writer import write_gguf
     from tests.gguf_checkpoints import PROMPTS

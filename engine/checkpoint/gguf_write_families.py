@@ -293,6 +293,20 @@ def _glm4_moe_lite(cfg: dict, fields: Fields) -> None:
         fields["leading_dense_block_count"] = next((i for i, kind in enumerate(kinds) if kind == "sparse"), len(kinds))
 
 
+def _sparse_deepseek(cfg: dict, fields: Fields) -> None:
+    """DeepSeek-V3.2 and GLM-5: DeepSeek-V3's layout plus the indexer's shape, the MTP layers counted
+    in ``block_count`` (their converters keep them), GLM-5's indexer layers (True where a layer runs
+    its own) and its rotary width; dense layers from ``mlp_layer_types`` where the config names them."""
+    _glm4_moe_lite(cfg, fields)
+    fields.update(indexer_head_count=cfg["index_n_heads"], indexer_key_length=cfg["index_head_dim"],
+                  indexer_top_k=cfg["index_topk"])
+    if "num_nextn_predict_layers" in cfg:
+        fields["block_count"] += nextn_layers(cfg)
+        fields["nextn_predict_layers"] = nextn_layers(cfg)
+    if cfg.get("indexer_types") is not None:
+        fields[".attention.indexer.types"] = [kind == "full" for kind in cfg["indexer_types"]]
+
+
 def _split_kv_b(target: str, t: torch.Tensor, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """MLA's ``kv_b_proj`` [heads * (nope + v), rank] as llama.cpp absorbs it: ``attn_k_b`` [heads,
     rank, nope] (each head's key part transposed) and ``attn_v_b`` [heads, v, rank]."""
@@ -455,6 +469,8 @@ WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
     "GraniteMoeSharedForCausalLM": WriteFamily("GRANITE_MOE", _granitemoe, prepare=_granite_shared),
     "Glm4MoeLiteForCausalLM": WriteFamily("DEEPSEEK2", _glm4_moe_lite, _GLM_TOKENS, tensors=_split_kv_b,
                                           keeps=_decoder_layers_only),
+    "DeepseekV32ForCausalLM": WriteFamily("DEEPSEEK32", _sparse_deepseek, tensors=_split_kv_b, nextn=True),
+    "GlmMoeDsaForCausalLM": WriteFamily("GLM_DSA", _sparse_deepseek, _GLM_TOKENS, tensors=_split_kv_b, nextn=True),
     "Qwen3NextForCausalLM": WriteFamily("QWEN3NEXT", _hybrid, prepare=_hybrid_tensors),
     "Qwen3_5MoeForCausalLM": WriteFamily("QWEN35MOE", _hybrid, prepare=_hybrid_tensors),
 })

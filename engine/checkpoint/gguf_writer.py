@@ -38,8 +38,9 @@ from hearth.engine.quant.registry import FORMATS, REGISTRY, quantize
 
 FLOAT_TYPES = ("f32", "f16", "bf16")
 # What the converter keeps in f32 beyond the 1-D tensors: the convolutions (the hybrids' DeltaNet,
-# LFM2's short convolution) and Mamba-2's A, D and gated norm (stored 2-D).
-_KEPT_F32 = re.compile(r"\.(ssm_conv1d|shortconv\.conv)\.|\.ssm_(a|d|norm\.weight)$")
+# LFM2's short convolution), Mamba-2's A, D and gated norm (stored 2-D) and the sparse attention
+# indexer's per-head weights.
+_KEPT_F32 = re.compile(r"\.(ssm_conv1d|shortconv\.conv)\.|\.ssm_(a|d|norm\.weight)$|\.indexer\.proj\.weight$")
 # Mixes: (base format, format of the tensors that get more bits), as the formats' modules declare them.
 MIXES = REGISTRY.mixes()
 # What it can write: the formats with an encoder.
@@ -234,11 +235,9 @@ def _tokenizer(writer, hf_dir: Path, family: WriteFamily, cfg: dict) -> None:
         if "add_prefix_space" in config:
             writer.add_add_space_prefix(config["add_prefix_space"])
         return
-    spec = json.loads((hf_dir / "tokenizer.json").read_text())
-    if spec["model"]["type"] != "BPE":
-        raise ConvertError(f"{hf_dir}: GGUF writing supports BPE tokenizers, not {spec['model']['type']}")
-    vocab = spec["model"]["vocab"]
-    added = {t["id"]: t for t in spec.get("added_tokens", [])}
+    config_path = hf_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    vocab, added, merges = _bpe_files(hf_dir, config)
     size = max([*vocab.values(), *added]) + 1
     tokens = [""] * size
     types = [1] * size  # normal
@@ -247,14 +246,11 @@ def _tokenizer(writer, hf_dir: Path, family: WriteFamily, cfg: dict) -> None:
     for i, t in added.items():
         tokens[i] = t["content"]
         types[i] = 3 if t.get("special") else 4  # control, user-defined
-    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
-    config_path = hf_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     ids = {t["content"]: i for i, t in added.items()}  # (the converter names special tokens among the added ones)
     # As the converter's special vocabulary: the tokenizer config's tokens, else config.json's ids,
     # else the tokens the family's converter names.
@@ -268,11 +264,37 @@ def _tokenizer(writer, hf_dir: Path, family: WriteFamily, cfg: dict) -> None:
             chosen[kind] = ids[text]
     for kind, token in chosen.items():
         writer.add_uint32(f"tokenizer.ggml.{_TOKEN_KEYS.get(kind, kind)}_token_id", token)
+    for kind in ("bos", "eos"):  # (whether encoding adds them, where the tokenizer config says: DeepSeek's BOS)
+        if isinstance(config.get(f"add_{kind}_token"), bool):
+            writer.add_bool(f"tokenizer.ggml.add_{kind}_token", config[f"add_{kind}_token"])
     template = hf_dir / "chat_template.jinja"
     if template.is_file():
         writer.add_chat_template(template.read_text())
     elif isinstance(config.get("chat_template"), str):
         writer.add_chat_template(config["chat_template"])
+
+
+def _bpe_files(hf_dir: Path, config: dict) -> tuple[dict[str, int], dict[int, dict], list[str]]:
+    """A byte-level BPE tokenizer's vocabulary, added tokens (id -> {content, special}) and merges:
+    from ``tokenizer.json``, or from GPT-2's ``vocab.json`` + ``merges.txt`` with the added tokens
+    the tokenizer config lists (and the special tokens it names, as transformers marks them)."""
+    if (hf_dir / "tokenizer.json").is_file():
+        spec = json.loads((hf_dir / "tokenizer.json").read_text())
+        if spec["model"]["type"] != "BPE":
+            raise ConvertError(f"{hf_dir}: GGUF writing supports BPE tokenizers, not {spec['model']['type']}")
+        merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+        return spec["model"]["vocab"], {t["id"]: t for t in spec.get("added_tokens", [])}, merges
+    if not (hf_dir / "vocab.json").is_file() or not (hf_dir / "merges.txt").is_file():
+        raise ConvertError(f"{hf_dir}: no tokenizer.json, nor GPT-2's vocab.json and merges.txt")
+    vocab = json.loads((hf_dir / "vocab.json").read_text())
+    lines = (hf_dir / "merges.txt").read_text().splitlines()
+    merges = [line for line in lines if line and not line.startswith("#version")]
+    added = {int(i): t for i, t in config.get("added_tokens_decoder", {}).items()}
+    for kind in ("bos", "eos", "unk", "pad"):
+        text = _token_text(config.get(f"{kind}_token"))
+        if text in vocab and vocab[text] not in added:
+            added[vocab[text]] = {"content": text, "special": True}
+    return vocab, added, merges
 
 
 def _add(writer, name: str, t: torch.Tensor, asked: str, summary: WriteSummary) -> None:

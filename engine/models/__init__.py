@@ -31,6 +31,7 @@ from hearth.engine.models import (
     granitemoehybrid,
     hunyuan_v1_moe,
     jetmoe,
+    kimi_k25,
     lfm2_moe,
     llama4,
     minimax_m2,
@@ -52,7 +53,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ernie4_5_moe.FAMILY, exaone_moe.FAMILY, lfm2_moe.FAMILY,
     granitemoehybrid.FAMILY, afmoe.FAMILY, flex_olmo.FAMILY, cohere2_moe.FAMILY,
     phimoe.FAMILY, hunyuan_v1_moe.FAMILY, granitemoe_swa.FAMILY, llama4.FAMILY,
-    jetmoe.FAMILY, deepseek_v32.FAMILY, glm_moe_dsa.FAMILY,
+    jetmoe.FAMILY, deepseek_v32.FAMILY, glm_moe_dsa.FAMILY, kimi_k25.FAMILY,
 )
 
 
