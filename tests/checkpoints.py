@@ -207,6 +207,14 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                         num_key_value_heads=4, index_topk=6, index_head_dim=16, index_n_heads=16,
                         indexer_types=["full", "shared", "full"]),
+    # Kimi-Linear: delta attention (per-channel decays) around one NoPE latent attention layer;
+    # layer 0 dense; DeepSeek-V3's routing over 2 groups of 4 experts.
+    "kimi_linear": dict(num_local_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
+                        n_group=2, topk_group=1, routed_scaling_factor=2.5, kv_lora_rank=16, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, num_key_value_heads=4, linear_head_dim=16,
+                        linear_num_heads=4, pad_token_id=None, bos_token_id=None,
+                        layer_types=["linear_attention", "full_attention", "linear_attention"],
+                        mlp_layer_types=["dense", "sparse", "sparse"]),
     # MLA with a low-rank query; layer 0 dense; 2 groups of 4 experts, one group chosen.
     "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
                         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=32,
@@ -248,7 +256,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         linear_value_head_dim=16, linear_conv_kernel_dim=4,
     ),
 }
-HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe")
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe", "kimi_linear")
 
 
 def build_tokenizer(out_dir: Path, vocab_size: int = 384, chat_format: str = "chatml") -> Any:
@@ -347,6 +355,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
         GraniteMoeSWAConfig,
         HunYuanMoEV1Config,
         JetMoeConfig,
+        KimiLinearConfig,
         Lfm2MoeConfig,
         Llama4TextConfig,
         MiniMaxM2Config,
@@ -371,7 +380,8 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
                "flex_olmo": FlexOlmoConfig, "cohere2_moe": Cohere2MoeConfig,
                "phimoe": PhimoeConfig, "hunyuan_v1_moe": HunYuanMoEV1Config,
                "granitemoe_swa": GraniteMoeSWAConfig, "llama4": Llama4TextConfig,
-               "jetmoe": JetMoeConfig, "deepseek_v32": DeepseekV32Config, "glm_moe_dsa": GlmMoeDsaConfig}
+               "jetmoe": JetMoeConfig, "deepseek_v32": DeepseekV32Config, "glm_moe_dsa": GlmMoeDsaConfig,
+               "kimi_linear": KimiLinearConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(

@@ -155,6 +155,10 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
                                               "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
         ("glm_moe_dsa", {"num_hidden_layers": 4, "indexer_types": None, "index_topk_freq": 2,
                          "index_skip_topk_offset": 1, "index_head_dim": 24, "n_group": 2}),
+        ("kimi_linear", {"num_hidden_layers": 4, "layer_types": None, "mlp_layer_types": ["sparse"] * 4,
+                         "q_lora_rank": 24, "n_group": 1, "norm_topk_prob": False,
+                         "linear_attn_config": {"full_attn_layers": [1, 4], "kda_layers": [2, 3], "head_dim": 8,
+                                                "num_heads": 6, "short_conv_kernel_size": 3}}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -168,7 +172,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "phimoe-no-bias-wide-jitter-window-longrope", "hunyuan-bias-top3-per-layer-mha-plain-rope",
         "granite-swa-shared-bias-all-rope-sliding-first", "llama4-plain-top3-all-moe-bias-nope-first",
         "jetmoe-top3-four-kv-heads-tied", "deepseek-v3.2-top3-two-dense-bias-yarn",
-        "glm5-every-second-indexer-wider-keys-two-groups",
+        "glm5-every-second-indexer-wider-keys-two-groups", "kimi-linear-shipped-layers-q-lora-all-moe",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

@@ -48,7 +48,12 @@ log = logging.getLogger(__name__)
 # (ERNIE-4.5 names its multi-token-prediction parts mtp_block, mtp_emb_norm, mtp_hidden_norm, mtp_linear_proj)
 _UNUSED = re.compile(r"rotary_emb\.inv_freq$|^(model\.)?(mtp|mtp_[a-z_]+|visual|vision_tower|vision_model"
                      r"|multi_modal_projector|audio_tower)\.")
-_FUSED_GATE_UP = re.compile(r"^(.+)\.gate_up_proj\.weight$")
+# Tensors stored fused that a model holds as parts (rows in order): a dense gated MLP's gate and up
+# (Granite's ``shared_mlp.input_linear``), Kimi delta attention's q, k and v convolutions as
+# transformers holds them in memory.
+_FUSED_PARTS = ((re.compile(r"^(.+)\.gate_up_proj\.weight$"), ("gate_proj.weight", "up_proj.weight")),
+                (re.compile(r"^(.+\.self_attn)\.conv1d\.weight$"),
+                 ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")))
 _BIASED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$")
 _BIASED_PARTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
@@ -286,7 +291,7 @@ def _load_one(name, canonical, f, cfg, params, pool, progress: _Progress, quant=
         if canonical == "lm_head.weight" and cfg.tie_word_embeddings:
             return  # tied: the embedding is the output projection
         if canonical not in params:
-            if not _load_fused_gate_up(name, canonical, f, params, progress):
+            if not _load_fused_parts(name, canonical, f, params, progress):
                 progress.stray.append(name)
             return
         dst = params[canonical]
@@ -301,23 +306,23 @@ def _load_one(name, canonical, f, cfg, params, pool, progress: _Progress, quant=
         raise CheckpointError(f"cannot read tensor '{name}' (truncated or corrupt file?): {exc}") from exc
 
 
-def _load_fused_gate_up(name: str, canonical: str, f, params: dict, progress: _Progress) -> bool:
-    """A dense gated MLP's gate and up rows stored as one tensor [2I, H] (Granite's
-    ``shared_mlp.input_linear``, mapped to ``….gate_up_proj.weight``): the halves into its
-    ``gate_proj`` and ``up_proj``. False where ``canonical`` is no such tensor."""
-    match = _FUSED_GATE_UP.match(canonical)
-    if match is None:
+def _load_fused_parts(name: str, canonical: str, f, params: dict, progress: _Progress) -> bool:
+    """A tensor stored fused whose parts the model holds (``_FUSED_PARTS``: a gated MLP's
+    ``gate_up_proj`` [2I, H] into ``gate_proj`` and ``up_proj``), its rows split among them in order.
+    False where ``canonical`` is no such tensor."""
+    for pattern, parts in _FUSED_PARTS:
+        match = pattern.match(canonical)
+        targets = [f"{match.group(1)}.{part}" for part in parts] if match else []
+        if targets and all(t in params for t in targets):
+            break
+    else:
         return False
-    targets = [f"{match.group(1)}.{part}.weight" for part in ("gate_proj", "up_proj")]
-    if not all(t in params for t in targets):
-        return False
-    gate, up = (params[t] for t in targets)
-    if _check_shape(name, tuple(f.get_slice(name).get_shape()), (gate.shape[0] + up.shape[0], gate.shape[1]),
+    dst = [params[t] for t in targets]
+    if _check_shape(name, tuple(f.get_slice(name).get_shape()), (sum(d.shape[0] for d in dst), *dst[0].shape[1:]),
                     progress.errors):
         _float_tensor(name, f)
-        fused = f.get_tensor(name)
-        gate.data.copy_(fused[: gate.shape[0]])
-        up.data.copy_(fused[gate.shape[0]:])
+        for part, rows in zip(dst, f.get_tensor(name).split([d.shape[0] for d in dst]), strict=True):
+            part.data.copy_(rows)
         progress.params.difference_update(targets)
     return True
 

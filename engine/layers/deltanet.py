@@ -43,9 +43,10 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def recurrent_step(q, k, v, g, beta, state):
-    """One token for B sequences at once. q, k: [B, H, Dk]; v: [B, H, Dv]; g, beta: [B, H];
-    state: [B, H, Dk, Dv] (all fp32). Returns (o [B, H, Dv], new state)."""
-    state = state * g.exp()[..., None, None]
+    """One token for B sequences at once. q, k: [B, H, Dk]; v: [B, H, Dv]; g: [B, H] (one decay per
+    head) or [B, H, Dk] (one per key channel: Kimi's delta attention); beta: [B, H]; state:
+    [B, H, Dk, Dv] (all fp32). Returns (o [B, H, Dv], new state)."""
+    state = state * (g.exp()[..., None, None] if g.dim() == beta.dim() else g.exp()[..., None])
     predicted = (state * k[..., None]).sum(dim=-2)  # S^T k: [B, H, Dv]
     update = (v - predicted) * beta[..., None]
     state = state + k[..., None] * update[..., None, :]
@@ -94,6 +95,7 @@ class GatedDeltaNet(nn.Module):
     and :meth:`_project` (Qwen3-Next's fused ones, in its family file)."""
 
     checkpoint_name = "linear_attn"
+    chunked_rule = staticmethod(chunked_delta_rule)  # the prefill form of the recurrence
 
     def __init__(self, layer_idx: int, hidden: int, la: LinearAttentionConfig, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -136,11 +138,10 @@ class GatedDeltaNet(nn.Module):
         state_cache = ctx.states.recurrent[self.layer_idx]  # [slots, Hv, Dk, Dv] fp32
         qkv, z, b, a = self._project(x)
         beta = torch.sigmoid(b).float()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, Hv], <= 0
+        g = self._decay(a)  # <= 0
         if isinstance(batch, StaticBatch):  # a fixed-shape decode step: every row one token of its slot
             out = self._recurrent_update(qkv, g, beta, batch.state_slots, conv_cache, state_cache)
-            core = self.norm(out.to(x.dtype).view(-1, self.la.value_head_dim), z.reshape(-1, self.la.value_head_dim))
-            return linear(core.view(x.shape[0], -1), self.out_proj.weight)
+            return self._output(out, z, x.dtype)
         out = torch.empty(x.shape[0], self.la.num_value_heads, self.la.value_head_dim, dtype=torch.float32,
                           device=x.device)
         decode = [i for i, s in enumerate(batch.sequences) if s.query_len == 1 and not s.captures]
@@ -150,8 +151,17 @@ class GatedDeltaNet(nn.Module):
         for index in range(len(batch.sequences)):
             if index not in done:
                 self._sequence(index, qkv, g, beta, out, batch, conv_cache, state_cache)
-        core = self.norm(out.to(x.dtype).view(-1, self.la.value_head_dim), z.reshape(-1, self.la.value_head_dim))
-        return linear(core.view(x.shape[0], -1), self.out_proj.weight)
+        return self._output(out, z, x.dtype)
+
+    def _decay(self, a: torch.Tensor) -> torch.Tensor:
+        """The log decay g [T, Hv] of each token's state: ``-exp(A_log) * softplus(a + dt_bias)``."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+
+    def _output(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The layer's output from the recurrence's o [T, Hv, Dv] (fp32) and the gate z [T, Hv, Dv]."""
+        d = self.la.value_head_dim
+        core = self.norm(out.to(dtype).view(-1, d), z.reshape(-1, d))
+        return linear(core.view(out.shape[0], -1), self.out_proj.weight)
 
     def _conv(self, window: torch.Tensor) -> torch.Tensor:
         """Causal depthwise convolution over ``window`` [B, C, K - 1 + n] -> SiLU'd [B, C, n]."""
@@ -195,8 +205,8 @@ class GatedDeltaNet(nn.Module):
                                           state[None])
                 state = state[0]
             else:
-                o, state = chunked_delta_rule(q[rows], k[rows], v[rows], g[start + lo : start + cut],
-                                              beta[start + lo : start + cut], state)
+                o, state = self.chunked_rule(q[rows], k[rows], v[rows], g[start + lo : start + cut],
+                                             beta[start + lo : start + cut], state)
             out[start + lo : start + cut] = o
             if cut in seq.captures:
                 batch.captured.setdefault((index, cut), {})[self.layer_idx] = (

@@ -54,11 +54,11 @@ class LatentAttention(nn.Module):
                  kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, bias: bool,
                  rope_style: str, softmax_scale: float) -> None:
         """``rope_style``: "half" (rotate halves), "interleaved" (pairs, de-interleaved first: V3's
-        ``rope_interleave``) or "pairs" (pairs turned in fp32 and kept in place: V2, whose config
-        asks for fp32 rotary tables)."""
+        ``rope_interleave``), "pairs" (pairs turned in fp32 and kept in place: V2, whose config
+        asks for fp32 rotary tables) or "none" (no rotary at all: Kimi-Linear's)."""
         super().__init__()
-        if rope_style not in ("half", "interleaved", "pairs"):
-            raise ValueError(f"rope style {rope_style!r}: half, interleaved or pairs")
+        if rope_style not in ("half", "interleaved", "pairs", "none"):
+            raise ValueError(f"rope style {rope_style!r}: half, interleaved, pairs or none")
         self.layer_idx, self.num_heads = layer_idx, num_heads
         self.rank, self.nope, self.rope, self.v_dim = kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         qk_head = qk_nope_head_dim + qk_rope_head_dim
@@ -88,7 +88,7 @@ class LatentAttention(nn.Module):
         k_rot = compressed[:, None, self.rank :]  # [T, 1, rope]
         if self.rope_style == "pairs":
             q_rot, k_rot = rotate_pairs(q_rot, *ctx.rope), rotate_pairs(k_rot, *ctx.rope)
-        else:
+        elif self.rope_style != "none":
             if self.rope_style == "interleaved":
                 q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
             q_rot, k_rot = apply_rotary(q_rot, *ctx.rope), apply_rotary(k_rot, *ctx.rope)

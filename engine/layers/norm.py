@@ -103,3 +103,12 @@ class RMSNormScaledInFp32(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), self.normalized_shape, eps=self.eps)
         return (self.weight.float() * normed).to(x.dtype)
+
+
+class SigmoidGatedRMSNorm(WeightedNorm):
+    """RMSNorm then a sigmoid gate, all in fp32, cast once at the end: ``weight * norm(x) *
+    sigmoid(gate)`` (Kimi's delta-attention output norm)."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), self.normalized_shape, eps=self.eps)
+        return (self.weight.float() * normed * torch.sigmoid(gate.float())).to(x.dtype)

@@ -32,6 +32,7 @@ from hearth.engine.models import (
     hunyuan_v1_moe,
     jetmoe,
     kimi_k25,
+    kimi_linear,
     lfm2_moe,
     llama4,
     minimax_m2,
@@ -54,6 +55,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     granitemoehybrid.FAMILY, afmoe.FAMILY, flex_olmo.FAMILY, cohere2_moe.FAMILY,
     phimoe.FAMILY, hunyuan_v1_moe.FAMILY, granitemoe_swa.FAMILY, llama4.FAMILY,
     jetmoe.FAMILY, deepseek_v32.FAMILY, glm_moe_dsa.FAMILY, kimi_k25.FAMILY,
+    kimi_linear.FAMILY,
 )
 
 

@@ -1,0 +1,81 @@
+"""Kimi-Linear (``KimiLinearForCausalLM``): Kimi delta attention layers (``engine/layers/kda.py``,
+their state and convolution history in the recurrent-state slots) between multi-head latent
+attention layers without rotary (``layer_types``), each followed by DeepSeek-V3's feed-forward
+(grouped sigmoid routing with a correction bias, shared experts; dense layers where
+``mlp_layer_types`` says). Names as Moonshot ships them (and transformers saves them):
+``block_sparse_moe`` with ``w1``/``w2``/``w3`` experts, the delta attention's parts under ``self_attn``."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hearth.config import ConfigError
+from hearth.engine.config import LinearAttentionConfig
+from hearth.engine.experts.contract import ExpertBackend
+from hearth.engine.layers.kda import KimiDeltaAttention
+from hearth.engine.layers.norm import RMSNorm
+from hearth.engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields
+from hearth.engine.models.decoder import DecoderLayer, MoECausalLM
+from hearth.engine.models.deepseek_v3 import DeepseekConfig, latent_attention, latent_attention_fields
+from hearth.engine.models.glm4_moe import grouped_moe_block, map_grouped_name
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+_W_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> DeepseekConfig:
+    n = hf.num_hidden_layers
+    kinds, mlp_kinds = list(hf.layer_types), list(hf.mlp_layer_types)
+    if len(kinds) != n or set(kinds) - {"full_attention", "linear_attention"}:
+        raise ConfigError(f"KimiLinearForCausalLM: layer_types must name each of the {n} layers 'full_attention' "
+                          f"or 'linear_attention' (got {kinds})")
+    fields = decoder_fields(hf, model_dir, dtype) | latent_attention_fields(hf)
+    fields["mla"] = replace(fields["mla"], rope_style="none")
+    heads, width = hf.linear_num_heads, hf.linear_head_dim
+    return DeepseekConfig(
+        architecture="KimiLinearForCausalLM", **fields,
+        num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok, moe_intermediate_size=hf.moe_intermediate_size,
+        intermediate_size=hf.intermediate_size, moe_layers=tuple(kind == "sparse" for kind in mlp_kinds),
+        n_shared_experts=int(hf.n_shared_experts or 0), routed_scaling_factor=float(hf.routed_scaling_factor),
+        n_group=int(hf.n_group or 1), topk_group=int(hf.topk_group or 1), norm_topk_prob=bool(hf.norm_topk_prob),
+        layer_types=tuple(kinds),
+        linear_attention=LinearAttentionConfig(heads, heads, width, width, conv_kernel=hf.linear_conv_kernel_dim),
+    )
+
+
+def build(cfg: DeepseekConfig, experts: ExpertBackend) -> MoECausalLM:
+    norm = partial(RMSNorm, eps=cfg.rms_norm_eps, dtype=cfg.dtype)
+
+    def layer(i: int) -> DecoderLayer:
+        mixer = KimiDeltaAttention(i, cfg.hidden_size, cfg.linear_attention, cfg.rms_norm_eps, cfg.dtype) \
+            if cfg.is_linear_layer(i) else latent_attention(cfg, i)
+        return DecoderLayer(mixer, grouped_moe_block(cfg, i, experts), norm(cfg.hidden_size), norm(cfg.hidden_size))
+
+    return MoECausalLM(cfg, [layer(i) for i in range(cfg.num_layers)], norm(cfg.hidden_size))
+
+
+def map_name(name: str) -> str:
+    """Moonshot's names (``block_sparse_moe``, ``w1``/``w2``/``w3``) and transformers' in-memory ones
+    (``forget_gate.``; the fused convolution is split by the loader) -> ours."""
+    name = name.replace(".self_attn.forget_gate.", ".self_attn.")
+    match = _EXPERT.match(name)
+    if match:
+        prefix, expert, w = match.groups()
+        return f"{prefix}.mlp.experts.{expert}.{_W_NAMES[w]}.weight"
+    return map_grouped_name(name.replace(".block_sparse_moe.", ".mlp."))
+
+
+FAMILY = ModelFamily(
+    "kimi_linear",
+    ("KimiLinearForCausalLM",),
+    parse_config,
+    build,
+    map_name,
+    COMMON_FIELDS + (("kv_lora_rank",), ("moe_intermediate_size",)),
+)
