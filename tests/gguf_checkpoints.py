@@ -122,6 +122,10 @@ def _file_weight(name: str, shape: tuple[int, ...], tensors: dict[str, torch.Ten
     return tensors[f"{target}.{suffix}"]
 
 
+_KIMI_DECAY = {"A_log": "ssm_a", "dt_bias": "ssm_dt.bias", "f_a_proj.weight": "ssm_f_a.weight",
+               "f_b_proj.weight": "ssm_f_b.weight"}
+
+
 def _special_weight(name: str, layer: str | None, tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """Names that llama.cpp's table does not hold as transformers has them in memory: Granite MoE's
     router and its shared expert's gate and up rows (one tensor in transformers, two in the file),
@@ -132,6 +136,13 @@ def _special_weight(name: str, layer: str | None, tensors: dict[str, torch.Tenso
         names = {"A_log": f"blk.{layer}.ssm_a", "D": f"blk.{layer}.ssm_d"}
         stored = tensors[names.get(part, f"blk.{layer}.ssm_dt.bias")]
         return torch.log(-stored) if part == "A_log" else stored  # (the converter stores A = -exp(A_log))
+    if name.endswith(".self_attn.conv1d.weight"):  # Kimi's q, k and v convolutions, fused in memory
+        parts = [tensors[f"blk.{layer}.ssm_conv1d_{p}.weight"] for p in "qkv"]
+        return torch.cat([t.reshape(-1, 1, t.shape[-1]) for t in parts])
+    if ".self_attn.forget_gate." in name:  # Kimi's decay: the converter stores A = -exp(A_log)
+        part = name.rsplit(".forget_gate.", 1)[1]
+        stored = tensors[f"blk.{layer}." + _KIMI_DECAY[part]]
+        return torch.log(-stored) if part == "A_log" else stored
     if name.endswith((".mlp.gate.moe_statics.e_score_correction_bias", ".mlp.expert_bias")):
         return tensors[f"blk.{layer}.exp_probs_b.bias"]
     if name.endswith(".block_sparse_moe.router.weight"):

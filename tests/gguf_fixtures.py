@@ -6,6 +6,7 @@ transformers on that checkpoint, and a file hearth did not write is what hearth 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +14,15 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gguf"
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2",
             "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v4", "dots1", "glm4_moe_lite", "granitemoe_shared",
             "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid",
-            "afmoe", "cohere2_moe", "llama4", "deepseek_v32", "glm_moe_dsa")
+            "afmoe", "cohere2_moe", "llama4", "deepseek_v32", "glm_moe_dsa", "kimi_linear")
 # make_checkpoint's arguments beyond the family: bf16 weights (the converter's bf16 file is then
 # lossless), and the tokenizer each family's converter expects.
 RECIPES: dict[str, dict[str, Any]] = {
     "glm4_moe": {"chat_format": "glm"},
     "glm4_moe_lite": {"chat_format": "glm"},
     "glm_moe_dsa": {"chat_format": "glm"},
+    # (llama.cpp's Kimi-Linear routes without groups: one, as Moonshot ships it)
+    "kimi_linear": {"n_group": 1},
     # (llama.cpp takes every fourth layer global and always scales by muP: four layers, the last global)
     # (llama.cpp's constants: chunks of 8192, floor 8192, scale 0.1; llama3 rotary, written as rope_freqs)
     "llama4": {"attention_chunk_size": 8192, "floor_scale": 8192, "attn_scale": 0.1,
@@ -44,8 +47,12 @@ RECIPES: dict[str, dict[str, Any]] = {
 }
 # The converter's flags per family: the hybrids' checkpoints here have no MTP layers to export.
 CONVERTER_FLAGS: dict[str, tuple[str, ...]] = {"qwen3_next": ("--no-mtp",), "qwen3_5_moe": ("--no-mtp",)}
+# Kimi-Linear's layers, dense layers and router as Moonshot's config names them.
+_KIMI_LINEAR = {"first_k_dense_replace": 1, "moe_router_activation_func": "sigmoid",
+                "linear_attn_config": {"full_attn_layers": [2], "kda_layers": [1, 3], "head_dim": 16, "num_heads": 4,
+                                       "short_conv_kernel_size": 4}}
 # config.json fields a shipped checkpoint has and transformers' config class does not write.
-SHIPPED_FIELDS: dict[str, dict[str, Any]] = {"deepseek_v4": {"num_hash_layers": 1},
+SHIPPED_FIELDS: dict[str, dict[str, Any]] = {"deepseek_v4": {"num_hash_layers": 1}, "kimi_linear": _KIMI_LINEAR,
                                              # (DeepSeek-V3.2's router as its config.json names it)
                                              "deepseek_v32": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
                                              # (GLM-4.7-Flash's dense first layer, as the converter reads it)
@@ -62,6 +69,25 @@ SENTENCEPIECE = ("ernie4_5_moe",)
 ADDS_BOS = ("deepseek_v32",)
 
 
+# Tensor names a shipped checkpoint has where transformers saves others: Kimi-Linear's dense layers
+# are ``mlp`` (transformers writes them under the MoE layers' ``block_sparse_moe``).
+SHIPPED_NAMES = {"kimi_linear": lambda name: re.sub(r"\.block_sparse_moe\.(gate|up|down)_proj\.", r".mlp.\1_proj.",
+                                                    name)}
+
+
+def rename_tensors(path: Path, rename: Any) -> None:
+    """Every tensor of the checkpoint at ``path`` renamed by ``rename(name)`` (shards and index)."""
+    from safetensors.torch import load_file, save_file
+
+    for file in path.glob("*.safetensors"):
+        save_file({rename(name): t for name, t in load_file(file).items()}, file, metadata={"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {rename(k): v for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data, indent=2))
+
+
 def fixture_checkpoint(out_dir: Path, family: str) -> tuple[Path, Any]:
     """The checkpoint ``family``'s fixtures were made from (its directory, the transformers model)."""
     from tests.checkpoints import make_checkpoint, write_gpt2_files, write_sentencepiece
@@ -71,6 +97,8 @@ def fixture_checkpoint(out_dir: Path, family: str) -> tuple[Path, Any]:
         write_sentencepiece(path)
     if family in ADDS_BOS:
         write_gpt2_files(path)
+    if family in SHIPPED_NAMES:
+        rename_tensors(path, SHIPPED_NAMES[family])
     if family in SHIPPED_FIELDS:
         config = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**config, **SHIPPED_FIELDS[family]}, indent=2))

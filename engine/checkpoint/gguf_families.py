@@ -301,6 +301,30 @@ def _sparse_deepseek(meta: Meta, has: Has) -> dict[str, Any]:
     return fields
 
 
+def _kimi_linear(meta: Meta, has: Has) -> dict[str, Any]:
+    """Kimi-Linear: the layers without KV heads are its delta attention, as many heads as attention
+    (llama.cpp's assumption) of ``kda.head_dim``; latent attention widths as DeepSeek's; llama.cpp's
+    router renormalises and has no groups, whatever the file says."""
+    fields = common_fields(meta)
+    fields.pop("head_dim", None)
+    n, heads, dense = fields["num_hidden_layers"], fields["num_attention_heads"], int(
+        meta("leading_dense_block_count", 0) or 0)
+    kv = _as_list(meta("attention.head_count_kv"))
+    kv = kv * n if len(kv) == 1 else kv
+    rope_dim, key_dim = int(meta("rope.dimension_count")), int(meta("attention.key_length_mla"))
+    return {**fields, "num_key_value_heads": heads, "num_local_experts": int(meta("expert_count")),
+            "moe_intermediate_size": int(meta("expert_feed_forward_length")),
+            "n_shared_experts": int(meta("expert_shared_count", 0) or 0),
+            "routed_scaling_factor": float(meta("expert_weights_scale", 1.0) or 1.0), "n_group": 1, "topk_group": 1,
+            "norm_topk_prob": True, "q_lora_rank": meta("attention.q_lora_rank"),
+            "kv_lora_rank": int(meta("attention.kv_lora_rank")), "qk_rope_head_dim": rope_dim,
+            "qk_nope_head_dim": key_dim - rope_dim, "v_head_dim": int(meta("attention.value_length_mla")),
+            "linear_head_dim": int(meta("kda.head_dim")), "linear_num_heads": heads,
+            "linear_conv_kernel_dim": int(meta("ssm.conv_kernel")),
+            "layer_types": ["full_attention" if h else "linear_attention" for h in kv[:n]],
+            "mlp_layer_types": ["dense" if i < dense else "sparse" for i in range(n)]}
+
+
 def _qwen_hybrid(meta: Meta) -> dict[str, Any]:
     """Qwen3-Next and Qwen3.5-MoE: gated DeltaNet layers (``attention.recurrent_layers``) between
     gated attention ones, partial rotary, routed and shared experts."""
@@ -338,6 +362,7 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "deepseek2": GGUFArchitecture("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek2, _deepseek2_variant),
     "deepseek32": GGUFArchitecture("DeepseekV32ForCausalLM", "deepseek_v32", _sparse_deepseek),
     "glm-dsa": GGUFArchitecture("GlmMoeDsaForCausalLM", "glm_moe_dsa", _sparse_deepseek),
+    "kimi-linear": GGUFArchitecture("KimiLinearForCausalLM", "kimi_linear", _kimi_linear),
     "qwen3next": GGUFArchitecture("Qwen3NextForCausalLM", "qwen3_next", lambda meta, has: _qwen_hybrid(meta)),
     "qwen35moe": GGUFArchitecture("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", lambda meta, has: _qwen_hybrid(meta)),
 })
@@ -365,7 +390,7 @@ def tensor_name_map(architecture: str, layers: int) -> Any:
 
 ROPE_PERMUTED = frozenset({"llama", "granitemoe", "granitehybrid"})
 # The architectures with DeepSeek's latent attention (``kv_b`` split into ``attn_k_b`` / ``attn_v_b``).
-LATENT = frozenset({"deepseek2", "deepseek32", "glm-dsa"})
+LATENT = frozenset({"deepseek2", "deepseek32", "glm-dsa", "kimi-linear"})
 
 
 def metadata_config(architecture: str, meta: Meta, has: Has, vocab_size: int,
@@ -430,7 +455,8 @@ def gguf_name(names: Any, param: str) -> str | None:
     ``e_score_correction_bias`` is the ``.bias`` of ``e_score_correction`` (``exp_probs_b.bias``)."""
     if param.endswith("e_score_correction_bias"):
         param = param[: -len("_bias")] + ".bias"
-    if param.endswith((".linear_attn.A_log", ".linear_attn.dt_bias", ".mamba.A_log", ".mamba.dt_bias", ".mamba.D")):
+    if param.endswith((".linear_attn.A_log", ".linear_attn.dt_bias", ".mamba.A_log", ".mamba.dt_bias", ".mamba.D",
+                       ".self_attn.A_log", ".self_attn.dt_bias")):  # (the last two: Kimi's delta attention)
         layer, name = param.split(".")[2], param.rsplit(".", 1)[1]  # the hybrids' bare parameters
         return {"A_log": f"blk.{layer}.ssm_a", "D": f"blk.{layer}.ssm_d"}.get(name, f"blk.{layer}.ssm_dt.bias")
     base, suffix = param.rsplit(".", 1)
@@ -455,6 +481,8 @@ def restore(architecture: str, param: str, read: Callable[[], Any], meta: Meta) 
     ``read()`` decodes the file's values; it is called only for such a parameter."""
     import torch  # deferred: this module's tables need no torch
 
+    if architecture == "kimi-linear":
+        return torch.log(-read()) if param.endswith(".self_attn.A_log") else None
     if architecture == "granitehybrid":
         if param.endswith(".mamba.A_log"):
             return torch.log(-read()).reshape(-1)
