@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.gguf_checkpoints import assert_matches_transformers
-from tests.gguf_fixtures import ADDS_BOS, CONVERTER_FLAGS, RECIPES, SENTENCEPIECE
+from tests.gguf_fixtures import ADDS_BOS, CONVERTER_FLAGS, RECIPES, SENTENCEPIECE, SHIPPED_NAMES, rename_tensors
 
 LLAMA_CPP = os.environ.get("HEARTH_LLAMA_CPP")
 pytestmark = [pytest.mark.slow,
@@ -58,7 +58,7 @@ LLAMA_TIE = 0.15
 WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe", "deepseek_v2", "deepseek_v3",
            "gpt_oss", "qwen3_next", "qwen3_5_moe", "dots1", "granitemoe_shared", "glm4_moe_lite",
            "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid", "afmoe", "cohere2_moe", "llama4",
-           "deepseek_v32", "glm_moe_dsa"]
+           "deepseek_v32", "glm_moe_dsa", "kimi_linear"]
 
 
 def _checkpoint(tmp_path, family: str):
@@ -91,6 +91,10 @@ def _checkpoint(tmp_path, family: str):
         shape = {"intermediate_size": 256}
     if family == "lfm2_moe":  # (two layers: a dense convolution, then MoE attention)
         attention |= {"layer_types": ["conv", "full_attention"]}
+    if family == "kimi_linear":  # (two layers: a dense delta attention one, then a latent attention MoE one;
+        # llama.cpp takes as many delta attention heads as attention heads)
+        attention = {"num_key_value_heads": 4, "layer_types": ["linear_attention", "full_attention"],
+                     "mlp_layer_types": ["dense", "sparse"], "linear_num_heads": 4, "linear_head_dim": 64}
     if family == "exaone_moe":  # (two layers: a dense one in a window, then a global MoE one)
         attention |= {"layer_types": ["sliding_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"]}
     # The hybrids attend every fourth layer: llama.cpp cannot run one with no attention layer (no KV cache).
@@ -105,6 +109,8 @@ def _checkpoint(tmp_path, family: str):
         write_sentencepiece(path)
     if family in ADDS_BOS:  # (its converter insists on a tokenizer that adds BOS: see tests/gguf_fixtures.py)
         write_gpt2_files(path)
+    if family in SHIPPED_NAMES:  # as shipped (names transformers saves otherwise)
+        rename_tensors(path, SHIPPED_NAMES[family])
     if family in SHIPPED:  # as shipped (transformers' config classes do not write these; the converter reads them)
         config = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**config, **SHIPPED[family]}))
@@ -120,6 +126,9 @@ SHIPPED = {"minimax_m2": {"scoring_func": "sigmoid"}, "deepseek_v2": {"scoring_f
            "glm4_moe_lite": {"first_k_dense_replace": 1, "scoring_func": "sigmoid"},
            "deepseek_v32": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
            "glm_moe_dsa": {"scoring_func": "sigmoid"},
+           "kimi_linear": {"first_k_dense_replace": 1, "moe_router_activation_func": "sigmoid",
+                           "linear_attn_config": {"full_attn_layers": [2], "kda_layers": [1], "head_dim": 64,
+                                                  "num_heads": 4, "short_conv_kernel_size": 4}},
            # (Granite 4's own names for its layers, which the converter reads)
            "granitemoehybrid": {"layer_types": ["mamba", "attention"]}}
 

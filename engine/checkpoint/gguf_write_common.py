@@ -74,7 +74,8 @@ def common_fields(cfg: dict) -> Fields:
     rope = rope_of(cfg)
     partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
     fields: Fields = dict(
-        context_length=cfg["max_position_embeddings"], embedding_length=cfg["hidden_size"],
+        context_length=next(cfg[k] for k in ("max_position_embeddings", "model_max_length") if k in cfg),
+        embedding_length=cfg["hidden_size"],
         block_count=cfg["num_hidden_layers"],
         head_count=cfg["num_attention_heads"], head_count_kv=cfg["num_key_value_heads"],
         key_length=head_dim, value_length=head_dim,
@@ -82,7 +83,8 @@ def common_fields(cfg: dict) -> Fields:
         rope_freq_base=rope["rope_theta"],
         expert_count=next((cfg[k] for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
                            if cfg.get(k)), None),
-        expert_used_count=cfg.get("num_experts_per_tok") or cfg["moe_k"], vocab_size=cfg["vocab_size"])
+        expert_used_count=cfg.get("num_experts_per_tok") or cfg.get("num_experts_per_token") or cfg["moe_k"],
+        vocab_size=cfg["vocab_size"])
     if cfg.get("rms_norm_eps", cfg.get("norm_eps")) is not None:
         fields["layer_norm_rms_eps"] = cfg["rms_norm_eps"] if "rms_norm_eps" in cfg else cfg["norm_eps"]
     else:  # (a LayerNorm: Cohere's)
@@ -94,7 +96,8 @@ def common_fields(cfg: dict) -> Fields:
     if cfg.get("shared_expert_intermediate_size"):
         fields["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
     fields.update(_rope_scaling(rope))
-    score = next((cfg[k] for k in ("score_function", "scoring_func", "score_func", "expert_selection_fn")
+    score = next((cfg[k] for k in ("score_function", "scoring_func", "score_func", "moe_router_activation",
+                                   "moe_router_activation_func", "expert_selection_fn")
                   if cfg.get(k) is not None), None)
     if score == "noaux_tc":  # (DeepSeek's name for its sigmoid scores with a correction bias)
         score = "sigmoid"

@@ -307,6 +307,38 @@ def _sparse_deepseek(cfg: dict, fields: Fields) -> None:
         fields[".attention.indexer.types"] = [kind == "full" for kind in cfg["indexer_types"]]
 
 
+def _kimi_linear(cfg: dict, fields: Fields) -> None:
+    """Kimi-Linear: latent attention as one KV head on its layers and none on the delta attention
+    ones (how llama.cpp tells them apart), the delta attention's head width and convolution, the
+    DeepSeek-style experts (llama.cpp's Kimi router has no groups)."""
+    lac = cfg.get("linear_attn_config") or {}
+    n, rope, rank = cfg["num_hidden_layers"], cfg["qk_rope_head_dim"], cfg["kv_lora_rank"]
+    full = [i + 1 in lac["full_attn_layers"] for i in range(n)] if "full_attn_layers" in lac else \
+        [kind == "full_attention" for kind in cfg["layer_types"]]
+    fields.update(head_count_kv=[1 if f else 0 for f in full], kv_lora_rank=rank, rope_dimension_count=rope,
+                  key_length=rank + rope, key_length_mla=cfg["qk_nope_head_dim"] + rope,
+                  value_length_mla=cfg["v_head_dim"],
+                  ssm_conv_kernel=lac.get("short_conv_kernel_size", cfg.get("linear_conv_kernel_dim")),
+                  kda_head_dim=lac.get("head_dim", cfg.get("linear_head_dim")),
+                  expert_shared_count=cfg.get("num_shared_experts", cfg.get("n_shared_experts")) or 0,
+                  leading_dense_block_count=cfg.get("first_k_dense_replace") or 0,
+                  expert_weights_scale=cfg["routed_scaling_factor"])
+    if cfg.get("q_lora_rank") is not None:
+        fields["q_lora_rank"] = cfg["q_lora_rank"]
+    if cfg.get("topk_group") is not None:
+        fields["expert_group_used_count"] = cfg["topk_group"]
+
+
+def _kimi_linear_tensors(target: str, t: torch.Tensor, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """As the converter writes them: A as ``-exp(A_log)``, the convolutions [1, C, 1, K], kv_b split."""
+    if target.endswith(".ssm_a"):
+        yield target, -torch.exp(t.float())
+    elif ".ssm_conv1d_" in target:
+        yield target, t.reshape(1, t.shape[0], 1, t.shape[-1])
+    else:
+        yield from _split_kv_b(target, t, cfg)
+
+
 def _split_kv_b(target: str, t: torch.Tensor, cfg: dict) -> Iterator[tuple[str, torch.Tensor]]:
     """MLA's ``kv_b_proj`` [heads * (nope + v), rank] as llama.cpp absorbs it: ``attn_k_b`` [heads,
     rank, nope] (each head's key part transposed) and ``attn_v_b`` [heads, v, rank]."""
@@ -471,6 +503,7 @@ WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
                                           keeps=_decoder_layers_only),
     "DeepseekV32ForCausalLM": WriteFamily("DEEPSEEK32", _sparse_deepseek, tensors=_split_kv_b, nextn=True),
     "GlmMoeDsaForCausalLM": WriteFamily("GLM_DSA", _sparse_deepseek, _GLM_TOKENS, tensors=_split_kv_b, nextn=True),
+    "KimiLinearForCausalLM": WriteFamily("KIMI_LINEAR", _kimi_linear, tensors=_kimi_linear_tensors),
     "Qwen3NextForCausalLM": WriteFamily("QWEN3NEXT", _hybrid, prepare=_hybrid_tensors),
     "Qwen3_5MoeForCausalLM": WriteFamily("QWEN35MOE", _hybrid, prepare=_hybrid_tensors),
 })

@@ -40,7 +40,7 @@ FLOAT_TYPES = ("f32", "f16", "bf16")
 # What the converter keeps in f32 beyond the 1-D tensors: the convolutions (the hybrids' DeltaNet,
 # LFM2's short convolution), Mamba-2's A, D and gated norm (stored 2-D) and the sparse attention
 # indexer's per-head weights.
-_KEPT_F32 = re.compile(r"\.(ssm_conv1d|shortconv\.conv)\.|\.ssm_(a|d|norm\.weight)$|\.indexer\.proj\.weight$")
+_KEPT_F32 = re.compile(r"\.(ssm_conv1d(_[qkv])?|shortconv\.conv)\.|\.ssm_(a|d|norm\.weight)$|\.indexer\.proj\.weight$")
 # Mixes: (base format, format of the tensors that get more bits), as the formats' modules declare them.
 MIXES = REGISTRY.mixes()
 # What it can write: the formats with an encoder.
