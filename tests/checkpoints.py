@@ -215,6 +215,13 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                         linear_num_heads=4, pad_token_id=None, bos_token_id=None,
                         layer_types=["linear_attention", "full_attention", "linear_attention"],
                         mlp_layer_types=["dense", "sparse", "sparse"]),
+    # Ling 3.0: Kimi-Linear's layout with head-gated, rotary latent attention every second layer and
+    # Ling's bounded decays. (The linear heads' width equals the rotary width: transformers reads its own
+    # saved config's head_dim, which it overwrote with the rotary width, as the linear heads' width.)
+    "bailing_hybrid": dict(num_local_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
+                           n_group=2, topk_group=1, routed_scaling_factor=2.5, kv_lora_rank=16, qk_nope_head_dim=16,
+                           qk_rope_head_dim=16, v_head_dim=16, head_dim=16, num_key_value_heads=4,
+                           first_k_dense_replace=1, layer_group_size=2, pad_token_id=None, num_mtp_layers=0),
     # MLA with a low-rank query; layer 0 dense; 2 groups of 4 experts, one group chosen.
     "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
                         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=32,
@@ -256,7 +263,7 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         linear_value_head_dim=16, linear_conv_kernel_dim=4,
     ),
 }
-HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe", "kimi_linear")
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe", "kimi_linear", "bailing_hybrid")
 
 
 def build_tokenizer(out_dir: Path, vocab_size: int = 384, chat_format: str = "chatml") -> Any:
@@ -336,6 +343,7 @@ def write_sentencepiece(out_dir: Path, vocab_size: int = 300) -> Path:
 def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
     from transformers import (
         AfmoeConfig,
+        BailingHybridConfig,
         Cohere2MoeConfig,
         DeepseekV2Config,
         DeepseekV3Config,
@@ -381,7 +389,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
                "phimoe": PhimoeConfig, "hunyuan_v1_moe": HunYuanMoEV1Config,
                "granitemoe_swa": GraniteMoeSWAConfig, "llama4": Llama4TextConfig,
                "jetmoe": JetMoeConfig, "deepseek_v32": DeepseekV32Config, "glm_moe_dsa": GlmMoeDsaConfig,
-               "kimi_linear": KimiLinearConfig}
+               "kimi_linear": KimiLinearConfig, "bailing_hybrid": BailingHybridConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(

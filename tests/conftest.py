@@ -12,7 +12,8 @@ FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "o
             "glm4_moe_lite", "granitemoe_shared", "ernie4_5_moe",
             "exaone_moe", "lfm2_moe", "granitemoehybrid",
             "afmoe", "flex_olmo", "cohere2_moe", "phimoe", "hunyuan_v1_moe",
-            "granitemoe_swa", "llama4", "jetmoe", "deepseek_v32", "glm_moe_dsa", "kimi_linear"]
+            "granitemoe_swa", "llama4", "jetmoe", "deepseek_v32", "glm_moe_dsa", "kimi_linear",
+            "bailing_hybrid"]
 
 
 @pytest.fixture(scope="session")

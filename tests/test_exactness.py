@@ -159,6 +159,10 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
                          "q_lora_rank": 24, "n_group": 1, "norm_topk_prob": False,
                          "linear_attn_config": {"full_attn_layers": [1, 4], "kda_layers": [2, 3], "head_dim": 8,
                                                 "num_heads": 6, "short_conv_kernel_size": 3}}),
+        ("bailing_hybrid", {"kda_safe_gate": False, "layer_group_size": 3, "first_k_dense_replace": 0,
+                            "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                "original_max_position_embeddings": 1024, "mscale": 1.0,
+                                                "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -173,6 +177,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "granite-swa-shared-bias-all-rope-sliding-first", "llama4-plain-top3-all-moe-bias-nope-first",
         "jetmoe-top3-four-kv-heads-tied", "deepseek-v3.2-top3-two-dense-bias-yarn",
         "glm5-every-second-indexer-wider-keys-two-groups", "kimi-linear-shipped-layers-q-lora-all-moe",
+        "ling-softplus-decay-attention-last-all-moe-yarn",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

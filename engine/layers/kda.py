@@ -99,3 +99,38 @@ class KimiDeltaAttention(GatedDeltaNet):
         d = self.la.value_head_dim
         core = self.o_norm(out.to(dtype).view(-1, d), z.reshape(-1, d))
         return linear(core.view(out.shape[0], -1), self.o_proj.weight)
+
+
+class LingDeltaAttention(KimiDeltaAttention):
+    """Ling 3.0's delta attention (``BailingHybridForCausalLM``): full-rank decay (``f_proj``) and
+    output-gate (``g_proj``) projections, ``A_log`` one per head, and with ``safe_gate`` the decay
+    ``lower_bound * sigmoid(exp(A_log) * (f_proj(x) + dt_bias))`` instead of the softplus form; the
+    decays rounded to the model dtype, the convolutions, ``dt_bias`` and ``A_log`` held in fp32 (as
+    transformers keeps them)."""
+
+    def __init__(self, layer_idx: int, hidden: int, la: LinearAttentionConfig, eps: float, dtype: torch.dtype, *,
+                 safe_gate: bool, lower_bound: float) -> None:
+        nn.Module.__init__(self)
+        self.layer_idx, self.la, self.group, self.dtype = layer_idx, la, 1, dtype
+        width, kernel, heads = la.key_dim, la.conv_kernel, la.num_key_heads
+        self.q_proj, self.k_proj, self.v_proj = (Projection(hidden, width, False, dtype) for _ in range(3))
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (_Weight(width, 1, kernel, dtype=torch.float32)
+                                                       for _ in range(3))
+        self.A_log = nn.Parameter(torch.empty(heads, dtype=torch.float32), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(width, dtype=torch.float32), requires_grad=False)
+        self.f_proj, self.g_proj = Projection(hidden, width, False, dtype), Projection(hidden, width, False, dtype)
+        self.b_proj = Projection(hidden, heads, False, dtype)
+        self.o_norm = SigmoidGatedRMSNorm(la.value_head_dim, eps, dtype)
+        self.o_proj = Projection(width, hidden, False, dtype)
+        self.safe_gate, self.lower_bound = safe_gate, lower_bound
+
+    def _project(self, x: torch.Tensor):
+        qkv = torch.cat([linear(x, p.weight) for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
+        gate = linear(x, self.g_proj.weight).view(x.shape[0], self.la.num_key_heads, -1)
+        return qkv, gate, linear(x, self.b_proj.weight), linear(x, self.f_proj.weight)
+
+    def _decay(self, a: torch.Tensor) -> torch.Tensor:
+        g = (a.float() + self.dt_bias.float()).view(a.shape[0], self.la.num_key_heads, -1)
+        rate = self.A_log.float().exp().view(-1, 1)
+        g = self.lower_bound * torch.sigmoid(rate * g) if self.safe_gate else -rate * F.softplus(g)
+        return g.to(self.dtype).float()

@@ -103,7 +103,12 @@ class LatentAttention(nn.Module):
                                       gather_context(rot_keys, seq, batch.block_size))
             mask = self.sequence_mask(ctx, index, seq, values_ctx, rows, q_res, x)
             out[rows] = self._attend(q[rows], latent_ctx, values_ctx[..., : self.rope], mask)
+        out = self.gate_heads(out, x)
         return linear(out.reshape(t, self.num_heads * self.v_dim), self.o_proj.weight, self.o_proj.bias)
+
+    def gate_heads(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs [T, heads, v] before ``o_proj`` (a subclass may gate them)."""
+        return out
 
     def cache_row(self, k_rot: torch.Tensor, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         """What the cache's values keep of each new token: the rotary key [T, 1, rope] (a subclass
@@ -138,3 +143,15 @@ class LatentAttention(nn.Module):
             scale=self.scale,
         )
         return o[0, ..., : self.v_dim].transpose(0, 1)
+
+
+class HeadGatedLatentAttention(LatentAttention):
+    """MLA whose heads' outputs are scaled by ``sigmoid(g_proj(x))``, one gate per head, before
+    ``o_proj`` (Ling 3.0's, ``BailingHybridForCausalLM``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.g_proj = Projection(self.o_proj.weight.shape[0], self.num_heads, False, self.o_proj.weight.dtype)
+
+    def gate_heads(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return out * torch.sigmoid(linear(x, self.g_proj.weight).float()).to(x.dtype)[..., None]

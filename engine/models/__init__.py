@@ -13,6 +13,7 @@ from hearth.engine.config import ModelConfig, config_architectures
 from hearth.engine.experts.contract import ExpertBackend
 from hearth.engine.models import (
     afmoe,
+    bailing_hybrid,
     cohere2_moe,
     deepseek_v2,
     deepseek_v3,
@@ -55,7 +56,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     granitemoehybrid.FAMILY, afmoe.FAMILY, flex_olmo.FAMILY, cohere2_moe.FAMILY,
     phimoe.FAMILY, hunyuan_v1_moe.FAMILY, granitemoe_swa.FAMILY, llama4.FAMILY,
     jetmoe.FAMILY, deepseek_v32.FAMILY, glm_moe_dsa.FAMILY, kimi_k25.FAMILY,
-    kimi_linear.FAMILY,
+    kimi_linear.FAMILY, bailing_hybrid.FAMILY,
 )
 
 
