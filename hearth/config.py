@@ -380,7 +380,7 @@ class ServingConfig(Section):
     max_queue_wait: float = option(60.0, "a request whose estimated wait to start is longer gets 429/529 at once, "
                                          "with Retry-After (0: no bound)", minimum=0)
     tool_parser: Literal["hermes", "qwen3_coder", "glm45", "minimax_m2", "deepseek", "deepseek_v4", "deepseek_v32",
-                         "harmony", "none"] | None = option(
+                         "kimi_k2", "harmony", "none"] | None = option(
         None, "tool-call format (default: chosen from the model family and chat template)")
     log_format: Literal["json", "text"] = option("json", "log lines on stderr")
     allowed_hosts: tuple[str, ...] = option((), "a Host name the server answers besides IP addresses, loopback names "

@@ -81,12 +81,13 @@ class GrammarBuilder:
 _OPEN_TAG = {"hermes": ("<tool_call>", "\n"), "qwen3_coder": ("<tool_call>", "\n"), "glm45": ("<tool_call>", ""),
              "minimax_m2": ("<minimax:tool_call>", "\n"), "deepseek_v3": ("<｜tool▁calls▁begin｜>", ""),
              "deepseek_v31": ("<｜tool▁calls▁begin｜>", ""), "harmony": ("<|channel|>", "commentary to=functions."),
-             "deepseek_v4": ("<｜DSML｜tool_calls>", "\n"), "deepseek_v32": ("<｜DSML｜function_calls>", "\n")}
+             "deepseek_v4": ("<｜DSML｜tool_calls>", "\n"), "deepseek_v32": ("<｜DSML｜function_calls>", "\n"),
+             "kimi_k2": ("<|tool_calls_section_begin|>", "")}
 FORCED_CALL_PREFIX = {parser: tag + rest for parser, (tag, rest) in _OPEN_TAG.items()}
 _CLOSE_TAG = {"hermes": "</tool_call>", "qwen3_coder": "</tool_call>", "glm45": "</tool_call>",
               "minimax_m2": "</minimax:tool_call>", "deepseek_v3": "<｜tool▁calls▁end｜>",
               "deepseek_v31": "<｜tool▁calls▁end｜>", "harmony": "<|call|>", "deepseek_v4": "</｜DSML｜tool_calls>",
-              "deepseek_v32": "</｜DSML｜function_calls>"}
+              "deepseek_v32": "</｜DSML｜function_calls>", "kimi_k2": "<|tool_calls_section_end|>"}
 # Formats whose arguments are one JSON object: the pieces before and after it for a tool NAME (a
 # piece that starts with "<" is a marker, written as its token where the tokenizer has one).
 _JSON_ARGS_CALLS = {
@@ -94,6 +95,8 @@ _JSON_ARGS_CALLS = {
                                  ["\n```", "<｜tool▁call▁end｜>"]),
     "deepseek_v31": lambda name: (["<｜tool▁call▁begin｜>", name, "<｜tool▁sep｜>"], ["<｜tool▁call▁end｜>"]),
     "harmony": lambda name: ([f"{name} ", "<|constrain|>", "json", "<|message|>"], []),
+    "kimi_k2": lambda name: (["<|tool_call_begin|>", f"functions.{name}:0", "<|tool_call_argument_begin|>"],
+                             ["<|tool_call_end|>"]),
 }
 
 

@@ -124,6 +124,38 @@ _DEEPSEEK_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>
 _DEEPSEEK_FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*```", re.DOTALL)
 
 
+class KimiK2ToolParser(HermesToolParser):
+    """Finds Kimi-K2 / K2.5 / Kimi-Linear calls in content, one or several in a section::
+
+        <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>
+        {"city": "Paris"}<|tool_call_end|>…<|tool_calls_section_end|>
+
+    The arguments are a JSON object. The call's id is the one the model wrote (``functions.NAME:N``),
+    as Kimi's chat template renders it back with the tool's result."""
+
+    open_tag, close_tag = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+
+    def parse_calls(self, body: str) -> list[ToolCall] | None:
+        calls = []
+        for match in _KIMI_CALL.finditer(body):
+            call_id, args = match.group(1).strip(), match.group(2)
+            named = _KIMI_ID.fullmatch(call_id)
+            try:
+                value = json.loads(args)
+            except json.JSONDecodeError:
+                return None
+            if named is None or not isinstance(value, dict):
+                return None
+            calls.append(ToolCall(call_id, named.group(1), json.dumps(value, ensure_ascii=False)))
+        if not calls or _KIMI_CALL.sub("", body).strip():
+            return None
+        return calls
+
+
+_KIMI_CALL = re.compile(r"<\|tool_call_begin\|>(.*?)<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>", re.DOTALL)
+_KIMI_ID = re.compile(r"(?:functions\.)?([^\s:<>]+):\d+")
+
+
 class DsmlToolParser(HermesToolParser):
     """Finds DeepSeek-V4's DSML calls in content, one or several in a block::
 
@@ -258,7 +290,7 @@ class HarmonyParser:
 
 TOOL_PARSERS = {"hermes": HermesToolParser, "qwen3_coder": Qwen3CoderToolParser, "glm45": Glm45ToolParser,
                 "minimax_m2": MiniMaxM2ToolParser, "deepseek": DeepSeekToolParser, "harmony": HarmonyParser,
-                "deepseek_v4": DsmlToolParser, "deepseek_v32": DsmlV32ToolParser,
+                "deepseek_v4": DsmlToolParser, "deepseek_v32": DsmlV32ToolParser, "kimi_k2": KimiK2ToolParser,
                 "none": NoToolParser}
 # Which tool-call format each architecture's chat templates use.
 ARCHITECTURE_TOOL_PARSERS = {
@@ -275,6 +307,9 @@ ARCHITECTURE_TOOL_PARSERS = {
     "DeepseekV4ForCausalLM": "deepseek_v4",
     "DeepseekV32ForCausalLM": "deepseek_v32",
     "GlmMoeDsaForCausalLM": "glm45",
+    "KimiLinearForCausalLM": "kimi_k2",
+    "KimiK25ForConditionalGeneration": "kimi_k2",
+    "Kimi_K25ForConditionalGeneration": "kimi_k2",
 }
 
 
@@ -282,6 +317,7 @@ ARCHITECTURE_TOOL_PARSERS = {
 # templates also write <tool_call>).
 TEMPLATE_MARKERS = (("<|channel|>", "harmony"), ("｜DSML｜tool_calls", "deepseek_v4"),
                     ("｜DSML｜function_calls", "deepseek_v32"), ("tool▁calls▁begin", "deepseek"),
+                    ("<|tool_calls_section_begin|>", "kimi_k2"),
                     ("<minimax:tool_call>", "minimax_m2"),
                     ("<arg_key>", "glm45"), ("<function=", "qwen3_coder"), ("<tool_call>", "hermes"))
 

@@ -278,6 +278,36 @@ def test_dsml_calls_from_the_deepseek_encoding_under_any_chunking(version, block
         assert choose_tool_parser("DeepseekV4ForCausalLM", None) == "deepseek_v4"
 
 
+# Kimi-K2's assistant turn as its chat template writes it: reasoning in <think> (K2 Thinking, K2.5),
+# the content, then the calls in one section, each under the id the model gave it (functions.NAME:N).
+KIMI_ASSISTANT = (
+    "<think>{{ m.reasoning_content }}</think>{{ m.content }}<|tool_calls_section_begin|>"
+    "{%- for tc in m.tool_calls %}<|tool_call_begin|>{{ tc.id }}<|tool_call_argument_begin|>"
+    "{{ tc.arguments | tojson }}<|tool_call_end|>{%- endfor %}<|tool_calls_section_end|>"
+)
+
+
+def test_kimi_k2_calls_from_its_template_under_any_chunking():
+    import jinja2
+
+    message = {"reasoning_content": "Weather, then news.", "content": "Looking.",
+               "tool_calls": [{"id": "functions.get_weather:0", "arguments": {"city": "Paris", "days": 3}},
+                              {"id": "functions.news:1", "arguments": {"topic": "a <|x b"}}]}
+    text = jinja2.Environment().from_string(KIMI_ASSISTANT).render(m=message)
+    expected = [("reasoning", "Weather, then news."), ("content", "Looking."),
+                ("tool_call", ("get_weather", '{"city": "Paris", "days": 3}')),
+                ("tool_call", ("news", '{"topic": "a <|x b"}'))]
+    assert_any_chunking(text, expected, "kimi_k2", seed=6, rounds=200, most=30)
+    parser = OutputParser("kimi_k2", False, False, tools_enabled=True)
+    calls = [e.tool_call for e in parser.feed(text.split("</think>")[1]) + parser.flush() if e.kind == "tool_call"]
+    assert [c.id for c in calls] == ["functions.get_weather:0", "functions.news:1"]  # as the template renders back
+    bad = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>not json"
+           "<|tool_call_end|><|tool_calls_section_end|>")
+    assert parse([bad], tools="kimi_k2") == [("content", bad)]
+    assert choose_tool_parser("DeepseekV3ForCausalLM", "{{ '<|tool_calls_section_begin|>' }}") == "kimi_k2"
+    assert choose_tool_parser("KimiLinearForCausalLM", None) == "kimi_k2"
+
+
 def test_every_tool_parser_is_a_serve_choice():
     import typing
 

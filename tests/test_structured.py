@@ -147,9 +147,9 @@ def test_forced_calls_in_glm_and_minimax_formats(llm, parser) -> None:
         jsonschema.validate(events[0].tool_call.input, bounded)
 
 
-@pytest.mark.parametrize("call_format", ["deepseek_v3", "deepseek_v31", "harmony"])
+@pytest.mark.parametrize("call_format", ["deepseek_v3", "deepseek_v31", "harmony", "kimi_k2"])
 def test_forced_calls_with_json_arguments(llm, call_format) -> None:
-    """DeepSeek's two layouts and harmony: the grammar accepts the format's call and refuses another
+    """DeepSeek's two layouts, harmony and Kimi-K2's: the grammar accepts the format's call and refuses another
     tool's name; sampled calls parse (by the family's parser) to the tool, arguments per schema."""
     from hearth.serving.constraints import FORCED_CALL_PREFIX
 
@@ -161,10 +161,12 @@ def test_forced_calls_with_json_arguments(llm, call_format) -> None:
                            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
             "deepseek_v31": '<｜tool▁call▁begin｜>run<｜tool▁sep｜>{"unit": "f"}<｜tool▁call▁end｜>'
                             "<｜tool▁calls▁end｜>",
-            "harmony": 'run <|constrain|>json<|message|>{"unit": "f"}<|call|>'}[call_format]
+            "harmony": 'run <|constrain|>json<|message|>{"unit": "f"}<|call|>',
+            "kimi_k2": '<|tool_call_begin|>functions.run:0<|tool_call_argument_begin|>{"unit": "f"}<|tool_call_end|>'
+                       "<|tool_calls_section_end|>"}[call_format]
     assert _accepts(llm, grammar, call)
     assert not _accepts(llm, grammar, call.replace("run", "ran", 1))
-    parser = "harmony" if call_format == "harmony" else "deepseek"
+    parser = call_format if call_format in ("harmony", "kimi_k2") else "deepseek"
     for events, text in sampled_calls(llm, grammar, FORCED_CALL_PREFIX[call_format], parser, 240):
         assert [e.kind for e in events] == ["tool_call"], text
         assert events[0].tool_call.name == "run"
