@@ -12,7 +12,7 @@ from hearth.engine.config import config_architectures
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 # Chat templates for architectures whose checkpoints ship their conversation format as code, not as
 # a template: used when the tokenizer has none.
-BUILTIN_TEMPLATES = {"DeepseekV4ForCausalLM": "deepseek_v4.jinja"}
+BUILTIN_TEMPLATES = {"DeepseekV4ForCausalLM": "deepseek_v4.jinja", "DeepseekV32ForCausalLM": "deepseek_v32.jinja"}
 
 log = logging.getLogger(__name__)
 
