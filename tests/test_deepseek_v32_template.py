@@ -9,8 +9,9 @@ import pytest
 
 BOS, EOS, USER, ASSISTANT = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
 DSML = "｜DSML｜"
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 TOOLS_HEAD = (
     "## Tools\n\nYou have access to a set of tools you can use to answer the user's question.\n"
     f'You can invoke functions by writing a "<{DSML}function_calls>" block like the following as part of your reply '
@@ -38,7 +39,8 @@ def test_chat_and_thinking_modes(tokenizer) -> None:
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "Hello.", "reasoning_content": "greet"},
             {"role": "user", "content": "and?"}]
-    assert render(tokenizer, chat) == f"{BOS}Be brief.{USER}hi{ASSISTANT}</think>Hello.{EOS}{USER}and?{ASSISTANT}</think>"
+    assert render(tokenizer, chat) == \
+        f"{BOS}Be brief.{USER}hi{ASSISTANT}</think>Hello.{EOS}{USER}and?{ASSISTANT}</think>"
     # Thinking mode: reasoning before the last user turn dropped, the reply opened with <think>.
     assert render(tokenizer, chat, thinking=True) == \
         f"{BOS}Be brief.{USER}hi{ASSISTANT}</think>Hello.{EOS}{USER}and?{ASSISTANT}<think>"
@@ -56,7 +58,8 @@ def test_tools_calls_and_results(tokenizer) -> None:
     assert f"<functions>\n{schema}\n</functions>\n{USER}weather?{ASSISTANT}<think>need it</think>" in text
     call = (f"\n\n<{DSML}function_calls>\n<{DSML}invoke name=\"get_weather\">\n"
             f'<{DSML}parameter name="city" string="true">Oslo</{DSML}parameter>\n'
-            f'<{DSML}parameter name="days" string="false">3</{DSML}parameter>\n</{DSML}invoke>\n</{DSML}function_calls>')
+            f'<{DSML}parameter name="days" string="false">3</{DSML}parameter>\n'
+            f"</{DSML}invoke>\n</{DSML}function_calls>")
     assert text.endswith(f"{call}{EOS}\n\n<function_results>\n<result>cold</result>\n</function_results>\n\n<think>")
     # Chat mode: the results closed with </think>; without a system message the tools come first.
     assert render(tokenizer, chat[1:], tools=[WEATHER]).endswith("</function_results>\n\n</think>")
