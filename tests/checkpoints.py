@@ -222,6 +222,9 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                            n_group=2, topk_group=1, routed_scaling_factor=2.5, kv_lora_rank=16, qk_nope_head_dim=16,
                            qk_rope_head_dim=16, v_head_dim=16, head_dim=16, num_key_value_heads=4,
                            first_k_dense_replace=1, layer_group_size=2, pad_token_id=None, num_mtp_layers=0),
+    # Solar Open: GLM-4.5's network with every layer MoE, q/k/v biases and no q/k norms.
+    "solar_open": dict(n_routed_experts=8, moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1,
+                       routed_scaling_factor=2.5, head_dim=16, attention_bias=True),
     # MLA with a low-rank query; layer 0 dense; 2 groups of 4 experts, one group chosen.
     "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
                         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=32,
@@ -374,6 +377,7 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
         Qwen3_5MoeTextConfig,
         Qwen3MoeConfig,
         Qwen3NextConfig,
+        SolarOpenConfig,
     )
 
     classes = {"qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig, "mixtral": MixtralConfig,
@@ -389,7 +393,8 @@ def _config(family: str, vocab_size: int, eos_id: int, **overrides: Any):
                "phimoe": PhimoeConfig, "hunyuan_v1_moe": HunYuanMoEV1Config,
                "granitemoe_swa": GraniteMoeSWAConfig, "llama4": Llama4TextConfig,
                "jetmoe": JetMoeConfig, "deepseek_v32": DeepseekV32Config, "glm_moe_dsa": GlmMoeDsaConfig,
-               "kimi_linear": KimiLinearConfig, "bailing_hybrid": BailingHybridConfig}
+               "kimi_linear": KimiLinearConfig, "bailing_hybrid": BailingHybridConfig,
+               "solar_open": SolarOpenConfig}
     if family not in classes:
         raise ValueError(f"unknown family '{family}' (one of {', '.join(classes)})")
     kwargs: dict[str, Any] = dict(

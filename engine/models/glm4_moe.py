@@ -54,7 +54,7 @@ def grouped_routing_fields(hf: Any) -> dict[str, Any]:
         num_experts=hf.n_routed_experts,
         top_k=hf.num_experts_per_tok,
         moe_intermediate_size=hf.moe_intermediate_size,
-        intermediate_size=hf.intermediate_size,
+        intermediate_size=getattr(hf, "intermediate_size", None) or hf.moe_intermediate_size,  # (none: all MoE)
         moe_layers=tuple(i >= first_dense for i in range(n)),
         n_shared_experts=int(getattr(hf, "n_shared_experts", 0) or 0),
         routed_scaling_factor=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0),
