@@ -210,3 +210,29 @@ def test_kimi_k25_reads_transformers_saved_names_too() -> None:
         "model.layers.1.mlp.shared_expert.up_proj.weight"
     assert kimi_k25.map_name("language_model.lm_head.weight") == kimi_k25.map_name("lm_head.weight") == "lm_head.weight"
     assert kimi_k25.map_name("model.vision_tower.patch_embed.proj.weight") == ""
+
+
+def test_every_moe_causal_lm_of_the_pinned_transformers_is_served_or_refused_with_a_reason() -> None:
+    """Each causal LM class of the installed transformers whose modeling file defines experts: a
+    supported architecture, or one ``NOT_YET`` names with what it lacks (so the refusal says why)."""
+    import importlib
+    import inspect
+    import re
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from hearth.config import ConfigError
+    from hearth.engine.models import NOT_YET, family_for, supported_architectures
+
+    supported, unclaimed = set(supported_architectures()), []
+    for model_type, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        try:
+            module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+            source = inspect.getsource(module)
+        except (ImportError, OSError):
+            continue
+        if re.search(r"class \w+(Experts|SparseMoeBlock|MoE|MoeBlock)\b", source) and cls not in supported:
+            unclaimed += [] if cls in NOT_YET else [cls]
+    assert not unclaimed, f"neither supported nor refused with a reason: {unclaimed}"
+    with pytest.raises(ConfigError, match="LongcatFlashForCausalLM is not supported yet: its layers"):
+        family_for(["LongcatFlashForCausalLM"])
