@@ -57,4 +57,6 @@ def plan_model_stages(options: DeployOptions, nodes: list[NodeInfo]) -> tuple[St
     """The stage plan of the (one) model of ``options`` over ``nodes`` (raises PlacementError)."""
     path, name = options.models[0]
     sizes, embed, head = layer_sizes(path)
-    return plan_stages(nodes, name, sizes, embed, head, min_stages=2 if options.stages else 1)
+    cfg = load_config(path)[1]
+    return plan_stages(nodes, name, sizes, embed, head, min_stages=2 if options.stages else 1,
+                       may_start=[cfg.stage_may_start(i) for i in range(cfg.num_layers)])

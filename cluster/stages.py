@@ -42,11 +42,13 @@ def node_speed(node: NodeInfo) -> float:
 
 def plan_stages(nodes: Sequence[NodeInfo], model: str, layer_bytes: Sequence[int], embed_bytes: int,
                 head_bytes: int, policy: PlacementPolicy | None = None,
-                speeds: Mapping[str, float] | None = None, min_stages: int = 1) -> tuple[StagePlan, ...]:
+                speeds: Mapping[str, float] | None = None, min_stages: int = 1,
+                may_start: Sequence[bool] | None = None) -> tuple[StagePlan, ...]:
     """Split ``model`` (``layer_bytes``: each decoder layer's weights, experts included) over the
     live ``nodes``, over ``min_stages`` machines at least; ``speeds``: node id -> relative speed
-    (default :func:`node_speed`). Raises :class:`PlacementError` when even all the machines
-    together cannot hold it."""
+    (default :func:`node_speed`); ``may_start``: per layer, whether a stage may begin there (GLM-5's
+    layers that reuse the sparse selection of the layer before may not; default: every layer).
+    Raises :class:`PlacementError` when even all the machines together cannot hold it."""
     policy = policy or PlacementPolicy()
     if not layer_bytes:
         raise PlacementError(f"model '{model}' has no layers to place")
@@ -70,15 +72,23 @@ def plan_stages(nodes: Sequence[NodeInfo], model: str, layer_bytes: Sequence[int
     rooms = [room[n.node_id] for n in chosen]
     try:
         bounds = _cut(layer_bytes, embed_bytes, head_bytes, _shares(total, [speed[n.node_id] for n in chosen], rooms),
-                      rooms)
+                      rooms, may_start)
     except PlacementError:  # the speed-proportional cut strands too much on the last machine: fill up instead
-        bounds = _cut(layer_bytes, embed_bytes, head_bytes, [float(r) for r in rooms], rooms)
+        bounds = _cut(layer_bytes, embed_bytes, head_bytes, [float(r) for r in rooms], rooms, may_start)
     stages = []
     for i, (node, (first, end)) in enumerate(zip(chosen, bounds, strict=True)):
         ends = (embed_bytes if i == 0 else 0) + (head_bytes if i == len(chosen) - 1 else 0)
         stages.append(StagePlan(model, i, node.node_id, node.name, first, end, sum(layer_bytes[first:end]) + ends,
                                 "cuda" if node.gpus else "cpu"))
     return tuple(stages)
+
+
+def _allowed_start(end: int, start: int, n: int, may_start: Sequence[bool] | None) -> int:
+    """``end`` moved to the nearest layer after ``start`` where a stage may begin: back first, then on."""
+    if may_start is None or end >= n or may_start[end]:
+        return end
+    back = next((e for e in range(end - 1, start, -1) if may_start[e]), None)
+    return back if back is not None else next((e for e in range(end + 1, n) if may_start[e]), n)
 
 
 def _shares(total: int, speeds: list[float], rooms: list[int]) -> list[float]:
@@ -101,9 +111,10 @@ def _shares(total: int, speeds: list[float], rooms: list[int]) -> list[float]:
 
 
 def _cut(layer_bytes: Sequence[int], embed: int, head: int, targets: list[float],
-         rooms: list[int]) -> list[tuple[int, int]]:
+         rooms: list[int], may_start: Sequence[bool] | None = None) -> list[tuple[int, int]]:
     """Contiguous layer ranges, stage i taking layers until its running total reaches its target
-    (never past its room); every stage gets at least one layer, the last whatever remains."""
+    (never past its room); every stage gets at least one layer, the last whatever remains. A stage
+    ends earlier (or, where it cannot, later) so that the next begins where ``may_start`` allows."""
     n, stages = len(layer_bytes), len(targets)
     if n < stages:
         raise PlacementError(f"{n} layers cannot fill {stages} stages")
@@ -117,6 +128,9 @@ def _cut(layer_bytes: Sequence[int], embed: int, head: int, targets: list[float]
                     and held + layer_bytes[end] <= rooms[i]:
                 held += layer_bytes[end]
                 end += 1
+            end = _allowed_start(end, start, n, may_start)
+            if sum(layer_bytes[start:end]) + (embed if i == 0 else 0) > rooms[i]:
+                raise PlacementError(f"stage {i} cannot end where the next stage may begin (layer {end})")
         if end == start:
             raise PlacementError(f"stage {i} cannot hold even one layer ({_fmt(layer_bytes[start])})")
         bounds.append((start, end))

@@ -135,6 +135,11 @@ class ModelConfig:
     def moe_layer_ids(self) -> list[int]:
         return [i for i, is_moe in enumerate(self.moe_layers) if is_moe and self.in_stage(i)]
 
+    def stage_may_start(self, idx: int) -> bool:
+        """Whether a pipeline stage may begin at layer ``idx`` (one that needs the layer before it in
+        the same pass may not: GLM-5's shared sparse-attention layers)."""
+        return True
+
     def is_linear_layer(self, idx: int) -> bool:
         return bool(self.layer_types) and self.layer_types[idx] == "linear_attention"
 

@@ -68,7 +68,14 @@ async def messages(request: Request):
     return JSONResponse(_message_response(scope, gen.request_id, reply), headers=headers)
 
 
+def anthropic_id(call_id: str) -> str:
+    """A tool call's id as Anthropic spells its own (``toolu_``); an id the model wrote itself (Kimi's
+    ``functions.NAME:N``) stays as it is, for the chat template to render back."""
+    return "toolu_" + call_id[len("call_"):] if call_id.startswith("call_") else call_id
+
+
 # -- request conversion -------------------------------------------------------------------------
+
 def _render(state: Any, body: CountTokensRequest, check_length: bool = True) -> RenderedPrompt:
     messages: list[dict[str, Any]] = []
     if body.system:
@@ -186,7 +193,7 @@ def _message_response(state: Any, message_id: str, reply: Reply) -> dict[str, An
     if reply.content:
         content.append({"type": "text", "text": reply.content})
     for call in reply.tool_calls:
-        content.append({"type": "tool_use", "id": call.id.replace("call_", "toolu_"), "name": call.name,
+        content.append({"type": "tool_use", "id": anthropic_id(call.id), "name": call.name,
                         "input": call.input})
     stop_reason, stop_sequence = _stop(reply, bool(reply.tool_calls))
     return {"id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
@@ -227,7 +234,7 @@ class _BlockWriter:
         else:
             self.had_tool = True
             call = event.tool_call
-            block = {"type": "tool_use", "id": call.id.replace("call_", "toolu_"), "name": call.name, "input": {}}
+            block = {"type": "tool_use", "id": anthropic_id(call.id), "name": call.name, "input": {}}
         return [sse({"type": "content_block_start", "index": self.index, "content_block": block},
                     "content_block_start")]
 

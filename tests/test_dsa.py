@@ -50,3 +50,20 @@ def test_a_long_prompt_attends_sparsely_and_matches_transformers(checkpoint, fam
     dense_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, index_topk=4096).eval()
     dense, _ = hf_argmax(dense_model, prompt, 32)
     assert dense != ref_tokens  # the selection matters here, so the match above tests it
+
+
+def test_the_indexer_scores_a_long_context_in_blocks_as_at_once(monkeypatch) -> None:
+    from hearth.engine.layers import dsa
+
+    torch.manual_seed(0)
+    indexer = dsa.TokenIndexer(32, 16, heads=4, head_dim=16, rope_dim=8, topk=5, interleaved=False,
+                               dtype=torch.float32)
+    for param in indexer.parameters():
+        param.data.normal_()
+    x, q_res, keys = torch.randn(7, 32), torch.randn(7, 16), torch.randn(300, 16)
+    angles = torch.rand(7, 4)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    whole = indexer.select(q_res, x, keys, cos, sin)
+    monkeypatch.setattr(dsa, "SCORE_ELEMENTS", 1)  # 128 keys at a time: three blocks
+    blocked = indexer.select(q_res, x, keys, cos, sin)
+    assert blocked.shape == (7, 300) and int(blocked.sum()) == 7 * 5 and torch.equal(blocked, whole)

@@ -322,3 +322,15 @@ def test_gpt_oss_mxfp4_as_shipped_matches_transformers(tmp_path) -> None:
         convert(path, ftw)
         prompt = list(range(40, 61))
         assert LLM(ftw).generate(prompt, greedy(16))[0].token_ids == llm.generate(prompt, greedy(16))[0].token_ids
+
+
+def test_a_multimodal_checkpoints_language_model_quantization_is_read_too() -> None:
+    """Kimi-K2.5 keeps its INT4 compressed-tensors config under text_config: refused by name, not as
+    a heap of unexpected tensors."""
+    from hearth.engine.checkpoint.hf_quant import quant_spec
+
+    raw = {"architectures": ["KimiK25ForConditionalGeneration"],
+           "text_config": {"quantization_config": {"quant_method": "compressed-tensors"}}}
+    with pytest.raises(ConfigError, match="quant_method 'compressed-tensors' is not supported"):
+        quant_spec(raw, "/models/kimi")
+    assert quant_spec({"text_config": {"hidden_size": 8}}, "/models/kimi") is None

@@ -265,3 +265,16 @@ def test_a_batch_moves_to_another_stage_without_what_its_layers_cached() -> None
     assert moved.masks == {} and len(batch.masks) == 1 and batch.token_ids.device.type == "cpu"
     back = batch.moved("cpu")
     assert torch.equal(back.slot_mapping, batch.slot_mapping) and back.sequences[0].first_block == 3
+
+
+def test_a_stage_begins_only_where_the_model_allows() -> None:
+    # GLM-5's shared sparse-attention layers (odd ones here) need the layer before them in the same pass.
+    fast, slow = machine("fast", 32, b_h=30e9), machine("slow", 200, b_h=10e9)
+    may_start = [i % 2 == 0 for i in range(40)]
+    stages = plan_stages([fast, slow], "m", layers(40, 1.0), 0, 0, POLICY, may_start=may_start)
+    assert len(stages) == 2 and all(may_start[s.first_layer] for s in stages)
+    assert stages[0].end_layer == stages[1].first_layer and stages[0].end_layer % 2 == 0
+    unconstrained = plan_stages([fast, slow], "m", layers(40, 1.0), 0, 0, POLICY)
+    assert unconstrained[0].end_layer == 30  # (30 is a start anyway: the constraint moves nothing here)
+    odd = plan_stages([fast, slow], "m", layers(40, 1.0), 0, 0, POLICY, may_start=[i != 30 for i in range(40)])
+    assert odd[0].end_layer == 29  # one layer earlier: the stage may not grow past its room

@@ -10,8 +10,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-Meta = Callable[..., Any]  # meta(key, default=None): the value of "{architecture}.{key}"
-Has = Callable[[str], bool]  # has(name): whether the file holds that tensor
+from hearth.engine.checkpoint.gguf_latent import (
+    deepseek2,
+    deepseek2_variant,
+    deepseek_router,
+    kimi_linear,
+    sparse_deepseek,
+)
+from hearth.engine.checkpoint.gguf_meta import Has, Meta, as_list, common_fields
 
 
 @dataclass(frozen=True)
@@ -26,43 +32,13 @@ class GGUFArchitecture:
     variant: Callable[[Meta, Has], tuple[str, str]] | None = None
 
 
-def common_fields(meta: Meta) -> dict[str, Any]:
-    """The fields every decoder's metadata gives: shapes, norms, rotary base, the router's top-k.
-    Multi-token-prediction layers (``nextn_predict_layers``) are counted in ``block_count``; the
-    decoder has the others."""
-    heads = int(meta("attention.head_count"))
-    fields: dict[str, Any] = dict(
-        hidden_size=int(meta("embedding_length")),
-        num_hidden_layers=int(meta("block_count")) - int(meta("nextn_predict_layers", 0) or 0),
-        num_attention_heads=heads,
-        # (a list where layers differ: LFM2's convolution layers have none)
-        num_key_value_heads=max(_as_list(meta("attention.head_count_kv", heads))),
-        max_position_embeddings=int(meta("context_length")),
-        rope_parameters={"rope_type": "default", "rope_theta": float(meta("rope.freq_base", 10000.0))},
-        num_experts_per_tok=int(meta("expert_used_count")),
-    )
-    if meta("attention.layer_norm_rms_epsilon") is not None:
-        fields["rms_norm_eps"] = float(meta("attention.layer_norm_rms_epsilon"))
-    else:  # (a LayerNorm: Cohere's)
-        fields["layer_norm_eps"] = float(meta("attention.layer_norm_epsilon"))
-    if meta("feed_forward_length") is not None:
-        fields["intermediate_size"] = int(meta("feed_forward_length"))
-    if meta("attention.key_length") is not None:
-        fields["head_dim"] = int(meta("attention.key_length"))
-    return fields
-
-
-def _as_list(value: Any) -> list[int]:
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
-
-
 def _lfm2_moe(meta: Meta, has: Has) -> dict[str, Any]:
     """LFM2-MoE: the layers without KV heads are its short convolutions; leading dense layers; the
     router's bias where the file has one (the converter writes no scale or normalisation flag: LFM2's
     routed weights are renormalised and unscaled)."""
     fields = common_fields(meta)
     n = fields["num_hidden_layers"]
-    kv = _as_list(meta("attention.head_count_kv"))
+    kv = as_list(meta("attention.head_count_kv"))
     kv = kv * n if len(kv) == 1 else kv
     return {**fields, "norm_eps": fields["rms_norm_eps"], "num_experts": int(meta("expert_count")),
             "moe_intermediate_size": int(meta("expert_feed_forward_length")),
@@ -86,27 +62,15 @@ def _glm4_moe(meta: Meta, has: Has) -> dict[str, Any]:
     holds them (the converter writes no flag for either)."""
     fields = common_fields(meta)
     head_dim = fields.get("head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
-    return {**fields, **_deepseek_router(meta),
+    return {**fields, **deepseek_router(meta),
             "partial_rotary_factor": int(meta("rope.dimension_count", head_dim)) / head_dim,
             "attention_bias": has("blk.0.attn_q.bias"), "use_qk_norm": has("blk.0.attn_q_norm.weight")}
-
-
-def _deepseek_router(meta: Meta) -> dict[str, Any]:
-    """The routed and shared experts and the group-limited router, as DeepSeek-V2/V3 and GLM name them."""
-    return dict(n_routed_experts=int(meta("expert_count")),
-                moe_intermediate_size=int(meta("expert_feed_forward_length")),
-                n_shared_experts=int(meta("expert_shared_count", 0) or 0),
-                first_k_dense_replace=int(meta("leading_dense_block_count", 0) or 0),
-                n_group=int(meta("expert_group_count", 1) or 1),
-                topk_group=int(meta("expert_group_used_count", 1) or 1),
-                routed_scaling_factor=float(meta("expert_weights_scale", 1.0) or 1.0),
-                norm_topk_prob=bool(meta("expert_weights_norm", False)))
 
 
 def _dots1(meta: Meta, has: Has) -> dict[str, Any]:
     """dots.llm1: Qwen3's attention with DeepSeek-V3's router and shared experts. The converter
     writes no sliding window (the released checkpoints attend fully in every layer)."""
-    return {**common_fields(meta), **_deepseek_router(meta), "sliding_window": None}
+    return {**common_fields(meta), **deepseek_router(meta), "sliding_window": None}
 
 
 def _ernie4_5_moe(meta: Meta, has: Has) -> dict[str, Any]:
@@ -214,7 +178,7 @@ def _granitehybrid(meta: Meta, has: Has) -> dict[str, Any]:
     ``rope.scaling.finetuned``: the released models have none)."""
     fields = _granitemoe(meta, has)
     n, heads, inner = fields["num_hidden_layers"], int(meta("ssm.time_step_rank")), int(meta("ssm.inner_size"))
-    kv = _as_list(meta("attention.head_count_kv"))
+    kv = as_list(meta("attention.head_count_kv"))
     kv = kv * n if len(kv) == 1 else kv
     fields.setdefault("num_local_experts", 0)
     mamba = {"mamba_n_heads": heads, "mamba_d_head": inner // heads, "mamba_d_state": int(meta("ssm.state_size")),
@@ -248,81 +212,6 @@ def _gpt_oss(meta: Meta, has: Has) -> dict[str, Any]:
             "beta_fast": float(meta("rope.scaling.yarn_beta_fast", 32.0)),
             "beta_slow": float(meta("rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
     return fields
-
-
-def _deepseek2_variant(meta: Meta, has: Has) -> tuple[str, str]:
-    """llama.cpp writes DeepSeek-V2 and V3 as one architecture; V3's router has a correction bias."""
-    first_moe = int(meta("leading_dense_block_count", 0) or 0)
-    if has(f"blk.{first_moe}.exp_probs_b.bias"):
-        return "deepseek_v3", "DeepseekV3ForCausalLM"
-    return "deepseek_v2", "DeepseekV2ForCausalLM"
-
-
-def _deepseek2(meta: Meta, has: Has) -> dict[str, Any]:
-    """DeepSeek-V2/V3: multi-head latent attention (the converter writes one KV head and the latent
-    widths), the group-limited router; V2 softmax routing (greedy with one group), V3 sigmoid with a
-    correction bias; YaRN with DeepSeek's attention scale (``yarn_log_multiplier`` = 0.1 x mscale)."""
-    fields = common_fields(meta)
-    fields.pop("head_dim", None)
-    rope_dim, key_dim = int(meta("rope.dimension_count")), int(meta("attention.key_length_mla"))
-    fields.update(_deepseek_router(meta), num_key_value_heads=fields["num_attention_heads"],
-                  q_lora_rank=meta("attention.q_lora_rank"), kv_lora_rank=int(meta("attention.kv_lora_rank")),
-                  qk_rope_head_dim=rope_dim, qk_nope_head_dim=key_dim - rope_dim,
-                  v_head_dim=int(meta("attention.value_length_mla")))
-    if _deepseek2_variant(meta, has)[0] == "deepseek_v3":
-        fields["topk_method"] = "noaux_tc"
-    else:
-        fields["topk_method"] = "group_limited_greedy" if fields["n_group"] > 1 else "greedy"
-    if meta("rope.scaling.type") == "yarn":
-        mscale = float(meta("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
-        fields["rope_parameters"] = {
-            "rope_type": "yarn", "rope_theta": float(meta("rope.freq_base")),
-            "factor": float(meta("rope.scaling.factor")),
-            "original_max_position_embeddings": int(meta("rope.scaling.original_context_length")),
-            "beta_fast": float(meta("rope.scaling.yarn_beta_fast", 32.0)),
-            "beta_slow": float(meta("rope.scaling.yarn_beta_slow", 1.0)), "mscale": mscale, "mscale_all_dim": mscale}
-    return fields
-
-
-def _sparse_deepseek(meta: Meta, has: Has) -> dict[str, Any]:
-    """DeepSeek-V3.2 and GLM-5: DeepSeek-V3's fields (their routers always sigmoid with a correction
-    bias), the indexer's shape, the dense leading layers as ``mlp_layer_types``, and GLM-5's
-    indexer layers (``attention.indexer.types``: True where a layer runs its own)."""
-    fields = _deepseek2(meta, has)
-    fields.pop("topk_method")
-    n, dense = fields["num_hidden_layers"], fields["first_k_dense_replace"]
-    fields.update(index_n_heads=int(meta("attention.indexer.head_count")),
-                  index_head_dim=int(meta("attention.indexer.key_length")),
-                  index_topk=int(meta("attention.indexer.top_k")),
-                  mlp_layer_types=["dense" if i < dense else "sparse" for i in range(n)])
-    types = meta("attention.indexer.types")
-    if types is not None:
-        fields["indexer_types"] = ["full" if own else "shared" for own in list(types)[:n]]
-    return fields
-
-
-def _kimi_linear(meta: Meta, has: Has) -> dict[str, Any]:
-    """Kimi-Linear: the layers without KV heads are its delta attention, as many heads as attention
-    (llama.cpp's assumption) of ``kda.head_dim``; latent attention widths as DeepSeek's; llama.cpp's
-    router renormalises and has no groups, whatever the file says."""
-    fields = common_fields(meta)
-    fields.pop("head_dim", None)
-    n, heads, dense = fields["num_hidden_layers"], fields["num_attention_heads"], int(
-        meta("leading_dense_block_count", 0) or 0)
-    kv = _as_list(meta("attention.head_count_kv"))
-    kv = kv * n if len(kv) == 1 else kv
-    rope_dim, key_dim = int(meta("rope.dimension_count")), int(meta("attention.key_length_mla"))
-    return {**fields, "num_key_value_heads": heads, "num_local_experts": int(meta("expert_count")),
-            "moe_intermediate_size": int(meta("expert_feed_forward_length")),
-            "n_shared_experts": int(meta("expert_shared_count", 0) or 0),
-            "routed_scaling_factor": float(meta("expert_weights_scale", 1.0) or 1.0), "n_group": 1, "topk_group": 1,
-            "norm_topk_prob": True, "q_lora_rank": meta("attention.q_lora_rank"),
-            "kv_lora_rank": int(meta("attention.kv_lora_rank")), "qk_rope_head_dim": rope_dim,
-            "qk_nope_head_dim": key_dim - rope_dim, "v_head_dim": int(meta("attention.value_length_mla")),
-            "linear_head_dim": int(meta("kda.head_dim")), "linear_num_heads": heads,
-            "linear_conv_kernel_dim": int(meta("ssm.conv_kernel")),
-            "layer_types": ["full_attention" if h else "linear_attention" for h in kv[:n]],
-            "mlp_layer_types": ["dense" if i < dense else "sparse" for i in range(n)]}
 
 
 def _qwen_hybrid(meta: Meta) -> dict[str, Any]:
@@ -359,10 +248,10 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "llama4": GGUFArchitecture("Llama4ForCausalLM", "llama4_text", _llama4),
     "cohere2moe": GGUFArchitecture("Cohere2MoeForCausalLM", "cohere2_moe", _cohere2moe),
     "granitemoe": GGUFArchitecture("GraniteMoeForCausalLM", "granitemoe", _granitemoe, _granitemoe_variant),
-    "deepseek2": GGUFArchitecture("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek2, _deepseek2_variant),
-    "deepseek32": GGUFArchitecture("DeepseekV32ForCausalLM", "deepseek_v32", _sparse_deepseek),
-    "glm-dsa": GGUFArchitecture("GlmMoeDsaForCausalLM", "glm_moe_dsa", _sparse_deepseek),
-    "kimi-linear": GGUFArchitecture("KimiLinearForCausalLM", "kimi_linear", _kimi_linear),
+    "deepseek2": GGUFArchitecture("DeepseekV3ForCausalLM", "deepseek_v3", deepseek2, deepseek2_variant),
+    "deepseek32": GGUFArchitecture("DeepseekV32ForCausalLM", "deepseek_v32", sparse_deepseek),
+    "glm-dsa": GGUFArchitecture("GlmMoeDsaForCausalLM", "glm_moe_dsa", sparse_deepseek),
+    "kimi-linear": GGUFArchitecture("KimiLinearForCausalLM", "kimi_linear", kimi_linear),
     "qwen3next": GGUFArchitecture("Qwen3NextForCausalLM", "qwen3_next", lambda meta, has: _qwen_hybrid(meta)),
     "qwen35moe": GGUFArchitecture("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", lambda meta, has: _qwen_hybrid(meta)),
 })

@@ -74,7 +74,7 @@ def common_fields(cfg: dict) -> Fields:
     rope = rope_of(cfg)
     partial = cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
     fields: Fields = dict(
-        context_length=next(cfg[k] for k in ("max_position_embeddings", "model_max_length") if k in cfg),
+        context_length=_context_length(cfg),
         embedding_length=cfg["hidden_size"],
         block_count=cfg["num_hidden_layers"],
         head_count=cfg["num_attention_heads"], head_count_kv=cfg["num_key_value_heads"],
@@ -108,6 +108,13 @@ def common_fields(cfg: dict) -> Fields:
     return fields
 
 
+def _context_length(cfg: dict) -> int:
+    length = cfg.get("max_position_embeddings") or cfg.get("model_max_length")
+    if not length:
+        raise ConvertError("config.json names no context length (max_position_embeddings or model_max_length)")
+    return int(length)
+
+
 GATING = MappingProxyType({"softmax": 1, "sigmoid": 2})  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE
 
 
@@ -124,3 +131,16 @@ def _rope_scaling(rope: dict) -> Fields:
             if rope.get(key) is not None:
                 fields[f"rope_scaling_{name}"] = rope[key]
     return fields
+
+
+def deepseek_router(cfg: dict, fields: Fields) -> None:
+    """The DeepSeek-style router (GLM-4.5, DeepSeek-V2/V3): shared experts, leading dense layers,
+    groups, the weights' scale and normalisation."""
+    fields.update(expert_count=cfg["n_routed_experts"], expert_shared_count=cfg.get("n_shared_experts") or 0,
+                  leading_dense_block_count=cfg.get("first_k_dense_replace") or 0)
+    if cfg.get("n_group") is not None:
+        fields["expert_group_count"] = cfg["n_group"]
+    if cfg.get("topk_group") is not None:
+        fields["expert_group_used_count"] = cfg["topk_group"]
+    if cfg.get("routed_scaling_factor") is not None:
+        fields["expert_weights_scale"] = cfg["routed_scaling_factor"]

@@ -285,7 +285,10 @@ def _bpe_files(hf_dir: Path, config: dict) -> tuple[dict[str, int], dict[int, di
         merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
         return spec["model"]["vocab"], {t["id"]: t for t in spec.get("added_tokens", [])}, merges
     if not (hf_dir / "vocab.json").is_file() or not (hf_dir / "merges.txt").is_file():
-        raise ConvertError(f"{hf_dir}: no tokenizer.json, nor GPT-2's vocab.json and merges.txt")
+        tiktoken = sorted(f.name for f in hf_dir.glob("*tiktoken*"))
+        shipped = f" (it ships a tiktoken tokenizer, {', '.join(tiktoken)}, which hearth does not convert yet: " \
+                  "llama.cpp's converter does)" if tiktoken else ""
+        raise ConvertError(f"{hf_dir}: no tokenizer.json, nor GPT-2's vocab.json and merges.txt{shipped}")
     vocab = json.loads((hf_dir / "vocab.json").read_text())
     lines = (hf_dir / "merges.txt").read_text().splitlines()
     merges = [line for line in lines if line and not line.startswith("#version")]

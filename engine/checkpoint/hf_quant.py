@@ -67,8 +67,10 @@ class QuantSpec:
 
 
 def quant_spec(raw: dict[str, Any], model_dir: str | Path) -> QuantSpec | None:
-    """The checked ``quantization_config`` of a config.json (None when there is none)."""
-    qc = raw.get("quantization_config")
+    """The checked ``quantization_config`` of a config.json (None when there is none), at its top or
+    under ``text_config`` (a multimodal checkpoint's language model: Kimi-K2.5's)."""
+    text = raw.get("text_config")
+    qc = raw.get("quantization_config") or (text.get("quantization_config") if isinstance(text, dict) else None)
     if qc is None:
         return None
     source = f"{model_dir}/config.json"

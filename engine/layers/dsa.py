@@ -27,7 +27,8 @@ from hearth.engine.layers.norm import BiasedLayerNorm
 from hearth.engine.layers.rope import apply_rotary
 from hearth.engine.ops import deinterleave, linear
 
-INDEX_KEY_NORM_EPS = 1e-6  # the indexer's LayerNorm keeps torch's default-like eps in the reference
+INDEX_KEY_NORM_EPS = 1e-6  # the reference builds the indexer's key LayerNorm with 1e-6 (not the config's eps)
+SCORE_ELEMENTS = 1 << 24  # fp32 scores held at once per indexer call (64 MiB), whatever the context
 SELECTIONS = "dsa_selections"  # LayerContext.extras key: sequence index -> [Q, ctx] bool or None
 
 
@@ -65,11 +66,14 @@ class TokenIndexer(nn.Module):
         n, q_len = keys.shape[0], x.shape[0]
         if n <= self.topk:
             return None
-        q = self._rotate(linear(q_res, self.wq_b.weight).view(q_len, self.heads, self.head_dim), cos, sin)
-        scores = torch.relu(torch.matmul(q.float(), keys.float().T) * self.head_dim**-0.5)  # [Q, H, ctx]
+        q = self._rotate(linear(q_res, self.wq_b.weight).view(q_len, self.heads, self.head_dim), cos, sin).float()
         w = self.weights_proj.weight
-        weights = linear(x.to(w.dtype), w).float() * self.heads**-0.5  # [Q, H]
-        index = torch.matmul(weights[:, None, :], scores)[:, 0]  # [Q, ctx]
+        weights = linear(x.to(w.dtype), w).float()[:, None, :] * self.heads**-0.5  # [Q, 1, H]
+        index = torch.empty(q_len, n, dtype=torch.float32, device=x.device)  # [Q, ctx]
+        block = max(128, SCORE_ELEMENTS // (q_len * self.heads))  # keys a time: [Q, H, block] fp32 stays bounded
+        for lo in range(0, n, block):
+            scores = torch.relu(torch.matmul(q, keys[lo : lo + block].float().T) * self.head_dim**-0.5)  # [Q, H, b]
+            index[:, lo : lo + block] = torch.matmul(weights, scores)[:, 0]
         q_pos = torch.arange(n - q_len, n, device=x.device)[:, None]
         causal = torch.arange(n, device=x.device)[None, :] <= q_pos
         picked = index.masked_fill(~causal, float("-inf")).topk(self.topk, dim=-1).indices  # [Q, topk]

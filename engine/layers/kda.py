@@ -66,6 +66,8 @@ class KimiDeltaAttention(GatedDeltaNet):
     chunked_rule = staticmethod(chunked_kda_rule)
 
     def __init__(self, layer_idx: int, hidden: int, la: LinearAttentionConfig, eps: float, dtype: torch.dtype) -> None:
+        # Not GatedDeltaNet.__init__: its parameters (one fused projection, per-head A_log and dt_bias,
+        # one convolution) are not KDA's. The attributes its methods read are set here.
         nn.Module.__init__(self)
         self.layer_idx, self.la, self.group = layer_idx, la, 1
         width, rank, kernel = la.key_dim, la.key_head_dim, la.conv_kernel
@@ -110,7 +112,7 @@ class LingDeltaAttention(KimiDeltaAttention):
 
     def __init__(self, layer_idx: int, hidden: int, la: LinearAttentionConfig, eps: float, dtype: torch.dtype, *,
                  safe_gate: bool, lower_bound: float) -> None:
-        nn.Module.__init__(self)
+        nn.Module.__init__(self)  # (not KimiDeltaAttention's: see there; these parameters are Ling's)
         self.layer_idx, self.la, self.group, self.dtype = layer_idx, la, 1, dtype
         width, kernel, heads = la.key_dim, la.conv_kernel, la.num_key_heads
         self.q_proj, self.k_proj, self.v_proj = (Projection(hidden, width, False, dtype) for _ in range(3))

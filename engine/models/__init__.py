@@ -66,7 +66,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
 
 # MoE causal LMs of the transformers version hearth pins that it does not run yet, and what is missing
 # (tests/test_families.py checks that every one is here or supported).
-_NEW_MECHANISM = {
+_NEW_MECHANISM = MappingProxyType({
     "LongcatFlashForCausalLM": "its layers (two latent attention sublayers and two MLPs each, beside a shortcut MoE "
                                "with zero-computation experts) are not built",
     "MiniMaxForCausalLM": "MiniMax-Text-01's lightning attention layers are not built",
@@ -84,7 +84,7 @@ _NEW_MECHANISM = {
     "ZayaForCausalLM": "Zaya's compressed convolutional attention and residual scaling are not built",
     "Gemma4ForConditionalGeneration": "Gemma 4's text model (its experts beside the dense MLP, per-layer inputs) is "
                                       "not composed yet",
-}
+})
 # Decoders of layers hearth has, not yet composed into a family file.
 _NOT_COMPOSED = ("AXK1ForCausalLM", "BeamForCausalLM", "DbrxForCausalLM", "FlintForCausalLM", "HYV3ForCausalLM",
                  "Kolibri1ForCausalLM", "LagunaForCausalLM", "MellumForCausalLM", "MiMoV2FlashForCausalLM")

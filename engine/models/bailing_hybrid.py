@@ -7,7 +7,7 @@ layer attention; DeepSeek-V3's experts. Names as Ant Group ships them (``word_em
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,13 +27,16 @@ from hearth.engine.models.kimi_linear import delta_hybrid_fields
 
 @dataclass(frozen=True, kw_only=True)
 class LingConfig(DeepseekConfig):
+    """Kimi-Linear's fields, and the choice of Ling's delta attention decay."""
+
     safe_gate: bool = True  # the delta attention's bounded decay
     lower_bound: float = -5.0
 
 
 def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> LingConfig:
-    return LingConfig(architecture="BailingHybridForCausalLM",
-                      **delta_hybrid_fields(hf, model_dir, dtype, "interleaved"),
+    fields = delta_hybrid_fields(hf, model_dir, dtype, "interleaved")
+    fields["mla"] = replace(fields["mla"], q_lora_rank=None)  # (Ling's attention has a full-rank q_proj only)
+    return LingConfig(architecture="BailingHybridForCausalLM", **fields,
                       safe_gate=bool(hf.kda_safe_gate), lower_bound=float(hf.kda_lower_bound))
 
 

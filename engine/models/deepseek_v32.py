@@ -38,6 +38,9 @@ class SparseAttentionConfig:
 class SparseDeepseekConfig(DeepseekConfig):
     dsa: SparseAttentionConfig
 
+    def stage_may_start(self, idx: int) -> bool:
+        return not self.dsa.shared[idx]
+
     def __post_init__(self) -> None:
         if self.layer_range is not None and self.dsa.shared[self.layer_range[0]]:
             raise ConfigError(f"a pipeline stage cannot start at layer {self.layer_range[0]}: it reuses the sparse "

@@ -11,6 +11,7 @@ import re
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from hearth.engine.models.deepseek_v3 import DeepseekConfig, latent_attention, l
 from hearth.engine.models.glm4_moe import grouped_moe_block, map_grouped_name
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
-_W_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_W_NAMES = MappingProxyType({"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})
 
 
 def delta_hybrid_fields(hf: Any, model_dir: Path, dtype: torch.dtype, rope_style: str) -> dict[str, Any]:
