@@ -9,11 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # (about two minutes: .ci/run runs it with the GPU rehearsal, tools/gpu_rehearsal.sh)
 def test_every_section_runs_on_the_cpu(tmp_path) -> None:
     out = tmp_path / "report.json"
     proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--cpu-dry-run", "--json", str(out)], cwd=ROOT,

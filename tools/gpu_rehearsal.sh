@@ -11,6 +11,7 @@
 # 3. bench/gpu_contact.sh as it runs there (wheels installed with --no-index, hearth importable
 #    without pip, kernels built in place), its rows on the CPU (HEARTH_CONTACT_DRY_RUN=1), within
 #    a time budget; then every row must be there and none may have failed.
+# 4. bench/gpu_check.py's CPU dry run (tests/test_gpu_check.py's slow test), with the checkout's .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:-$(mktemp -d /tmp/hearth-rehearsal.XXXXXX)}"
@@ -61,3 +62,11 @@ failed = [r["check"] for r in report["rows"] if r.get("ok") is False]
 print(f"rehearsal: {len(report['rows'])} checks, rows missing: {missing or 'none'}, failed: {failed or 'none'}")
 sys.exit(1 if missing or failed else 0)
 PYEOF
+
+# bench/gpu_check.py, the device's longer check, in its CPU dry run: every section must still run
+# (a slow test, kept out of the default suite for its two minutes; .ci/run gets here after make test).
+if [ -x .venv/bin/python ]; then
+  .venv/bin/python -m pytest -q -m slow -p no:cacheprovider "tests/test_gpu_check.py::test_every_section_runs_on_the_cpu"
+else
+  echo "rehearsal: no .venv (make venv): bench/gpu_check.py's dry run skipped"
+fi

@@ -7,11 +7,9 @@ attention layers without rotary (``layer_types``), each followed by DeepSeek-V3'
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -21,13 +19,11 @@ from hearth.engine.config import LinearAttentionConfig
 from hearth.engine.experts.contract import ExpertBackend
 from hearth.engine.layers.kda import KimiDeltaAttention
 from hearth.engine.layers.norm import RMSNorm
+from hearth.engine.models import mixtral
 from hearth.engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields
 from hearth.engine.models.decoder import DecoderLayer, MoECausalLM
 from hearth.engine.models.deepseek_v3 import DeepseekConfig, latent_attention, latent_attention_fields
 from hearth.engine.models.glm4_moe import grouped_moe_block, map_grouped_name
-
-_EXPERT = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
-_W_NAMES = MappingProxyType({"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"})
 
 
 def delta_hybrid_fields(hf: Any, model_dir: Path, dtype: torch.dtype, rope_style: str) -> dict[str, Any]:
@@ -66,14 +62,9 @@ def build(cfg: DeepseekConfig, experts: ExpertBackend) -> MoECausalLM:
 
 
 def map_name(name: str) -> str:
-    """Moonshot's names (``block_sparse_moe``, ``w1``/``w2``/``w3``) and transformers' in-memory ones
-    (``forget_gate.``; the fused convolution is split by the loader) -> ours."""
-    name = name.replace(".self_attn.forget_gate.", ".self_attn.")
-    match = _EXPERT.match(name)
-    if match:
-        prefix, expert, w = match.groups()
-        return f"{prefix}.mlp.experts.{expert}.{_W_NAMES[w]}.weight"
-    return map_grouped_name(name.replace(".block_sparse_moe.", ".mlp."))
+    """Moonshot's names (Mixtral's ``block_sparse_moe`` with ``w1``/``w2``/``w3`` experts) and
+    transformers' in-memory ones (``forget_gate.``; the fused convolution is split by the loader) -> ours."""
+    return map_grouped_name(mixtral.map_name(name.replace(".self_attn.forget_gate.", ".self_attn.")))
 
 
 FAMILY = ModelFamily(
