@@ -48,7 +48,7 @@ def glm4_moe_lite(cfg: dict, fields: Fields) -> None:
     deepseek3(cfg, fields)
     kinds = cfg.get("mlp_layer_types")
     if kinds:
-        fields["leading_dense_block_count"] = next((i for i, kind in enumerate(kinds) if kind == "sparse"), len(kinds))
+        fields["leading_dense_block_count"] = _dense_prefix(kinds)
 
 
 def sparse_deepseek(cfg: dict, fields: Fields) -> None:
@@ -86,6 +86,11 @@ def kimi_linear(cfg: dict, fields: Fields) -> None:
         fields["expert_group_used_count"] = cfg["topk_group"]
 
 
+def _dense_prefix(kinds: list[str]) -> int:
+    """How many layers ``mlp_layer_types`` names before its first MoE ("sparse") one."""
+    return next((i for i, kind in enumerate(kinds) if kind == "sparse"), len(kinds))
+
+
 def leading_dense(cfg: dict) -> int:
     """The dense layers' count, which GGUF holds as a prefix: from ``mlp_layer_types`` where the config
     names them (transformers saves that), else ``first_k_dense_replace``; dense layers elsewhere are
@@ -93,7 +98,7 @@ def leading_dense(cfg: dict) -> int:
     kinds = cfg.get("mlp_layer_types")
     if not kinds:
         return cfg.get("first_k_dense_replace") or 0
-    count = next((i for i, kind in enumerate(kinds) if kind == "sparse"), len(kinds))
+    count = _dense_prefix(kinds)
     if "dense" in kinds[count:]:
         raise ConvertError(f"dense layers after the first MoE layer ({kinds}): llama.cpp's files hold only a "
                            "leading run of them")

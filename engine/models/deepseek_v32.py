@@ -57,9 +57,6 @@ def parse_sparse(hf: Any, model_dir: Path, dtype: torch.dtype, architecture: str
     if shared and shared[0]:
         raise ConfigError(f"{architecture}: the first layer cannot reuse an earlier layer's sparse selection")
     routing = grouped_routing_fields(hf)
-    kinds = getattr(hf, "mlp_layer_types", None)
-    if kinds:
-        routing["moe_layers"] = tuple(kind == "sparse" for kind in kinds)
     fields = decoder_fields(hf, model_dir, dtype) | latent_attention_fields(hf)
     fields["mla"] = replace(fields["mla"], rope_style="interleaved")
     rank, rope, index_dim = hf.kv_lora_rank, hf.qk_rope_head_dim, hf.index_head_dim

@@ -48,14 +48,16 @@ class Glm4MoeConfig(GroupedRoutingConfig):
 
 
 def grouped_routing_fields(hf: Any) -> dict[str, Any]:
-    """The routing fields every DeepSeek-style config names alike; dense layers first."""
+    """The routing fields every DeepSeek-style config names alike; the dense layers where
+    ``mlp_layer_types`` names them ("dense" / "sparse"), else the first ``first_k_dense_replace``."""
     n, first_dense = hf.num_hidden_layers, int(getattr(hf, "first_k_dense_replace", 0) or 0)
+    kinds = getattr(hf, "mlp_layer_types", None)
     return dict(
-        num_experts=hf.n_routed_experts,
+        num_experts=getattr(hf, "n_routed_experts", None) or hf.num_local_experts,
         top_k=hf.num_experts_per_tok,
         moe_intermediate_size=hf.moe_intermediate_size,
         intermediate_size=getattr(hf, "intermediate_size", None) or hf.moe_intermediate_size,  # (none: all MoE)
-        moe_layers=tuple(i >= first_dense for i in range(n)),
+        moe_layers=tuple(kind == "sparse" for kind in kinds) if kinds else tuple(i >= first_dense for i in range(n)),
         n_shared_experts=int(getattr(hf, "n_shared_experts", 0) or 0),
         routed_scaling_factor=float(getattr(hf, "routed_scaling_factor", 1.0) or 1.0),
         n_group=int(getattr(hf, "n_group", 1) or 1),

@@ -16,14 +16,10 @@ from hearth.engine.models.glm4_moe import grouped_routing_fields, map_grouped_na
 
 
 def parse_config(hf: Any, model_dir: Path, dtype: torch.dtype) -> DeepseekConfig:
-    routing = grouped_routing_fields(hf)
-    kinds = getattr(hf, "mlp_layer_types", None)
-    if kinds:
-        routing["moe_layers"] = tuple(kind == "sparse" for kind in kinds)
     return DeepseekConfig(
         architecture="Glm4MoeLiteForCausalLM",
         **(decoder_fields(hf, model_dir, dtype) | latent_attention_fields(hf)),
-        **routing,
+        **grouped_routing_fields(hf),
     )
 
 

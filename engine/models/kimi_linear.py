@@ -23,25 +23,21 @@ from hearth.engine.models import mixtral
 from hearth.engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields
 from hearth.engine.models.decoder import DecoderLayer, MoECausalLM
 from hearth.engine.models.deepseek_v3 import DeepseekConfig, latent_attention, latent_attention_fields
-from hearth.engine.models.glm4_moe import grouped_moe_block, map_grouped_name
+from hearth.engine.models.glm4_moe import grouped_moe_block, grouped_routing_fields, map_grouped_name
 
 
 def delta_hybrid_fields(hf: Any, model_dir: Path, dtype: torch.dtype, rope_style: str) -> dict[str, Any]:
     """The config fields of a delta attention + latent attention hybrid with DeepSeek-V3's experts
     (Kimi-Linear, Ling 3.0), from transformers' config of it."""
     n = hf.num_hidden_layers
-    kinds, mlp_kinds = list(hf.layer_types), list(hf.mlp_layer_types)
+    kinds = list(hf.layer_types)
     if len(kinds) != n or set(kinds) - {"full_attention", "linear_attention"}:
         raise ConfigError(f"{hf.architectures[0] if hf.architectures else 'the model'}: layer_types must name each "
                           f"of the {n} layers 'full_attention' or 'linear_attention' (got {kinds})")
     fields = decoder_fields(hf, model_dir, dtype) | latent_attention_fields(hf)
     fields["mla"] = replace(fields["mla"], rope_style=rope_style)
     heads, width = hf.linear_num_heads, hf.linear_head_dim
-    return fields | dict(
-        num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok, moe_intermediate_size=hf.moe_intermediate_size,
-        intermediate_size=hf.intermediate_size, moe_layers=tuple(kind == "sparse" for kind in mlp_kinds),
-        n_shared_experts=int(hf.n_shared_experts or 0), routed_scaling_factor=float(hf.routed_scaling_factor),
-        n_group=int(hf.n_group or 1), topk_group=int(hf.topk_group or 1), norm_topk_prob=bool(hf.norm_topk_prob),
+    return fields | grouped_routing_fields(hf) | dict(
         layer_types=tuple(kinds),
         linear_attention=LinearAttentionConfig(heads, heads, width, width, conv_kernel=hf.linear_conv_kernel_dim))
 
