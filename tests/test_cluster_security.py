@@ -42,8 +42,10 @@ class Router:
 @pytest.fixture(scope="module")
 def router(tmp_path_factory, agent_checkpoint):
     port, grpc_port = free_port(), free_port()
+    # intake_timeout: counting 3.7M tokens takes ~10 s on one idle core here, and three times that on CI's two
+    # cores beside two Ray nodes; the rows test the guards and /health, not the intake's 503 (test_serving_limits).
     serving = ServingConfig(api_key_file=security.key_file(), read_timeout=security.READ_TIMEOUT_S,
-                            response_store_bytes=security.STORE_BYTES)
+                            response_store_bytes=security.STORE_BYTES, intake_timeout=110.0)
     options = DeployOptions(str(agent_checkpoint), "tiny", port=port, grpc_port=grpc_port, health_interval_s=0.5,
                             engine_options={"max_model_len": 2048}, serving_config=serving)
     with deployed_on_two_nodes(tmp_path_factory.mktemp("hearth-cache"), options) as (_, desc):
