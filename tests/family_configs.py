@@ -40,6 +40,7 @@ CONFIG_CLASSES: dict[str, str] = {
     "kimi_linear": "KimiLinearConfig",
     "bailing_hybrid": "BailingHybridConfig",
     "solar_open": "SolarOpenConfig",
+    "dbrx": "DbrxConfig",
 }
 
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -155,6 +156,12 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     # Solar Open: GLM-4.5's network with every layer MoE, q/k/v biases and no q/k norms.
     "solar_open": dict(n_routed_experts=8, moe_intermediate_size=32, n_shared_experts=1, n_group=2, topk_group=1,
                        routed_scaling_factor=2.5, head_dim=16, attention_bias=True),
+    # DBRX: q/k/v clipped at 0.5 (so the clip acts), 2 KV heads, top-2 weights divided by their 1-norm. The
+    # width also as d_model (transformers passes d_model to the FFN config, before a hidden_size keyword is
+    # read), and the rotary base twice (transformers reads rope_parameters, DBRX ships attn_config.rope_theta).
+    "dbrx": dict(d_model=64, attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=500000.0),
+                 ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2),
+                 rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
     # MLA with a low-rank query; layer 0 dense; 2 groups of 4 experts, one group chosen.
     "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
                         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=32,

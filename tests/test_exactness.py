@@ -163,6 +163,11 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
                             "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                                 "original_max_position_embeddings": 1024, "mscale": 1.0,
                                                 "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}}),
+        # (DBRX's clip_qkv None fails in transformers: the shipped 8 here)
+        ("dbrx", {"attn_config": {"kv_n_heads": 4, "clip_qkv": 8.0, "rope_theta": 10000.0},
+                  "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 3,
+                                 "moe_normalize_expert_weights": 2.0},
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -177,7 +182,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "granite-swa-shared-bias-all-rope-sliding-first", "llama4-plain-top3-all-moe-bias-nope-first",
         "jetmoe-top3-four-kv-heads-tied", "deepseek-v3.2-top3-two-dense-bias-yarn",
         "glm5-every-second-indexer-wider-keys-two-groups", "kimi-linear-shipped-layers-q-lora-all-moe",
-        "ling-softplus-decay-attention-last-all-moe-yarn",
+        "ling-softplus-decay-attention-last-all-moe-yarn", "dbrx-shipped-clip-mha-top3-2-norm",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

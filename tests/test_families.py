@@ -236,3 +236,22 @@ def test_every_moe_causal_lm_of_the_pinned_transformers_is_served_or_refused_wit
     assert not unclaimed, f"neither supported nor refused with a reason: {unclaimed}"
     with pytest.raises(ConfigError, match="LongcatFlashForCausalLM is not supported yet: its layers"):
         family_for(["LongcatFlashForCausalLM"])
+
+
+def test_dbrx_reads_its_rotary_base_from_attn_config_as_shipped(checkpoint, tmp_path) -> None:
+    """A DBRX config.json as Databricks ships it (the base only in ``attn_config.rope_theta``): hearth
+    turns by that base, which transformers 5 replaces by its default; with ``rope_parameters`` those rule."""
+    import json
+    import shutil
+
+    from hearth.engine.checkpoint.hf import load_hf_config
+
+    path, _ = checkpoint("dbrx")
+    shipped = tmp_path / "shipped"
+    shutil.copytree(path, shipped)
+    raw = json.loads((shipped / "config.json").read_text())
+    raw.pop("rope_parameters")
+    raw["attn_config"]["rope_theta"] = 250000.0
+    (shipped / "config.json").write_text(json.dumps(raw))
+    assert load_hf_config(shipped)[1].rope.theta == 250000.0
+    assert load_hf_config(path)[1].rope.theta == 500000.0

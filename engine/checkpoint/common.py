@@ -25,6 +25,9 @@ PoolFactory = Callable[[tuple, tuple, torch.dtype], tuple[torch.Tensor, torch.Te
 PER_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # ``model.layers.{l}.mlp.experts.{gate_up,down}_proj``: every expert of a layer in one tensor.
 FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+# ``model.layers.{l}.mlp.experts.{gate,up,down}_rows``: each of a layer's three matrices for every expert
+# in one [E * I, H] tensor, expert after expert, down's transposed (DBRX's ``w1``, ``v1``, ``w2``).
+ROWS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate|up|down)_rows$")
 # A decoder layer's tensor (its number in group 1), in the in-memory (transformers) names.
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 

@@ -27,6 +27,7 @@ from hearth.engine.checkpoint.common import (
     FUSED,
     LAYER,
     PER_EXPERT,
+    ROWS,
     CheckpointError,
     LoadedModel,
     PoolFactory,
@@ -49,9 +50,11 @@ log = logging.getLogger(__name__)
 _UNUSED = re.compile(r"rotary_emb\.inv_freq$|^(model\.)?(mtp|mtp_[a-z_]+|visual|vision_tower|vision_model"
                      r"|multi_modal_projector|audio_tower)\.")
 # Tensors stored fused that a model holds as parts (rows in order): a dense gated MLP's gate and up
-# (Granite's ``shared_mlp.input_linear``), Kimi delta attention's q, k and v convolutions as
-# transformers holds them in memory.
+# (Granite's ``shared_mlp.input_linear``), attention's q, k and v (DBRX's ``Wqkv``), Kimi delta
+# attention's q, k and v convolutions as transformers holds them in memory.
 _FUSED_PARTS = ((re.compile(r"^(.+)\.gate_up_proj\.weight$"), ("gate_proj.weight", "up_proj.weight")),
+                (re.compile(r"^(.+\.self_attn)\.qkv_proj\.weight$"),
+                 ("q_proj.weight", "k_proj.weight", "v_proj.weight")),
                 (re.compile(r"^(.+\.self_attn)\.conv1d\.weight$"),
                  ("q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight")))
 _BIASED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$")
@@ -116,15 +119,19 @@ def _load_expert(name: str, canonical: str, f, cfg: ModelConfig, pool: ExpertPoo
     i, h, n_exp = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts
     per = PER_EXPERT.match(canonical)
     fused = FUSED.match(canonical) if per is None else None
-    if per is None and fused is None:
+    rows = ROWS.match(canonical)
+    if per is None and fused is None and rows is None:
         return False
-    layer = int((per or fused).group(1))
+    layer = int((per or fused or rows).group(1))
     if layer >= cfg.num_layers or not cfg.moe_layers[layer]:
         progress.errors.append(f"unexpected tensor '{name}': layer {layer} has no experts")
         return True
     base = pool.layer_rows(layer)
     sl = f.get_slice(name)
     shape = tuple(sl.get_shape())
+    if rows is not None:
+        _load_expert_rows(name, rows.group(2), f, cfg, pool, layer, progress)
+        return True
     if per is not None:
         expert, part = int(per.group(2)), per.group(3)
         if expert >= n_exp:
@@ -152,6 +159,23 @@ def _load_expert(name: str, canonical: str, f, cfg: ModelConfig, pool: ExpertPoo
             for p in parts:
                 progress.experts.discard((layer, e, p))
     return True
+
+
+def _load_expert_rows(name: str, part: str, f, cfg: ModelConfig, pool: ExpertPool, layer: int,
+                      progress: _Progress) -> None:
+    """One of a layer's ``gate_rows``/``up_rows``/``down_rows`` ([E * I, H], down's transposed) into
+    the pool's rows of every expert."""
+    i, h, n_exp, base = cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts, pool.layer_rows(layer)
+    if not _check_shape(name, tuple(f.get_slice(name).get_shape()), (n_exp * i, h), progress.errors):
+        return
+    _float_tensor(name, f)
+    t = f.get_tensor(name).view(n_exp, i, h)
+    if part == "down":
+        pool.down[base : base + n_exp].copy_(t.transpose(1, 2))
+    else:
+        pool.gate_up[base : base + n_exp, (0 if part == "gate" else i) : (i if part == "gate" else 2 * i)].copy_(t)
+    for e in range(n_exp):
+        progress.experts.discard((layer, e, f"{part}_proj"))
 
 
 def _load_biased_experts(name: str, canonical: str, f, cfg: ModelConfig, pool: ExpertPool,

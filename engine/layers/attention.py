@@ -326,6 +326,18 @@ class ProjectionNormAttention(Attention):
         return q, k  # normed whole in project_qkv
 
 
+class ClippedAttention(Attention):
+    """Attention whose q, k and v are clipped to ``[-clip, clip]`` as they leave the projection,
+    before the rotary (DBRX's ``clip_qkv``)."""
+
+    def __init__(self, *args, clip: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.clip = clip
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(t.clamp(-self.clip, self.clip) for t in super().project_qkv(x))
+
+
 class SinkAttention(Attention):
     """Attention with a learned sink per head (GPT-OSS): one more logit in every softmax, whose
     probability is dropped, so a query can attend to nothing. Computed as transformers' eager path

@@ -39,6 +39,21 @@ class TopKRouter(nn.Module):
         return ids, weights
 
 
+class PNormRouter(TopKRouter):
+    """DBRX's routing: a softmax over all experts in the model dtype, the top k, and their weights
+    divided by their ``p``-norm (none where ``p`` is None), kept in the model dtype."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype, *, p: float | None) -> None:
+        super().__init__(hidden, num_experts, top_k, dtype, normalize=p is not None)
+        self.p = p
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=logits.dtype), self.top_k, dim=-1)
+        if self.p is not None:
+            weights = weights / torch.norm(weights, p=self.p, dim=-1, keepdim=True)
+        return ids, weights
+
+
 class TopKSoftmaxRouter(nn.Module):
     """GPT-OSS's routing: the gate's logits (with its bias), the top k of them, and a softmax over
     those k only, in the model dtype."""

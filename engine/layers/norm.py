@@ -85,6 +85,13 @@ class LayerNormScaledInFp32(WeightedNorm):
         return (self.weight.float() * normed).to(x.dtype)
 
 
+class LayerNorm(WeightedNorm):
+    """``nn.LayerNorm(bias=False)`` in the model dtype (DBRX's)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight, None, self.eps)
+
+
 class BiasedLayerNorm(WeightedNorm):
     """``nn.LayerNorm`` with weight and bias in the model dtype (Phi-3.5-MoE's)."""
 

@@ -18,6 +18,7 @@ from hearth.engine.models import (
     afmoe,
     bailing_hybrid,
     cohere2_moe,
+    dbrx,
     deepseek_v2,
     deepseek_v3,
     deepseek_v4,
@@ -60,7 +61,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     granitemoehybrid.FAMILY, afmoe.FAMILY, flex_olmo.FAMILY, cohere2_moe.FAMILY,
     phimoe.FAMILY, hunyuan_v1_moe.FAMILY, granitemoe_swa.FAMILY, llama4.FAMILY,
     jetmoe.FAMILY, deepseek_v32.FAMILY, glm_moe_dsa.FAMILY, kimi_k25.FAMILY,
-    kimi_linear.FAMILY, bailing_hybrid.FAMILY, solar_open.FAMILY,
+    kimi_linear.FAMILY, bailing_hybrid.FAMILY, solar_open.FAMILY, dbrx.FAMILY,
 )
 
 
@@ -86,7 +87,7 @@ _NEW_MECHANISM = MappingProxyType({
                                       "not composed yet",
 })
 # Decoders of layers hearth has, not yet composed into a family file.
-_NOT_COMPOSED = ("AXK1ForCausalLM", "BeamForCausalLM", "DbrxForCausalLM", "FlintForCausalLM", "HYV3ForCausalLM",
+_NOT_COMPOSED = ("AXK1ForCausalLM", "BeamForCausalLM", "FlintForCausalLM", "HYV3ForCausalLM",
                  "Kolibri1ForCausalLM", "LagunaForCausalLM", "MellumForCausalLM", "MiMoV2FlashForCausalLM")
 NOT_YET: Mapping[str, str] = MappingProxyType(
     {**_NEW_MECHANISM, "MiniMaxText01ForCausalLM": _NEW_MECHANISM["MiniMaxForCausalLM"],
