@@ -91,7 +91,7 @@ def _file_weight(name: str, shape: tuple[int, ...], tensors: dict[str, torch.Ten
     fused ``gate_up_proj`` [E, 2I, H] (gate rows, then up), or GPT-OSS's [E, H, 2I] with gate and up
     interleaved column by column (its biases likewise) and ``down_proj`` [E, I, H], or Llama 4's
     [E, H, 2I] and [E, I, H]."""
-    layer = name.split(".")[2] if name.startswith("model.layers.") else None
+    layer = name.split(".")[2] if name.startswith(("model.layers.", "transformer.blocks.")) else None
     special = _special_weight(name, layer, tensors)
     if special is not None:
         return special
@@ -145,6 +145,10 @@ def _special_weight(name: str, layer: str | None, tensors: dict[str, torch.Tenso
         return torch.log(-stored) if part == "A_log" else stored
     if name.endswith((".mlp.gate.moe_statics.e_score_correction_bias", ".mlp.expert_bias")):
         return tensors[f"blk.{layer}.exp_probs_b.bias"]
+    if ".ffn.experts.mlp." in name:  # DBRX's experts: w1, v1 and w2, each [E * I, H] (w2 down's transpose)
+        part = name.rsplit(".", 1)[1]
+        stored = tensors[f"blk.{layer}.ffn_{ {'w1': 'gate', 'v1': 'up', 'w2': 'down'}[part]}_exps.weight"]
+        return stored.transpose(1, 2) if part == "w2" else stored
     if name.endswith(".block_sparse_moe.router.weight"):
         return tensors[f"blk.{layer}.ffn_gate_inp.weight"]
     if name.endswith(".shared_mlp.input_linear.weight"):
@@ -199,7 +203,8 @@ def assert_matches_transformers(path: Path, ref: Any = None, **engine_options) -
     prompts. Returns the engine."""
     ref = ref if ref is not None else reference(path)
     llm = LLM(path, **engine_options)
-    width = getattr(ref.config, "moe_intermediate_size", None) or ref.config.intermediate_size  # Mixtral: one width
+    width = getattr(ref.config, "moe_intermediate_size", None) or getattr(ref.config, "intermediate_size", None) \
+        or ref.config.ffn_config.ffn_hidden_size  # (Mixtral: one width; DBRX's in its FFN config)
     assert llm.engine.model_config.moe_intermediate_size == width
     for prompt in PROMPTS:
         with torch.no_grad():

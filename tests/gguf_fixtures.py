@@ -14,7 +14,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gguf"
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2",
             "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v4", "dots1", "glm4_moe_lite", "granitemoe_shared",
             "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid",
-            "afmoe", "cohere2_moe", "llama4", "deepseek_v32", "glm_moe_dsa", "kimi_linear")
+            "afmoe", "cohere2_moe", "llama4", "deepseek_v32", "glm_moe_dsa", "kimi_linear", "dbrx")
 # make_checkpoint's arguments beyond the family: bf16 weights (the converter's bf16 file is then
 # lossless), and the tokenizer each family's converter expects.
 RECIPES: dict[str, dict[str, Any]] = {

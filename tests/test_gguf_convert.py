@@ -75,7 +75,7 @@ def test_qwen2_moe_with_shared_experts_round_trips_through_gguf(tmp_path) -> Non
                                     "dots1", "granitemoe", "granitemoe_shared", "glm4_moe_lite",
                                     "ernie4_5_moe", "exaone_moe", "lfm2_moe",
                                     "granitemoehybrid", "afmoe", "cohere2_moe", "llama4", "deepseek_v32",
-                                    "glm_moe_dsa", "kimi_linear"])
+                                    "glm_moe_dsa", "kimi_linear", "dbrx"])
 def test_hearth_written_files_match_transformers(tmp_path, family) -> None:
     """A family's checkpoint written by ``hearth convert --quant q8_0`` (the layout llama.cpp's
     converter writes: tests/test_gguf_llama_cpp.py compares them tensor by tensor) reads back
@@ -88,6 +88,16 @@ def test_hearth_written_files_match_transformers(tmp_path, family) -> None:
     # (transformers does not read these architectures' GGUF files: its model of the family holds the
     # file's weights as the gguf package decodes them)
     assert_matches_transformers(out, dequantized_reference(out, fixture_model(tmp_path / "ref", family)))
+
+
+def test_a_dbrx_checkpoint_whose_weights_llama_cpp_cannot_normalise_is_refused(tmp_path) -> None:
+    """llama.cpp divides DBRX's top-k weights by their sum: a 2-norm cannot be written."""
+    from tests.checkpoints import make_checkpoint
+
+    hf, _ = make_checkpoint(tmp_path / "hf", "dbrx", ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 8,
+                                                                 "moe_top_k": 2, "moe_normalize_expert_weights": 2.0})
+    with pytest.raises(ConvertError, match="moe_normalize_expert_weights=2.0"):
+        write_gguf(hf, tmp_path / "m.gguf", "q8_0")
 
 
 def test_an_afmoe_checkpoint_without_mup_is_refused(tmp_path) -> None:

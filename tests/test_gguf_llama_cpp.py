@@ -58,7 +58,7 @@ LLAMA_TIE = 0.15
 WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe", "deepseek_v2", "deepseek_v3",
            "gpt_oss", "qwen3_next", "qwen3_5_moe", "dots1", "granitemoe_shared", "glm4_moe_lite",
            "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid", "afmoe", "cohere2_moe", "llama4",
-           "deepseek_v32", "glm_moe_dsa", "kimi_linear"]
+           "deepseek_v32", "glm_moe_dsa", "kimi_linear", "dbrx"]
 
 
 def _checkpoint(tmp_path, family: str):
@@ -97,6 +97,9 @@ def _checkpoint(tmp_path, family: str):
                      "mlp_layer_types": ["dense", "sparse"], "linear_num_heads": 4, "linear_head_dim": 64}
     if family == "exaone_moe":  # (two layers: a dense one in a window, then a global MoE one)
         attention |= {"layer_types": ["sliding_attention", "full_attention"], "mlp_layer_types": ["dense", "sparse"]}
+    if family == "dbrx":  # (its widths, heads and experts in its sub-configs)
+        attention = {"d_model": 256, "attn_config": {"kv_n_heads": 2, "clip_qkv": 0.5, "rope_theta": 500000.0}}
+        shape = {"ffn_config": {"ffn_hidden_size": 256, "moe_num_experts": 8, "moe_top_k": 2}}
     # The hybrids attend every fourth layer: llama.cpp cannot run one with no attention layer (no KV cache).
     # llama.cpp's Llama 4 needs its fourth, global layer (with two chunked layers only it stops on an
     # unallocated buffer).

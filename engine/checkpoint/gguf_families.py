@@ -214,6 +214,20 @@ def _gpt_oss(meta: Meta, has: Has) -> dict[str, Any]:
     return fields
 
 
+def _dbrx(meta: Meta, has: Has) -> dict[str, Any]:
+    """DBRX: its sub-configs from the common keys, the clip (0: none), and the top-k weights divided
+    by their sum, as llama.cpp always divides them (the 1-norm of DBRX's checkpoints)."""
+    fields = common_fields(meta)
+    clip = float(meta("attention.clamp_kqv", 0) or 0)
+    attn = {"kv_n_heads": fields["num_key_value_heads"], "clip_qkv": clip or None,
+            "rope_theta": fields["rope_parameters"]["rope_theta"]}
+    ffn = {"ffn_hidden_size": fields["intermediate_size"], "moe_num_experts": int(meta("expert_count")),
+           "moe_top_k": fields["num_experts_per_tok"], "moe_normalize_expert_weights": 1.0}
+    return {"d_model": fields["hidden_size"], "n_heads": fields["num_attention_heads"],
+            "n_layers": fields["num_hidden_layers"], "max_seq_len": fields["max_position_embeddings"],
+            "attn_config": attn, "ffn_config": ffn, "rope_parameters": fields["rope_parameters"]}
+
+
 def _qwen_hybrid(meta: Meta) -> dict[str, Any]:
     """Qwen3-Next and Qwen3.5-MoE: gated DeltaNet layers (``attention.recurrent_layers``) between
     gated attention ones, partial rotary, routed and shared experts."""
@@ -252,6 +266,7 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "deepseek32": GGUFArchitecture("DeepseekV32ForCausalLM", "deepseek_v32", sparse_deepseek),
     "glm-dsa": GGUFArchitecture("GlmMoeDsaForCausalLM", "glm_moe_dsa", sparse_deepseek),
     "kimi-linear": GGUFArchitecture("KimiLinearForCausalLM", "kimi_linear", kimi_linear),
+    "dbrx": GGUFArchitecture("DbrxForCausalLM", "dbrx", _dbrx),
     "qwen3next": GGUFArchitecture("Qwen3NextForCausalLM", "qwen3_next", lambda meta, has: _qwen_hybrid(meta)),
     "qwen35moe": GGUFArchitecture("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", lambda meta, has: _qwen_hybrid(meta)),
 })
@@ -274,7 +289,33 @@ def tensor_name_map(architecture: str, layers: int) -> Any:
         next((m for m, name in gguf.MODEL_ARCH_NAMES.items() if name == architecture), None)
     if member is None:
         raise ValueError(f"the gguf package knows no architecture '{architecture}'")
-    return gguf.TensorNameMap(member, layers)
+    names = gguf.TensorNameMap(member, layers)
+    for kind, param in ALIASES.get(architecture, ()):
+        for layer in range(layers):
+            tensor = getattr(gguf.MODEL_TENSOR, kind)
+            names.mapping[param.format(bid=layer)] = (tensor, gguf.TENSOR_NAMES[tensor].format(bid=layer))
+    return names
+
+
+# Parameters whose transformers names llama.cpp's table does not give for an architecture: DBRX's
+# norm after attention (its checkpoints' ``norm_2``), and its q, k and v, which the file holds as one
+# ``attn_qkv`` (split on reading: :func:`split_tensors`).
+ALIASES = MappingProxyType({"dbrx": (("ATTN_OUT_NORM", "model.layers.{bid}.post_attention_layernorm"),
+                                     ("ATTN_Q", "model.layers.{bid}.self_attn.q_proj"),
+                                     ("ATTN_K", "model.layers.{bid}.self_attn.k_proj"),
+                                     ("ATTN_V", "model.layers.{bid}.self_attn.v_proj"))})
+
+
+def split_tensors(architecture: str, names: set[str], meta: Meta) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """Tensors the converter wrote fused that a model reads as parts: name -> (the parts, their rows).
+    DBRX's ``attn_qkv`` [q + 2 kv, H] is its q, k and v (rows of blocks split as they are stored)."""
+    if architecture != "dbrx":
+        return {}
+    heads, kv_heads = int(meta("attention.head_count")), max(as_list(meta("attention.head_count_kv")))
+    width = int(meta("embedding_length"))
+    rows = (width, width // heads * kv_heads, width // heads * kv_heads)
+    return {f"blk.{layer}.attn_qkv.weight": (tuple(f"blk.{layer}.attn_{p}.weight" for p in "qkv"), rows)
+            for layer in range(int(meta("block_count"))) if f"blk.{layer}.attn_qkv.weight" in names}
 
 
 ROPE_PERMUTED = frozenset({"llama", "granitemoe", "granitehybrid"})

@@ -44,6 +44,7 @@ from hearth.engine.checkpoint.gguf_families import (
     gguf_name,
     metadata_config,
     restore,
+    split_tensors,
     tensor_name_map,
 )
 from hearth.engine.checkpoint.gguf_tensors import (
@@ -226,6 +227,7 @@ def load_gguf(path: str | Path, dtype: str | torch.dtype | None = None, show_pro
     pool = ExpertPool(cfg, pool_factory(*ExpertPool.bank_shapes(cfg), cfg.dtype) if pool_factory else None, blocks)
     model = build_model(cfg, LocalExpertBackend(pool, cfg.hidden_act))
     _compose(f)
+    _split(f)
     known, expected = _dense_tensors(f, cfg, model)
     known.add(ROPE_FACTORS)  # (read into the config: see gguf_hf_config)
     known |= set(expert_tensors(cfg, [layer for layer, moe in enumerate(cfg.moe_layers) if moe]))
@@ -262,6 +264,19 @@ def _compose(f: GGUFFile) -> None:
         f.tensors[name] = GGUFTensor(name, tuple(values.shape), torch.float32, values.numpy())
         for part in parts:
             del f.tensors[part]
+
+
+def _split(f: GGUFFile) -> None:
+    """Split the tensors the converter wrote fused (see ``gguf_families.split_tensors``) into their
+    parts, as stored: rows of blocks or of values are each part's rows as they are."""
+    for name, (parts, rows) in split_tensors(f.architecture, set(f.tensors), f.meta).items():
+        fused, start = f.tensors.pop(name), 0
+        if sum(rows) != fused.shape[0]:
+            raise GGUFError(f"{f.path}: tensor '{name}' has {fused.shape[0]} rows, expected {sum(rows)}")
+        data = fused.data.reshape(fused.shape[0], -1)  # [rows, row bytes or values]
+        for part, n in zip(parts, rows, strict=True):
+            f.tensors[part] = GGUFTensor(part, (n, *fused.shape[1:]), fused.format, data[start : start + n])
+            start += n
 
 
 def _layer_of(name: str) -> int:

@@ -44,6 +44,9 @@ class WriteFamily:
       the writer takes (GPT-OSS's interleaved experts as the standard fused ones).
     - ``vocab``: the tokenizer as written: "bpe" (``tokenizer.json``) or "spm" (``tokenizer.model``,
       as the converter writes ERNIE's, with its ``add_prefix_space``).
+    - ``config(cfg)``: config.json in the common names the writer reads (DBRX's sub-configs flattened).
+    - ``quantized_router``: the router's matrix is quantized in the converter's plain types (q8_0), as
+      the converter does for DBRX (llama.cpp's quantizer, hence its mixes, keeps every router as it is).
     """
 
     arch: str
@@ -54,6 +57,8 @@ class WriteFamily:
     keeps: Callable[[str, dict], bool] = lambda name, cfg: True
     prepare: Callable[[dict, dict], dict] = lambda tensors, cfg: tensors
     vocab: str = "bpe"
+    config: Callable[[dict], dict] = lambda cfg: cfg
+    quantized_router: bool = False
 
 
 def nextn_layers(cfg: dict) -> int:

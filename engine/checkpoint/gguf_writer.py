@@ -103,6 +103,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
     if len(archs) != 1 or archs[0] not in WRITE_FAMILIES:
         raise ConvertError(f"{hf_dir}: GGUF writing supports {', '.join(WRITE_FAMILIES)}, not {archs}")
     spec = WRITE_FAMILIES[archs[0]]
+    cfg = spec.config(cfg)
     # (the GGUF name of the gguf.MODEL_ARCH member, or of one the released package does not list yet)
     arch = UNLISTED[spec.arch][0] if spec.arch in UNLISTED else \
         gguf.MODEL_ARCH_NAMES[getattr(gguf.MODEL_ARCH, spec.arch)]
@@ -126,7 +127,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
                 if key in target:
                     t = permute_rope_rows(t, n)
         # (norms, biases, the routers, the shared experts' gate [1, H] and the convolutions stay f32)
-        router = ".ffn_gate_inp" in target
+        router = ".ffn_gate_inp" in target and not (spec.quantized_router and quant not in MIXES)
         for part, tp in spec.tensors(target, t, cfg):
             matrix = tp.dim() >= 2 and not router and not part.endswith(".bias") and not _KEPT_F32.search(part)
             _add(writer, part, tp, tensor_format(part, quant, layers) if matrix else "f32", summary)

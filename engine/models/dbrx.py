@@ -36,7 +36,9 @@ class DbrxConfig(ModelConfig):
 
 
 def _rope(hf: Any, model_dir: Path) -> RopeConfig:
-    raw = read_config_json(model_dir)
+    """The top-level rotary parameters where config.json has them (or there is none: a GGUF file's
+    config), else ``attn_config.rope_theta``."""
+    raw = read_config_json(model_dir) if (model_dir / "config.json").is_file() else {"rope_parameters": True}
     if raw.get("rope_parameters") or raw.get("rope_theta"):
         return parse_rope(hf.to_dict())
     return RopeConfig(theta=float(getattr(hf.attn_config, "rope_theta", None) or 10000.0))
