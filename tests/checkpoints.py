@@ -76,6 +76,8 @@ AGENT_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_res
 HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
 # DeepSeek's conversation markers (fullwidth bars) as special tokens; its checkpoints ship no template.
 DEEPSEEK_TOKENS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
+# Solar Open's markers (special tokens), which llama.cpp's converter looks up by name.
+SOLAR_TOKENS = ["<unk>", "<|startoftext|>"]
 # GLM's markers (special tokens), which llama.cpp's converter looks up by name in a GLM tokenizer.
 GLM_TOKENS = ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
 HARMONY_TEMPLATE = (
@@ -122,9 +124,10 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384, chat_format: str = "ch
     ``chat_format`` is ``chatml`` (plain ChatML), ``agent`` (ChatML with tools and thinking, and
     their markers as single tokens), ``harmony`` (GPT-OSS's markers as special tokens) or
     ``deepseek_v4`` (DeepSeek's markers as special tokens, think tags, and no chat template, as
-    DeepSeek-V4 ships) or ``glm`` (ChatML with GLM's markers as special tokens besides)."""
-    if chat_format not in ("chatml", "agent", "harmony", "deepseek_v4", "glm"):
-        raise ValueError(f"unknown chat format '{chat_format}' (chatml, agent, harmony, deepseek_v4 or glm)")
+    DeepSeek-V4 ships) or ``glm`` (ChatML with GLM's markers as special tokens besides) or ``solar``
+    (ChatML with Solar Open's unknown and start-of-text tokens besides)."""
+    if chat_format not in ("chatml", "agent", "harmony", "deepseek_v4", "glm", "solar"):
+        raise ValueError(f"unknown chat format '{chat_format}' (chatml, agent, harmony, deepseek_v4, glm or solar)")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -147,6 +150,8 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 384, chat_format: str = "ch
         tok.add_tokens(["<think>", "</think>"])
     if chat_format == "glm":
         tok.add_special_tokens(GLM_TOKENS)
+    if chat_format == "solar":
+        tok.add_special_tokens(SOLAR_TOKENS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token={"harmony": "<|return|>", "deepseek_v4": DEEPSEEK_TOKENS[1]}.get(chat_format, "<|im_end|>"),

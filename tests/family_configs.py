@@ -41,6 +41,7 @@ CONFIG_CLASSES: dict[str, str] = {
     "bailing_hybrid": "BailingHybridConfig",
     "solar_open": "SolarOpenConfig",
     "dbrx": "DbrxConfig",
+    "hy_v3": "HYV3Config",
 }
 
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -162,6 +163,10 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "dbrx": dict(d_model=64, attn_config=dict(kv_n_heads=2, clip_qkv=0.5, rope_theta=500000.0),
                  ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2),
                  rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    # Hunyuan V3: q/k norms, biases on q/k/v/o and the MLPs, layer 0 dense, a shared expert, scaled weights.
+    "hy_v3": dict(num_experts=8, moe_intermediate_size=32, intermediate_size=96, num_shared_experts=1, head_dim=16,
+                  router_scaling_factor=2.826, mlp_layer_types=["dense", "sparse", "sparse"], attention_bias=True,
+                  mlp_bias=True),
     # MLA with a low-rank query; layer 0 dense; 2 groups of 4 experts, one group chosen.
     "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
                         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=32,

@@ -14,13 +14,15 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures" / "gguf"
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v2", "deepseek_v3", "minimax_m2",
             "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v4", "dots1", "glm4_moe_lite", "granitemoe_shared",
             "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid",
-            "afmoe", "cohere2_moe", "llama4", "deepseek_v32", "glm_moe_dsa", "kimi_linear", "dbrx")
+            "afmoe", "cohere2_moe", "llama4", "deepseek_v32", "glm_moe_dsa", "kimi_linear", "dbrx",
+            "solar_open")
 # make_checkpoint's arguments beyond the family: bf16 weights (the converter's bf16 file is then
 # lossless), and the tokenizer each family's converter expects.
 RECIPES: dict[str, dict[str, Any]] = {
     "glm4_moe": {"chat_format": "glm"},
     "glm4_moe_lite": {"chat_format": "glm"},
     "glm_moe_dsa": {"chat_format": "glm"},
+    "solar_open": {"chat_format": "solar"},
     # (llama.cpp's Kimi-Linear routes without groups: one, as Moonshot ships it)
     "kimi_linear": {"n_group": 1},
     # (llama.cpp takes every fourth layer global and always scales by muP: four layers, the last global)
@@ -57,6 +59,9 @@ SHIPPED_FIELDS: dict[str, dict[str, Any]] = {"deepseek_v4": {"num_hash_layers": 
                                              "deepseek_v32": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"},
                                              # (GLM-4.7-Flash's dense first layer, as the converter reads it)
                                              "glm4_moe_lite": {"first_k_dense_replace": 1},
+                                             # (Solar Open's full rotary, which the converter takes as half
+                                             # where config.json does not name it)
+                                             "solar_open": {"partial_rotary_factor": 1.0},
                                              # (Granite 4's own names for its layers, which the converter reads)
                                              "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba"]}}
 

@@ -168,6 +168,8 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
                   "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 3,
                                  "moe_normalize_expert_weights": 2.0},
                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+        ("hy_v3", {"attention_bias": False, "mlp_bias": False, "num_shared_experts": 2, "num_experts_per_tok": 3,
+                   "mlp_layer_types": ["sparse"] * 3, "router_scaling_factor": 1.0}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -183,6 +185,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "jetmoe-top3-four-kv-heads-tied", "deepseek-v3.2-top3-two-dense-bias-yarn",
         "glm5-every-second-indexer-wider-keys-two-groups", "kimi-linear-shipped-layers-q-lora-all-moe",
         "ling-softplus-decay-attention-last-all-moe-yarn", "dbrx-shipped-clip-mha-top3-2-norm",
+        "hunyuan-v3-no-bias-two-shared-top3-all-moe-unscaled",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

@@ -426,6 +426,9 @@ def _dbrx_experts(tensors: dict, cfg: dict) -> dict:
 
 # The tokens llama.cpp's converter names for GLM (its _set_vocab_glm).
 _GLM_TOKENS = MappingProxyType({"bos": "[gMASK]", "eot": "<|user|>", "unk": "<|endoftext|>", "eom": "<|observation|>"})
+# ... and for Solar Open, written as GLM-4.5 (its SolarOpenModel).
+_SOLAR_TOKENS = MappingProxyType({"eos": "<|endoftext|>", "eot": "<|endoftext|>", "unk": "<unk>",
+                                  "bos": "<|startoftext|>"})
 
 WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
     "Qwen3MoeForCausalLM": WriteFamily("QWEN3MOE"),
@@ -434,6 +437,7 @@ WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
     "OlmoeForCausalLM": WriteFamily("OLMOE"),
     "MiniMaxM2ForCausalLM": WriteFamily("MINIMAXM2", _minimax_m2),
     "Glm4MoeForCausalLM": WriteFamily("GLM4_MOE", _glm4_moe, _GLM_TOKENS, nextn=True),
+    "SolarOpenForCausalLM": WriteFamily("GLM4_MOE", _glm4_moe, _SOLAR_TOKENS),
     "DeepseekV2ForCausalLM": WriteFamily("DEEPSEEK2", deepseek2, tensors=split_kv_b, keeps=_decoder_layers_only),
     "DeepseekV3ForCausalLM": WriteFamily("DEEPSEEK2", deepseek3, tensors=split_kv_b, keeps=_decoder_layers_only),
     "GptOssForCausalLM": WriteFamily("GPT_OSS", _gpt_oss, prepare=_gpt_oss_experts),

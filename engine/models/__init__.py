@@ -35,6 +35,7 @@ from hearth.engine.models import (
     granitemoe_swa,
     granitemoehybrid,
     hunyuan_v1_moe,
+    hy_v3,
     jetmoe,
     kimi_k25,
     kimi_linear,
@@ -61,7 +62,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     granitemoehybrid.FAMILY, afmoe.FAMILY, flex_olmo.FAMILY, cohere2_moe.FAMILY,
     phimoe.FAMILY, hunyuan_v1_moe.FAMILY, granitemoe_swa.FAMILY, llama4.FAMILY,
     jetmoe.FAMILY, deepseek_v32.FAMILY, glm_moe_dsa.FAMILY, kimi_k25.FAMILY,
-    kimi_linear.FAMILY, bailing_hybrid.FAMILY, solar_open.FAMILY, dbrx.FAMILY,
+    kimi_linear.FAMILY, bailing_hybrid.FAMILY, solar_open.FAMILY, dbrx.FAMILY, hy_v3.FAMILY,
 )
 
 
@@ -87,7 +88,7 @@ _NEW_MECHANISM = MappingProxyType({
                                       "not composed yet",
 })
 # Decoders of layers hearth has, not yet composed into a family file.
-_NOT_COMPOSED = ("AXK1ForCausalLM", "BeamForCausalLM", "FlintForCausalLM", "HYV3ForCausalLM",
+_NOT_COMPOSED = ("AXK1ForCausalLM", "BeamForCausalLM", "FlintForCausalLM",
                  "Kolibri1ForCausalLM", "LagunaForCausalLM", "MellumForCausalLM", "MiMoV2FlashForCausalLM")
 NOT_YET: Mapping[str, str] = MappingProxyType(
     {**_NEW_MECHANISM, "MiniMaxText01ForCausalLM": _NEW_MECHANISM["MiniMaxForCausalLM"],
