@@ -58,7 +58,7 @@ LLAMA_TIE = 0.15
 WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe", "deepseek_v2", "deepseek_v3",
            "gpt_oss", "qwen3_next", "qwen3_5_moe", "dots1", "granitemoe_shared", "glm4_moe_lite",
            "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid", "afmoe", "cohere2_moe", "llama4",
-           "deepseek_v32", "glm_moe_dsa", "kimi_linear", "dbrx"]
+           "deepseek_v32", "glm_moe_dsa", "kimi_linear", "dbrx", "solar_open"]
 
 
 def _checkpoint(tmp_path, family: str):
@@ -133,7 +133,9 @@ SHIPPED = {"minimax_m2": {"scoring_func": "sigmoid"}, "deepseek_v2": {"scoring_f
                            "linear_attn_config": {"full_attn_layers": [2], "kda_layers": [1], "head_dim": 64,
                                                   "num_heads": 4, "short_conv_kernel_size": 4}},
            # (Granite 4's own names for its layers, which the converter reads)
-           "granitemoehybrid": {"layer_types": ["mamba", "attention"]}}
+           "granitemoehybrid": {"layer_types": ["mamba", "attention"]},
+           # (Solar Open's full rotary, which the converter takes as half where config.json does not name it)
+           "solar_open": {"partial_rotary_factor": 1.0}}
 
 
 @pytest.mark.parametrize("family", WRITTEN)
