@@ -75,7 +75,7 @@ def test_qwen2_moe_with_shared_experts_round_trips_through_gguf(tmp_path) -> Non
                                     "dots1", "granitemoe", "granitemoe_shared", "glm4_moe_lite",
                                     "ernie4_5_moe", "exaone_moe", "lfm2_moe",
                                     "granitemoehybrid", "afmoe", "cohere2_moe", "llama4", "deepseek_v32",
-                                    "glm_moe_dsa", "kimi_linear", "dbrx", "solar_open"])
+                                    "glm_moe_dsa", "kimi_linear", "dbrx", "solar_open", "hy_v3"])
 def test_hearth_written_files_match_transformers(tmp_path, family) -> None:
     """A family's checkpoint written by ``hearth convert --quant q8_0`` (the layout llama.cpp's
     converter writes: tests/test_gguf_llama_cpp.py compares them tensor by tensor) reads back
@@ -97,6 +97,15 @@ def test_a_dbrx_checkpoint_whose_weights_llama_cpp_cannot_normalise_is_refused(t
     hf, _ = make_checkpoint(tmp_path / "hf", "dbrx", ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 8,
                                                                  "moe_top_k": 2, "moe_normalize_expert_weights": 2.0})
     with pytest.raises(ConvertError, match="moe_normalize_expert_weights=2.0"):
+        write_gguf(hf, tmp_path / "m.gguf", "q8_0")
+
+
+def test_a_hunyuan_v3_checkpoint_with_biases_is_refused(tmp_path) -> None:
+    """llama.cpp's hy_v3 computes no biases: a GGUF file would carry them to no effect."""
+    from tests.checkpoints import make_checkpoint
+
+    hf, _ = make_checkpoint(tmp_path / "hf", "hy_v3")  # (the test defaults: attention and MLP biases)
+    with pytest.raises(ConvertError, match="attention_bias and mlp_bias"):
         write_gguf(hf, tmp_path / "m.gguf", "q8_0")
 
 

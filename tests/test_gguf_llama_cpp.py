@@ -58,7 +58,7 @@ LLAMA_TIE = 0.15
 WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe", "deepseek_v2", "deepseek_v3",
            "gpt_oss", "qwen3_next", "qwen3_5_moe", "dots1", "granitemoe_shared", "glm4_moe_lite",
            "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid", "afmoe", "cohere2_moe", "llama4",
-           "deepseek_v32", "glm_moe_dsa", "kimi_linear", "dbrx", "solar_open"]
+           "deepseek_v32", "glm_moe_dsa", "kimi_linear", "dbrx", "solar_open", "hy_v3"]
 
 
 def _checkpoint(tmp_path, family: str):

@@ -228,6 +228,20 @@ def _dbrx(meta: Meta, has: Has) -> dict[str, Any]:
             "attn_config": attn, "ffn_config": ffn, "rope_parameters": fields["rope_parameters"]}
 
 
+def _hy_v3(meta: Meta, has: Has) -> dict[str, Any]:
+    """Hunyuan V3: the dense layers are those without a router (the converter writes no count of them),
+    the shared experts' count from their width, the weights renormalised and scaled, biases where the
+    file holds them."""
+    fields = common_fields(meta)
+    width, n = int(meta("expert_feed_forward_length")), fields["num_hidden_layers"]
+    return {**fields, "num_experts": int(meta("expert_count")), "moe_intermediate_size": width,
+            "num_shared_experts": int(meta("expert_shared_feed_forward_length", 0) or 0) // width,
+            "router_scaling_factor": float(meta("expert_weights_scale", 1.0) or 1.0),
+            "mlp_layer_types": ["sparse" if has(f"blk.{i}.ffn_gate_inp.weight") else "dense" for i in range(n)],
+            "attention_bias": has("blk.0.attn_q.bias"), "mlp_bias": any(
+                has(f"blk.{i}.ffn_up.bias") or has(f"blk.{i}.ffn_up_shexp.bias") for i in range(n))}
+
+
 def _qwen_hybrid(meta: Meta) -> dict[str, Any]:
     """Qwen3-Next and Qwen3.5-MoE: gated DeltaNet layers (``attention.recurrent_layers``) between
     gated attention ones, partial rotary, routed and shared experts."""
@@ -267,6 +281,7 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "glm-dsa": GGUFArchitecture("GlmMoeDsaForCausalLM", "glm_moe_dsa", sparse_deepseek),
     "kimi-linear": GGUFArchitecture("KimiLinearForCausalLM", "kimi_linear", kimi_linear),
     "dbrx": GGUFArchitecture("DbrxForCausalLM", "dbrx", _dbrx),
+    "hy_v3": GGUFArchitecture("HYV3ForCausalLM", "hy_v3", _hy_v3),
     "qwen3next": GGUFArchitecture("Qwen3NextForCausalLM", "qwen3_next", lambda meta, has: _qwen_hybrid(meta)),
     "qwen35moe": GGUFArchitecture("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", lambda meta, has: _qwen_hybrid(meta)),
 })
@@ -277,7 +292,11 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
 # Architectures llama.cpp's converter writes that the released gguf package does not list yet:
 # member name -> (the GGUF name, a listed architecture whose tensor kinds cover theirs). llama.cpp's
 # tensor names are one table for all; an architecture only selects from it.
-UNLISTED = MappingProxyType({"COHERE2MOE": ("cohere2moe", "DOTS1"), "DEEPSEEK32": ("deepseek32", "GLM_DSA")})
+UNLISTED = MappingProxyType({"COHERE2MOE": ("cohere2moe", "DOTS1"), "DEEPSEEK32": ("deepseek32", "GLM_DSA"),
+                             "HY_V3": ("hy_v3", "DOTS1")})
+# Tensors an architecture's converter names without the ``.weight``/``.bias`` suffix (Hunyuan V3's
+# correction bias: its checkpoint's ``mlp.expert_bias`` has none).
+UNSUFFIXED = MappingProxyType({"hy_v3": ("exp_probs_b",)})
 
 
 def tensor_name_map(architecture: str, layers: int) -> Any:
@@ -379,10 +398,18 @@ def _kv_b(k_b: Any, v_b: Any) -> Any:
     return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
 
 
-def gguf_name(names: Any, param: str) -> str | None:
+def gguf_name(names: Any, param: str, architecture: str = "") -> str | None:
     """The GGUF tensor of a model parameter (its transformers name), by llama.cpp's name table (the
     ``gguf`` package's ``TensorNameMap``), or None. As the converter does, a router's
-    ``e_score_correction_bias`` is the ``.bias`` of ``e_score_correction`` (``exp_probs_b.bias``)."""
+    ``e_score_correction_bias`` is the ``.bias`` of ``e_score_correction`` (``exp_probs_b.bias``;
+    without the suffix where ``UNSUFFIXED`` names it for ``architecture``)."""
+    name = _gguf_name(names, param)
+    if name is not None and name.rsplit(".", 2)[-2] in UNSUFFIXED.get(architecture, ()):
+        return name.rsplit(".", 1)[0]
+    return name
+
+
+def _gguf_name(names: Any, param: str) -> str | None:
     if param.endswith("e_score_correction_bias"):
         param = param[: -len("_bias")] + ".bias"
     if param.endswith((".linear_attn.A_log", ".linear_attn.dt_bias", ".mamba.A_log", ".mamba.dt_bias", ".mamba.D",

@@ -295,7 +295,7 @@ def _dense_tensors(f: GGUFFile, cfg, model) -> tuple[set[str], dict[str, tuple[s
     for name, param in model.named_parameters(remove_duplicate=False):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        target = gguf_name(names, name)
+        target = gguf_name(names, name, f.architecture)
         if target is None:
             raise common.CheckpointError(f"{f.path}: no GGUF name for '{name}' ({cfg.architecture})")
         known.add(target)

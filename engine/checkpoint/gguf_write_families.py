@@ -381,6 +381,17 @@ def _tiled(name: str, t: torch.Tensor, cfg: dict) -> torch.Tensor:
                                cfg["linear_value_head_dim"], to_tiled=True)
 
 
+def _hy_v3(cfg: dict, fields: Fields) -> None:
+    """Hunyuan V3: the shared experts' width, the renormalised weights' scale, sigmoid gating (the dense
+    layers are told by their tensors). llama.cpp's hy_v3 has no biases: a checkpoint with them is refused."""
+    biased = [key for key in ("attention_bias", "mlp_bias") if cfg.get(key)]
+    if biased:
+        raise ConvertError(f"Hunyuan V3 with {' and '.join(biased)}: llama.cpp's hy_v3 computes no biases")
+    fields.update(expert_shared_feed_forward_length=cfg["moe_intermediate_size"] * (cfg.get("num_shared_experts") or 1),
+                  expert_weights_norm=True, expert_weights_scale=float(cfg.get("router_scaling_factor", 1.0)),
+                  expert_gating_func=GATING["sigmoid"])
+
+
 def _dbrx_config(cfg: dict) -> dict:
     """DBRX's config.json in the common names (its widths, heads and experts under ``attn_config`` and
     ``ffn_config``; the rotary base from ``attn_config``, as the converter reads it)."""
@@ -458,6 +469,7 @@ WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
     "GlmMoeDsaForCausalLM": WriteFamily("GLM_DSA", sparse_deepseek, _GLM_TOKENS, tensors=split_kv_b, nextn=True),
     "KimiLinearForCausalLM": WriteFamily("KIMI_LINEAR", kimi_linear, tensors=kimi_linear_tensors),
     "DbrxForCausalLM": WriteFamily("DBRX", _dbrx, prepare=_dbrx_experts, config=_dbrx_config, quantized_router=True),
+    "HYV3ForCausalLM": WriteFamily("HY_V3", _hy_v3),
     "Qwen3NextForCausalLM": WriteFamily("QWEN3NEXT", _hybrid, prepare=_hybrid_tensors),
     "Qwen3_5MoeForCausalLM": WriteFamily("QWEN35MOE", _hybrid, prepare=_hybrid_tensors),
 })

@@ -114,7 +114,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
     _tokenizer(writer, hf_dir, spec, cfg)
     tensors = spec.prepare({name: load for name, load in _read_tensors(hf_dir).items() if spec.keeps(name, cfg)}, cfg)
     names = tensor_name_map(arch, layers + (nextn_layers(cfg) if spec.nextn else 0))
-    dense, experts, fused = _sort_tensors(tensors, family, names, hf_dir)
+    dense, experts, fused = _sort_tensors(tensors, family, names, hf_dir, arch)
     stacked = _stacked_experts(tensors, experts, fused, cfg["moe_intermediate_size"] if "moe_intermediate_size" in cfg
                                else cfg["intermediate_size"])
     bar = tqdm(total=len(dense) + len(stacked), desc=f"writing {quant}", unit="t", disable=not show_progress)
@@ -144,7 +144,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, quant: str = "f32", show_pro
     return out
 
 
-def _sort_tensors(tensors: dict, family, names, hf_dir: Path) -> tuple[list, dict, dict]:
+def _sort_tensors(tensors: dict, family, names, hf_dir: Path, arch: str) -> tuple[list, dict, dict]:
     """The checkpoint's tensors by kind: dense ones as (GGUF name, name), per-expert ones as
     {(layer, gate|up|down): {expert: name}}, fused ones as {(layer, gate_up_proj|down_proj): name}."""
     experts: dict[tuple[int, str], dict[int, str]] = {}
@@ -159,7 +159,7 @@ def _sort_tensors(tensors: dict, family, names, hf_dir: Path) -> tuple[list, dic
         if f:
             fused[(int(f.group(1)), f.group(2))] = name
             continue
-        target = gguf_name(names, canonical)
+        target = gguf_name(names, canonical, arch)
         if target is None:
             raise ConvertError(f"{hf_dir}: no GGUF name for tensor '{name}'")
         dense.append((target, name))
