@@ -107,6 +107,9 @@ class ModelConfig:
     experts_transposed: bool = False
     # A pipeline stage's layers [first, end): only these are loaded, cached and run (None: all).
     layer_range: tuple[int, int] | None = None
+    # Per layer, a rotary table of its own (None: ``rope``'s); empty: every layer turns by ``rope``
+    # (Mellum's sliding and full layers, each kind with its own base).
+    layer_ropes: tuple[RopeConfig | None, ...] = ()
 
     def in_stage(self, idx: int) -> bool:
         """Whether layer ``idx`` is this stage's (every layer without a ``layer_range``)."""
@@ -190,13 +193,29 @@ def config_architectures(raw: dict[str, Any]) -> list[str]:
 
 
 def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
-    """Read rope parameters from either the transformers 5 or the legacy layout."""
+    """Read rope parameters from either the transformers 5 or the legacy layout. (Parameters per layer
+    type, ``{"full_attention": {...}, "sliding_attention": {...}}``, are :func:`parse_layer_ropes`'.)"""
     params = dict(cfg.get("rope_parameters") or {})
     legacy = cfg.get("rope_scaling") or {}
     params = {**legacy, **params}
     theta = params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     return RopeConfig(theta=float(theta), rope_type=str(rope_type), params=params)
+
+
+def parse_layer_ropes(cfg: dict[str, Any], layer_types: list[str]) -> tuple[RopeConfig, tuple[RopeConfig, ...]]:
+    """(the first layer's rotary, each layer's) where ``rope_parameters`` are given per layer type
+    (transformers 5's layout for Gemma 3's, Mellum's and MiMo's): each type's parameters read as
+    :func:`parse_rope` reads a whole config's; one set for all: that set for every layer."""
+    by_type = cfg.get("rope_parameters") or {}
+    if not any(isinstance(value, dict) for value in by_type.values()):
+        rope = parse_rope(cfg)
+        return rope, (rope,) * len(layer_types)
+    missing = sorted({kind for kind in layer_types if not isinstance(by_type.get(kind), dict)})
+    if missing:
+        raise ConfigError(f"rope_parameters name no rotary for the layer type(s) {', '.join(missing)}")
+    ropes = tuple(parse_rope({"rope_parameters": by_type[kind]}) for kind in layer_types)
+    return ropes[0], ropes
 
 
 def parse_dtype(cfg: dict[str, Any], override: str | torch.dtype | None) -> torch.dtype:

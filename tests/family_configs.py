@@ -42,6 +42,7 @@ CONFIG_CLASSES: dict[str, str] = {
     "solar_open": "SolarOpenConfig",
     "dbrx": "DbrxConfig",
     "hy_v3": "HYV3Config",
+    "mellum": "MellumConfig",
 }
 
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -167,6 +168,11 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "hy_v3": dict(num_experts=8, moe_intermediate_size=32, intermediate_size=96, num_shared_experts=1, head_dim=16,
                   router_scaling_factor=2.826, mlp_layer_types=["dense", "sparse", "sparse"], attention_bias=True,
                   mlp_bias=True),
+    # Mellum: q/k norms, layers 0 and 2 in a window of 6 turning by base 10000, layer 1 global by 500000
+    # (its rotary tables per layer type), layer 0 dense.
+    "mellum": dict(num_experts=8, moe_intermediate_size=32, intermediate_size=96, head_dim=16, sliding_window=6,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   mlp_layer_types=["dense", "sparse", "sparse"]),
     # MLA with a low-rank query; layer 0 dense; 2 groups of 4 experts, one group chosen.
     "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
                         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=32,

@@ -255,3 +255,12 @@ def test_dbrx_reads_its_rotary_base_from_attn_config_as_shipped(checkpoint, tmp_
     (shipped / "config.json").write_text(json.dumps(raw))
     assert load_hf_config(shipped)[1].rope.theta == 250000.0
     assert load_hf_config(path)[1].rope.theta == 500000.0
+
+
+def test_mellum_fixed_shape_steps_turn_each_layer_by_its_own_rotary(solo) -> None:
+    """Mellum's sliding and global layers turn by rotary tables of their own: the fixed-shape decode
+    steps (a StaticBatch through the modules) read each layer's as the flattened steps do."""
+    path, refs = solo("mellum")
+    llm = LLM(path, static_decode="eager")
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy(STEPS))] == [tokens for tokens, _ in refs]
+    llm.close()

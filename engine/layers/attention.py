@@ -121,6 +121,7 @@ class Attention(nn.Module):
         self.norm_after_rope = False  # the q/k norms after the rotary, not before (HunYuan's order)
         # q [T, heads, D] and the tokens' positions -> q scaled by position (Llama 4's NoPE layers)
         self.query_scale: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.rope_table: int | None = None  # a rotary table of its own: its index in LayerContext.ropes
 
     def _fuse_qkv(self, h: int, q_out: int, kv_out: int, bias: bool, dtype: torch.dtype) -> None:
         """Back q/k/v_proj by one [q + 2kv, H] matrix (one GEMM instead of three); the per-projection
@@ -192,7 +193,7 @@ class Attention(nn.Module):
         if self.interleaved_rope:
             q, k = deinterleave(q), deinterleave(k)
         if self.use_rope:
-            q, k = self.rotate(q, k, ctx.rope, x.dtype)
+            q, k = self.rotate(q, k, ctx.rope if self.rope_table is None else ctx.ropes[self.rope_table], x.dtype)
         if self.norm_after_rope:
             q, k = self.norm_heads(q, k)
         if self.query_scale is not None:

@@ -162,8 +162,8 @@ class NativeLayers:
         if type(attn) is not Attention or attn.head_dim > 1024:
             raise _Unsupported("a mixer other than Attention")
         if attn.interleaved_rope or not attn.use_rope or attn.norm_after_rope or attn.rotate_in_fp32 or \
-                attn.query_scale is not None:
-            raise _Unsupported("rotary on interleaved pairs, or none, or q/k norms after it")  # (it turns halves)
+                attn.query_scale is not None or attn.rope_table is not None:
+            raise _Unsupported("rotary on interleaved pairs, or none, or q/k norms after it, or a table of its own")
         cache_k, cache_v = self.kv.keys[attn.layer_idx], self.kv.values[attn.layer_idx]
         if cache_k.dtype != self.dtype or not cache_k.is_cpu:
             raise _Unsupported("a KV cache elsewhere")

@@ -7,6 +7,8 @@ so a family's checkpoint-name mapping only has to handle what differs from it.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -65,6 +67,25 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.rotary = RotaryEmbedding(cfg)
+        self.layer_rotary = nn.ModuleList(self._layer_tables(cfg))
+
+    def _layer_tables(self, cfg: ModelConfig) -> list[RotaryEmbedding]:
+        """The rotary tables of layers that turn by their own (``cfg.layer_ropes``), one per distinct
+        set of parameters; each such layer's attention is told its table's index (``rope_table``)."""
+        distinct: list = []
+        for index, rope in enumerate(cfg.layer_ropes):
+            if rope is None or rope == cfg.rope:
+                continue
+            if rope not in distinct:
+                distinct.append(rope)
+            self.layers[index]._mixer.rope_table = distinct.index(rope)
+        return [RotaryEmbedding(replace(cfg, rope=rope)) for rope in distinct]
+
+    def context(self, batch, kv: PagedKVCache, states: RecurrentStatePool | None, dtype: torch.dtype) -> LayerContext:
+        """The forward pass's :class:`LayerContext`: the rotary tables of the batch's positions in ``dtype``."""
+        positions = batch.positions
+        return LayerContext(batch, kv, states, self.rotary(positions, dtype),
+                            ropes=tuple(table(positions, dtype) for table in self.layer_rotary))
 
 
 class MoECausalLM(nn.Module):
@@ -114,8 +135,7 @@ class MoECausalLM(nn.Module):
         if self.config.layer_range is not None:
             return self._forward_stage(batch, kv, states, hidden)
         h = self._embed(batch.token_ids)  # [T, H]
-        rope_dtype = torch.float32 if self.config.rope_in_fp32 else h.dtype
-        ctx = LayerContext(batch, kv, states, self.model.rotary(batch.positions, rope_dtype))
+        ctx = self.model.context(batch, kv, states, torch.float32 if self.config.rope_in_fp32 else h.dtype)
         native = self.native_layers(kv) if h.is_cpu and not isinstance(batch, StaticBatch) else None
         step = native.step(batch, ctx.rope) if native is not None else None
         if step is None or not native.run_all(h, step):  # layer by layer, natively where each can
@@ -154,8 +174,7 @@ class MoECausalLM(nn.Module):
             raise ValueError(f"pipeline stage [{first}, {end}) needs the previous stage's hidden states")
         # The native layers work in place: never on the caller's tensor (another stage's, or Ray's buffer).
         h = self._embed(batch.token_ids) if first == 0 else hidden.clone()  # [T, H]
-        rope_dtype = torch.float32 if self.config.rope_in_fp32 else h.dtype
-        ctx = LayerContext(batch, kv, states, self.model.rotary(batch.positions, rope_dtype))
+        ctx = self.model.context(batch, kv, states, torch.float32 if self.config.rope_in_fp32 else h.dtype)
         native = self.native_layers(kv) if h.is_cpu and isinstance(batch, ForwardBatch) else None
         step = native.step(batch, ctx.rope) if native is not None else None
         h = self._run_layers(h, ctx, range(first, end), native, step)
