@@ -177,6 +177,8 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
                     "layer_types": ["full_attention", "sliding_attention", "full_attention"],
                     "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                                         "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}}}),
+        ("axk1", {"rope_interleave": False, "n_group": 4, "topk_group": 2, "n_shared_experts": 2,
+                  "mlp_layer_types": ["sparse"] * 3, "attention_bias": True}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -193,6 +195,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "glm5-every-second-indexer-wider-keys-two-groups", "kimi-linear-shipped-layers-q-lora-all-moe",
         "ling-softplus-decay-attention-last-all-moe-yarn", "dbrx-shipped-clip-mha-top3-2-norm",
         "hunyuan-v3-no-bias-two-shared-top3-all-moe-unscaled", "mellum-bias-unnormalised-all-moe-global-first",
+        "axk1-half-rope-4-groups-two-shared-all-moe-bias",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

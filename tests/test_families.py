@@ -264,3 +264,33 @@ def test_mellum_fixed_shape_steps_turn_each_layer_by_its_own_rotary(solo) -> Non
     llm = LLM(path, static_decode="eager")
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy(STEPS))] == [tokens for tokens, _ in refs]
     llm.close()
+
+
+def test_axk1_as_released_without_a_correction_bias_and_with_norms_on_dense_layers(checkpoint, tmp_path) -> None:
+    """A.X K1 as SK Telecom ships it: no router correction bias (transformers keeps it at zero), and a
+    ``post_mlp_layernorm`` on the dense layers too, which nothing computes (skipped, as transformers does)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path, model = checkpoint("axk1")
+    shipped = tmp_path / "shipped"
+    shutil.copytree(path, shipped)
+    index = shipped / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    for file in shipped.glob("*.safetensors"):
+        save_file({n: t for n, t in load_file(file).items() if not n.endswith("e_score_correction_bias")}, file,
+                  metadata={"format": "pt"})
+    data["weight_map"] = {n: f for n, f in data["weight_map"].items() if not n.endswith("e_score_correction_bias")}
+    first = sorted(shipped.glob("*.safetensors"))[0]
+    save_file({**load_file(first), "model.layers.0.post_mlp_layernorm.weight": model.model.norm.weight.detach()},
+              first, metadata={"format": "pt"})
+    data["weight_map"]["model.layers.0.post_mlp_layernorm.weight"] = first.name
+    index.write_text(json.dumps(data))
+    ref = reference(shipped)  # transformers: the missing bias at zero, the dense layer's norm unused
+    assert not any(layer.mlp.gate.e_score_correction_bias.any() for layer in ref.model.layers[1:])
+    llm = LLM(shipped)
+    for prompt in PROMPTS:
+        assert llm.generate(prompt, greedy(STEPS))[0].token_ids == hf_argmax(ref, prompt, STEPS)[0]
+    llm.close()

@@ -227,8 +227,11 @@ def _load_tensors(model_dir: Path, cfg, model: MoECausalLM, pool: ExpertPool, fa
     the checkpoint's quantized tensors, kept in blocks (dense ones where ``keep_dense``)."""
     files = checkpoint_files(model_dir)
     params = dict(model.named_parameters(remove_duplicate=False))
-    expected = {name for name in params if stage_owns(name, cfg)} - (
-        {"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    # (a parameter marked ``optional`` keeps its default where the checkpoint lacks it: A.X K1's
+    # correction bias, which its releases do not ship and transformers leaves at zero)
+    expected = {name for name, param in params.items()
+                if stage_owns(name, cfg) and not getattr(param, "optional", False)}
+    expected -= {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     parts = _BIASED_PARTS if cfg.expert_bias else ("gate_proj", "up_proj", "down_proj")
     experts = {(l, e, p) for l in cfg.moe_layer_ids for e in range(cfg.num_experts) for p in parts}
     progress = _Progress(params=expected, experts=experts)

@@ -256,3 +256,15 @@ class MoEBlock(nn.Module):
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(linear(x, self.shared_expert_gate.weight)) * shared
         return (out + shared) / 2 if self.shared_average else out + shared
+
+
+class PostNormedMoEBlock(MoEBlock):
+    """An MoE block whose output (routed plus shared) is normalised before the residual add (A.X K1's
+    ``post_mlp_layernorm``)."""
+
+    def __init__(self, *args, post_mlp_layernorm: nn.Module, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.post_mlp_layernorm = post_mlp_layernorm
+
+    def forward(self, x: torch.Tensor, ctx: LayerContext | None = None) -> torch.Tensor:
+        return self.post_mlp_layernorm(super().forward(x, ctx))

@@ -16,6 +16,7 @@ from hearth.engine.config import ModelConfig, config_architectures
 from hearth.engine.experts.contract import ExpertBackend
 from hearth.engine.models import (
     afmoe,
+    axk1,
     bailing_hybrid,
     cohere2_moe,
     dbrx,
@@ -63,7 +64,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     granitemoehybrid.FAMILY, afmoe.FAMILY, flex_olmo.FAMILY, cohere2_moe.FAMILY,
     phimoe.FAMILY, hunyuan_v1_moe.FAMILY, granitemoe_swa.FAMILY, llama4.FAMILY,
     jetmoe.FAMILY, deepseek_v32.FAMILY, glm_moe_dsa.FAMILY, kimi_k25.FAMILY,
-    kimi_linear.FAMILY, bailing_hybrid.FAMILY, solar_open.FAMILY, dbrx.FAMILY, hy_v3.FAMILY, mellum.FAMILY,
+    kimi_linear.FAMILY, bailing_hybrid.FAMILY, solar_open.FAMILY, dbrx.FAMILY, hy_v3.FAMILY, mellum.FAMILY, axk1.FAMILY,
 )
 
 
@@ -89,7 +90,7 @@ _NEW_MECHANISM = MappingProxyType({
                                       "not composed yet",
 })
 # Decoders of layers hearth has, not yet composed into a family file.
-_NOT_COMPOSED = ("AXK1ForCausalLM", "BeamForCausalLM", "FlintForCausalLM",
+_NOT_COMPOSED = ("BeamForCausalLM", "FlintForCausalLM",
                  "Kolibri1ForCausalLM", "LagunaForCausalLM", "MiMoV2FlashForCausalLM")
 NOT_YET: Mapping[str, str] = MappingProxyType(
     {**_NEW_MECHANISM, "MiniMaxText01ForCausalLM": _NEW_MECHANISM["MiniMaxForCausalLM"],

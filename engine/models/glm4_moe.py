@@ -18,7 +18,7 @@ from hearth.engine.config import ModelConfig
 from hearth.engine.experts.contract import ExpertBackend
 from hearth.engine.layers.attention import Attention
 from hearth.engine.layers.mlp import GatedMLP
-from hearth.engine.layers.moe import GroupedTopKRouter, MoEBlock
+from hearth.engine.layers.moe import GroupedTopKRouter, MoEBlock, PostNormedMoEBlock
 from hearth.engine.layers.norm import RMSNorm
 from hearth.engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields
 from hearth.engine.models.decoder import DecoderLayer, MoECausalLM
@@ -67,9 +67,11 @@ def grouped_routing_fields(hf: Any) -> dict[str, Any]:
     )
 
 
-def grouped_moe_block(cfg: GroupedRoutingConfig, idx: int, experts: ExpertBackend) -> nn.Module:
+def grouped_moe_block(cfg: GroupedRoutingConfig, idx: int, experts: ExpertBackend,
+                      post_norm: nn.Module | None = None) -> nn.Module:
     """Layer ``idx``'s feed-forward: a gated MLP on dense layers; elsewhere the routed experts by
-    :class:`GroupedTopKRouter` plus the shared experts (one MLP ``n_shared_experts`` wide)."""
+    :class:`GroupedTopKRouter` plus the shared experts (one MLP ``n_shared_experts`` wide), their sum
+    normalised by ``post_norm`` where given (A.X K1's)."""
     h, dt = cfg.hidden_size, cfg.dtype
     if not cfg.moe_layers[idx]:
         return GatedMLP(h, cfg.intermediate_size, cfg.hidden_act, dt, cfg.mlp_bias)
@@ -79,6 +81,8 @@ def grouped_moe_block(cfg: GroupedRoutingConfig, idx: int, experts: ExpertBacken
                                scaling=cfg.routed_scaling_factor)
     shared = GatedMLP(h, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.hidden_act, dt, cfg.mlp_bias) \
         if cfg.n_shared_experts else None
+    if post_norm is not None:
+        return PostNormedMoEBlock(idx, cfg.num_experts, router, experts, shared, post_mlp_layernorm=post_norm)
     return MoEBlock(idx, cfg.num_experts, router, experts, shared)
 
 
