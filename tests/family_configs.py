@@ -44,6 +44,7 @@ CONFIG_CLASSES: dict[str, str] = {
     "hy_v3": "HYV3Config",
     "mellum": "MellumConfig",
     "axk1": "AXK1Config",
+    "kolibri1": "Kolibri1Config",
 }
 
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -180,6 +181,10 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                  n_group=2, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=16,
                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_key_value_heads=4,
                  mlp_layer_types=["dense", "sparse", "sparse"], bos_token_id=None),
+    # Kolibri-1: layers 0 and 2 in a window of 6, layer 1 global without rotary, four norms a layer, the
+    # correction bias on the logits, an ungated shared expert.
+    "kolibri1": dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, head_dim=16,
+                     sliding_window=6, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     # MLA with a low-rank query; layer 0 dense; 2 groups of 4 experts, one group chosen.
     "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
                         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=32,

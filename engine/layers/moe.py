@@ -124,12 +124,13 @@ class GroupedTopKRouter(nn.Module):
     by its best: ``group_score`` "top2" or "max"), then of the top k inside them; the k weights are
     the plain scores, renormalised where ``normalize``, times ``scaling``. Weights stay fp32 unless
     ``weights_dtype`` rounds them (ERNIE-4.5: to the model dtype). ``logits_in_fp32`` False: the gate's
-    product in the model dtype, then scored in fp32."""
+    product in the model dtype, then scored in fp32. ``bias_on_logits``: the correction bias shifts the
+    logits for the choice rather than the scores (Kolibri-1's)."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype, *, scoring: str = "sigmoid",
                  correction_bias: bool = True, n_group: int = 1, topk_group: int = 1, group_score: str = "top2",
                  normalize: bool = True, scaling: float = 1.0, logits_in_fp32: bool = True,
-                 weights_dtype: torch.dtype = torch.float32) -> None:
+                 weights_dtype: torch.dtype = torch.float32, bias_on_logits: bool = False) -> None:
         super().__init__()
         if scoring not in ("sigmoid", "softmax") or group_score not in ("top2", "max"):
             raise ValueError(f"routing: scoring {scoring!r} / group score {group_score!r} unknown")
@@ -141,7 +142,7 @@ class GroupedTopKRouter(nn.Module):
         self.top_k, self.scoring, self.normalize, self.scaling = top_k, scoring, normalize, scaling
         self.n_group, self.topk_group, self.group_score = max(n_group, 1), topk_group, group_score
         self.logits_in_fp32 = logits_in_fp32  # False: the gate's product in the model dtype (MiniMax-M2)
-        self.weights_dtype = weights_dtype
+        self.weights_dtype, self.bias_on_logits = weights_dtype, bias_on_logits
         self._weight_fp32: torch.Tensor | None = None  # made on first use (after loading), kept
 
     def fp32_weight(self) -> torch.Tensor:
@@ -158,7 +159,8 @@ class GroupedTopKRouter(nn.Module):
         logits = (torch.nn.functional.linear(x.float(), self.fp32_weight()) if self.logits_in_fp32
                   else linear(x, self.weight).float())  # [T, E]
         scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(dim=-1)
-        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        base = logits if self.bias_on_logits else scores
+        choice = base if self.e_score_correction_bias is None else base + self.e_score_correction_bias
         if self.n_group > 1:
             t, e = choice.shape
             grouped = choice.view(t, self.n_group, e // self.n_group)

@@ -40,6 +40,7 @@ from hearth.engine.models import (
     jetmoe,
     kimi_k25,
     kimi_linear,
+    kolibri1,
     lfm2_moe,
     llama4,
     mellum,
@@ -64,7 +65,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
     granitemoehybrid.FAMILY, afmoe.FAMILY, flex_olmo.FAMILY, cohere2_moe.FAMILY,
     phimoe.FAMILY, hunyuan_v1_moe.FAMILY, granitemoe_swa.FAMILY, llama4.FAMILY,
     jetmoe.FAMILY, deepseek_v32.FAMILY, glm_moe_dsa.FAMILY, kimi_k25.FAMILY,
-    kimi_linear.FAMILY, bailing_hybrid.FAMILY, solar_open.FAMILY, dbrx.FAMILY, hy_v3.FAMILY, mellum.FAMILY, axk1.FAMILY,
+    kimi_linear.FAMILY, bailing_hybrid.FAMILY, solar_open.FAMILY, dbrx.FAMILY, hy_v3.FAMILY, mellum.FAMILY,
+    axk1.FAMILY, kolibri1.FAMILY,
 )
 
 
@@ -91,7 +93,7 @@ _NEW_MECHANISM = MappingProxyType({
 })
 # Decoders of layers hearth has, not yet composed into a family file.
 _NOT_COMPOSED = ("BeamForCausalLM", "FlintForCausalLM",
-                 "Kolibri1ForCausalLM", "LagunaForCausalLM", "MiMoV2FlashForCausalLM")
+                 "LagunaForCausalLM", "MiMoV2FlashForCausalLM")
 NOT_YET: Mapping[str, str] = MappingProxyType(
     {**_NEW_MECHANISM, "MiniMaxText01ForCausalLM": _NEW_MECHANISM["MiniMaxForCausalLM"],
      "Dots3NoteForConditionalGeneration": _NEW_MECHANISM["Dots3NoteForCausalLM"],
