@@ -45,6 +45,7 @@ CONFIG_CLASSES: dict[str, str] = {
     "mellum": "MellumConfig",
     "axk1": "AXK1Config",
     "kolibri1": "Kolibri1Config",
+    "flint": "FlintConfig",
 }
 
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -185,6 +186,11 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     # correction bias on the logits, an ungated shared expert.
     "kolibri1": dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48, head_dim=16,
                      sliding_window=6, layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # Flint: sinks, layers 0 and 2 in a window of 6 (rotary), layer 1 global without it, layer 0 dense,
+    # an ungated shared expert.
+    "flint": dict(num_experts=8, moe_intermediate_size=32, intermediate_size=96, shared_expert_intermediate_size=48,
+                  head_dim=16, sliding_window=6, mlp_only_layers=[0],
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     # MLA with a low-rank query; layer 0 dense; 2 groups of 4 experts, one group chosen.
     "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
                         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=32,

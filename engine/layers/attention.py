@@ -345,9 +345,12 @@ class SinkAttention(Attention):
     does (scores in the model dtype, the max subtracted, the softmax in that dtype), so low
     precision matches it."""
 
+    scores_in_fp32 = False  # the scores, the sinks and the softmax in fp32 (Flint's), whatever the model dtype
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=self.o_proj.weight.dtype), requires_grad=False)
+        dtype = torch.float32 if self.scores_in_fp32 else self.o_proj.weight.dtype
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=dtype), requires_grad=False)
 
     def attend_static(self, q, batch, k_cache, v_cache):
         raise NotImplementedError("fixed-shape decode steps do not run attention sinks yet")
@@ -359,7 +362,9 @@ class SinkAttention(Attention):
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             keys = gather_context(k_cache, seq, batch.block_size).repeat_interleave(groups, 1)  # [ctx, heads, D]
             vals = gather_context(v_cache, seq, batch.block_size).repeat_interleave(groups, 1)
-            scores = torch.matmul(q[rows].transpose(0, 1), keys.permute(1, 2, 0)) * self.scale  # [heads, Q, ctx]
+            query = q[rows].float() if self.scores_in_fp32 else q[rows]
+            keys = keys.float() if self.scores_in_fp32 else keys
+            scores = torch.matmul(query.transpose(0, 1), keys.permute(1, 2, 0)) * self.scale  # [heads, Q, ctx]
             mask = step_mask(batch, index, seq, self.window, q.device, explicit=True)
             if mask is not None:
                 scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
@@ -374,6 +379,13 @@ class SinkAttention(Attention):
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
         return torch.matmul(probs.to(vals.dtype), vals.transpose(0, 1))
+
+
+class Fp32SinkAttention(SinkAttention):
+    """Sinks as Flint's eager path computes them: scores, sinks (kept in fp32) and the softmax in fp32,
+    the probabilities rounded to the values' dtype."""
+
+    scores_in_fp32 = True
 
 
 class SigmoidSinkAttention(SinkAttention):

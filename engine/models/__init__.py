@@ -28,6 +28,7 @@ from hearth.engine.models import (
     ernie4_5_moe,
     exaone_moe,
     flex_olmo,
+    flint,
     glm4_moe,
     glm4_moe_lite,
     glm_moe_dsa,
@@ -66,7 +67,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     phimoe.FAMILY, hunyuan_v1_moe.FAMILY, granitemoe_swa.FAMILY, llama4.FAMILY,
     jetmoe.FAMILY, deepseek_v32.FAMILY, glm_moe_dsa.FAMILY, kimi_k25.FAMILY,
     kimi_linear.FAMILY, bailing_hybrid.FAMILY, solar_open.FAMILY, dbrx.FAMILY, hy_v3.FAMILY, mellum.FAMILY,
-    axk1.FAMILY, kolibri1.FAMILY,
+    axk1.FAMILY, kolibri1.FAMILY, flint.FAMILY,
 )
 
 
@@ -90,17 +91,18 @@ _NEW_MECHANISM = MappingProxyType({
     "ZayaForCausalLM": "Zaya's compressed convolutional attention and residual scaling are not built",
     "Gemma4ForConditionalGeneration": "Gemma 4's text model (its experts beside the dense MLP, per-layer inputs) is "
                                       "not composed yet",
+    "BeamForCausalLM": "Beam's per-head output-gate bias, depth-scaled residuals, logit soft-capping and MoE output "
+                       "scaled after the sum are not built",
+    "LagunaForCausalLM": "Laguna's softplus output gate per head, soft-capped router and per-layer query heads are "
+                         "not built",
+    "MiMoV2FlashForCausalLM": "MiMo-V2-Flash's values narrower than its keys, value scale and sinks on its sliding "
+                              "layers only are not built",
 })
-# Decoders of layers hearth has, not yet composed into a family file.
-_NOT_COMPOSED = ("BeamForCausalLM", "FlintForCausalLM",
-                 "LagunaForCausalLM", "MiMoV2FlashForCausalLM")
 NOT_YET: Mapping[str, str] = MappingProxyType(
     {**_NEW_MECHANISM, "MiniMaxText01ForCausalLM": _NEW_MECHANISM["MiniMaxForCausalLM"],
      "Dots3NoteForConditionalGeneration": _NEW_MECHANISM["Dots3NoteForCausalLM"],
      "Qwen4ExpForConditionalGeneration": _NEW_MECHANISM["Qwen4ExpForCausalLM"],
-     "MiniMaxM3SparseForConditionalGeneration": _NEW_MECHANISM["MiniMaxM3VLForCausalLM"],
-     **dict.fromkeys(_NOT_COMPOSED, "its family file is not written yet (its layers are hearth's own: no new "
-                                    "mechanism is missing)")})
+     "MiniMaxM3SparseForConditionalGeneration": _NEW_MECHANISM["MiniMaxM3VLForCausalLM"]})
 
 
 def supported_architectures() -> list[str]:
