@@ -184,6 +184,8 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         # (Kolibri-1 without a window, every layer rotary, does not run in transformers: its mask needs one)
         ("kolibri1", {"norm_topk_prob": True, "layer_types": ["full_attention", "sliding_attention",
                                                               "sliding_attention"], "num_experts_per_tok": 3}),
+        ("flint", {"attention_bias": True, "norm_topk_prob": False, "mlp_only_layers": [],
+                   "layer_types": ["full_attention", "sliding_attention", "full_attention"]}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -201,6 +203,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "ling-softplus-decay-attention-last-all-moe-yarn", "dbrx-shipped-clip-mha-top3-2-norm",
         "hunyuan-v3-no-bias-two-shared-top3-all-moe-unscaled", "mellum-bias-unnormalised-all-moe-global-first",
         "axk1-half-rope-4-groups-two-shared-all-moe-bias", "kolibri1-global-first-normalised-top3",
+        "flint-bias-unnormalised-all-moe-global-first",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):
