@@ -15,7 +15,7 @@ FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_
             "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v4", "dots1", "glm4_moe_lite", "granitemoe_shared",
             "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid",
             "afmoe", "cohere2_moe", "llama4", "deepseek_v32", "glm_moe_dsa", "kimi_linear", "dbrx",
-            "solar_open", "hy_v3")
+            "solar_open", "hy_v3", "mellum")
 # make_checkpoint's arguments beyond the family: bf16 weights (the converter's bf16 file is then
 # lossless), and the tokenizer each family's converter expects.
 RECIPES: dict[str, dict[str, Any]] = {
@@ -24,6 +24,7 @@ RECIPES: dict[str, dict[str, Any]] = {
     "glm_moe_dsa": {"chat_format": "glm"},
     "solar_open": {"chat_format": "solar"},
     "hy_v3": {"attention_bias": False, "mlp_bias": False},  # (as released: llama.cpp's hy_v3 has no biases)
+    "mellum": {"mlp_layer_types": ["sparse"] * 3},  # (as released: llama.cpp's converter maps no dense MLP)
     # (llama.cpp's Kimi-Linear routes without groups: one, as Moonshot ships it)
     "kimi_linear": {"n_group": 1},
     # (llama.cpp takes every fourth layer global and always scales by muP: four layers, the last global)

@@ -75,7 +75,7 @@ def test_qwen2_moe_with_shared_experts_round_trips_through_gguf(tmp_path) -> Non
                                     "dots1", "granitemoe", "granitemoe_shared", "glm4_moe_lite",
                                     "ernie4_5_moe", "exaone_moe", "lfm2_moe",
                                     "granitemoehybrid", "afmoe", "cohere2_moe", "llama4", "deepseek_v32",
-                                    "glm_moe_dsa", "kimi_linear", "dbrx", "solar_open", "hy_v3"])
+                                    "glm_moe_dsa", "kimi_linear", "dbrx", "solar_open", "hy_v3", "mellum"])
 def test_hearth_written_files_match_transformers(tmp_path, family) -> None:
     """A family's checkpoint written by ``hearth convert --quant q8_0`` (the layout llama.cpp's
     converter writes: tests/test_gguf_llama_cpp.py compares them tensor by tensor) reads back

@@ -18,6 +18,7 @@ from hearth.engine.checkpoint.gguf_latent import (
     sparse_deepseek,
 )
 from hearth.engine.checkpoint.gguf_meta import Has, Meta, as_list, common_fields
+from hearth.engine.checkpoint.gguf_plain import dbrx, hy_v3, mellum
 
 
 @dataclass(frozen=True)
@@ -214,34 +215,6 @@ def _gpt_oss(meta: Meta, has: Has) -> dict[str, Any]:
     return fields
 
 
-def _dbrx(meta: Meta, has: Has) -> dict[str, Any]:
-    """DBRX: its sub-configs from the common keys, the clip (0: none), and the top-k weights divided
-    by their sum, as llama.cpp always divides them (the 1-norm of DBRX's checkpoints)."""
-    fields = common_fields(meta)
-    clip = float(meta("attention.clamp_kqv", 0) or 0)
-    attn = {"kv_n_heads": fields["num_key_value_heads"], "clip_qkv": clip or None,
-            "rope_theta": fields["rope_parameters"]["rope_theta"]}
-    ffn = {"ffn_hidden_size": fields["intermediate_size"], "moe_num_experts": int(meta("expert_count")),
-           "moe_top_k": fields["num_experts_per_tok"], "moe_normalize_expert_weights": 1.0}
-    return {"d_model": fields["hidden_size"], "n_heads": fields["num_attention_heads"],
-            "n_layers": fields["num_hidden_layers"], "max_seq_len": fields["max_position_embeddings"],
-            "attn_config": attn, "ffn_config": ffn, "rope_parameters": fields["rope_parameters"]}
-
-
-def _hy_v3(meta: Meta, has: Has) -> dict[str, Any]:
-    """Hunyuan V3: the dense layers are those without a router (the converter writes no count of them),
-    the shared experts' count from their width, the weights renormalised and scaled, biases where the
-    file holds them."""
-    fields = common_fields(meta)
-    width, n = int(meta("expert_feed_forward_length")), fields["num_hidden_layers"]
-    return {**fields, "num_experts": int(meta("expert_count")), "moe_intermediate_size": width,
-            "num_shared_experts": int(meta("expert_shared_feed_forward_length", 0) or 0) // width,
-            "router_scaling_factor": float(meta("expert_weights_scale", 1.0) or 1.0),
-            "mlp_layer_types": ["sparse" if has(f"blk.{i}.ffn_gate_inp.weight") else "dense" for i in range(n)],
-            "attention_bias": has("blk.0.attn_q.bias"), "mlp_bias": any(
-                has(f"blk.{i}.ffn_up.bias") or has(f"blk.{i}.ffn_up_shexp.bias") for i in range(n))}
-
-
 def _qwen_hybrid(meta: Meta) -> dict[str, Any]:
     """Qwen3-Next and Qwen3.5-MoE: gated DeltaNet layers (``attention.recurrent_layers``) between
     gated attention ones, partial rotary, routed and shared experts."""
@@ -280,8 +253,9 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "deepseek32": GGUFArchitecture("DeepseekV32ForCausalLM", "deepseek_v32", sparse_deepseek),
     "glm-dsa": GGUFArchitecture("GlmMoeDsaForCausalLM", "glm_moe_dsa", sparse_deepseek),
     "kimi-linear": GGUFArchitecture("KimiLinearForCausalLM", "kimi_linear", kimi_linear),
-    "dbrx": GGUFArchitecture("DbrxForCausalLM", "dbrx", _dbrx),
-    "hy_v3": GGUFArchitecture("HYV3ForCausalLM", "hy_v3", _hy_v3),
+    "dbrx": GGUFArchitecture("DbrxForCausalLM", "dbrx", dbrx),
+    "hy_v3": GGUFArchitecture("HYV3ForCausalLM", "hy_v3", hy_v3),
+    "mellum": GGUFArchitecture("MellumForCausalLM", "mellum", mellum),
     "qwen3next": GGUFArchitecture("Qwen3NextForCausalLM", "qwen3_next", lambda meta, has: _qwen_hybrid(meta)),
     "qwen35moe": GGUFArchitecture("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", lambda meta, has: _qwen_hybrid(meta)),
 })
@@ -293,7 +267,7 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
 # member name -> (the GGUF name, a listed architecture whose tensor kinds cover theirs). llama.cpp's
 # tensor names are one table for all; an architecture only selects from it.
 UNLISTED = MappingProxyType({"COHERE2MOE": ("cohere2moe", "DOTS1"), "DEEPSEEK32": ("deepseek32", "GLM_DSA"),
-                             "HY_V3": ("hy_v3", "DOTS1")})
+                             "HY_V3": ("hy_v3", "DOTS1"), "MELLUM": ("mellum", "QWEN3MOE")})
 # Tensors an architecture's converter names without the ``.weight``/``.bias`` suffix (Hunyuan V3's
 # correction bias: its checkpoint's ``mlp.expert_bias`` has none).
 UNSUFFIXED = MappingProxyType({"hy_v3": ("exp_probs_b",)})
