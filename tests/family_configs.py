@@ -46,6 +46,7 @@ CONFIG_CLASSES: dict[str, str] = {
     "axk1": "AXK1Config",
     "kolibri1": "Kolibri1Config",
     "flint": "FlintConfig",
+    "laguna": "LagunaConfig",
 }
 
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -191,6 +192,13 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "flint": dict(num_experts=8, moe_intermediate_size=32, intermediate_size=96, shared_expert_intermediate_size=48,
                   head_dim=16, sliding_window=6, mlp_only_layers=[0],
                   layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # Laguna: layer 1 in a window of 6 with 2 query heads (base 10000, every channel), layers 0 and 2 global
+    # (base 500000 on half of each head), a softplus gate per head, layer 0 dense, a soft-capped router, the
+    # routed sum scaled, an ungated shared expert.
+    "laguna": dict(num_experts=8, moe_intermediate_size=32, intermediate_size=96, shared_expert_intermediate_size=48,
+                   head_dim=16, sliding_window=6, layer_types=["full_attention", "sliding_attention", "full_attention"],
+                   mlp_layer_types=["dense", "sparse", "sparse"], num_attention_heads_per_layer=[4, 2, 4],
+                   gating="per-head", moe_routed_scaling_factor=2.5, moe_router_logit_softcapping=3.0),
     # MLA with a low-rank query; layer 0 dense; 2 groups of 4 experts, one group chosen.
     "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
                         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=32,

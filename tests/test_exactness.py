@@ -186,6 +186,10 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
                                                               "sliding_attention"], "num_experts_per_tok": 3}),
         ("flint", {"attention_bias": True, "norm_topk_prob": False, "mlp_only_layers": [],
                    "layer_types": ["full_attention", "sliding_attention", "full_attention"]}),
+        ("laguna", {"gating": "per-element", "attention_bias": True, "mlp_layer_types": ["sparse"] * 3,
+                    "num_attention_heads_per_layer": None, "moe_router_logit_softcapping": 0.0,
+                    "moe_routed_scaling_factor": 1.0, "num_experts_per_tok": 3,
+                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -203,7 +207,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "ling-softplus-decay-attention-last-all-moe-yarn", "dbrx-shipped-clip-mha-top3-2-norm",
         "hunyuan-v3-no-bias-two-shared-top3-all-moe-unscaled", "mellum-bias-unnormalised-all-moe-global-first",
         "axk1-half-rope-4-groups-two-shared-all-moe-bias", "kolibri1-global-first-normalised-top3",
-        "flint-bias-unnormalised-all-moe-global-first",
+        "flint-bias-unnormalised-all-moe-global-first", "laguna-gate-per-channel-bias-all-moe-uncapped-top3",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):

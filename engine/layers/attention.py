@@ -177,6 +177,11 @@ class Attention(nn.Module):
         """q_proj's output [T, q_size] -> (queries [T, heads, D], what the output needs from it, or None)."""
         return q.reshape(q.shape[0], self.num_heads, self.head_dim), None
 
+    def gate_of(self, x: torch.Tensor) -> torch.Tensor | None:
+        """What the output needs from the layer's input x [T, H] where the query gives nothing (an output
+        gate projected from x: Laguna's), or None."""
+        return None
+
     def project_out(self, out: torch.Tensor, extra: torch.Tensor | None) -> torch.Tensor:
         """Attention output [T, heads * D] -> hidden states [T, H]."""
         return linear(out, self.o_proj.weight, self.o_proj.bias)
@@ -186,6 +191,7 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.kv.keys[self.layer_idx], ctx.kv.values[self.layer_idx]  # [slots, kv_heads, D]
         q, k, v = self.project_qkv(x)
         q, extra = self.split_query(q)
+        extra = extra if extra is not None else self.gate_of(x)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if not self.norm_after_rope:

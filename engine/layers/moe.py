@@ -125,12 +125,14 @@ class GroupedTopKRouter(nn.Module):
     the plain scores, renormalised where ``normalize``, times ``scaling``. Weights stay fp32 unless
     ``weights_dtype`` rounds them (ERNIE-4.5: to the model dtype). ``logits_in_fp32`` False: the gate's
     product in the model dtype, then scored in fp32. ``bias_on_logits``: the correction bias shifts the
-    logits for the choice rather than the scores (Kolibri-1's)."""
+    logits for the choice rather than the scores (Kolibri-1's). ``softcap`` > 0: the fp32 logits capped
+    by ``tanh(logits / softcap) * softcap`` first (Laguna's)."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, dtype: torch.dtype, *, scoring: str = "sigmoid",
                  correction_bias: bool = True, n_group: int = 1, topk_group: int = 1, group_score: str = "top2",
                  normalize: bool = True, scaling: float = 1.0, logits_in_fp32: bool = True,
-                 weights_dtype: torch.dtype = torch.float32, bias_on_logits: bool = False) -> None:
+                 weights_dtype: torch.dtype = torch.float32, bias_on_logits: bool = False,
+                 softcap: float = 0.0) -> None:
         super().__init__()
         if scoring not in ("sigmoid", "softmax") or group_score not in ("top2", "max"):
             raise ValueError(f"routing: scoring {scoring!r} / group score {group_score!r} unknown")
@@ -142,7 +144,7 @@ class GroupedTopKRouter(nn.Module):
         self.top_k, self.scoring, self.normalize, self.scaling = top_k, scoring, normalize, scaling
         self.n_group, self.topk_group, self.group_score = max(n_group, 1), topk_group, group_score
         self.logits_in_fp32 = logits_in_fp32  # False: the gate's product in the model dtype (MiniMax-M2)
-        self.weights_dtype, self.bias_on_logits = weights_dtype, bias_on_logits
+        self.weights_dtype, self.bias_on_logits, self.softcap = weights_dtype, bias_on_logits, softcap
         self._weight_fp32: torch.Tensor | None = None  # made on first use (after loading), kept
 
     def fp32_weight(self) -> torch.Tensor:
@@ -158,6 +160,8 @@ class GroupedTopKRouter(nn.Module):
         """x: [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] in ``weights_dtype``)."""
         logits = (torch.nn.functional.linear(x.float(), self.fp32_weight()) if self.logits_in_fp32
                   else linear(x, self.weight).float())  # [T, E]
+        if self.softcap > 0:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         scores = logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(dim=-1)
         base = logits if self.bias_on_logits else scores
         choice = base if self.e_score_correction_bias is None else base + self.e_score_correction_bias
@@ -245,6 +249,7 @@ class MoEBlock(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = shared_expert_gate
         self.shared_average = False
+        self.routed_scale = 1.0  # the routed experts' sum times this, in the model dtype (Laguna's)
 
     def forward(self, x: torch.Tensor, ctx: LayerContext | None = None) -> torch.Tensor:
         ids, weights = self.gate(x, ctx.batch.token_ids) if getattr(self.gate, "reads_tokens", False) else self.gate(x)
@@ -252,6 +257,8 @@ class MoEBlock(nn.Module):
             out = self.backend.forward_static(x, ids + self.first_expert_id, weights, self.layer_idx)
         else:
             out = self.backend.forward(x, ids + self.first_expert_id, weights, ctx.batch.experts if ctx else None)
+        if self.routed_scale != 1.0:
+            out = out * self.routed_scale
         if self.shared_expert is None:
             return out
         shared = self.shared_expert(x)

@@ -210,7 +210,7 @@ class NativeLayers:
             return f | self._gated_mlp(mlp) | {"mlp": 2}
         if type(mlp) is not MoEBlock or type(mlp.gate) is not TopKRouter or type(mlp.backend) is not LocalExpertBackend:
             raise _Unsupported("a feed-forward other than a local softmax top-k MoE block")
-        if mlp.backend.act is not F.silu:
+        if mlp.backend.act is not F.silu or mlp.routed_scale != 1.0 or mlp.shared_average:
             raise _Unsupported("a feed-forward other than a local softmax top-k MoE block")
         pool, router = mlp.backend.pool, mlp.gate
         blocks = pool.layer_blocks(mlp.layer_idx)

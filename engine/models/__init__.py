@@ -42,6 +42,7 @@ from hearth.engine.models import (
     kimi_k25,
     kimi_linear,
     kolibri1,
+    laguna,
     lfm2_moe,
     llama4,
     mellum,
@@ -67,7 +68,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     phimoe.FAMILY, hunyuan_v1_moe.FAMILY, granitemoe_swa.FAMILY, llama4.FAMILY,
     jetmoe.FAMILY, deepseek_v32.FAMILY, glm_moe_dsa.FAMILY, kimi_k25.FAMILY,
     kimi_linear.FAMILY, bailing_hybrid.FAMILY, solar_open.FAMILY, dbrx.FAMILY, hy_v3.FAMILY, mellum.FAMILY,
-    axk1.FAMILY, kolibri1.FAMILY, flint.FAMILY,
+    axk1.FAMILY, kolibri1.FAMILY, flint.FAMILY, laguna.FAMILY,
 )
 
 
@@ -93,8 +94,6 @@ _NEW_MECHANISM = MappingProxyType({
                                       "not composed yet",
     "BeamForCausalLM": "Beam's per-head output-gate bias, depth-scaled residuals, logit soft-capping and MoE output "
                        "scaled after the sum are not built",
-    "LagunaForCausalLM": "Laguna's softplus output gate per head, soft-capped router and per-layer query heads are "
-                         "not built",
     "MiMoV2FlashForCausalLM": "MiMo-V2-Flash's values narrower than its keys, value scale and sinks on its sliding "
                               "layers only are not built",
 })
