@@ -143,7 +143,8 @@ def _special_weight(name: str, layer: str | None, tensors: dict[str, torch.Tenso
         part = name.rsplit(".forget_gate.", 1)[1]
         stored = tensors[f"blk.{layer}." + _KIMI_DECAY[part]]
         return torch.log(-stored) if part == "A_log" else stored
-    if name.endswith((".mlp.gate.moe_statics.e_score_correction_bias", ".mlp.expert_bias")):
+    if name.endswith((".mlp.gate.moe_statics.e_score_correction_bias", ".mlp.expert_bias",
+                      ".mlp.gate.e_score_correction_bias")):  # (the last: Laguna's, a parameter)
         return tensors[f"blk.{layer}.exp_probs_b.bias"]
     if ".ffn.experts.mlp." in name:  # DBRX's experts: w1, v1 and w2, each [E * I, H] (w2 down's transpose)
         part = name.rsplit(".", 1)[1]

@@ -15,7 +15,7 @@ FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_
             "gpt_oss", "qwen3_next", "qwen3_5_moe", "deepseek_v4", "dots1", "glm4_moe_lite", "granitemoe_shared",
             "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid",
             "afmoe", "cohere2_moe", "llama4", "deepseek_v32", "glm_moe_dsa", "kimi_linear", "dbrx",
-            "solar_open", "hy_v3", "mellum")
+            "solar_open", "hy_v3", "mellum", "laguna")
 # make_checkpoint's arguments beyond the family: bf16 weights (the converter's bf16 file is then
 # lossless), and the tokenizer each family's converter expects.
 RECIPES: dict[str, dict[str, Any]] = {
@@ -25,6 +25,14 @@ RECIPES: dict[str, dict[str, Any]] = {
     "solar_open": {"chat_format": "solar"},
     "hy_v3": {"attention_bias": False, "mlp_bias": False},  # (as released: llama.cpp's hy_v3 has no biases)
     "mellum": {"mlp_layer_types": ["sparse"] * 3},  # (as released: llama.cpp's converter maps no dense MLP)
+    # (as released: global layers every fourth from the first, which llama.cpp assumes, YaRN on them; no
+    # router soft-cap, which llama.cpp has not)
+    "laguna": {"layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+               "moe_router_logit_softcapping": 0.0,
+               "rope_parameters": {"full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0,
+                                                      "original_max_position_embeddings": 1024, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0, "partial_rotary_factor": 0.5},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     # (llama.cpp's Kimi-Linear routes without groups: one, as Moonshot ships it)
     "kimi_linear": {"n_group": 1},
     # (llama.cpp takes every fourth layer global and always scales by muP: four layers, the last global)

@@ -75,7 +75,8 @@ def test_qwen2_moe_with_shared_experts_round_trips_through_gguf(tmp_path) -> Non
                                     "dots1", "granitemoe", "granitemoe_shared", "glm4_moe_lite",
                                     "ernie4_5_moe", "exaone_moe", "lfm2_moe",
                                     "granitemoehybrid", "afmoe", "cohere2_moe", "llama4", "deepseek_v32",
-                                    "glm_moe_dsa", "kimi_linear", "dbrx", "solar_open", "hy_v3", "mellum"])
+                                    "glm_moe_dsa", "kimi_linear", "dbrx", "solar_open", "hy_v3", "mellum",
+                                    "laguna"])
 def test_hearth_written_files_match_transformers(tmp_path, family) -> None:
     """A family's checkpoint written by ``hearth convert --quant q8_0`` (the layout llama.cpp's
     converter writes: tests/test_gguf_llama_cpp.py compares them tensor by tensor) reads back
@@ -106,6 +107,15 @@ def test_a_hunyuan_v3_checkpoint_with_biases_is_refused(tmp_path) -> None:
 
     hf, _ = make_checkpoint(tmp_path / "hf", "hy_v3")  # (the test defaults: attention and MLP biases)
     with pytest.raises(ConvertError, match="attention_bias and mlp_bias"):
+        write_gguf(hf, tmp_path / "m.gguf", "q8_0")
+
+
+def test_a_laguna_checkpoint_with_a_router_soft_cap_is_refused(tmp_path) -> None:
+    """llama.cpp's laguna has no router soft-cap (the test defaults have one)."""
+    from tests.checkpoints import make_checkpoint
+
+    hf, _ = make_checkpoint(tmp_path / "hf", "laguna")
+    with pytest.raises(ConvertError, match="router soft-cap"):
         write_gguf(hf, tmp_path / "m.gguf", "q8_0")
 
 

@@ -58,7 +58,7 @@ LLAMA_TIE = 0.15
 WRITTEN = ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "minimax_m2", "glm4_moe", "deepseek_v2", "deepseek_v3",
            "gpt_oss", "qwen3_next", "qwen3_5_moe", "dots1", "granitemoe_shared", "glm4_moe_lite",
            "ernie4_5_moe", "exaone_moe", "lfm2_moe", "granitemoehybrid", "afmoe", "cohere2_moe", "llama4",
-           "deepseek_v32", "glm_moe_dsa", "kimi_linear", "dbrx", "solar_open", "hy_v3", "mellum"]
+           "deepseek_v32", "glm_moe_dsa", "kimi_linear", "dbrx", "solar_open", "hy_v3", "mellum", "laguna"]
 
 
 def _checkpoint(tmp_path, family: str):
@@ -107,6 +107,9 @@ def _checkpoint(tmp_path, family: str):
     # (AfMoE's recipe: two sliding layers here, llama.cpp taking every fourth layer global)
     if family == "mellum":  # (two layers: a sliding one, then a global one)
         attention |= {"layer_types": ["sliding_attention", "full_attention"], "mlp_layer_types": ["sparse"] * 2}
+    if family == "laguna":  # (two layers: a dense global one, then a sliding MoE one with half the query heads)
+        attention |= {"layer_types": ["full_attention", "sliding_attention"], "mlp_layer_types": ["dense", "sparse"],
+                      "num_attention_heads_per_layer": [4, 2]}
     recipe = {k: v for k, v in RECIPES.get(family, {}).items() if k != "num_hidden_layers" and k not in attention}
     path = make_checkpoint(tmp_path / "hf", family, hidden_size=256, num_attention_heads=4, num_hidden_layers=layers,
                            **attention, **shape, **recipe)[0]  # (recipes: each converter's tokenizer)

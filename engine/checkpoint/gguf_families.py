@@ -18,7 +18,7 @@ from hearth.engine.checkpoint.gguf_latent import (
     sparse_deepseek,
 )
 from hearth.engine.checkpoint.gguf_meta import Has, Meta, as_list, common_fields
-from hearth.engine.checkpoint.gguf_plain import dbrx, hy_v3, mellum
+from hearth.engine.checkpoint.gguf_plain import dbrx, hy_v3, laguna, mellum
 
 
 @dataclass(frozen=True)
@@ -256,6 +256,7 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
     "dbrx": GGUFArchitecture("DbrxForCausalLM", "dbrx", dbrx),
     "hy_v3": GGUFArchitecture("HYV3ForCausalLM", "hy_v3", hy_v3),
     "mellum": GGUFArchitecture("MellumForCausalLM", "mellum", mellum),
+    "laguna": GGUFArchitecture("LagunaForCausalLM", "laguna", laguna),
     "qwen3next": GGUFArchitecture("Qwen3NextForCausalLM", "qwen3_next", lambda meta, has: _qwen_hybrid(meta)),
     "qwen35moe": GGUFArchitecture("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text", lambda meta, has: _qwen_hybrid(meta)),
 })
@@ -267,7 +268,8 @@ ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType({
 # member name -> (the GGUF name, a listed architecture whose tensor kinds cover theirs). llama.cpp's
 # tensor names are one table for all; an architecture only selects from it.
 UNLISTED = MappingProxyType({"COHERE2MOE": ("cohere2moe", "DOTS1"), "DEEPSEEK32": ("deepseek32", "GLM_DSA"),
-                             "HY_V3": ("hy_v3", "DOTS1"), "MELLUM": ("mellum", "QWEN3MOE")})
+                             "HY_V3": ("hy_v3", "DOTS1"), "MELLUM": ("mellum", "QWEN3MOE"),
+                             "LAGUNA": ("laguna", "DOTS1")})
 # Tensors an architecture's converter names without the ``.weight``/``.bias`` suffix (Hunyuan V3's
 # correction bias: its checkpoint's ``mlp.expert_bias`` has none).
 UNSUFFIXED = MappingProxyType({"hy_v3": ("exp_probs_b",)})
@@ -292,11 +294,13 @@ def tensor_name_map(architecture: str, layers: int) -> Any:
 
 # Parameters whose transformers names llama.cpp's table does not give for an architecture: DBRX's
 # norm after attention (its checkpoints' ``norm_2``), and its q, k and v, which the file holds as one
-# ``attn_qkv`` (split on reading: :func:`split_tensors`).
+# ``attn_qkv`` (split on reading: :func:`split_tensors`); Laguna's output gate (its stand-in's table
+# has no gate).
 ALIASES = MappingProxyType({"dbrx": (("ATTN_OUT_NORM", "model.layers.{bid}.post_attention_layernorm"),
                                      ("ATTN_Q", "model.layers.{bid}.self_attn.q_proj"),
                                      ("ATTN_K", "model.layers.{bid}.self_attn.k_proj"),
-                                     ("ATTN_V", "model.layers.{bid}.self_attn.v_proj"))})
+                                     ("ATTN_V", "model.layers.{bid}.self_attn.v_proj")),
+                     "laguna": (("ATTN_GATE", "model.layers.{bid}.self_attn.g_proj"),)})
 
 
 def split_tensors(architecture: str, names: set[str], meta: Meta) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:

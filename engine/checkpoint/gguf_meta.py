@@ -10,6 +10,20 @@ Meta = Callable[..., Any]  # meta(key, default=None): the value of "{architectur
 Has = Callable[[str], bool]  # has(name): whether the file holds that tensor
 
 
+class TensorIndex:
+    """``has(name)`` for a file's tensors, and ``has.rows(name)``: a tensor's first dimension (torch
+    order), where an architecture tells a variant by a tensor's shape (Laguna's output gate)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        self._shapes = shapes
+
+    def __call__(self, name: str) -> bool:
+        return name in self._shapes
+
+    def rows(self, name: str) -> int:
+        return self._shapes[name][0]
+
+
 def common_fields(meta: Meta) -> dict[str, Any]:
     """The fields every decoder's metadata gives: shapes, norms, rotary base, the router's top-k.
     Multi-token-prediction layers (``nextn_predict_layers``) are counted in ``block_count``; the

@@ -1,12 +1,12 @@
 """The metadata readers of GGUF architectures whose files hold a plain decoder (attention and experts,
-nothing recurrent or latent): DBRX, Hunyuan V3 and Mellum, as llama.cpp's converter writes them
+nothing recurrent or latent): DBRX, Hunyuan V3, Mellum and Laguna, as llama.cpp's converter writes them
 (``gguf_families.py`` lists them)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from hearth.engine.checkpoint.gguf_meta import Has, Meta, common_fields
+from hearth.engine.checkpoint.gguf_meta import Has, Meta, as_list, common_fields
 
 
 def dbrx(meta: Meta, has: Has) -> dict[str, Any]:
@@ -53,3 +53,45 @@ def mellum(meta: Meta, has: Has) -> dict[str, Any]:
             "layer_types": ["sliding_attention" if i < len(pattern) and pattern[i] else "full_attention"
                             for i in range(n)],
             "attention_bias": has("blk.0.attn_q.bias")}
+
+
+def _yarn(meta: Meta, theta: float) -> dict[str, Any]:
+    """A layer type's rotary parameters where the file scales them by YaRN (``rope.scaling.*``), else the
+    default ones with base ``theta``."""
+    if meta("rope.scaling.type") != "yarn":
+        return {"rope_type": "default", "rope_theta": theta}
+    keys = (("beta_fast", "rope.scaling.yarn_beta_fast"), ("beta_slow", "rope.scaling.yarn_beta_slow"),
+            ("extrapolation_factor", "rope.scaling.yarn_ext_factor"),
+            ("attention_factor", "rope.scaling.yarn_attn_factor"))
+    return {"rope_type": "yarn", "rope_theta": theta, "factor": float(meta("rope.scaling.factor")),
+            "original_max_position_embeddings": int(meta("rope.scaling.original_context_length")),
+            **{name: float(meta(key)) for name, key in keys if meta(key) is not None}}
+
+
+def laguna(meta: Meta, has: Any) -> dict[str, Any]:
+    """Laguna: query heads per layer; sliding layers from ``sliding_window_pattern`` where the file has
+    one, else every layer but each fourth from the first (llama.cpp's rule for Laguna); each layer type's
+    rotary base and width (``*_swa`` for the sliding ones), YaRN on the global ones where the file says;
+    leading dense layers; the output gate per head or per channel by ``attn_gate``'s rows; the routed sum
+    scaled by ``expert_weights_scale`` (llama.cpp has no router soft-cap: none)."""
+    heads = [int(h) for h in as_list(meta("attention.head_count"))]
+    fields = common_fields(lambda key, default=None: heads[0] if key == "attention.head_count" else meta(key, default))
+    n, dim = fields["num_hidden_layers"], fields["head_dim"]
+    heads = heads * n if len(heads) == 1 else heads[:n]
+    window = int(meta("attention.sliding_window", 0) or 0)
+    pattern = [bool(v) for v in as_list(meta("attention.sliding_window_pattern") or [])] or \
+        [i % 4 != 0 for i in range(n)]
+    base = fields["rope_parameters"]["rope_theta"]
+    full = {**_yarn(meta, base), "partial_rotary_factor": int(meta("rope.dimension_count", dim)) / dim}
+    swa = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base_swa", base)),
+           "partial_rotary_factor": int(meta("rope.dimension_count_swa", dim)) / dim}
+    dense = int(meta("leading_dense_block_count", 0) or 0)
+    return {**fields, "num_attention_heads": heads[0], "num_attention_heads_per_layer": heads,
+            "num_experts": int(meta("expert_count")), "moe_intermediate_size": int(meta("expert_feed_forward_length")),
+            "shared_expert_intermediate_size": int(meta("expert_shared_feed_forward_length", 0) or 0),
+            "sliding_window": window or 512, "rope_parameters": {"full_attention": full, "sliding_attention": swa},
+            "layer_types": ["sliding_attention" if window and pattern[i] else "full_attention" for i in range(n)],
+            "mlp_layer_types": ["dense" if i < dense else "sparse" for i in range(n)],
+            "gating": "per-head" if has.rows("blk.0.attn_gate.weight") == heads[0] else "per-element",
+            "moe_routed_scaling_factor": float(meta("expert_weights_scale", 1.0) or 1.0),
+            "moe_router_logit_softcapping": 0.0, "attention_bias": has("blk.0.attn_q.bias")}

@@ -47,6 +47,7 @@ from hearth.engine.checkpoint.gguf_families import (
     split_tensors,
     tensor_name_map,
 )
+from hearth.engine.checkpoint.gguf_meta import TensorIndex
 from hearth.engine.checkpoint.gguf_tensors import (
     GGUFError,
     GGUFTensor,
@@ -192,7 +193,8 @@ def _read_config(f: GGUFFile) -> Any:
             return AutoConfig.from_pretrained(str(f.path.parent), gguf_file=f.path.name)
         vocab = f.tensors["token_embd.weight"].shape[0]  # the embedding's rows (the token list may be shorter)
         special = {name: f.metadata(f"tokenizer.ggml.{name}_token_id") for name in ("bos", "eos", "pad")}
-        return metadata_config(f.architecture, f.meta, f.tensors.__contains__, vocab, special)
+        has = TensorIndex({name: t.shape for name, t in f.tensors.items()})
+        return metadata_config(f.architecture, f.meta, has, vocab, special)
     except Exception as exc:  # noqa: BLE001 - a conversion error, with the file named
         raise GGUFError(f"{f.path}: cannot read its config ({exc})") from None
 

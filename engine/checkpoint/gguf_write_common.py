@@ -100,7 +100,7 @@ def common_fields(cfg: dict) -> Fields:
         fields["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
     if cfg.get("shared_expert_intermediate_size"):
         fields["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
-    fields.update(_rope_scaling(rope))
+    fields.update(rope_scaling_fields(rope))
     score = next((cfg[k] for k in ("score_function", "scoring_func", "score_func", "moe_router_activation",
                                    "moe_router_activation_func", "expert_selection_fn")
                   if cfg.get(k) is not None), None)
@@ -123,7 +123,7 @@ def _context_length(cfg: dict) -> int:
 GATING = MappingProxyType({"softmax": 1, "sigmoid": 2})  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE
 
 
-def _rope_scaling(rope: dict) -> Fields:
+def rope_scaling_fields(rope: dict) -> Fields:
     """Linear and YaRN context extension, as the converter writes them."""
     kind, factor = rope.get("rope_type"), rope.get("factor")
     if factor is None or kind not in ("linear", "yarn"):

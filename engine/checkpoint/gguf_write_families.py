@@ -34,7 +34,7 @@ from hearth.engine.checkpoint.gguf_write_latent import (
     sparse_deepseek,
     split_kv_b,
 )
-from hearth.engine.checkpoint.gguf_write_plain import dbrx, dbrx_config, dbrx_experts, hy_v3, mellum
+from hearth.engine.checkpoint.gguf_write_plain import dbrx, dbrx_config, dbrx_experts, hy_v3, laguna, mellum
 from hearth.engine.config import config_architectures
 from hearth.engine.ops import deinterleave
 
@@ -418,6 +418,7 @@ WRITE_FAMILIES: Mapping[str, WriteFamily] = MappingProxyType({
     "DbrxForCausalLM": WriteFamily("DBRX", dbrx, prepare=dbrx_experts, config=dbrx_config, quantized_router=True),
     "HYV3ForCausalLM": WriteFamily("HY_V3", hy_v3),
     "MellumForCausalLM": WriteFamily("MELLUM", mellum),
+    "LagunaForCausalLM": WriteFamily("LAGUNA", laguna),
     "Qwen3NextForCausalLM": WriteFamily("QWEN3NEXT", _hybrid, prepare=_hybrid_tensors),
     "Qwen3_5MoeForCausalLM": WriteFamily("QWEN35MOE", _hybrid, prepare=_hybrid_tensors),
 })

@@ -1,5 +1,5 @@
 """What ``hearth convert --quant`` writes for the families whose GGUF files hold a plain decoder (DBRX,
-Hunyuan V3, Mellum), as llama.cpp's converter writes them (``gguf_write_families.py`` lists them)."""
+Hunyuan V3, Mellum, Laguna), as llama.cpp's converter writes them (``gguf_write_families.py`` lists them)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import torch
 
-from hearth.engine.checkpoint.gguf_write_common import GATING, ConvertError, Fields
+from hearth.engine.checkpoint.gguf_write_common import GATING, ConvertError, Fields, rope_of, rope_scaling_fields
 
 
 def hy_v3(cfg: dict, fields: Fields) -> None:
@@ -76,3 +76,31 @@ def dbrx_experts(tensors: dict, cfg: dict) -> dict:
             [w1().view(shape), v1().view(shape)], dim=1)
         out[prefix + "down_proj"] = lambda w2=loads["w2"]: w2().view(shape).transpose(1, 2).contiguous()
     return out
+
+
+def laguna(cfg: dict, fields: Fields) -> None:
+    """Laguna: query heads per layer, the window and its pattern (written out: llama.cpp otherwise takes
+    every fourth layer from the first as the global ones), each layer type's rotary base and width, YaRN
+    on the global layers where configured, leading dense layers, the shared experts' width, the routed
+    scale; a router soft-cap, dense layers after MoE ones and a sliding-layer rotary other than plain are
+    refused (llama.cpp has none of them)."""
+    n, dim = cfg["num_hidden_layers"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kinds, mlp = cfg.get("layer_types") or ["full_attention"] * n, cfg.get("mlp_layer_types") or ["sparse"] * n
+    dense = next((i for i, kind in enumerate(mlp) if kind != "dense"), n)
+    ropes = cfg.get("rope_parameters") or {}
+    full, swa = ropes.get("full_attention") or {}, ropes.get("sliding_attention") or {}
+    plain_swa = swa.get("rope_type", "default") == "default"
+    if cfg.get("moe_router_logit_softcapping") or "dense" in mlp[dense:] or not plain_swa:
+        raise ConvertError("Laguna with a router soft-cap, dense layers after MoE ones or a scaled rotary on its "
+                           "sliding layers: llama.cpp's laguna has none of them")
+    fields.update(head_count=list(cfg.get("num_attention_heads_per_layer") or [cfg["num_attention_heads"]] * n),
+                  expert_shared_feed_forward_length=cfg["shared_expert_intermediate_size"],
+                  expert_weights_norm=True, expert_weights_scale=float(cfg.get("moe_routed_scaling_factor", 1.0)),
+                  expert_gating_func=GATING["sigmoid"], leading_dense_block_count=dense,
+                  rope_freq_base=float(full.get("rope_theta", 500000.0)),
+                  rope_dimension_count=int(dim * float(full.get("partial_rotary_factor", 1.0))),
+                  **rope_scaling_fields(rope_of({"rope_parameters": full})))
+    if cfg.get("sliding_window") and "sliding_attention" in kinds:
+        fields.update(sliding_window=cfg["sliding_window"], rope_freq_base_swa=float(swa.get("rope_theta", 10000.0)),
+                      rope_dimension_count_swa=int(dim * float(swa.get("partial_rotary_factor", 1.0))),
+                      sliding_window_pattern=[kind == "sliding_attention" for kind in kinds])
