@@ -13,7 +13,8 @@ FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "o
             "exaone_moe", "lfm2_moe", "granitemoehybrid",
             "afmoe", "flex_olmo", "cohere2_moe", "phimoe", "hunyuan_v1_moe",
             "granitemoe_swa", "llama4", "jetmoe", "deepseek_v32", "glm_moe_dsa", "kimi_linear",
-            "bailing_hybrid", "solar_open", "dbrx", "hy_v3", "mellum", "axk1", "kolibri1", "flint", "laguna"]
+            "bailing_hybrid", "solar_open", "dbrx", "hy_v3", "mellum", "axk1", "kolibri1", "flint", "laguna",
+            "mimo_v2_flash"]
 
 
 @pytest.fixture(scope="session")

@@ -47,6 +47,7 @@ CONFIG_CLASSES: dict[str, str] = {
     "kolibri1": "Kolibri1Config",
     "flint": "FlintConfig",
     "laguna": "LagunaConfig",
+    "mimo_v2_flash": "MiMoV2FlashConfig",
 }
 
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -199,6 +200,16 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                    head_dim=16, sliding_window=6, layer_types=["full_attention", "sliding_attention", "full_attention"],
                    mlp_layer_types=["dense", "sparse", "sparse"], num_attention_heads_per_layer=[4, 2, 4],
                    gating="per-head", moe_routed_scaling_factor=2.5, moe_router_logit_softcapping=3.0),
+    # MiMo-V2-Flash: keys 24 wide, values 16 (scaled), layers 1 and 2 in a window of 6 with twice the KV heads
+    # and sinks, layer 0 global and dense; each type's rotary on 8 channels; 2 groups of 4 experts.
+    "mimo_v2_flash": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, head_dim=24,
+                          v_head_dim=16, n_group=2, topk_group=1, routed_scaling_factor=2.5, sliding_window=6,
+                          layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                          mlp_layer_types=["dense", "sparse", "sparse"],
+                          rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5e6,
+                                                              "partial_rotary_factor": 0.334},
+                                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4,
+                                                                 "partial_rotary_factor": 0.334}}),
     # MLA with a low-rank query; layer 0 dense; 2 groups of 4 experts, one group chosen.
     "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1,
                         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, q_lora_rank=32,

@@ -362,7 +362,7 @@ class SinkAttention(Attention):
         raise NotImplementedError("fixed-shape decode steps do not run attention sinks yet")
 
     def attend(self, q: torch.Tensor, batch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], v_cache.shape[-1])  # [T, heads, value width]
         groups = self.num_heads // self.num_kv_heads
         for index, seq in enumerate(batch.sequences):
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
@@ -378,12 +378,16 @@ class SinkAttention(Attention):
         return out
 
     def weigh(self, scores: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
-        """Masked scores [heads, Q, ctx] and values [ctx, heads, D] -> [heads, Q, D]: the sink one more
-        logit of the softmax, its probability dropped."""
-        sinks = self.sinks.view(-1, 1, 1).expand(-1, scores.shape[1], 1).to(scores.dtype)
-        logits = torch.cat((scores, sinks), dim=-1)
+        """Masked scores [heads, Q, ctx] and values [ctx, heads, Dv] -> [heads, Q, Dv]: the sink one more
+        logit of the softmax, its probability dropped (a layer whose ``sinks`` is None: the same eager
+        softmax without one, MiMo-V2-Flash's global layers)."""
+        logits = scores
+        if self.sinks is not None:
+            sinks = self.sinks.view(-1, 1, 1).expand(-1, scores.shape[1], 1).to(scores.dtype)
+            logits = torch.cat((scores, sinks), dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)
+        probs = probs[..., :-1] if self.sinks is not None else probs
         return torch.matmul(probs.to(vals.dtype), vals.transpose(0, 1))
 
 

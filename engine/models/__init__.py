@@ -46,6 +46,7 @@ from hearth.engine.models import (
     lfm2_moe,
     llama4,
     mellum,
+    mimo_v2_flash,
     minimax_m2,
     mixtral,
     olmoe,
@@ -68,7 +69,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     phimoe.FAMILY, hunyuan_v1_moe.FAMILY, granitemoe_swa.FAMILY, llama4.FAMILY,
     jetmoe.FAMILY, deepseek_v32.FAMILY, glm_moe_dsa.FAMILY, kimi_k25.FAMILY,
     kimi_linear.FAMILY, bailing_hybrid.FAMILY, solar_open.FAMILY, dbrx.FAMILY, hy_v3.FAMILY, mellum.FAMILY,
-    axk1.FAMILY, kolibri1.FAMILY, flint.FAMILY, laguna.FAMILY,
+    axk1.FAMILY, kolibri1.FAMILY, flint.FAMILY, laguna.FAMILY, mimo_v2_flash.FAMILY,
 )
 
 
@@ -94,8 +95,6 @@ _NEW_MECHANISM = MappingProxyType({
                                       "not composed yet",
     "BeamForCausalLM": "Beam's per-head output-gate bias, depth-scaled residuals, logit soft-capping and MoE output "
                        "scaled after the sum are not built",
-    "MiMoV2FlashForCausalLM": "MiMo-V2-Flash's values narrower than its keys, value scale and sinks on its sliding "
-                              "layers only are not built",
 })
 NOT_YET: Mapping[str, str] = MappingProxyType(
     {**_NEW_MECHANISM, "MiniMaxText01ForCausalLM": _NEW_MECHANISM["MiniMaxForCausalLM"],
