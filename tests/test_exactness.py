@@ -190,6 +190,9 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
                     "num_attention_heads_per_layer": None, "moe_router_logit_softcapping": 0.0,
                     "moe_routed_scaling_factor": 1.0, "num_experts_per_tok": 3,
                     "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
+        ("mimo_v2_flash", {"attention_bias": True, "attention_value_scale": None, "n_group": 1,
+                           "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                           "mlp_layer_types": ["sparse"] * 3, "num_experts_per_tok": 3}),
     ],
     ids=[
         "dense-layers", "sparse-step", "tied", "rope-linear", "rope-yarn", "rope-llama3", "mixtral-window",
@@ -208,6 +211,7 @@ def assert_half_greedy_equal(ours: list[int], ref_tokens: list[int], ref_logits:
         "hunyuan-v3-no-bias-two-shared-top3-all-moe-unscaled", "mellum-bias-unnormalised-all-moe-global-first",
         "axk1-half-rope-4-groups-two-shared-all-moe-bias", "kolibri1-global-first-normalised-top3",
         "flint-bias-unnormalised-all-moe-global-first", "laguna-gate-per-channel-bias-all-moe-uncapped-top3",
+        "mimo-bias-unscaled-values-sliding-first-all-moe-top3",
     ],
 )
 def test_config_variants_match_transformers(checkpoint, family, overrides):
