@@ -99,9 +99,9 @@ class LayerContext:
     kv: PagedKVCache
     states: RecurrentStatePool | None
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin: [T, R]
-    # The other rotary tables of models whose layers turn by their own (ModelConfig.layer_ropes), by
-    # the index an attention layer's ``rope_table`` names.
-    ropes: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
     # What a family's own layers share besides (DeepSeek-V4: its rotary tables by kind, and the
     # rotary module for compressed positions), made once per forward pass.
     extras: dict[str, Any] = field(default_factory=dict)
+    # The other rotary tables of models whose layers turn by their own (ModelConfig.layer_ropes), by
+    # the index an attention layer's ``rope_table`` names.
+    ropes: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
