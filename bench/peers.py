@@ -13,8 +13,9 @@ mode (the activation quantization llama.cpp's CPU kernels use), for the quantize
 
 It prints one row per file and engine with medians, the ratio hearth / llama.cpp, and the share of
 the memory roofline that decode reaches (bytes one decode token reads, from ``hearth inspect``,
-times tok/s, over a measured streaming read rate: the best of one measurement before the run and one
-after each round, since a VM's memory rate moves). llama-cpp-python is the ``peers`` extra
+times tok/s, over a measured streaming read rate: the best of one measurement before the run and two
+around each engine's decode, since a VM's memory rate moves; and, as ``tg adjacent``, each decode
+against the mean of the two readings around it, the median over the rounds). llama-cpp-python is the ``peers`` extra
 (``pip install -e '.[peers]'``; it builds llama.cpp from source, ~15 min on 2 cores). Not part
 of CI.
 
@@ -205,18 +206,8 @@ def run(args: argparse.Namespace) -> int:
                 run(prompt, 32, 4)  # warm-up
             for _ in range(args.rounds):
                 for name, run in runs.items():
-                    samples[name].append(run(prompt, args.prompt, args.tokens))
-                rates.append(read_rate(1.0))  # the VM's memory rate moves: measured in every round
-        row = {"file": str(path), "dtype": dtype, "bytes_per_decode_token": per_token}
-        for name, taken in samples.items():
-            tg = statistics.median(r["tg"] for r in taken)
-            row[name] = {"pp_tok_s": statistics.median(r["pp"] for r in taken), "tg_tok_s": tg,
-                         "tg_all": [round(r["tg"], 2) for r in taken], "pp_all": [round(r["pp"], 1) for r in taken]}
-        for name in engines[1:]:
-            row[name]["tg_ratio"] = row[name]["tg_tok_s"] / row["llama.cpp"]["tg_tok_s"]
-            row[name]["pp_ratio"] = row[name]["pp_tok_s"] / row["llama.cpp"]["pp_tok_s"]
-        row["tg_ratio"], row["pp_ratio"] = row["hearth"]["tg_ratio"], row["hearth"]["pp_ratio"]
-        result["files"].append(row)
+                    samples[name].append(_timed_round(run, prompt, args, rates))
+        result["files"].append(_file_row(path, dtype, per_token, samples, engines))
     roofline = max(rates)  # the best the machine showed in this run: a row above it a cache held
     for row in result["files"]:
         for name in ("llama.cpp", "hearth", "hearth int8"):
@@ -228,22 +219,55 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _timed_round(run, prompt: list[int], args: argparse.Namespace, rates: list[float]) -> dict[str, float]:
+    """One engine's round: prompt processing, then decode between two readings of the memory read rate.
+    A VM's memory rate moves between rounds (by 1.6x within one run here), so each decode is also set
+    against the rate measured around it (``rate``: the mean of the two readings)."""
+    out = run(prompt, args.prompt, 0)
+    before = read_rate(0.5)
+    out.update(run(prompt, 0, args.tokens))
+    after = read_rate(0.5)
+    rates += [before, after]
+    return {**out, "rate": (before + after) / 2}
+
+
+def _file_row(path: Path, dtype: str, per_token: int, samples: dict[str, list[dict[str, float]]],
+              engines: list[str]) -> dict:
+    """One file's medians per engine, the ratios to llama.cpp, and decode's share of the read rate
+    measured around each round (``tg_share_adjacent``: the median over the rounds)."""
+    row = {"file": str(path), "dtype": dtype, "bytes_per_decode_token": per_token}
+    for name, taken in samples.items():
+        shares = [per_token * r["tg"] / r["rate"] for r in taken]
+        row[name] = {"pp_tok_s": statistics.median(r["pp"] for r in taken),
+                     "tg_tok_s": statistics.median(r["tg"] for r in taken),
+                     "tg_all": [round(r["tg"], 2) for r in taken], "pp_all": [round(r["pp"], 1) for r in taken],
+                     "rate_all_gb_s": [round(r["rate"] / 1e9, 1) for r in taken],
+                     "tg_share_adjacent": statistics.median(shares),
+                     "tg_share_adjacent_all": [round(x, 3) for x in shares]}
+    for name in engines[1:]:
+        row[name]["tg_ratio"] = row[name]["tg_tok_s"] / row["llama.cpp"]["tg_tok_s"]
+        row[name]["pp_ratio"] = row[name]["pp_tok_s"] / row["llama.cpp"]["pp_tok_s"]
+    row["tg_ratio"], row["pp_ratio"] = row["hearth"]["tg_ratio"], row["hearth"]["pp_ratio"]
+    return row
+
+
 def _print_table(result: dict, args: argparse.Namespace, rates: list[float]) -> None:
     roofline = max(rates)
     facts = result["machine"]
     print(f"\n{facts['cpu']} ({' '.join(facts['isa'])}; last-level cache "
           f"{facts['last_level_cache_bytes'] / 2**20:.0f} MiB), {facts['date']}\n{args.threads} threads, prompt "
           f"{args.prompt}, decode {args.tokens} tokens, median of {args.rounds} interleaved rounds; memory read rate "
-          f"{roofline / 1e9:.1f} GB/s (the best of {len(rates)}, one before the run and one after each round: "
-          f"{min(rates) / 1e9:.1f}-{roofline / 1e9:.1f})\n")
-    print("| file | engine | pp tok/s | tg tok/s | tg roofline | pp ratio | tg ratio |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+          f"{roofline / 1e9:.1f} GB/s (the best of {len(rates)}: one before the run, one before and one after each "
+          f"engine's decode: {min(rates) / 1e9:.1f}-{roofline / 1e9:.1f}); 'adjacent': each decode against the "
+          f"rate read around it, median over the rounds\n")
+    print("| file | engine | pp tok/s | tg tok/s | tg roofline | tg adjacent | pp ratio | tg ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for row in result["files"]:
         for name in [n for n in ("llama.cpp", "hearth", "hearth int8") if n in row]:
             r = row[name]
             ratios = (f"{r['pp_ratio']:.2f}x | {r['tg_ratio']:.2f}x" if name != "llama.cpp" else "1.00 | 1.00")
             print(f"| {Path(row['file']).name} | {name} | {r['pp_tok_s']:.1f} | {r['tg_tok_s']:.2f} | "
-                  f"{share_label(r)} | {ratios} |")
+                  f"{share_label(r)} | {100 * r['tg_share_adjacent']:.0f} % | {ratios} |")
 
 
 def main() -> int:
