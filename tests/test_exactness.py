@@ -39,7 +39,9 @@ def test_fp32_logits_match_transformers(checkpoint, family, layout):
 # transformers' by up to 0.023 in every family (Qwen3-MoE's too), from the GEMMs' accumulation orders.
 # Kolibri-1's seed 0 (fp16) meets a routing near-tie at step 24 of the first prompt: two experts' biased
 # logits 4.4e-4 apart in the last layer (its router chooses on unbounded logits, not sigmoids).
-HALF_CHECKPOINTS = {"exaone_moe": {"seed": 1}, "mellum": {"seed": 1}, "kolibri1": {"seed": 1}}
+# Flint's seed 0 (fp16) parts on a Zen 4 at step 30 of the 70-token prompt, where hearth takes
+# transformers' second-best token 0.0225 below its best (within the 0.023 above); seeds 1 and 2 hold.
+HALF_CHECKPOINTS = {"exaone_moe": {"seed": 1}, "mellum": {"seed": 1}, "kolibri1": {"seed": 1}, "flint": {"seed": 1}}
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

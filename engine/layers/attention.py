@@ -102,6 +102,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.v_head_dim = head_dim  # the values' width (a family may make them narrower)
         self.window = window
         q_out, kv_out = num_heads * head_dim * self.query_channels_per_head, num_kv_heads * head_dim
         self.q_proj = Projection(hidden, q_out, bias, dtype)
@@ -193,7 +194,7 @@ class Attention(nn.Module):
         q, extra = self.split_query(q)
         extra = extra if extra is not None else self.gate_of(x)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.v_head_dim)
         if not self.norm_after_rope:
             q, k = self.norm_heads(q, k)
         if self.interleaved_rope:
@@ -210,7 +211,7 @@ class Attention(nn.Module):
             out = self.attend_static(q, batch, k_cache, v_cache)
         else:
             out = self.attend(q, batch, k_cache, v_cache)
-        return self.project_out(out.reshape(t, self.num_heads * self.head_dim), extra)
+        return self.project_out(out.reshape(t, self.num_heads * self.v_head_dim), extra)
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,8 +16,7 @@ import torch
 
 from hearth.engine.config import parse_layer_ropes
 from hearth.engine.experts.contract import ExpertBackend
-from hearth.engine.layers.attention import SinkAttention, apply_rotary
-from hearth.engine.layers.batch import LayerContext
+from hearth.engine.layers.attention import SinkAttention
 from hearth.engine.layers.linear import Projection
 from hearth.engine.layers.norm import RMSNorm
 from hearth.engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields
@@ -44,19 +43,10 @@ class NarrowValueAttention(SinkAttention):
     def adopt_block_weights(self) -> None:
         """q, k and v stay three projections (v's rows are another width)."""
 
-    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:  # x: [T, H]
-        t, batch = x.shape[0], ctx.batch
-        k_cache, v_cache = ctx.kv.keys[self.layer_idx], ctx.kv.values[self.layer_idx]
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, q_size], k [T, kv_size] and the values [T, kv_heads * v_head_dim], scaled before the cache."""
         q, k, v = (linear(x, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj))
-        q, k = q.reshape(t, self.num_heads, self.head_dim), k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.v_head_dim)
-        v = v * self.value_scale if self.value_scale != 1.0 else v
-        cos, sin = ctx.rope if self.rope_table is None else ctx.ropes[self.rope_table]
-        q, k = apply_rotary(q, cos, sin).to(x.dtype), apply_rotary(k, cos, sin).to(x.dtype)
-        k_cache.index_copy_(0, batch.slot_mapping, k)
-        v_cache.index_copy_(0, batch.slot_mapping, v)
-        out = self.attend(q, batch, k_cache, v_cache)  # [T, heads, Dv]
-        return linear(out.reshape(t, self.num_heads * self.v_head_dim), self.o_proj.weight)
+        return q, k, v * self.value_scale if self.value_scale != 1.0 else v
 
 
 @dataclass(frozen=True, kw_only=True)
