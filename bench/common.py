@@ -53,18 +53,21 @@ ISA_FLAGS = ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "a
 
 
 def machine_facts() -> dict:
-    """What a CPU figure depends on: date, CPU model, cores, the instruction sets of ``ISA_FLAGS`` it has,
-    and its last-level cache (a benchmark row is only a memory result if that cache cannot hold the model)."""
-    model, flags = "unknown", set()
+    """What a CPU figure depends on: date, CPU model, its family and model numbers (a VM may name the
+    CPU only "AMD EPYC"; family 25 model 1 is a Zen 3, model 17 a Zen 4), cores, the instruction sets
+    of ``ISA_FLAGS`` it has, and its last-level cache (a benchmark row is only a memory result if that
+    cache cannot hold the model)."""
+    fields: dict[str, str] = {}
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    return {"date": time.strftime("%Y-%m-%d"), "cpu": model, "cores": os.cpu_count(),
-            "isa": [f for f in ISA_FLAGS if f in flags], "last_level_cache_bytes": last_level_cache()}
+            fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    family, model = fields.get("cpu family"), fields.get("model")
+    return {"date": time.strftime("%Y-%m-%d"), "cpu": fields.get("model name", "unknown"),
+            "cpu_id": f"family {family} model {model}" if family and model else "unknown",
+            "cores": os.cpu_count(), "isa": [f for f in ISA_FLAGS if f in flags],
+            "last_level_cache_bytes": last_level_cache()}
 
 
 def memory_share(bytes_per_token: int, tok_s: float, read_rate_b_s: float) -> dict:

@@ -254,7 +254,7 @@ def _file_row(path: Path, dtype: str, per_token: int, samples: dict[str, list[di
 def _print_table(result: dict, args: argparse.Namespace, rates: list[float]) -> None:
     roofline = max(rates)
     facts = result["machine"]
-    print(f"\n{facts['cpu']} ({' '.join(facts['isa'])}; last-level cache "
+    print(f"\n{facts['cpu']}, {facts.get('cpu_id', 'unknown')} ({' '.join(facts['isa'])}; last-level cache "
           f"{facts['last_level_cache_bytes'] / 2**20:.0f} MiB), {facts['date']}\n{args.threads} threads, prompt "
           f"{args.prompt}, decode {args.tokens} tokens, median of {args.rounds} interleaved rounds; memory read rate "
           f"{roofline / 1e9:.1f} GB/s (the best of {len(rates)}: one before the run, one before and one after each "

@@ -19,10 +19,12 @@ def test_a_share_above_the_read_rate_is_flagged_cache_bound():
 
 def test_machine_facts_name_the_cpu_and_its_instruction_sets():
     facts = machine_facts()
-    assert set(facts) == {"date", "cpu", "cores", "isa", "last_level_cache_bytes"}
+    assert set(facts) == {"date", "cpu", "cpu_id", "cores", "isa", "last_level_cache_bytes"}
     assert set(facts["isa"]) <= set(ISA_FLAGS) and facts["cores"] >= 1
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         flags = next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")).split()
         assert facts["isa"] == [f for f in ISA_FLAGS if f in flags]
         assert facts["cpu"] != "unknown"
+        if any(line.startswith("cpu family") for line in cpuinfo.read_text().splitlines()):
+            assert facts["cpu_id"].startswith("family ") and " model " in facts["cpu_id"]
