@@ -237,7 +237,7 @@ def _file_row(path: Path, dtype: str, per_token: int, samples: dict[str, list[di
     measured around each round (``tg_share_adjacent``: the median over the rounds)."""
     row = {"file": str(path), "dtype": dtype, "bytes_per_decode_token": per_token}
     for name, taken in samples.items():
-        shares = [per_token * r["tg"] / r["rate"] for r in taken]
+        shares = [memory_share(per_token, r["tg"], r["rate"])["roofline_share"] for r in taken]
         row[name] = {"pp_tok_s": statistics.median(r["pp"] for r in taken),
                      "tg_tok_s": statistics.median(r["tg"] for r in taken),
                      "tg_all": [round(r["tg"], 2) for r in taken], "pp_all": [round(r["pp"], 1) for r in taken],
@@ -254,7 +254,7 @@ def _file_row(path: Path, dtype: str, per_token: int, samples: dict[str, list[di
 def _print_table(result: dict, args: argparse.Namespace, rates: list[float]) -> None:
     roofline = max(rates)
     facts = result["machine"]
-    print(f"\n{facts['cpu']}, {facts.get('cpu_id', 'unknown')} ({' '.join(facts['isa'])}; last-level cache "
+    print(f"\n{facts['cpu']}, {facts['cpu_id']} ({' '.join(facts['isa'])}; last-level cache "
           f"{facts['last_level_cache_bytes'] / 2**20:.0f} MiB), {facts['date']}\n{args.threads} threads, prompt "
           f"{args.prompt}, decode {args.tokens} tokens, median of {args.rounds} interleaved rounds; memory read rate "
           f"{roofline / 1e9:.1f} GB/s (the best of {len(rates)}: one before the run, one before and one after each "

@@ -22,7 +22,6 @@ from hearth.engine.layers.norm import RMSNorm
 from hearth.engine.models.base import COMMON_FIELDS, ModelFamily, decoder_fields
 from hearth.engine.models.decoder import DecoderLayer, MoECausalLM
 from hearth.engine.models.glm4_moe import Glm4MoeConfig, grouped_moe_block, grouped_routing_fields
-from hearth.engine.ops import linear
 
 
 class NarrowValueAttention(SinkAttention):
@@ -45,7 +44,7 @@ class NarrowValueAttention(SinkAttention):
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, q_size], k [T, kv_size] and the values [T, kv_heads * v_head_dim], scaled before the cache."""
-        q, k, v = (linear(x, p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = super().project_qkv(x)  # one by one: qkv_weight stays None
         return q, k, v * self.value_scale if self.value_scale != 1.0 else v
 
 
